@@ -1,0 +1,279 @@
+"""msgpack wire codec for `Group` (DESIGN.md section 3).
+
+Groups arrive from generators we do not fully trust (other hosts, other versions, bugs), so `decode_group`
+checks everything before the learner sees it and turns every failure, whatever the input bytes, into one
+`CodecError` whose `reason` becomes the metric key `buffer/rejected/<reason>`. A bad group is rejected whole;
+it never kills the process and never reaches a batch.
+
+Arrays travel as raw little-endian `bin` with the dtype fixed per field. There is deliberately no pickle and
+no msgpack-numpy anywhere: msgpack-numpy's object arrays run `pickle.loads` on wire data.
+"""
+from __future__ import annotations
+
+import math
+
+import msgpack
+import numpy as np
+
+from asyncrl.buffer.group import FINISH_REASONS, SCHEMA_VERSION, Group, Sample, Sampling
+
+REJECT_REASONS = ("too_large", "malformed", "schema", "length_mismatch", "token_out_of_range", "bad_logprob",
+                  "bad_version", "bad_reward", "bad_finish_reason", "empty")
+"""Every `CodecError.reason`; each is a metric key suffix under `buffer/rejected/`."""
+
+_GROUP_KEYS = frozenset(
+    {"schema", "group_id", "prompt_id", "generator_id", "prompt_ids", "samples", "sampling", "created_at", "meta"}
+)
+_SAMPLE_KEYS = frozenset({"completion_ids", "logprobs", "versions", "loss_mask", "reward", "reward_info",
+                          "finish_reason"})
+_SAMPLING_KEYS = frozenset({"temperature", "top_p", "top_k", "max_tokens"})
+
+
+class CodecError(ValueError):
+    """A message that is not a valid Group. `reason` is a REJECT_REASONS slug; `field` is the wire path."""
+
+    def __init__(self, reason: str, field: str, detail: str):
+        if reason not in REJECT_REASONS:
+            raise ValueError(f"unknown reject reason {reason!r}")
+        super().__init__(f"{field}: {detail} [{reason}]")
+        self.reason = reason
+        self.field = field
+
+
+def encode_group(group: Group) -> bytes:
+    """One msgpack map with exactly the DESIGN.md section 3 keys, always written as SCHEMA_VERSION.
+
+    Arrays are cast to their wire dtype with `same_kind` casting, so int64 token ids are fine but float
+    token ids raise TypeError (a producer bug, not wire input).
+    """
+    sp = group.sampling
+    wire = {
+        "schema": SCHEMA_VERSION,
+        "group_id": group.group_id,
+        "prompt_id": group.prompt_id,
+        "generator_id": group.generator_id,
+        "prompt_ids": _array_to_wire(group.prompt_ids, np.int32),
+        "samples": [_sample_to_wire(s) for s in group.samples],
+        "sampling": {"temperature": float(sp.temperature), "top_p": float(sp.top_p), "top_k": int(sp.top_k),
+                     "max_tokens": int(sp.max_tokens)},
+        "created_at": float(group.created_at),
+        "meta": {k: _scalar_to_wire(v) for k, v in group.meta.items()},
+    }
+    return msgpack.packb(wire, use_bin_type=True)
+
+
+def _sample_to_wire(sample: Sample) -> dict:
+    return {
+        "completion_ids": _array_to_wire(sample.completion_ids, np.int32),
+        "logprobs": _array_to_wire(sample.logprobs, np.float32),
+        "versions": _array_to_wire(sample.versions, np.int32),
+        "loss_mask": None if sample.loss_mask is None else _array_to_wire(sample.loss_mask, np.uint8),
+        "reward": float(sample.reward),
+        "reward_info": {k: float(v) for k, v in sample.reward_info.items()},
+        "finish_reason": sample.finish_reason,
+    }
+
+
+def _array_to_wire(values, dtype) -> bytes:
+    arr = np.asarray(values)
+    if arr.size == 0:  # np.asarray([]) is float64, which would fail the int cast below
+        return b""
+    return arr.astype(np.dtype(dtype).newbyteorder("<"), casting="same_kind").tobytes()
+
+
+def _scalar_to_wire(value):
+    # numpy scalars (np.int64 is not an int subclass) become Python scalars msgpack can pack
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def decode_group(data: bytes, *, vocab_size: int, max_version: int, max_message_bytes: int,
+                 logprob_tolerance: float = 1e-3) -> Group:
+    """Validate `data` fully and return the Group, or raise CodecError (and nothing else) for any input.
+
+    Checked in order: size (before unpacking), msgpack well-formedness, schema version, then every field's
+    type, dtype and length, and last the values (token range, logprobs, versions, rewards, finish reasons).
+    Returned arrays are fresh, writable, native-endian copies (int32 / float32 / uint8), not views of `data`.
+    """
+    root = _unpack(data, max_message_bytes)
+    # structure and types first, so a value check never runs on a half-parsed group
+    if type(root) is not dict:
+        raise CodecError("malformed", "group", f"expected a map, got {type(root).__name__}")
+    _check_schema(root.get("schema"))
+    _check_keys(root, _GROUP_KEYS, "group")
+    group_id = _exact(root["group_id"], "group_id", str)
+    if not group_id:
+        raise CodecError("malformed", "group_id", "must be non-empty")
+    prompt_ids = _array(root["prompt_ids"], "prompt_ids", np.int32)
+    group = Group(
+        group_id=group_id,
+        prompt_id=_exact(root["prompt_id"], "prompt_id", str),
+        generator_id=_exact(root["generator_id"], "generator_id", str),
+        prompt_ids=prompt_ids,
+        samples=_samples(root["samples"]),
+        sampling=_sampling(root["sampling"]),
+        created_at=_finite_float(root["created_at"], "created_at"),
+        meta=_meta(root["meta"]),
+    )
+    _check_tokens(prompt_ids, "prompt_ids", vocab_size)
+    for i, sample in enumerate(group.samples):
+        _check_sample_values(sample, f"samples[{i}]", vocab_size, max_version, logprob_tolerance)
+    return group
+
+
+def _unpack(data, max_message_bytes: int):
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise CodecError("malformed", "message", f"expected bytes, got {type(data).__name__}")
+    size = memoryview(data).nbytes
+    if size > max_message_bytes:
+        raise CodecError("too_large", "message", f"{size} bytes exceeds max_message_bytes={max_message_bytes}")
+    try:
+        # Explicit limits so a short header cannot claim a huge container; ext types are never valid here.
+        return msgpack.unpackb(
+            data,
+            raw=False,
+            strict_map_key=True,
+            max_bin_len=max_message_bytes,
+            max_str_len=max_message_bytes,
+            max_array_len=max_message_bytes,
+            max_map_len=max_message_bytes // 2,
+            max_ext_len=0,
+        )
+    except Exception as e:  # msgpack raises many types (ExtraData, StackError, UnicodeDecodeError, ...)
+        raise CodecError("malformed", "message", f"not valid msgpack ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def _check_schema(schema) -> None:
+    if type(schema) is not int:
+        raise CodecError("malformed", "schema", "missing or not an int")
+    if schema != SCHEMA_VERSION:
+        raise CodecError("schema", "schema", f"unknown version {schema}; this decoder knows {SCHEMA_VERSION}")
+
+
+def _check_keys(obj, expected: frozenset, field: str) -> None:
+    if type(obj) is not dict:
+        raise CodecError("malformed", field, f"expected a map, got {type(obj).__name__}")
+    if obj.keys() != expected:
+        missing = sorted(expected - obj.keys())
+        extra = sorted(repr(k) for k in obj.keys() - expected)  # keys may mix str and bytes
+        raise CodecError("malformed", field, f"missing keys {missing}, unexpected keys {extra}")
+
+
+def _samples(value) -> list[Sample]:
+    if type(value) is not list:
+        raise CodecError("malformed", "samples", f"expected an array, got {type(value).__name__}")
+    if not value:
+        raise CodecError("empty", "samples", "a group needs at least one sample")
+    return [_sample(s, f"samples[{i}]") for i, s in enumerate(value)]
+
+
+def _sample(obj, where: str) -> Sample:
+    """Types and dtypes only; values are checked by `_check_sample_values` once the whole group parsed."""
+    _check_keys(obj, _SAMPLE_KEYS, where)
+    return Sample(
+        completion_ids=_array(obj["completion_ids"], f"{where}.completion_ids", np.int32),
+        logprobs=_array(obj["logprobs"], f"{where}.logprobs", np.float32),
+        versions=_array(obj["versions"], f"{where}.versions", np.int32),
+        reward=_float(obj["reward"], f"{where}.reward"),
+        finish_reason=_exact(obj["finish_reason"], f"{where}.finish_reason", str),
+        loss_mask=None if obj["loss_mask"] is None else _array(obj["loss_mask"], f"{where}.loss_mask", np.uint8),
+        reward_info=_reward_info(obj["reward_info"], f"{where}.reward_info"),
+    )
+
+
+def _check_sample_values(s: Sample, where: str, vocab_size: int, max_version: int, logprob_tolerance: float):
+    n = len(s.completion_ids)
+    for name, arr in (("logprobs", s.logprobs), ("versions", s.versions), ("loss_mask", s.loss_mask)):
+        if arr is not None and len(arr) != n:
+            raise CodecError("length_mismatch", f"{where}.{name}", f"length {len(arr)} != completion_ids {n}")
+    _check_tokens(s.completion_ids, f"{where}.completion_ids", vocab_size)
+    _check_logprobs(s.logprobs, f"{where}.logprobs", logprob_tolerance)
+    bad = np.flatnonzero((s.versions < 0) | (s.versions > max_version))
+    if bad.size:
+        i = int(bad[0])
+        raise CodecError("bad_version", f"{where}.versions", f"[{i}]={s.versions[i]} not in [0, {max_version}]")
+    # loss_mask is a boolean on the wire; any other byte would silently scale the loss
+    if s.loss_mask is not None and np.any(s.loss_mask > 1):
+        raise CodecError("malformed", f"{where}.loss_mask", "values must be 0 or 1")
+    if not math.isfinite(s.reward):
+        raise CodecError("bad_reward", f"{where}.reward", f"must be finite, got {s.reward}")
+    for key, v in s.reward_info.items():
+        if not math.isfinite(v):
+            raise CodecError("bad_reward", f"{where}.reward_info[{key!r}]", f"must be finite, got {v}")
+    if s.finish_reason not in FINISH_REASONS:
+        raise CodecError("bad_finish_reason", f"{where}.finish_reason", f"{s.finish_reason!r} not in {FINISH_REASONS}")
+
+
+def _check_tokens(ids: np.ndarray, field: str, vocab_size: int) -> None:
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if bad.size:
+        i = int(bad[0])
+        raise CodecError("token_out_of_range", field, f"[{i}]={ids[i]} not in [0, {vocab_size})")
+
+
+def _check_logprobs(logprobs: np.ndarray, field: str, tolerance: float) -> None:
+    bad = np.flatnonzero(~np.isfinite(logprobs) | (logprobs > tolerance))
+    if bad.size:
+        i = int(bad[0])
+        raise CodecError("bad_logprob", field, f"[{i}]={logprobs[i]} must be finite and <= 0 (tol {tolerance})")
+
+
+def _sampling(obj) -> Sampling:
+    _check_keys(obj, _SAMPLING_KEYS, "sampling")
+    return Sampling(
+        temperature=_finite_float(obj["temperature"], "sampling.temperature"),
+        top_p=_finite_float(obj["top_p"], "sampling.top_p"),
+        top_k=_exact(obj["top_k"], "sampling.top_k", int),
+        max_tokens=_exact(obj["max_tokens"], "sampling.max_tokens", int),
+    )
+
+
+def _meta(obj) -> dict[str, str | int | float]:
+    _check_str_keyed_map(obj, "meta")
+    for key, v in obj.items():
+        if type(v) not in (str, int, float):  # bool, nil, bin, containers are not meta scalars
+            raise CodecError("malformed", f"meta[{key!r}]", f"expected str, int or float, got {type(v).__name__}")
+        if type(v) is float and not math.isfinite(v):
+            raise CodecError("malformed", f"meta[{key!r}]", f"must be finite, got {v}")
+    return dict(obj)
+
+
+def _reward_info(obj, field: str) -> dict[str, float]:
+    _check_str_keyed_map(obj, field)
+    return {key: _float(v, f"{field}[{key!r}]") for key, v in obj.items()}
+
+
+def _check_str_keyed_map(obj, field: str) -> None:
+    if type(obj) is not dict:
+        raise CodecError("malformed", field, f"expected a map, got {type(obj).__name__}")
+    for key in obj:
+        if type(key) is not str:
+            raise CodecError("malformed", field, f"key {key!r} is not a str")
+
+
+def _array(value, field: str, dtype) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    if type(value) is not bytes:
+        raise CodecError("malformed", field, f"expected bin, got {type(value).__name__}")
+    if len(value) % dtype.itemsize:
+        raise CodecError("malformed", field, f"{len(value)} bytes is not a whole number of {dtype.name}")
+    return np.frombuffer(value, dtype=dtype.newbyteorder("<")).astype(dtype)
+
+
+def _exact(value, field: str, kind: type):
+    if type(value) is not kind:  # exact type: msgpack's true/false arrive as bool, which must not pass as int
+        raise CodecError("malformed", field, f"expected {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _float(value, field: str) -> float:
+    """Ints are accepted too: other producers may pack a whole-valued float as an int."""
+    if type(value) not in (int, float):
+        raise CodecError("malformed", field, f"expected float, got {type(value).__name__}")
+    return float(value)
+
+
+def _finite_float(value, field: str) -> float:
+    f = _float(value, field)
+    if not math.isfinite(f):
+        raise CodecError("malformed", field, f"must be finite, got {f}")
+    return f

@@ -1,0 +1,42 @@
+"""Buffer and coordinator settings (stdlib only, so `--help` and `--dry-run` never import torch)."""
+from dataclasses import dataclass
+
+BACKENDS = ("zmq",)
+
+
+@dataclass
+class BufferConfig:
+    backend: str = "zmq"
+    """Transport between generators and the learner. `zmq`: embedded in the learner process."""
+    host: str = "127.0.0.1"
+    """Address the learner's embedded buffer binds to and generators connect to. 127.0.0.1 keeps it local."""
+    port: int = 47500
+    """TCP port of the embedded buffer (one port per job; pick another to run two jobs on one machine)."""
+    max_staleness: int = 2
+    """η: never train on a group whose oldest token is more than this many learner steps old. 0 = synchronous."""
+    groups_per_step: int = 16
+    """Groups (prompts) per optimizer step. Admission paces generators in units of this."""
+    max_message_bytes: int = 16 * 1024 * 1024
+    """Largest encoded group accepted, in bytes. Larger messages are rejected before decoding."""
+    queue_groups: int = 256
+    """Bound on decoded groups waiting for the learner, in groups. Producers get back-pressure beyond it."""
+    request_timeout_s: float = 30.0
+    """How long a generator waits for one reply from the learner before it calls the learner dead, in seconds."""
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"buffer.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.max_staleness < 0:
+            raise ValueError(f"buffer.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.groups_per_step < 1:
+            raise ValueError(f"buffer.groups_per_step must be >= 1, got {self.groups_per_step}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"buffer.port must be in [0, 65535], got {self.port}")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"buffer.max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        if self.queue_groups < self.groups_per_step:
+            raise ValueError(
+                f"buffer.queue_groups ({self.queue_groups}) must be >= buffer.groups_per_step ({self.groups_per_step})"
+            )
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"buffer.request_timeout_s must be > 0, got {self.request_timeout_s}")

@@ -1,0 +1,95 @@
+"""The `Group`: the n samples one prompt produced, the unit that is transported and admitted.
+
+GRPO-style advantages need every sample of a prompt at once, so the buffer never splits a group. These are
+plain data holders (no torch, so generators and the buffer stay light); the wire format and all validation
+live in `asyncrl.buffer.codec` (DESIGN.md section 3).
+
+Arrays are numpy with fixed dtypes: token ids and versions are int32, logprobs float32, loss_mask uint8.
+The dataclasses use identity equality (`eq=False`) because field-wise `==` on numpy arrays is ambiguous.
+"""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SCHEMA_VERSION = 1
+"""Wire schema version written by `encode_group`; a decoder rejects versions it does not know."""
+
+FINISH_REASONS = ("stop", "length", "abort")
+"""Why a completion ended: a stop token/string, `max_tokens`, or the engine aborted it (e.g. weight swap)."""
+
+
+@dataclass
+class Sampling:
+    """Sampling parameters the generator used, carried so the learner can tell how a group was produced."""
+
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 disables top-k (vLLM convention)."""
+    max_tokens: int = 16
+    """Completion length cap, in tokens."""
+
+
+@dataclass(eq=False)
+class Sample:
+    """One completion of the prompt, with per-token behaviour logprobs and policy versions."""
+
+    completion_ids: np.ndarray
+    """int32 [T] generated token ids."""
+    logprobs: np.ndarray
+    """float32 [T] behaviour-policy logprob of each generated token (<= 0)."""
+    versions: np.ndarray
+    """int32 [T] learner version of the weights that produced each token; a weight swap mid-completion
+    makes these differ within one sample, which is why they are per token."""
+    reward: float
+    finish_reason: str
+    """One of FINISH_REASONS."""
+    loss_mask: np.ndarray | None = None
+    """uint8 [T], 1 = train on this token; None means every completion token counts."""
+    reward_info: dict[str, float] = field(default_factory=dict)
+    """Named reward components (e.g. format, correctness) for logging only."""
+
+
+@dataclass(eq=False)
+class Group:
+    """All samples of one prompt, as admitted to the buffer."""
+
+    group_id: str
+    """Unique id (uuid4 hex); buffers are idempotent on it, so a resend is harmless."""
+    prompt_id: str
+    """Stable id of the prompt in its dataset."""
+    generator_id: str
+    prompt_ids: np.ndarray
+    """int32 [P] prompt token ids."""
+    samples: list[Sample]
+    sampling: Sampling
+    created_at: float
+    """Unix seconds at admission."""
+    meta: dict[str, str | int | float] = field(default_factory=dict)
+    """Free-form scalars: data_source, ground truth id, ..."""
+    schema: int = SCHEMA_VERSION
+
+    def min_version(self) -> int:
+        """Oldest learner version behind any completion token; staleness is measured from this.
+
+        A sample with no completion tokens contributes nothing. Returns -1 when the group has no completion
+        tokens at all (nothing in it can be stale, and -1 is never a real version).
+        """
+        versions = [int(s.versions.min()) for s in self.samples if len(s.versions) > 0]
+        return min(versions) if versions else -1
+
+    def num_completion_tokens(self) -> int:
+        """Total generated tokens across all samples."""
+        return sum(len(s.completion_ids) for s in self.samples)
+
+    def rewards(self) -> list[float]:
+        """The scalar reward of each sample, in sample order."""
+        return [s.reward for s in self.samples]
+
+
+def new_group_id() -> str:
+    """A fresh group id (uuid4 hex): random, so generators need no coordination to stay unique."""
+    return uuid.uuid4().hex

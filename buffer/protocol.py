@@ -1,0 +1,44 @@
+"""Control messages between generators and the learner's embedded buffer (a msgpack map per frame).
+
+Requests (generator -> learner) carry `op`, `req` (request id) and `gen` (generator id):
+  hello {config_hash}        -> {version, weights, run_info}       # refused if config hashes differ
+  admit {want}               -> {granted, version, weights, done}
+  group + second frame bytes -> {accepted, reason, retry, version, weights, done}
+  stats {metrics}            -> {}
+  bye                        -> {}
+Every reply carries `req`, `ok`, and `error` when ok is false. Group payloads travel in their own frame so the
+codec's size limit applies to them alone.
+"""
+import msgpack
+
+OPS = ("hello", "admit", "group", "stats", "bye")
+MAX_HEADER_BYTES = 1 << 20
+
+
+class ProtocolError(ValueError):
+    """A control frame that is not a msgpack map with a known `op`."""
+
+
+def pack(message: dict) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack_request(frame: bytes) -> dict:
+    if len(frame) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"control frame of {len(frame)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        message = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_ext_len=0)
+    except Exception as err:  # any msgpack failure is a malformed frame, never a crash
+        raise ProtocolError(f"control frame is not msgpack: {type(err).__name__}") from None
+    if not isinstance(message, dict) or message.get("op") not in OPS:
+        raise ProtocolError(f"control frame has no known op (expected one of {OPS})")
+    if not isinstance(message.get("req"), int) or not isinstance(message.get("gen"), str):
+        raise ProtocolError("control frame needs an integer 'req' and a string 'gen'")
+    return message
+
+
+def unpack_reply(frame: bytes) -> dict:
+    message = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_ext_len=0)
+    if not isinstance(message, dict) or "req" not in message:
+        raise ProtocolError("reply is not a map with 'req'")
+    return message

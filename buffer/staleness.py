@@ -1,0 +1,88 @@
+"""The one definition of versions, staleness and admission (DESIGN.md §4).
+
+- The learner's version v is the number of optimizer steps it has completed *and published*.
+- A group's staleness, when the learner takes it, is v - min(versions of its tokens).
+- The learner never trains on a group with staleness > η (`max_staleness`).
+- Admission (AReaL): a generator may start a group only while started < (η + v + 1) * groups_per_step, where
+  `started` counts every admitted group that was not given back (dropped, rejected, or held by a generator that left).
+
+Why this bound holds: group k (0-based, in admission order) is admitted while k < (η + v_a + 1) * B, and it is
+sampled with weights of version >= v_a, because a generator loads the newest version it knows of before it starts
+a group. When groups are consumed in admission order it is trained at a version <= η + v_a. Out-of-order delivery
+(one slow generator) can still exceed the bound, which is why the learner re-checks every group it takes.
+"""
+import threading
+from collections import defaultdict
+
+
+def group_staleness(learner_version: int, min_token_version: int) -> int:
+    return learner_version - min_token_version
+
+
+def is_too_stale(learner_version: int, min_token_version: int, max_staleness: int) -> bool:
+    return group_staleness(learner_version, min_token_version) > max_staleness
+
+
+def admission_capacity(max_staleness: int, version: int, groups_per_step: int, started: int) -> int:
+    """Groups that may still start now."""
+    return max(0, (max_staleness + version + 1) * groups_per_step - started)
+
+
+class Coordinator:
+    """Admission and version bookkeeping shared by the buffer server thread and the learner. Thread-safe.
+
+    Consumes: admission requests (per generator), delivered groups, given-back groups, published versions.
+    Holds: per-generator outstanding admissions, so a generator that leaves gives its capacity back.
+    """
+
+    def __init__(self, max_staleness: int, groups_per_step: int, version: int = 0):
+        self.max_staleness = max_staleness
+        self.groups_per_step = groups_per_step
+        self._version = version
+        self._started = version * groups_per_step  # a resumed learner has consumed v * B groups
+        self._outstanding = defaultdict(int)
+        self._lock = threading.Lock()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def started(self) -> int:
+        return self._started
+
+    def set_version(self, version: int) -> None:
+        """Called after the weights of `version` are published, never before (see module docstring)."""
+        with self._lock:
+            self._version = max(self._version, version)
+
+    def try_admit(self, generator_id: str, want: int = 1) -> int:
+        """Grants up to `want` new groups to `generator_id`; returns how many were granted."""
+        with self._lock:
+            cap = admission_capacity(self.max_staleness, self._version, self.groups_per_step, self._started)
+            granted = min(want, cap)
+            self._started += granted
+            self._outstanding[generator_id] += granted
+            return granted
+
+    def delivered(self, generator_id: str) -> None:
+        """A group from `generator_id` arrived (valid or not): it no longer holds that admission."""
+        with self._lock:
+            if self._outstanding[generator_id] > 0:
+                self._outstanding[generator_id] -= 1
+
+    def give_back(self, count: int = 1) -> None:
+        """Admitted groups that will never be trained (stale, rejected, aborted) free their capacity."""
+        with self._lock:
+            self._started = max(0, self._started - count)
+
+    def forget_generator(self, generator_id: str) -> int:
+        """A generator left or died: the groups it was admitted for but never delivered are given back."""
+        with self._lock:
+            held = self._outstanding.pop(generator_id, 0)
+            self._started = max(0, self._started - held)
+            return held
+
+    def outstanding(self) -> dict:
+        with self._lock:
+            return dict(self._outstanding)

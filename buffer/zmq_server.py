@@ -1,0 +1,177 @@
+"""The embedded ZeroMQ buffer, hosted in the learner process.
+
+A ROUTER socket served by one background thread. It consumes requests from generators (hello, admit, group,
+stats, bye), validates every group with the codec, and puts valid groups on a bounded queue that the learner
+drains with `take`. When the queue is full it tells the generator to retry: nothing is dropped and memory stays
+bounded. Bad input is rejected, counted under `buffer/rejected/<reason>` and logged; it never stops the thread.
+"""
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+
+import zmq
+
+from asyncrl.buffer.codec import CodecError, decode_group
+from asyncrl.buffer.protocol import ProtocolError, pack, unpack_request
+from asyncrl.buffer.staleness import Coordinator
+
+log = logging.getLogger(__name__)
+
+
+class ZmqBufferServer:
+    def __init__(self, host: str, port: int, coordinator: Coordinator, *, vocab_size: int, config_hash: str,
+                 max_message_bytes: int, queue_groups: int, run_info: dict, peer_timeout_s: float = 120.0):
+        self.coordinator = coordinator
+        self.vocab_size = vocab_size
+        self.config_hash = config_hash
+        self.max_message_bytes = max_message_bytes
+        self.run_info = dict(run_info)
+        self.peer_timeout_s = peer_timeout_s
+        self.groups: queue.Queue = queue.Queue(maxsize=queue_groups)
+        self.rejected = Counter()  # reason -> count
+        self.received = 0
+        self.generator_stats: dict[str, dict] = {}
+        self.last_seen: dict[str, float] = {}
+        self._weights: dict = {}
+        self._done = False
+        self._stop = threading.Event()
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + (1 << 20))
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            self._socket.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError as err:
+            self._socket.close()
+            self._context.term()
+            raise RuntimeError(f"buffer cannot bind tcp://{host}:{port}: {err} (is another job using buffer.port?)")
+        self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._thread = threading.Thread(target=self._serve, name="asyncrl-buffer", daemon=True)
+
+    # --- learner side -------------------------------------------------------------------------------------
+    def start(self) -> "ZmqBufferServer":
+        self._thread.start()
+        return self
+
+    def take(self, timeout_s: float):
+        """The next valid group, or None after `timeout_s`."""
+        try:
+            return self.groups.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def set_weights(self, descriptor: dict) -> None:
+        """Announce published weights; generators learn of them in their next reply."""
+        self._weights = dict(descriptor)
+
+    def set_done(self) -> None:
+        """The job is over: every further admit/group reply tells generators to stop."""
+        self._done = True
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        self._socket.close(linger=0)
+        self._context.term()
+
+    def live_generators(self) -> list[str]:
+        now = time.monotonic()
+        return [g for g, seen in self.last_seen.items() if now - seen < self.peer_timeout_s]
+
+    # --- server thread --------------------------------------------------------------------------------------
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                self._expire_peers()
+                continue
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            identity, payload = frames[0], frames[1:]
+            try:
+                reply = self._handle(payload)
+            except Exception as err:  # a bug in one request must not kill the buffer
+                log.exception("buffer: request failed")
+                reply = {"req": -1, "ok": False, "error": f"internal error: {err}"}
+            try:
+                self._socket.send_multipart([identity, pack(reply)], zmq.NOBLOCK)
+            except zmq.ZMQError as err:
+                log.warning("buffer: could not reply to a generator (%s); it is gone", err)
+
+    def _handle(self, payload: list) -> dict:
+        if not payload:
+            self._reject("malformed", "empty message")
+            return {"req": -1, "ok": False, "error": "empty message"}
+        try:
+            request = unpack_request(payload[0])
+        except ProtocolError as err:
+            self._reject("malformed", str(err))
+            return {"req": -1, "ok": False, "error": str(err)}
+        gen = request["gen"]
+        self.last_seen[gen] = time.monotonic()
+        reply = {"req": request["req"], "ok": True, "version": self.coordinator.version,
+                 "weights": self._weights, "done": self._done}
+        op = request["op"]
+        if op == "hello":
+            return self._hello(request, reply)
+        if op == "admit":
+            want = request.get("want", 1)
+            want = want if isinstance(want, int) and want > 0 else 1
+            reply["granted"] = 0 if self._done else self.coordinator.try_admit(gen, want)
+        elif op == "group":
+            reply.update(self._receive_group(gen, payload[1] if len(payload) > 1 else b""))
+        elif op == "stats":
+            if isinstance(request.get("metrics"), dict):
+                self.generator_stats[gen] = request["metrics"]
+        elif op == "bye":
+            self._forget(gen, "said bye")
+        return reply
+
+    def _hello(self, request: dict, reply: dict) -> dict:
+        if request.get("config_hash") != self.config_hash:
+            reply.update(ok=False, error=(
+                f"config mismatch: generator {request['gen']!r} has shared-config hash {request.get('config_hash')!r}, "
+                f"the learner has {self.config_hash!r}; start both with the same recipe and shared overrides"))
+            return reply
+        reply["run_info"] = self.run_info
+        return reply
+
+    def _receive_group(self, gen: str, data: bytes) -> dict:
+        try:
+            group = decode_group(data, vocab_size=self.vocab_size, max_version=self.coordinator.version,
+                                 max_message_bytes=self.max_message_bytes)
+        except CodecError as err:
+            self.coordinator.delivered(gen)
+            self.coordinator.give_back(1)
+            self._reject(err.reason, f"from {gen}: {err}")
+            return {"accepted": False, "reason": err.reason, "error": str(err)}
+        try:
+            self.groups.put_nowait(group)
+        except queue.Full:
+            return {"accepted": False, "retry": True}  # back-pressure; the generator keeps the group
+        self.coordinator.delivered(gen)
+        self.received += 1
+        return {"accepted": True}
+
+    def _reject(self, reason: str, detail: str) -> None:
+        self.rejected[reason] += 1
+        log.warning("buffer: rejected a group (%s): %s", reason, detail)
+
+    def _expire_peers(self) -> None:
+        now = time.monotonic()
+        for gen, seen in list(self.last_seen.items()):
+            if now - seen > self.peer_timeout_s:
+                self._forget(gen, f"silent for {self.peer_timeout_s:.0f} s")
+
+    def _forget(self, gen: str, why: str) -> None:
+        self.last_seen.pop(gen, None)
+        held = self.coordinator.forget_generator(gen)
+        if held:
+            log.warning("buffer: generator %s %s; gave back %d admitted groups", gen, why, held)

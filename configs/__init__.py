@@ -1,0 +1,11 @@
+"""Configuration: one `RunConfig` made of the per-part configs, `load_config`, and the shipped YAML recipes."""
+from asyncrl.configs.run_config import (  # noqa: F401
+    ConfigError,
+    RunConfig,
+    flatten,
+    load_config,
+    recipe_path,
+    shared_hash,
+    to_dict,
+    to_yaml,
+)

@@ -1,0 +1,106 @@
+"""`RunConfig`: every part's config in one tree, loaded from a YAML recipe plus dotlist overrides.
+
+Only the stdlib and omegaconf are imported here, so `asyncrl <cmd> --help` and `--dry-run` stay fast.
+"""
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from typing import List, Optional
+
+from asyncrl.algos.config import AlgoConfig
+from asyncrl.buffer.config import BufferConfig
+from asyncrl.configs.sections import DataConfig, DemoConfig, JobConfig, ModelConfig, RewardConfig
+from asyncrl.generator.config import GeneratorConfig, RolloutConfig
+from asyncrl.learner.config import LearnerConfig, SFTConfig
+from asyncrl.telemetry.config import TelemetryConfig
+from asyncrl.weightsync.config import WeightSyncConfig
+
+DEFAULT_RECIPE = "demo_cpu.yaml"
+SHARED_SECTIONS = ("model", "data", "reward", "rollout", "buffer", "demo", "weightsync")
+"""Sections the learner and every generator must agree on; their hash is checked when a generator joins."""
+
+
+class ConfigError(ValueError):
+    """A recipe or override is wrong; the message names the key."""
+
+
+@dataclass
+class RunConfig:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    demo: DemoConfig = field(default_factory=DemoConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    weightsync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+
+
+def recipe_path(name_or_path: Optional[str]) -> str:
+    """A recipe is a file path, or the name of one shipped in `asyncrl/configs/` (e.g. `demo_cpu.yaml`)."""
+    name = name_or_path or DEFAULT_RECIPE
+    if os.path.exists(name):
+        return name
+    shipped = resources.files("asyncrl.configs").joinpath(name)
+    if shipped.is_file():
+        return str(shipped)
+    raise ConfigError(f"recipe not found: {name!r} (neither a file nor a recipe shipped in asyncrl/configs/)")
+
+
+def load_config(recipe: Optional[str] = None, overrides: Optional[List[str]] = None) -> RunConfig:
+    """Recipe YAML, then `a.b=value` overrides, validated. Unknown keys and bad values raise ConfigError."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    path = recipe_path(recipe)
+    try:
+        cfg = OmegaConf.structured(RunConfig)
+        cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+        for item in overrides or []:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} is not of the form key=value")
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+        return OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None)
+        raise ConfigError(f"config key {key!r}: {_first_line(err)} (recipe {path})") from None
+    except ValueError as err:  # raised by a part's __post_init__; its message names the key
+        if isinstance(err, ConfigError):
+            raise
+        raise ConfigError(f"{err} (recipe {path})") from None
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: RunConfig) -> dict:
+    return asdict(cfg)
+
+
+def shared_hash(cfg: RunConfig) -> str:
+    """Hash of the sections every process of a job must agree on (see SHARED_SECTIONS)."""
+    shared = {name: asdict(getattr(cfg, name)) for name in SHARED_SECTIONS}
+    return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def flatten(cfg: RunConfig) -> dict:
+    """`section.key -> str(value)`, for MLflow params."""
+    out = {}
+    for section, values in asdict(cfg).items():
+        for key, value in values.items():
+            out[f"{section}.{key}"] = str(value)
+    return out

@@ -1,0 +1,75 @@
+"""Config sections that belong to no single part: the job, the model, the data, the reward and the demo."""
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+DEMO_TASKS = ("", "sort_digits")
+
+
+@dataclass
+class JobConfig:
+    name: str = "asyncrl"
+    """Job name, used for the MLflow run name and the job directory."""
+    out_dir: str = "runs"
+    """Parent of the job directory (logs, progress, summary, config)."""
+    seed: int = 0
+    """Global seed; parts derive theirs from it."""
+
+    def __post_init__(self):
+        if not self.name or "/" in self.name:
+            raise ValueError(f"job.name must be a non-empty name without '/', got {self.name!r}")
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None
+    """Local HF model directory (config, safetensors, tokenizer). None with demo.task set: the demo model."""
+    trust_remote_code: bool = False
+    """Passed to transformers and vLLM; off unless you trust the model directory."""
+
+
+@dataclass
+class DataConfig:
+    train_files: List[str] = field(default_factory=list)
+    """Parquet files in verl's row format: prompt (chat messages), data_source, reward_model.ground_truth, extra_info."""
+    max_prompt_tokens: int = 64
+    """Prompts longer than this, in tokens, are skipped and counted."""
+    shuffle: bool = True
+    """Shuffle prompts each epoch."""
+
+    def __post_init__(self):
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+
+
+@dataclass
+class RewardConfig:
+    path: Optional[str] = None
+    """Python file with the reward function; None uses the built-in reward of the row's data_source."""
+    function: str = "compute_score"
+    """Name of the function in `path`: compute_score(data_source, solution_str, ground_truth, extra_info=None)."""
+
+
+@dataclass
+class DemoConfig:
+    task: str = ""
+    """Built-in demo task whose tokenizer, model, dataset and SFT warm start are built and cached; '' = off."""
+    cache_dir: str = "~/.cache/asyncrl/demo"
+    """Where demo assets are cached; they are rebuilt only when their settings change."""
+    num_prompts: int = 4096
+    """Training prompts generated for the demo dataset."""
+    hidden_size: int = 128
+    """Demo model width."""
+    num_layers: int = 4
+    """Demo model depth."""
+    sft_steps: int = 60
+    """Steps of the SFT warm start (steps, not seconds, so every machine starts from the same point)."""
+    sft_lr: float = 1e-3
+    """Learning rate of the SFT warm start."""
+    sft_batch_size: int = 128
+    """Sequences per SFT step."""
+
+    def __post_init__(self):
+        if self.task not in DEMO_TASKS:
+            raise ValueError(f"demo.task must be one of {DEMO_TASKS}, got {self.task!r}")
+        if self.num_prompts < 1 or self.sft_steps < 0 or self.sft_batch_size < 1:
+            raise ValueError("demo.num_prompts and demo.sft_batch_size must be >= 1 and demo.sft_steps >= 0")

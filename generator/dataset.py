@@ -1,0 +1,68 @@
+"""Prompt datasets: parquet in verl's row format, turned into token ids with the model's chat template."""
+import os
+import random
+from dataclasses import dataclass
+from typing import Iterator
+
+
+class DatasetError(ValueError):
+    """A dataset file is missing or its rows do not have verl's columns."""
+
+
+@dataclass
+class PromptRow:
+    prompt_id: str
+    prompt_ids: list
+    data_source: str
+    ground_truth: object
+    extra_info: dict
+
+
+REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
+
+
+def read_rows(paths: list) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    if not paths:
+        raise DatasetError("data.train_files is empty: give at least one parquet file")
+    rows = []
+    for path in paths:
+        path = os.path.expanduser(path)
+        if not os.path.isfile(path):
+            raise DatasetError(f"data.train_files: {path!r} does not exist")
+        table = pq.read_table(path)
+        missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+        if missing:
+            raise DatasetError(f"{path}: missing verl columns {missing} (has {table.column_names})")
+        for index, row in enumerate(table.to_pylist()):
+            row.setdefault("extra_info", None)
+            row["_id"] = f"{os.path.basename(path)}:{index}"
+            rows.append(row)
+    return rows
+
+
+def tokenize_rows(rows: list[dict], tokenizer, max_prompt_tokens: int) -> tuple[list[PromptRow], int]:
+    """Render each prompt with the chat template and tokenize; returns the rows that fit and how many were skipped."""
+    out, skipped = [], 0
+    for row in rows:
+        text = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids or len(ids) > max_prompt_tokens:
+            skipped += 1
+            continue
+        ground_truth = (row["reward_model"] or {}).get("ground_truth")
+        out.append(PromptRow(row["_id"], ids, row["data_source"], ground_truth, row["extra_info"] or {}))
+    if not out:
+        raise DatasetError(f"no prompt fits data.max_prompt_tokens={max_prompt_tokens} ({skipped} skipped)")
+    return out, skipped
+
+
+def iterate_prompts(rows: list[PromptRow], shuffle: bool, seed: int) -> Iterator[PromptRow]:
+    """Endless epochs over the rows, reshuffled each epoch."""
+    rng = random.Random(seed)
+    epoch = list(rows)
+    while True:
+        if shuffle:
+            rng.shuffle(epoch)
+        yield from epoch

@@ -1,0 +1,37 @@
+"""What every engine provides: token ids in, token ids + processed logprobs + per-token versions out.
+
+Engines: `vllm` (AsyncLLM), `hf` (plain transformers, the reference). They share this interface:
+  await start(); await sample(prompt_ids, sampling, n) -> list[Completion];
+  await load_weights(safetensors_path, version); await close(); attribute `version`.
+"""
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Completion:
+    token_ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # logprob of each token under the distribution sampled from
+    versions: list = field(default_factory=list)  # policy version of the weights that sampled each token
+    finish_reason: str = "length"
+
+
+class WeightLoadError(RuntimeError):
+    """Loading new weights failed; the engine is back on its last good version."""
+
+
+def make_engine(name: str, **kwargs):
+    """Engines are imported lazily: vLLM is heavy and may be absent (then use `hf`)."""
+    if name == "vllm":
+        try:
+            from asyncrl.generator.engines.vllm_engine import VllmEngine
+        except ImportError as err:
+            raise RuntimeError(
+                f"generator.engine=vllm but vLLM cannot be imported ({err}); install the `cpu` or `gpu` extra, "
+                "or use generator.engine=hf"
+            ) from None
+        return VllmEngine(**kwargs)
+    if name == "hf":
+        from asyncrl.generator.engines.hf_engine import HfEngine
+
+        return HfEngine(**kwargs)
+    raise ValueError(f"unknown engine {name!r}")

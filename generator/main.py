@@ -1,0 +1,98 @@
+"""The generator process: connect to the learner, get the job's run info, start the engine, load the newest
+weights before sampling anything, then run the rollout loop until the learner says the job is done."""
+import asyncio
+import logging
+import os
+
+from asyncrl.buffer.zmq_client import BufferClient, LearnerUnavailable
+from asyncrl.configs import shared_hash
+from asyncrl.generator.dataset import iterate_prompts, read_rows, tokenize_rows
+from asyncrl.generator.engines.base import make_engine
+from asyncrl.generator.rewards import load_reward_fn
+from asyncrl.generator.rollout import RolloutLoop
+
+log = logging.getLogger(__name__)
+
+
+class GeneratorRefused(RuntimeError):
+    """The learner refused this generator (for example, a different recipe)."""
+
+
+async def wait_for_learner(client: BufferClient, config_hash: str, timeout_s: float, say) -> dict:
+    """Say hello until the learner answers; it may be started after the generator."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    announced = False
+    while True:
+        try:
+            reply = await client.request("hello", config_hash=config_hash, timeout_s=2.0)
+        except LearnerUnavailable:
+            if loop.time() > deadline:
+                raise LearnerUnavailable(f"no learner answered at {client.endpoint} within {timeout_s:.0f} s") from None
+            if not announced:
+                say(f"generator {client.generator_id}: waiting for the learner at {client.endpoint} ...")
+                announced = True
+            continue
+        if not reply.get("ok"):
+            raise GeneratorRefused(reply.get("error", "refused"))
+        return reply
+
+
+async def run_generator_async(cfg, say=print) -> int:
+    generator_id = cfg.generator.generator_id or f"gen-{os.getpid()}"
+    client = BufferClient(f"tcp://{cfg.buffer.host}:{cfg.buffer.port}", generator_id, cfg.buffer.request_timeout_s)
+    engine, metrics_log, rollout = None, None, None
+    try:
+        hello = await wait_for_learner(client, shared_hash(cfg), cfg.generator.connect_timeout_s, say)
+        info = hello["run_info"]
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(info["model_path"], trust_remote_code=cfg.model.trust_remote_code)
+        rows, skipped = tokenize_rows(read_rows(info["train_files"]), tokenizer, cfg.data.max_prompt_tokens)
+        if skipped:
+            log.warning("generator %s: skipped %d prompts longer than data.max_prompt_tokens", generator_id, skipped)
+        engine = make_engine(cfg.generator.engine, model_path=info["model_path"], dtype=cfg.generator.dtype,
+                             max_model_len=cfg.generator.max_model_len, kv_cache_gib=cfg.generator.kv_cache_gib,
+                             seed=cfg.generator.seed + os.getpid() % 1000, update_mode=cfg.generator.update_mode,
+                             trust_remote_code=cfg.model.trust_remote_code)
+        await engine.start()
+        metrics_log = _metrics_logger(info, generator_id)
+        rollout = RolloutLoop(
+            client, engine, iterate_prompts(rows, cfg.data.shuffle, cfg.generator.seed + os.getpid()),
+            load_reward_fn(cfg.reward.path, cfg.reward.function), tokenizer, cfg.rollout,
+            cfg.generator.max_inflight_groups, generator_id,
+            on_stats=(lambda m: metrics_log.log(m, step=engine.version)) if metrics_log else None,
+            stats_every_s=cfg.generator.log_every_s)
+        rollout.note_reply(hello)
+        await rollout.ensure_latest_weights()  # a late joiner samples nothing before it has the current weights
+        say(f"generator {generator_id}: {cfg.generator.engine} engine ready on v{engine.version}")
+        await rollout.run()
+        return 0
+    except LearnerUnavailable:
+        if rollout is not None and rollout.done:
+            return 0  # the learner finished and went away while our last groups were in flight
+        raise
+    finally:
+        try:
+            await client.request("bye", timeout_s=1.0)
+        except Exception:
+            pass
+        if metrics_log is not None:
+            metrics_log.close()
+        if engine is not None:
+            await engine.close()
+        client.close()
+
+
+def _metrics_logger(info: dict, generator_id: str):
+    from asyncrl.telemetry.mlflow_logger import MetricsLogger
+
+    try:
+        return MetricsLogger(info["tracking_uri"], info["mlflow_run_id"], prefix=f"{generator_id}/")
+    except Exception as err:  # telemetry must never stop generation
+        log.warning("generator %s: MLflow unavailable (%s); metrics go to the learner only", generator_id, err)
+        return None
+
+
+def run_generator(cfg, say=print) -> int:
+    return asyncio.run(run_generator_async(cfg, say))

@@ -1,0 +1,62 @@
+"""Reward functions with verl's signature: compute_score(data_source, solution_str, ground_truth, extra_info=None).
+
+A user's own function plugs in through `reward.path` (a Python file) and `reward.function`. It may return a float
+or a dict with a `score` key; the other numeric entries travel with the sample as `reward_info`.
+"""
+import importlib.util
+import math
+import os
+from typing import Callable, Optional
+
+from asyncrl.generator.tasks import sort_digits
+
+BUILTIN_REWARDS = {sort_digits.DATA_SOURCE: sort_digits.compute_score}
+
+
+class RewardError(RuntimeError):
+    """The reward function is missing, failed, or returned something that is not a finite score."""
+
+
+def load_reward_fn(path: Optional[str], function: str) -> Callable:
+    """The user's function from `path`, or a dispatcher over the built-in rewards by data_source."""
+    if path is None:
+        return _builtin_reward
+    path = os.path.expanduser(path)
+    if not os.path.isfile(path):
+        raise RewardError(f"reward.path {path!r} does not exist")
+    spec = importlib.util.spec_from_file_location(f"asyncrl_user_reward_{abs(hash(path))}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = getattr(module, function, None)
+    if not callable(fn):
+        raise RewardError(f"reward.function {function!r} is not a function in {path}")
+    return fn
+
+
+def _builtin_reward(data_source, solution_str, ground_truth, extra_info=None):
+    fn = BUILTIN_REWARDS.get(data_source)
+    if fn is None:
+        raise RewardError(
+            f"no built-in reward for data_source {data_source!r}; set reward.path and reward.function "
+            f"(built-ins: {sorted(BUILTIN_REWARDS)})"
+        )
+    return fn(data_source, solution_str, ground_truth, extra_info)
+
+
+def score(fn: Callable, data_source: str, solution_str: str, ground_truth, extra_info) -> tuple[float, dict]:
+    """Call the reward function and normalise its result to (reward, reward_info)."""
+    result = fn(data_source, solution_str, ground_truth, extra_info)
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise RewardError(f"reward function returned a dict without 'score': {sorted(result)}")
+        reward = result["score"]
+        info = {k: float(v) for k, v in result.items() if k != "score" and isinstance(v, (int, float, bool))}
+    else:
+        reward, info = result, {}
+    try:
+        reward = float(reward)
+    except (TypeError, ValueError):
+        raise RewardError(f"reward function returned {type(reward).__name__}, not a number") from None
+    if not math.isfinite(reward) or not all(math.isfinite(v) for v in info.values()):
+        raise RewardError(f"reward function returned a non-finite value for data_source {data_source!r}")
+    return reward, info

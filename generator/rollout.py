@@ -1,0 +1,169 @@
+"""The generator's rollout loop.
+
+Each of `max_inflight_groups` workers repeats: ask the learner for admission -> load the newest weights it has
+heard of (DESIGN.md §4: before sampling a new group) -> sample n completions -> score them -> send the group.
+It waits on: admission (polls with backoff while the learner says no), weight loads, and the learner's replies
+(each bounded by a timeout). It stops when the learner says the job is done, or fails when the learner is gone.
+"""
+import asyncio
+import logging
+import time
+
+import numpy as np
+
+from asyncrl.buffer.codec import encode_group
+from asyncrl.buffer.group import Group, Sample, Sampling, new_group_id
+from asyncrl.generator.engines.base import WeightLoadError
+from asyncrl.generator.rewards import RewardError, score
+from asyncrl.weightsync.shm import WeightSyncError, verify_published
+
+log = logging.getLogger(__name__)
+
+
+class RolloutStats:
+    """Counters the generator reports to the learner and to MLflow."""
+
+    def __init__(self):
+        self.started = time.monotonic()
+        self.tokens = 0
+        self.groups = 0
+        self.rewards: list = []
+        self.reward_errors = 0
+        self.weight_wait_s = 0.0
+        self.weight_loads = 0
+        self.weight_failures = 0
+        self._last = (time.monotonic(), 0)
+
+    def snapshot(self, version: int) -> dict:
+        now = time.monotonic()
+        then, tokens_then = self._last
+        self._last = (now, self.tokens)
+        rewards, self.rewards = self.rewards, []
+        return {
+            "perf/generator/tokens_per_s": (self.tokens - tokens_then) / max(now - then, 1e-6),
+            "generator/groups": float(self.groups),
+            "generator/version": float(version),
+            "generator/reward_errors": float(self.reward_errors),
+            "generator/weight_failures": float(self.weight_failures),
+            "timing/generator/wait_for_weights_s": self.weight_wait_s,
+            **({"reward/mean": float(np.mean(rewards))} if rewards else {}),
+        }
+
+
+class RolloutLoop:
+    def __init__(self, client, engine, prompts, reward_fn, tokenizer, rollout_cfg, max_inflight_groups: int,
+                 generator_id: str, on_stats=None, stats_every_s: float = 5.0):
+        self.client = client
+        self.engine = engine
+        self.prompts = prompts  # endless iterator of PromptRow
+        self.reward_fn = reward_fn
+        self.tokenizer = tokenizer
+        self.rollout = rollout_cfg
+        self.max_inflight_groups = max_inflight_groups
+        self.generator_id = generator_id
+        self.on_stats = on_stats
+        self.stats_every_s = stats_every_s
+        self.stats = RolloutStats()
+        self.latest_weights: dict = {}
+        self.done = False
+        self._weights_lock = asyncio.Lock()
+
+    async def run(self) -> None:
+        workers = [asyncio.create_task(self._worker()) for _ in range(self.max_inflight_groups)]
+        reporter = asyncio.create_task(self._report())
+        try:
+            await asyncio.gather(*workers)
+        finally:
+            reporter.cancel()
+            for task in workers:
+                task.cancel()
+            await self._send_stats()
+
+    def note_reply(self, reply: dict) -> None:
+        weights = reply.get("weights") or {}
+        if weights.get("version", -1) > self.latest_weights.get("version", -1):
+            self.latest_weights = weights
+        self.done = self.done or bool(reply.get("done"))
+
+    async def _worker(self) -> None:
+        backoff = 0.01
+        while not self.done:
+            reply = await self.client.request("admit", want=1)
+            self.note_reply(reply)
+            if not reply.get("granted"):
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 0.2)
+                continue
+            backoff = 0.01
+            await self.ensure_latest_weights()
+            group = await self._sample_group(next(self.prompts))
+            await self._send(group)
+
+    async def ensure_latest_weights(self) -> None:
+        """Load the newest announced version if the engine is behind; one load at a time."""
+        async with self._weights_lock:
+            target = self.latest_weights
+            if not target or target["version"] <= self.engine.version:
+                return
+            started = time.monotonic()
+            try:
+                path = verify_published(target)
+                await self.engine.load_weights(path, target["version"])
+                self.stats.weight_loads += 1
+            except (WeightSyncError, WeightLoadError) as err:
+                self.stats.weight_failures += 1
+                log.error("generator %s: %s; continuing on v%d", self.generator_id, err, self.engine.version)
+            self.stats.weight_wait_s += time.monotonic() - started
+
+    async def _sample_group(self, row) -> Group:
+        sampling = Sampling(self.rollout.temperature, self.rollout.top_p, self.rollout.top_k, self.rollout.max_tokens)
+        created = time.time()
+        completions = await self.engine.sample(row.prompt_ids, sampling, self.rollout.n)
+        samples = []
+        for completion in completions:
+            text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+            try:
+                reward, info = score(self.reward_fn, row.data_source, text, row.ground_truth, row.extra_info)
+            except RewardError as err:
+                raise
+            except Exception as err:  # a reward function bug scores 0 and is counted, it does not kill the job
+                self.stats.reward_errors += 1
+                log.error("reward function failed on %s: %r", row.prompt_id, err)
+                reward, info = 0.0, {"reward_error": 1.0}
+            self.stats.rewards.append(reward)
+            self.stats.tokens += len(completion.token_ids)
+            samples.append(Sample(
+                completion_ids=np.asarray(completion.token_ids, dtype=np.int32),
+                logprobs=np.asarray(completion.logprobs, dtype=np.float32),
+                versions=np.asarray(completion.versions, dtype=np.int32),
+                reward=reward, finish_reason=completion.finish_reason, reward_info=info,
+            ))
+        self.stats.groups += 1
+        return Group(group_id=new_group_id(), prompt_id=row.prompt_id, generator_id=self.generator_id,
+                     prompt_ids=np.asarray(row.prompt_ids, dtype=np.int32), samples=samples, sampling=sampling,
+                     created_at=created, meta={"data_source": row.data_source})
+
+    async def _send(self, group: Group) -> None:
+        payload = encode_group(group)
+        while True:
+            reply = await self.client.request("group", body=payload)
+            self.note_reply(reply)
+            if reply.get("accepted") or not reply.get("retry"):
+                if not reply.get("accepted"):
+                    log.error("learner rejected group %s: %s", group.group_id, reply.get("error"))
+                return
+            await asyncio.sleep(0.05)  # the learner's queue is full: keep the group and retry
+
+    async def _report(self) -> None:
+        while True:
+            await asyncio.sleep(self.stats_every_s)
+            await self._send_stats()
+
+    async def _send_stats(self) -> None:
+        metrics = self.stats.snapshot(self.engine.version)
+        try:
+            await self.client.request("stats", metrics=metrics, timeout_s=5)
+        except Exception as err:
+            log.debug("could not send stats: %s", err)
+        if self.on_stats is not None:
+            self.on_stats(metrics)

@@ -1,0 +1,132 @@
+"""The `asyncrl` command line. Parse, build, run, close; torch and vLLM are imported only after parsing, so
+`--help` and `--dry-run` answer fast."""
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+
+COMMANDS = {
+    "run": "start a whole job on this machine: learner, generator and embedded buffer",
+    "learner": "the learner (hosts the embedded buffer)",
+    "generator": "one generator; start as many as you like, whenever you like",
+    "sft": "supervised fine-tuning on the learner's stack",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asyncrl", description="Fully asynchronous off-policy RL for LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in COMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd.add_argument("--config", default=None,
+                         help="recipe YAML: a path, or a recipe shipped in asyncrl/configs (default demo_cpu.yaml)")
+        cmd.add_argument("--dry-run", action="store_true", help="print the resolved config as YAML and exit")
+        cmd.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. buffer.max_staleness=4 learner.lr=1e-6")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from asyncrl.configs import ConfigError, load_config, to_yaml
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"asyncrl {args.command}: {err}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(to_yaml(cfg), end="")
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # run `finally` blocks: sockets, shm, MLflow flush
+    try:
+        return COMMAND_FUNCS[args.command](cfg, args)
+    except KeyboardInterrupt:
+        print(f"asyncrl {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(143)
+
+
+def job_dir_for(cfg) -> str:
+    path = os.environ.get("ASYNCRL_JOB_DIR") or os.path.join(
+        cfg.job.out_dir, f"{cfg.job.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def resolve_model_and_data(cfg, say) -> tuple[str, list]:
+    """The demo's cached assets when demo.task is set and no model is given, else the configured paths."""
+    if cfg.demo.task and cfg.model.path is None:
+        from asyncrl.launch.demo import prepare_demo
+
+        model_dir, files = prepare_demo(cfg.demo, cfg.job.seed, say)
+        return model_dir, cfg.data.train_files or files
+    return cfg.model.path, cfg.data.train_files
+
+
+def cmd_learner(cfg, args) -> int:
+    from asyncrl.launch.demo import say_stderr
+    from asyncrl.learner.loop import run_learner
+
+    model_path, files = resolve_model_and_data(cfg, say_stderr)
+    summary = run_learner(cfg, model_path, files, job_dir_for(cfg))
+    print_summary(summary)
+    return 0
+
+
+def cmd_generator(cfg, args) -> int:
+    from asyncrl.generator.main import run_generator
+    from asyncrl.launch.demo import say_stderr
+
+    return run_generator(cfg, say=say_stderr)
+
+
+def cmd_sft(cfg, args) -> int:
+    import torch
+
+    from asyncrl.launch.demo import demo_dir, prepare_demo, say_stderr
+    from asyncrl.learner.model import load_model, load_tokenizer
+    from asyncrl.learner.sft import read_sft_examples, run_sft
+
+    model_path, files = cfg.model.path, cfg.data.train_files
+    if cfg.demo.task and model_path is None:
+        prepare_demo(cfg.demo, cfg.job.seed, say_stderr)
+        root = demo_dir(cfg.demo, cfg.job.seed)
+        model_path, files = os.path.join(root, "base"), files or [os.path.join(root, "data", "sft.parquet")]
+    torch.manual_seed(cfg.sft.seed)
+    tokenizer, model = load_tokenizer(model_path), load_model(model_path, cfg.learner.dtype)
+    examples = read_sft_examples(files, tokenizer)
+    losses = run_sft(model, examples, cfg.sft.steps, cfg.sft.lr, cfg.sft.batch_size, cfg.sft.seed,
+                     on_step=lambda s, n, l: say_stderr(f"sft step {s}/{n} loss {l:.4f}") if s % 10 == 0 or s == n else None)
+    out = os.path.join(job_dir_for(cfg), "model")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    print(f"sft: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}; model saved to {out}" if losses
+          else f"sft: 0 steps; model saved to {out}")
+    return 0
+
+
+def cmd_run(cfg, args) -> int:
+    from asyncrl.launch.supervisor import run_job
+
+    return run_job(cfg, args.config, args.overrides)
+
+
+def print_summary(summary: dict) -> None:
+    first, last = summary.get("reward_first"), summary.get("reward_last")
+    if first is not None:
+        print(f"reward: first {summary['reward_window_steps']} steps {first:.3f} -> last "
+              f"{summary['reward_window_steps']} steps {last:.3f} ({summary['steps']} steps)")
+    print(f"MLflow: run {summary['mlflow_run_id']} in {summary['mlflow_tracking_uri']} "
+          f"(mlflow ui --backend-store-uri {summary['mlflow_tracking_uri']})")
+
+
+COMMAND_FUNCS = {"run": cmd_run, "learner": cmd_learner, "generator": cmd_generator, "sft": cmd_sft}
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""The learner process: take a batch, train one step, publish the new version, log. Repeat.
+
+It hosts the embedded buffer (a background thread) and the weight publisher. It waits on: full batches (bounded by
+`learner.wait_for_batch_timeout_s`). It unblocks generators by publishing each version, which raises admission.
+"""
+import json
+import logging
+import os
+import time
+
+import torch
+
+from asyncrl.buffer.staleness import Coordinator
+from asyncrl.buffer.zmq_server import ZmqBufferServer
+from asyncrl.configs import flatten, shared_hash, to_yaml
+from asyncrl.learner.collect import collect_batch
+from asyncrl.learner.model import load_model
+from asyncrl.learner.train_step import train_step
+from asyncrl.telemetry.mlflow_logger import MetricsLogger, create_or_attach_run, resolve_tracking_uri
+from asyncrl.telemetry.progress import ProgressDisplay
+from asyncrl.weightsync.shm import ShmWeightPublisher
+
+log = logging.getLogger(__name__)
+
+
+def build_optimizer(model, cfg):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                  weight_decay=cfg.weight_decay)
+    warmup = max(cfg.warmup_steps, 0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
+    return optimizer, scheduler
+
+
+def run_learner(cfg, model_path: str, train_files: list, job_dir: str) -> dict:
+    """Runs the whole job's training; returns the summary (also written to job_dir/summary.json)."""
+    torch.manual_seed(cfg.learner.seed)
+    if cfg.learner.torch_threads:
+        torch.set_num_threads(cfg.learner.torch_threads)
+    model = load_model(model_path, cfg.learner.dtype, cfg.model.trust_remote_code).train()
+    optimizer, scheduler = build_optimizer(model, cfg.learner)
+    tracking_uri = resolve_tracking_uri(cfg.telemetry.tracking_uri)
+    run_id = create_or_attach_run(tracking_uri, cfg.telemetry.experiment, cfg.job.name)
+    metrics_log = MetricsLogger(tracking_uri, run_id)
+    metrics_log.log_params(flatten(cfg))
+    metrics_log.log_text(to_yaml(cfg), "config/resolved.yaml")
+    publisher = ShmWeightPublisher(os.path.join(cfg.weightsync.shm_dir, f"asyncrl-{cfg.job.name}-{os.getpid()}"),
+                                   cfg.weightsync.keep_versions, cfg.weightsync.dtype)
+    coordinator = Coordinator(cfg.buffer.max_staleness, cfg.buffer.groups_per_step)
+    run_info = {"model_path": os.path.abspath(model_path), "train_files": [os.path.abspath(f) for f in train_files],
+                "mlflow_run_id": run_id, "tracking_uri": tracking_uri, "job_dir": os.path.abspath(job_dir)}
+    server = ZmqBufferServer(
+        cfg.buffer.host, cfg.buffer.port, coordinator, vocab_size=model.get_input_embeddings().num_embeddings,
+        config_hash=shared_hash(cfg), max_message_bytes=cfg.buffer.max_message_bytes,
+        queue_groups=cfg.buffer.queue_groups, run_info=run_info)
+    progress = ProgressDisplay(cfg.learner.total_steps, os.path.join(job_dir, "progress.jsonl"),
+                               enabled=cfg.telemetry.progress)
+    rewards, status = [], "FAILED"
+    try:
+        server.set_weights(publisher.publish(model.named_parameters(), 0))
+        server.start()
+        log.info("learner: buffer at %s, MLflow run %s in %s", server.endpoint, run_id, tracking_uri)
+        for version in range(cfg.learner.total_steps):
+            metrics = run_one_step(cfg, model, optimizer, scheduler, server, coordinator, publisher, version)
+            rewards.append(metrics["reward/mean"])
+            metrics_log.log(metrics, step=version + 1)
+            progress.update(version + 1, metrics)
+        status = "FINISHED"
+    finally:
+        server.set_done()
+        time.sleep(1.0 if status == "FINISHED" else 0)  # let generators hear "done" in their next reply
+        server.close()
+        publisher.close()
+        progress.close()
+        metrics_log.close(status=status)
+    return write_summary(job_dir, rewards, tracking_uri, run_id, server)
+
+
+def run_one_step(cfg, model, optimizer, scheduler, server, coordinator, publisher, version: int) -> dict:
+    collected = collect_batch(server, coordinator, cfg.buffer.groups_per_step, cfg.buffer.max_staleness, version,
+                              cfg.learner.wait_for_batch_timeout_s)
+    metrics = train_step(model, optimizer, scheduler, collected.groups, cfg.algo,
+                         cfg.learner.max_tokens_per_microbatch, cfg.learner.logprob_chunk_tokens,
+                         cfg.learner.grad_clip)
+    started = time.perf_counter()
+    server.set_weights(publisher.publish(model.named_parameters(), version + 1))
+    coordinator.set_version(version + 1)  # only now may generators be admitted against v+1
+    metrics["timing/weightsync/publish_s"] = time.perf_counter() - started
+    metrics["timing/learner/wait_for_batch_s"] = collected.wait_s
+    metrics["buffer/staleness/mean"] = sum(collected.staleness) / len(collected.staleness)
+    metrics["buffer/staleness/max"] = float(max(collected.staleness))
+    metrics["buffer/dropped_stale"] = float(collected.dropped_stale)
+    metrics["buffer/size"] = float(server.groups.qsize())
+    metrics["buffer/received"] = float(server.received)
+    for reason, count in server.rejected.items():
+        metrics[f"buffer/rejected/{reason}"] = float(count)
+    generator_rates = [s.get("perf/generator/tokens_per_s", 0.0) for s in server.generator_stats.values()]
+    metrics["perf/generator/tokens_per_s"] = float(sum(generator_rates))
+    return metrics
+
+
+def write_summary(job_dir: str, rewards: list, tracking_uri: str, run_id: str, server) -> dict:
+    window = max(1, len(rewards) // 10)
+    summary = {
+        "steps": len(rewards),
+        "reward_first": sum(rewards[:window]) / window if rewards else None,
+        "reward_last": sum(rewards[-window:]) / window if rewards else None,
+        "reward_window_steps": window,
+        "rejected": dict(server.rejected),
+        "mlflow_tracking_uri": tracking_uri,
+        "mlflow_run_id": run_id,
+    }
+    with open(os.path.join(job_dir, "summary.json"), "w") as handle:
+        json.dump(summary, handle, indent=2)
+    return summary

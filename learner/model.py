@@ -1,0 +1,57 @@
+"""Model and tokenizer loading for the learner: HF causal LMs from a local directory, never from the hub."""
+import os
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    """The model directory is missing or unreadable."""
+
+
+def load_model(path: str, dtype: str = "float32", trust_remote_code: bool = False):
+    """An `AutoModelForCausalLM` from a local HF directory, in `dtype`, with sdpa attention."""
+    from transformers import AutoModelForCausalLM
+
+    check_model_dir(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=DTYPES[dtype], attn_implementation="sdpa", trust_remote_code=trust_remote_code
+    )
+    return model
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    check_model_dir(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+
+
+def check_model_dir(path: str) -> None:
+    if path is None:
+        raise ModelLoadError("model.path is not set (and demo.task is off): give a local HF model directory")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelLoadError(f"model.path {path!r} is not an HF model directory (no config.json)")
+
+
+def build_qwen2(vocab_size: int, hidden_size: int, num_layers: int, eos_token_id: int, pad_token_id: int, seed: int):
+    """A tiny Qwen2 built from a config (no download). head_dim 32 is one vLLM's CPU attention supports."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    heads = max(1, hidden_size // 32)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        eos_token_id=eos_token_id,
+        bos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)

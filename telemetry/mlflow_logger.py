@@ -1,0 +1,101 @@
+"""MLflow tracking shared by every process of a job: one run, asynchronous logging off the hot path.
+
+The learner creates the run (or attaches to $MLFLOW_RUN_ID) and hands its id to generators. Everyone logs with
+`MlflowClient.log_batch` from a background thread: never the fluent `start_run`, whose exit hook would end the
+shared run. The queue is bounded; when it is full the oldest report is dropped and counted rather than blocking
+training.
+"""
+import logging
+import os
+import queue
+import threading
+import time
+
+log = logging.getLogger(__name__)
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+
+
+def resolve_tracking_uri(configured: str | None) -> str:
+    return configured or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+
+
+def create_or_attach_run(tracking_uri: str, experiment: str, run_name: str) -> str:
+    """The job's run id: $MLFLOW_RUN_ID when set (attach), else a new run in `experiment`."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    existing = os.environ.get("MLFLOW_RUN_ID")
+    if existing:
+        client.get_run(existing)  # fails clearly if the id is unknown to this tracking store
+        return existing
+    found = client.get_experiment_by_name(experiment)
+    experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+    return client.create_run(experiment_id, run_name=run_name).info.run_id
+
+
+class MetricsLogger:
+    """Consumes metric dicts from any thread; a daemon thread writes them in batches of <= 1000."""
+
+    def __init__(self, tracking_uri: str, run_id: str, prefix: str = "", max_pending: int = 1000):
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri)
+        self.run_id = run_id
+        self.prefix = prefix
+        self.dropped = 0
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._thread = threading.Thread(target=self._drain, name="asyncrl-mlflow", daemon=True)
+        self._thread.start()
+
+    def log(self, metrics: dict, step: int) -> None:
+        item = (dict(metrics), step, int(time.time() * 1000))
+        try:
+            self._queue.put_nowait(item)
+        except queue.Full:
+            self.dropped += 1
+
+    def log_params(self, params: dict) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        for start in range(0, len(items), 100):
+            self.client.log_batch(self.run_id, params=items[start : start + 100])
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self.client.log_text(self.run_id, text, artifact_file)
+
+    def _drain(self) -> None:
+        from mlflow.entities import Metric
+
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            metrics, step, stamp = item
+            batch = [Metric(self.prefix + k, float(v), stamp, step) for k, v in metrics.items() if _is_number(v)]
+            for start in range(0, len(batch), 1000):
+                self._write(batch[start : start + 1000])
+
+    def _write(self, batch: list) -> None:
+        for attempt in range(3):  # sqlite may be briefly locked by another process of the job
+            try:
+                self.client.log_batch(self.run_id, metrics=batch)
+                return
+            except Exception as err:
+                if attempt == 2:
+                    log.warning("mlflow: could not log %d metrics: %s", len(batch), err)
+                time.sleep(0.2 * (attempt + 1))
+
+    def close(self, status: str | None = None) -> None:
+        """Flush everything queued, then optionally end the run (only its creator does that)."""
+        self._queue.put(None)
+        self._thread.join(timeout=60)
+        if status is not None:
+            self.client.set_terminated(self.run_id, status=status)
+
+
+def _is_number(value) -> bool:
+    try:
+        return value == value and abs(float(value)) != float("inf")
+    except (TypeError, ValueError):
+        return False
