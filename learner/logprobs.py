@@ -27,7 +27,7 @@ def compute_logprobs(
     batch, length, width = hidden.shape
     flat_hidden = hidden.reshape(-1, width)
     flat_targets = targets.reshape(-1)
-    flat_temps = temperatures.to(torch.float32).repeat_interleave(length)
+    flat_temps = temperatures.to(torch.promote_types(hidden.dtype, torch.float32)).repeat_interleave(length)
     logprob_chunks, entropy_chunks = [], []
     for start in range(0, flat_hidden.shape[0], chunk_tokens):
         stop = start + chunk_tokens
@@ -46,10 +46,15 @@ def compute_logprobs(
 
 
 def _chunk_logprobs(head, hidden, targets, temps):
-    logits = head(hidden).float() / temps[:, None]  # [chunk, V]
+    logits = _at_least_fp32(head(hidden)) / temps[:, None]  # [chunk, V]
     return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
 
 
 def _chunk_entropy(head, hidden, temps):
-    log_probs = (head(hidden).float() / temps[:, None]).log_softmax(-1)
+    log_probs = (_at_least_fp32(head(hidden)) / temps[:, None]).log_softmax(-1)
     return -(log_probs.exp() * log_probs).sum(-1)
+
+
+def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    """bf16 logits are upcast (logsumexp in bf16 is unstable); fp64 stays fp64 for exact tests."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))

@@ -1,0 +1,104 @@
+"""The embedded ZeroMQ buffer over real sockets: bad input is rejected and counted, the server keeps serving."""
+import asyncio
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from asyncrl.buffer.codec import encode_group
+from asyncrl.buffer.group import Group, Sample, Sampling
+from asyncrl.buffer.protocol import pack
+from asyncrl.buffer.staleness import Coordinator
+from asyncrl.buffer.zmq_client import BufferClient, LearnerUnavailable
+from asyncrl.buffer.zmq_server import ZmqBufferServer
+from tests.conftest import free_port
+
+
+def group(reward=1.0, token=3, version=0):
+    sample = Sample(completion_ids=np.array([token, 4], np.int32), logprobs=np.array([-0.5, -1.0], np.float32),
+                    versions=np.array([version, version], np.int32), reward=reward, finish_reason="stop")
+    return Group(group_id="abc", prompt_id="p0", generator_id="g", prompt_ids=np.array([1, 2], np.int32),
+                 samples=[sample], sampling=Sampling(1.0), created_at=time.time())
+
+
+@pytest.fixture
+def server():
+    srv = ZmqBufferServer("127.0.0.1", free_port(), Coordinator(1, 2), vocab_size=16, config_hash="h",
+                          max_message_bytes=4096, queue_groups=2, run_info={"k": "v"}).start()
+    yield srv
+    srv.close()
+
+
+def request(client, *args, **kwargs):
+    return asyncio.run(client.request(*args, **kwargs))
+
+
+def test_bad_groups_are_rejected_counted_and_the_server_keeps_serving(server):
+    client = BufferClient(server.endpoint, "gen-a", timeout_s=5)
+    wrong_schema = msgpack.unpackb(encode_group(group()), raw=False)
+    wrong_schema["schema"] = 99
+
+    async def scenario():
+        replies = []
+        for payload in (b"\x00garbage\xff", msgpack.packb(wrong_schema, use_bin_type=True),
+                        encode_group(group(reward=float("nan"))), encode_group(group(token=999)),
+                        b"\x00" * 5000):
+            replies.append(await client.request("group", body=payload))
+        replies.append(await client.request("group", body=encode_group(group())))
+        return replies
+
+    replies = asyncio.run(scenario())
+    client.close()
+    assert [r["accepted"] for r in replies] == [False] * 5 + [True]
+    assert server.rejected == {"malformed": 1, "schema": 1, "bad_reward": 1, "token_out_of_range": 1,
+                               "too_large": 1}
+    assert server.take(1.0).group_id == "abc"
+
+
+def test_malformed_control_frames_do_not_stop_the_server(server):
+    context = zmq.Context()
+    raw = context.socket(zmq.DEALER)
+    raw.connect(server.endpoint)
+    raw.send_multipart([b"not msgpack"])
+    raw.send_multipart([pack({"op": "explode", "req": 1, "gen": "x"})])
+    for _ in range(2):
+        assert raw.poll(5000) and msgpack.unpackb(raw.recv_multipart()[-1])["ok"] is False
+    raw.close(linger=0)
+    context.term()
+    client = BufferClient(server.endpoint, "gen-b", timeout_s=5)
+    assert request(client, "hello", config_hash="h")["run_info"] == {"k": "v"}
+    client.close()
+    assert server.rejected["malformed"] == 2
+
+
+def test_config_mismatch_is_refused_with_a_clear_message(server):
+    client = BufferClient(server.endpoint, "gen-c", timeout_s=5)
+    reply = request(client, "hello", config_hash="other")
+    client.close()
+    assert not reply["ok"] and "config mismatch" in reply["error"] and "gen-c" in reply["error"]
+
+
+def test_admission_is_paced_and_a_full_queue_asks_to_retry(server):
+    client = BufferClient(server.endpoint, "gen-d", timeout_s=5)
+
+    async def scenario():
+        first = await client.request("admit", want=10)
+        second = await client.request("admit", want=1)
+        sent = [await client.request("group", body=encode_group(group())) for _ in range(3)]
+        return first, second, sent
+
+    first, second, replies = asyncio.run(scenario())
+    client.close()
+    assert first["granted"] == 4  # (η + v + 1) * B = (1 + 0 + 1) * 2
+    assert second["granted"] == 0
+    assert [r.get("accepted") for r in replies] == [True, True, False] and replies[2]["retry"]
+
+
+def test_a_dead_learner_is_named_in_the_error():
+    port = free_port()
+    client = BufferClient(f"tcp://127.0.0.1:{port}", "gen-e", timeout_s=0.3)
+    with pytest.raises(LearnerUnavailable, match=str(port)):
+        request(client, "admit")
+    client.close()

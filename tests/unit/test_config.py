@@ -1,0 +1,68 @@
+import subprocess
+import sys
+
+import pytest
+
+from asyncrl.configs import ConfigError, load_config, shared_hash, to_yaml
+
+
+def test_overrides_change_values_and_types():
+    cfg = load_config(None, ["buffer.max_staleness=4", "learner.lr=1e-6", "generator.engine=hf"])
+    assert cfg.buffer.max_staleness == 4 and cfg.learner.lr == 1e-6 and cfg.generator.engine == "hf"
+
+
+def test_default_recipe_is_the_cpu_demo():
+    cfg = load_config()
+    assert cfg.demo.task == "sort_digits" and cfg.generator.engine == "vllm"
+
+
+@pytest.mark.parametrize("override, key", [
+    (["buffer.nope=1"], "buffer.nope"),
+    (["nosuch.key=1"], "nosuch"),
+    (["buffer.max_staleness=abc"], "buffer.max_staleness"),
+    (["buffer.max_staleness=-1"], "buffer.max_staleness"),
+    (["algo.loss=nope"], "algo.loss"),
+    (["rollout.temperature=0"], "rollout.temperature"),
+])
+def test_unknown_keys_and_bad_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, override)
+
+
+def test_override_without_equals_is_an_error():
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["buffer.max_staleness"])
+
+
+def test_missing_recipe_is_named():
+    with pytest.raises(ConfigError, match="no_such_recipe.yaml"):
+        load_config("no_such_recipe.yaml")
+
+
+def test_shared_hash_ignores_per_process_sections_but_not_shared_ones():
+    base = load_config()
+    assert shared_hash(base) == shared_hash(load_config(None, ["generator.engine=hf", "learner.lr=0.5"]))
+    assert shared_hash(base) != shared_hash(load_config(None, ["buffer.max_staleness=7"]))
+
+
+def test_yaml_round_trips(tmp_path):
+    cfg = load_config(None, ["buffer.max_staleness=3"])
+    path = tmp_path / "r.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(str(path)) == cfg
+
+
+def test_dry_run_prints_yaml_and_never_imports_torch():
+    code = (
+        "import sys; from asyncrl.launch.cli import main; rc = main(['run', '--dry-run', 'buffer.max_staleness=5']);"
+        "assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'; assert 'vllm' not in sys.modules"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "max_staleness: 5" in out.stdout
+
+
+def test_cli_reports_bad_override_with_exit_code_2():
+    out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "learner", "--dry-run", "buffer.bogus=1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "buffer.bogus" in out.stderr
