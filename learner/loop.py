@@ -56,7 +56,7 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str) -> dict:
                                enabled=cfg.telemetry.progress)
     rewards, status = [], "FAILED"
     try:
-        server.set_weights(publisher.publish(model.named_parameters(), 0))
+        server.set_weights(publisher.publish(model.state_dict().items(), 0))
         server.start()
         log.info("learner: buffer at %s, MLflow run %s in %s", server.endpoint, run_id, tracking_uri)
         for version in range(cfg.learner.total_steps):
@@ -82,7 +82,7 @@ def run_one_step(cfg, model, optimizer, scheduler, server, coordinator, publishe
                          cfg.learner.max_tokens_per_microbatch, cfg.learner.logprob_chunk_tokens,
                          cfg.learner.grad_clip)
     started = time.perf_counter()
-    server.set_weights(publisher.publish(model.named_parameters(), version + 1))
+    server.set_weights(publisher.publish(model.state_dict().items(), version + 1))
     coordinator.set_version(version + 1)  # only now may generators be admitted against v+1
     metrics["timing/weightsync/publish_s"] = time.perf_counter() - started
     metrics["timing/learner/wait_for_batch_s"] = collected.wait_s

@@ -33,10 +33,11 @@ class ShmWeightPublisher:
 
         tensors, seen = {}, set()
         for name, tensor in named_tensors:
-            if tensor.data_ptr() in seen:  # tied weights (lm_head = embed_tokens) are sent once
-                continue
+            # Tied weights (lm_head = embed_tokens) are written under both names: vLLM's in-place CPU reload
+            # re-creates the embedding, and without an lm_head entry the head would keep the old weights.
+            tensor = tensor.detach().to(device="cpu", dtype=self.dtype)
+            tensors[name] = tensor.clone() if tensor.data_ptr() in seen else tensor.contiguous()
             seen.add(tensor.data_ptr())
-            tensors[name] = tensor.detach().to(device="cpu", dtype=self.dtype).contiguous()
         final = os.path.join(self.root, f"v{version:08d}")
         staging = final + f".tmp-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)

@@ -70,7 +70,7 @@ class HfEngine:
         async with self._lock:
             try:
                 tensors = load_file(path)
-                params = dict(self.model.named_parameters())
+                params = dict(self.model.named_parameters(remove_duplicate=False))
                 missing = [name for name in params if name not in tensors and not _is_tied(self.model, name)]
                 unknown = [name for name in tensors if name not in params]
                 bad_shape = [n for n, t in tensors.items() if n in params and params[n].shape != t.shape]

@@ -1,0 +1,87 @@
+"""The real vLLM CPU engine, shared by the session: logprob parity with the learner and weight updates."""
+import asyncio
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.buffer.group import Sampling
+from asyncrl.learner.logprobs import compute_logprobs
+from asyncrl.learner.model import load_model
+from asyncrl.weightsync.shm import ShmWeightPublisher, verify_published
+
+pytestmark = pytest.mark.vllm
+PROMPTS = [[31 % 19, 5, 7, 9, 3], [4, 6, 8, 2, 10, 11]]
+
+
+@pytest.fixture(scope="session")
+def event_loop_runner():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(demo_assets, event_loop_runner):
+    from asyncrl.generator.engines.vllm_engine import VllmEngine
+
+    engine = VllmEngine(demo_assets[0], dtype="float32", max_model_len=64, kv_cache_gib=0.25, seed=0)
+    event_loop_runner.run_until_complete(engine.start())
+    yield engine
+    event_loop_runner.run_until_complete(engine.close())
+
+
+def learner_logprobs(model, prompt, completion, temperature):
+    ids = torch.tensor([prompt + completion])
+    logprobs, _ = compute_logprobs(model, ids, torch.ones_like(ids), torch.tensor([temperature]), 64)
+    return logprobs[0, len(prompt) - 1:].tolist()
+
+
+def test_n_samples_with_processed_logprobs_match_the_learner_at_temperature(vllm_engine, demo_assets,
+                                                                            event_loop_runner):
+    model = load_model(demo_assets[0]).eval()
+    prompt = PROMPTS[0]
+    completions = event_loop_runner.run_until_complete(
+        vllm_engine.sample(prompt, Sampling(temperature=0.7, max_tokens=8), n=4))
+    assert len(completions) == 4
+    worst = 0.0
+    with torch.no_grad():
+        for completion in completions:
+            assert len(completion.token_ids) == len(completion.logprobs) == len(completion.versions) > 0
+            expected = learner_logprobs(model, prompt, completion.token_ids, 0.7)
+            worst = max(worst, float(np.max(np.abs(np.array(expected) - np.array(completion.logprobs)))))
+            raw = learner_logprobs(model, prompt, completion.token_ids, 1.0)
+            assert not np.allclose(raw, completion.logprobs, atol=1e-3), "logprobs are raw, not processed"
+    assert worst < 1e-4, worst
+
+
+def test_weight_update_changes_greedy_outputs_and_never_serves_stale_prefix_cache(vllm_engine, demo_assets,
+                                                                                 event_loop_runner, tmp_path):
+    run = event_loop_runner.run_until_complete
+    greedy = Sampling(temperature=1e-4, max_tokens=6)  # near-greedy; vLLM treats T=0 as greedy without logprobs
+    prompt = PROMPTS[1]
+    run(vllm_engine.sample(prompt, greedy, n=1))  # the prompt's KV is now in the prefix cache
+    model = load_model(demo_assets[0]).eval()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    publisher = ShmWeightPublisher(str(tmp_path / "w"), keep_versions=3, dtype="float32")
+    descriptor = publisher.publish(model.state_dict().items(), version=7)
+    run(vllm_engine.load_weights(verify_published(descriptor), 7))
+    after = run(vllm_engine.sample(prompt, greedy, n=1))[0]
+    assert set(after.versions) == {7}
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        expected = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)[0, len(prompt):]
+    assert after.token_ids == expected.tolist()[: len(after.token_ids)]
+    # Stale KV of the cached prompt (computed by the old weights) would make these logprobs the old model's.
+    sampled = run(vllm_engine.sample(prompt, Sampling(temperature=0.7, max_tokens=6), n=2))
+    with torch.no_grad():
+        for completion in sampled:
+            expected_logprobs = learner_logprobs(model, prompt, completion.token_ids, 0.7)
+            assert np.max(np.abs(np.array(expected_logprobs) - np.array(completion.logprobs))) < 1e-4
+    # put the original weights back for other tests
+    original = load_model(demo_assets[0])
+    run(vllm_engine.load_weights(verify_published(publisher.publish(original.state_dict().items(), 8)), 8))
