@@ -34,6 +34,7 @@ class ZmqBufferServer:
         self.received = 0
         self.generator_stats: dict[str, dict] = {}
         self.last_seen: dict[str, float] = {}
+        self.joins: dict[str, dict] = {}  # generator -> version at hello, min token version of its first group
         self._weights: dict = {}
         self._done = False
         self._stop = threading.Event()
@@ -141,6 +142,7 @@ class ZmqBufferServer:
                 f"the learner has {self.config_hash!r}; start both with the same recipe and shared overrides"))
             return reply
         reply["run_info"] = self.run_info
+        self.joins.setdefault(request["gen"], {"hello_version": self.coordinator.version})
         return reply
 
     def _receive_group(self, gen: str, data: bytes) -> dict:
@@ -158,6 +160,8 @@ class ZmqBufferServer:
             return {"accepted": False, "retry": True}  # back-pressure; the generator keeps the group
         self.coordinator.delivered(gen)
         self.received += 1
+        join = self.joins.setdefault(gen, {"hello_version": None})
+        join.setdefault("first_group_min_version", group.min_version())
         return {"accepted": True}
 
     def _reject(self, reason: str, detail: str) -> None:

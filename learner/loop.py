@@ -106,6 +106,7 @@ def write_summary(job_dir: str, rewards: list, tracking_uri: str, run_id: str, s
         "reward_last": sum(rewards[-window:]) / window if rewards else None,
         "reward_window_steps": window,
         "rejected": dict(server.rejected),
+        "generators": server.joins,
         "mlflow_tracking_uri": tracking_uri,
         "mlflow_run_id": run_id,
     }

@@ -1,0 +1,21 @@
+"""Benchmarks are not tests; this only checks that each one runs on a tiny setting and ends with a JSON line."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import free_port
+
+
+@pytest.mark.slow
+def test_async_vs_sync_bench_runs_on_a_tiny_setting(tmp_path, demo_assets, demo_cache):
+    overrides = [f"demo.cache_dir={demo_cache}", "demo.sft_steps=20", "demo.num_prompts=256",
+                 f"buffer.port={free_port()}", "buffer.groups_per_step=2", "rollout.n=2", "generator.engine=hf",
+                 "generator.max_inflight_groups=2"]
+    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.async_vs_sync", "--steps", "3", "--eta", "1",
+                          *overrides], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "async_vs_sync" and result["speedup"] > 0
+    assert result["sync"]["eta"] == 0 and result["async"]["eta"] == 1

@@ -1,0 +1,118 @@
+"""End to end: `asyncrl run` with the real vLLM engine, and a hand-started learner with generators that join
+before and after it. Every process is a real subprocess; ports are free ports on 127.0.0.1."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import free_port
+
+REQUIRED_METRICS = ("reward/mean", "loss/pg", "buffer/staleness/mean", "buffer/staleness/max", "buffer/dropped_stale",
+                    "offpolicy/mismatch_k3", "perf/learner/tokens_per_s", "perf/generator/tokens_per_s",
+                    "timing/weightsync/publish_s")
+
+
+def common_overrides(demo_cache, port, steps, eta=1):
+    return [f"demo.cache_dir={demo_cache}", "demo.sft_steps=20", "demo.num_prompts=256", f"buffer.port={port}",
+            f"learner.total_steps={steps}", f"buffer.max_staleness={eta}", "buffer.groups_per_step=4",
+            "rollout.n=4", "generator.max_inflight_groups=4", "generator.log_every_s=1", "generator.kv_cache_gib=0.25"]
+
+
+def job_env(tmp_path):
+    return {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "HF_HUB_OFFLINE": "1"}
+
+
+def mlflow_metric_keys(tmp_path, run_id):
+    from mlflow.tracking import MlflowClient
+
+    return set(MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(run_id).data.metrics)
+
+
+def read_progress(job_dir):
+    with open(os.path.join(job_dir, "progress.jsonl")) as handle:
+        return [json.loads(line) for line in handle]
+
+
+def inject_garbage(port):
+    """Raw bad frames straight at the learner's buffer while it trains."""
+    import zmq
+
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    from asyncrl.buffer.protocol import pack
+
+    for index, body in enumerate([b"\xc1\xc1garbage", b"\x00" * 32]):
+        sock.send_multipart([pack({"op": "group", "req": index, "gen": "attacker"}), body])
+    sock.send_multipart([b"not even msgpack"])
+    for _ in range(3):
+        sock.poll(10_000)
+        sock.recv_multipart()
+    sock.close(linger=0)
+    context.term()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_asyncrl_run_trains_logs_to_mlflow_and_respects_eta(tmp_path, demo_assets, demo_cache):
+    port = free_port()
+    job_dir = tmp_path / "job"
+    env = {**job_env(tmp_path), "ASYNCRL_JOB_DIR": str(job_dir)}
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.launch.cli", "run",
+                             *common_overrides(demo_cache, port, steps=8)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not (job_dir / "progress.jsonl").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+    inject_garbage(port)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    summary = json.loads((job_dir / "summary.json").read_text())
+    assert summary["steps"] == 8 and "MLflow: run" in out and "reward: first" in out
+    assert summary["rejected"].get("malformed", 0) >= 2, summary["rejected"]
+    progress = read_progress(job_dir)
+    assert max(p["buffer/staleness/max"] for p in progress) <= 1
+    assert mlflow_metric_keys(tmp_path, summary["mlflow_run_id"]) >= set(REQUIRED_METRICS)
+
+
+def start(role, overrides, tmp_path, job_dir, log_name):
+    env = {**job_env(tmp_path), "ASYNCRL_JOB_DIR": str(job_dir)}
+    log = open(tmp_path / log_name, "w")
+    return subprocess.Popen([sys.executable, "-m", "asyncrl.launch.cli", role, *overrides], cwd=tmp_path, env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.slow
+def test_generators_started_before_and_after_the_learner_join_with_current_weights(tmp_path, demo_assets,
+                                                                                    demo_cache):
+    port = free_port()
+    job_dir = tmp_path / "job"
+    overrides = common_overrides(demo_cache, port, steps=10) + ["generator.engine=hf"]
+    procs = {"early": start("generator", overrides + ["generator.generator_id=early"], tmp_path, job_dir, "early.log")}
+    time.sleep(2)
+    procs["learner"] = start("learner", overrides, tmp_path, job_dir, "learner.log")
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            if (job_dir / "progress.jsonl").exists() and len(read_progress(job_dir)) >= 3:
+                break
+            assert procs["learner"].poll() is None, (tmp_path / "learner.log").read_text()[-3000:]
+            time.sleep(0.3)
+        procs["late"] = start("generator", overrides + ["generator.generator_id=late"], tmp_path, job_dir, "late.log")
+        for name in ("learner", "early", "late"):
+            assert procs[name].wait(timeout=240) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    summary = json.loads((job_dir / "summary.json").read_text())
+    late = summary["generators"]["late"]
+    assert late["hello_version"] >= 3
+    if "first_group_min_version" in late:  # it may have joined too late to deliver anything
+        assert late["first_group_min_version"] >= late["hello_version"]
+    assert "first_group_min_version" in summary["generators"]["early"]
+    assert max(p["buffer/staleness/max"] for p in read_progress(job_dir)) <= 1
