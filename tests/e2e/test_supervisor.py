@@ -1,0 +1,62 @@
+"""`asyncrl run` as a supervisor: a crashing child is reported with its exit code and log tail, and Ctrl-C stops
+both children cleanly."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import free_port
+
+
+def overrides(demo_cache, port):
+    return [f"demo.cache_dir={demo_cache}", "demo.sft_steps=20", "demo.num_prompts=256", f"buffer.port={port}",
+            "generator.engine=hf", "buffer.groups_per_step=2", "rollout.n=2", "generator.max_inflight_groups=2"]
+
+
+def children_of(job_dir):
+    """PIDs the supervisor started, read from /proc by their job directory in the environment."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                if f"ASYNCRL_JOB_DIR={job_dir}".encode() in handle.read().split(b"\0"):
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.slow
+def test_a_crashing_generator_is_reported_and_the_learner_is_stopped(tmp_path, demo_assets, demo_cache):
+    job_dir = tmp_path / "job"
+    env = {**os.environ, "ASYNCRL_JOB_DIR": str(job_dir), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/m.db"}
+    out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "run", *overrides(demo_cache, free_port()),
+                          f"reward.path={tmp_path}/missing_reward.py"], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert out.returncode != 0
+    assert "the generator exited with code 1" in out.stderr
+    assert "missing_reward.py" in out.stderr  # the tail of its log names the problem
+    assert children_of(str(job_dir)) == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_learner_and_generator(tmp_path, demo_assets, demo_cache):
+    job_dir = tmp_path / "job"
+    env = {**os.environ, "ASYNCRL_JOB_DIR": str(job_dir), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/m.db"}
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.launch.cli", "run", *overrides(demo_cache, free_port()),
+                             "learner.total_steps=100000"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    deadline = time.time() + 240
+    while not (job_dir / "progress.jsonl").exists():
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.5)
+    assert len(children_of(str(job_dir))) >= 2
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in err
+    assert children_of(str(job_dir)) == []
