@@ -1,20 +1,27 @@
-"""Policy losses and their aggregation over tokens (reference/offpolicy_algorithms.md §1.1, §1.15, §2.2).
+"""Policy losses and their aggregation over tokens (reference/offpolicy_algorithms.md §1, §1.15, §2.2, §2.7).
 
 A policy loss is a pure function: [B, T] tensors in, ``(per_token_loss [B, T], metrics)`` out. It does NOT
 reduce over tokens, because the right normaliser is a property of the whole optimizer step (all micro-batches
 on all ranks), which one call cannot see. ``aggregate_loss`` does the reduction with global counts, so that
 summing it over micro-batches gives exactly the full-batch loss, whatever the micro-batch composition.
 
-Inputs, all [B, T] and aligned on generated tokens:
+Every loss has the signature
+    loss(logprobs, logprobs_prox, advantages, loss_mask, *, is_weight=None, logprobs_behav=None, **hyperparameters)
+with all tensors [B, T] and aligned on generated tokens:
 - ``logprobs``       ℓθ, current learner pass; the only input that receives gradient.
-- ``logprobs_prox``  ℓprox, no-grad learner pass at the start of the step (the trust-region centre).
+- ``logprobs_prox``  ℓprox, the trust-region centre: the no-grad learner pass at the start of the step, or ℓμ in
+                     bypass mode. Losses without a ratio (gpg, reinforce, topr) only log metrics from it.
 - ``advantages``     A, already broadcast per token.
 - ``loss_mask``      1 on generated tokens that train, 0 elsewhere (prompt, tool output, padding).
-- ``is_weight``      optional w = π_prox/π_behav from ``corrections.compute_is_weight``: detached, truncated or
-                     masked, 0 off-mask. Rejected tokens (w = 0) stay in ``loss_mask``, so the normaliser keeps the
-                     original token count (AReaL/slime; masking must not inflate the kept tokens' gradient).
-Masked positions may hold anything (-inf logprobs, NaN advantages): they are replaced before any arithmetic, so
-neither the loss nor the gradient can pick up a NaN from them.
+- ``is_weight``      optional detached correction weight from ``corrections`` (0 where rejected). It multiplies the
+                     per-token loss. Rejected tokens stay in ``loss_mask``, so the normaliser keeps the original
+                     token count (AReaL/slime; masking must not inflate the kept tokens' gradient).
+- ``logprobs_behav`` ℓμ, the generator's logprobs; read by topr only, accepted (and ignored) by the others so the
+                     learner can call every loss alike.
+Masked positions may hold anything (-inf logprobs, NaN advantages): ``loss_parts`` replaces them before any
+arithmetic, so neither the loss nor the gradient can pick up a NaN from them.
+Token-local losses live here; the sequence-ratio losses (gspo, gspo_token) in ``losses_seq``, the covariance
+losses (clip_cov, kl_cov), whose token selection looks at the whole call, in ``losses_cov``.
 
 Metric convention (shared with ``corrections.py``; ``metrics.combine_token_metrics`` implements it):
 - ``<area>/<name>``      mean over this call's valid tokens (handy for a single micro-batch);
@@ -23,28 +30,28 @@ Metric convention (shared with ``corrections.py``; ``metrics.combine_token_metri
 - ``<area>/.../max``     a max over this call's valid tokens.
 To combine micro-batches or ranks: add every ``_sum`` and ``tokens`` (all-reduce SUM), take the max of every
 ``/max`` (all-reduce MAX), then ``<area>/<name> = <area>/<name>_sum / max(<area>/tokens, 1)``. Metric values are
-detached 0-d tensors, so collecting them never forces a device sync.
+detached 0-d tensors, so collecting them never forces a device sync. Every loss logs ``policy/ratio_mean`` and
+``policy/ppo_kl``; ``policy/clip_frac_low`` / ``_high`` mean "the clipped branch is active" for the clipped losses.
 """
 import torch
 from torch import Tensor
 
-LOG_RATIO_CLAMP = 20.0
-"""|log ratio| is clamped to this before exp (verl, OpenRLHF): e^20 is large but finite in fp32 and bf16."""
+from asyncrl.algos.loss_parts import (
+    LOG_RATIO_CLAMP,
+    add_token_metric,
+    check_clip_range,
+    clipped_surrogate,
+    finish_policy_loss,
+    masked_log_ratio,
+    prepare_policy_inputs,
+    start_policy_metrics,
+)
+from asyncrl.algos.losses_cov import clip_cov_loss, kl_cov_loss
+from asyncrl.algos.losses_seq import gspo_loss, gspo_token_loss
 
-
-def _masked_log_ratio(logprobs: Tensor, logprobs_ref: Tensor, valid: Tensor) -> Tensor:
-    # fp32 at least: bf16 log-prob differences lose most of their digits (pitfall §4.5).
-    dtype = torch.promote_types(logprobs.dtype, torch.float32)
-    diff = logprobs.to(dtype) - logprobs_ref.to(dtype)
-    # where(), not *mask: -inf - -inf = NaN at padding would otherwise leak into exp() and its backward.
-    diff = torch.where(valid, diff, torch.zeros_like(diff))
-    return diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-
-
-def _token_metric(metrics: dict, name: str, per_token: Tensor, valid: Tensor, tokens: Tensor) -> None:
-    total = torch.where(valid, per_token.to(tokens.dtype), torch.zeros_like(tokens)).sum()
-    metrics[f"{name}_sum"] = total
-    metrics[name] = total / tokens.clamp(min=1.0)
+__all__ = ["LOG_RATIO_CLAMP", "LOSS_AGGREGATIONS", "LOSS_HYPERPARAMETERS", "POLICY_LOSSES", "aggregate_loss",
+           "cispo_loss", "clip_cov_loss", "gpg_loss", "gspo_loss", "gspo_token_loss", "kl_cov_loss",
+           "ppo_clip_loss", "reinforce_loss", "sapo_loss", "topr_loss"]
 
 
 def ppo_clip_loss(
@@ -53,50 +60,181 @@ def ppo_clip_loss(
     advantages: Tensor,
     loss_mask: Tensor,
     *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip_c: float | None = None,
     is_weight: Tensor | None = None,
+    logprobs_behav: Tensor | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    dual_clip_c: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO-clip centred on π_prox; the decoupled PPO objective (AReaL) when ``is_weight`` is given.
+    """PPO-clip centred on π_prox (§1.1); the decoupled PPO objective (AReaL, §2.2) when ``is_weight`` is given.
 
     L_t = w_t * max(-u_t A_t, -clip(u_t, 1 - clip_low, 1 + clip_high) A_t),  u_t = exp(ℓθ_t - ℓprox_t).
+    Defaults: ε_low 0.2 (verl/AReaL/OpenRLHF/slime), ε_high 0.28 (DAPO clip-higher, arXiv 2503.14476).
     Dual clip (Ye et al. 2019) caps the loss of A < 0 tokens at -c A, so one token whose ratio exploded cannot
-    dominate the step. Clipping is centred on π_prox rather than the stale behaviour policy because a trust
-    region around μ is the "improper clipping centre" that makes naive async PPO diverge (§2.2).
-    Returns the per-token loss [B, T] (0 where ``loss_mask`` is 0) and the metrics described in the module doc.
+    dominate the step (verl uses c = 3; off by default as in AReaL/OpenRLHF/slime). Clipping is centred on π_prox
+    rather than the stale behaviour policy because a trust region around μ is the "improper clipping centre" that
+    makes naive async PPO diverge (§2.2).
     """
-    if clip_low < 0 or clip_high < 0:
-        raise ValueError(f"clip_low/clip_high must be >= 0, got {clip_low}/{clip_high}")
+    check_clip_range("ppo", clip_low, clip_high)
     if dual_clip_c is not None and dual_clip_c <= 1.0:
         raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
-    valid = loss_mask.bool()  # [B, T]
-    log_ratio = _masked_log_ratio(logprobs, logprobs_prox.detach(), valid)  # [B, T]
-    ratio = torch.exp(log_ratio)  # [B, T], u = π_θ / π_prox
-    zeros = torch.zeros_like(ratio)
-    adv = torch.where(valid, advantages.detach().to(ratio.dtype), zeros)  # [B, T]
-
-    loss_unclipped = -ratio * adv
-    loss_clipped = -ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
-    loss = torch.maximum(loss_unclipped, loss_clipped)  # [B, T]
-    is_dual_clipped = torch.zeros_like(valid)
+    x = prepare_policy_inputs(logprobs, logprobs_prox, advantages, loss_mask)
+    loss, clipped_low, clipped_high = clipped_surrogate(x.ratio, x.advantages, clip_low, clip_high)  # [B, T]
+    is_dual_clipped = torch.zeros_like(x.valid)
     if dual_clip_c is not None:
-        cap = -dual_clip_c * adv  # [B, T], positive where A < 0
-        is_dual_clipped = (adv < 0) & (loss > cap)
-        loss = torch.where(adv < 0, torch.minimum(loss, cap), loss)
-    if is_weight is not None:
-        loss = torch.where(valid, is_weight.detach().to(loss.dtype), zeros) * loss
-    loss = torch.where(valid, loss, zeros)
+        cap = -dual_clip_c * x.advantages  # [B, T], positive where A < 0
+        is_dual_clipped = (x.advantages < 0) & (loss > cap)
+        loss = torch.where(x.advantages < 0, torch.minimum(loss, cap), loss)
+    loss = finish_policy_loss(loss, x, is_weight)
 
     with torch.no_grad():
-        tokens = valid.sum().to(ratio.dtype)
-        metrics: dict[str, Tensor] = {"policy/tokens": tokens}
-        _token_metric(metrics, "policy/clip_frac_low", (ratio < 1.0 - clip_low) & (adv < 0), valid, tokens)
-        _token_metric(metrics, "policy/clip_frac_high", (ratio > 1.0 + clip_high) & (adv > 0), valid, tokens)
-        _token_metric(metrics, "policy/dual_clip_frac", is_dual_clipped, valid, tokens)
-        _token_metric(metrics, "policy/ratio_mean", ratio, valid, tokens)
-        # k1 estimate of KL(π_prox || π_θ): how far this step has already moved from its trust-region centre.
-        _token_metric(metrics, "policy/ppo_kl", -log_ratio, valid, tokens)
+        metrics = start_policy_metrics(x)
+        add_token_metric(metrics, "policy/clip_frac_low", clipped_low, x.valid, x.tokens)
+        add_token_metric(metrics, "policy/clip_frac_high", clipped_high, x.valid, x.tokens)
+        add_token_metric(metrics, "policy/dual_clip_frac", is_dual_clipped, x.valid, x.tokens)
+    return loss, metrics
+
+
+def cispo_loss(
+    logprobs: Tensor,
+    logprobs_prox: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    is_weight: Tensor | None = None,
+    logprobs_behav: Tensor | None = None,
+    clip_low: float | None = None,
+    clip_high: float = 3.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585, §1.6): L_t = -sg(clip(r_t, 1 - ε_low, 1 + ε_high)) A_t ℓθ_t.
+
+    PPO zeroes the gradient of a token whose ratio left the trust region, which silences exactly the rare
+    "reflection" tokens that move fastest. CISPO clips the importance weight instead and keeps REINFORCE's
+    gradient on every token: clipped tokens still learn, with a bounded weight.
+    ``clip_low=None`` means no lower bound: the paper sets ε_low large and tunes only ε_high. The paper gives no
+    value for ε_high; the default 3.0 caps the weight at 4, the CISPO default of Thinking Machines' Tinker
+    (clip_high_threshold=4.0, after ScaleRL, arXiv 2510.13786). DAPO-style runs use 0.28 (verl, Trinity-RFT).
+    ``policy/clip_frac_low`` / ``_high``: tokens whose weight was clipped, whatever the sign of A.
+    """
+    check_clip_range("cispo", clip_low, clip_high)
+    x = prepare_policy_inputs(logprobs, logprobs_prox, advantages, loss_mask)
+    lower = None if clip_low is None else 1.0 - clip_low
+    weight = x.ratio.detach().clamp(min=lower, max=1.0 + clip_high)  # [B, T]
+    loss = finish_policy_loss(-weight * x.advantages * x.logprobs, x, is_weight)
+
+    with torch.no_grad():
+        metrics = start_policy_metrics(x)
+        below = x.ratio < lower if lower is not None else torch.zeros_like(x.valid)
+        add_token_metric(metrics, "policy/clip_frac_low", below, x.valid, x.tokens)
+        add_token_metric(metrics, "policy/clip_frac_high", x.ratio > 1.0 + clip_high, x.valid, x.tokens)
+        add_token_metric(metrics, "policy/cispo_weight_mean", weight, x.valid, x.tokens)
+    return loss, metrics
+
+
+def sapo_loss(
+    logprobs: Tensor,
+    logprobs_prox: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    is_weight: Tensor | None = None,
+    logprobs_behav: Tensor | None = None,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO soft gate (arXiv 2511.20347, §1.13): L_t = -(4/τ) σ(τ (r_t - 1)) A_t, τ = τ_pos if A_t > 0 else τ_neg.
+
+    A smooth trust region instead of PPO's hard clip: dL/dℓθ = -4 σ(1 - σ) r A, which is exactly REINFORCE's -A
+    at r = 1 and decays smoothly as r leaves 1, so no token's gradient is cut off abruptly. τ_neg > τ_pos damps
+    negative updates faster, because pushing probability down spreads it over the whole vocabulary.
+    Defaults τ_pos 1.0, τ_neg 1.05: the paper's, verl ``compute_policy_loss_sapo`` (AReaL ``sapo_loss_fn``).
+    ``policy/sapo_grad_scale``: mean of 4 σ(1 - σ) r, the gradient's weight relative to REINFORCE (1 at r = 1).
+    """
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"sapo: tau_pos/tau_neg must be > 0, got {tau_pos}/{tau_neg}")
+    x = prepare_policy_inputs(logprobs, logprobs_prox, advantages, loss_mask)
+    tau = torch.where(x.advantages > 0, torch.full_like(x.ratio, tau_pos), torch.full_like(x.ratio, tau_neg))
+    gate_prob = torch.sigmoid(tau * (x.ratio - 1.0))  # [B, T]
+    loss = finish_policy_loss(-(4.0 / tau) * gate_prob * x.advantages, x, is_weight)
+
+    with torch.no_grad():
+        metrics = start_policy_metrics(x)
+        grad_scale = 4.0 * gate_prob * (1.0 - gate_prob) * x.ratio
+        add_token_metric(metrics, "policy/sapo_grad_scale", grad_scale, x.valid, x.tokens)
+    return loss, metrics
+
+
+def reinforce_loss(
+    logprobs: Tensor,
+    logprobs_prox: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    is_weight: Tensor | None = None,
+    logprobs_behav: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """REINFORCE: L_t = -sg(w_t) A_t ℓθ_t, w = ``is_weight`` or 1 (verl loss_type=reinforce, §2.2 bypass).
+
+    No ratio and no trust region: all off-policy handling is the correction's weight (e.g. TIS: w = min(π_θ/μ, C)
+    in bypass mode). ``logprobs_prox`` only feeds the ratio metrics.
+    """
+    x = prepare_policy_inputs(logprobs, logprobs_prox, advantages, loss_mask)
+    loss = finish_policy_loss(-x.advantages * x.logprobs, x, is_weight)
+    with torch.no_grad():
+        metrics = start_policy_metrics(x)
+    return loss, metrics
+
+
+def gpg_loss(
+    logprobs: Tensor,
+    logprobs_prox: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    is_weight: Tensor | None = None,
+    logprobs_behav: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GPG (arXiv 2504.02546, §1.10): L_t = -w_t A_t ℓθ_t, plain policy gradient with no ratio, clip, KL or ref.
+
+    The loss is REINFORCE's (verl ``compute_policy_loss_gpg`` is -A ℓθ); what makes GPG is its advantage (the
+    ``gpg`` estimator's α = B / #{R ≠ 0} rescaling). A separate entry so that a config names the paper's recipe.
+    """
+    return reinforce_loss(logprobs, logprobs_prox, advantages, loss_mask, is_weight=is_weight)
+
+
+def topr_loss(
+    logprobs: Tensor,
+    logprobs_prox: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    *,
+    is_weight: Tensor | None = None,
+    logprobs_behav: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """TOPR, tapered off-policy REINFORCE (arXiv 2503.14286, §2.7): L_t = -sg(w_t) A_t ℓθ_t with
+    w_t = 1 if A_t >= 0, else min(1, π_θ(y)/μ(y)) = exp(min(0, Σ_s (ℓθ_s - ℓμ_s))) over the token's sequence.
+
+    Positive samples keep the full SFT-like gradient without importance weights (they are what we want to imitate);
+    negative samples are down-weighted by the truncated SEQUENCE ratio, so a stale failure the current policy would
+    no longer produce cannot push its probability towards 0 without bound. The sign is read per token, so
+    sequence-constant advantages give the paper's per-sample rule. It already corrects for μ: use it with
+    correction none (the config rejects double corrections). Needs ``logprobs_behav``.
+    """
+    if logprobs_behav is None:
+        raise ValueError("topr needs logprobs_behav: its weight on negative samples is min(1, π_θ(y)/μ(y))")
+    x = prepare_policy_inputs(logprobs, logprobs_prox, advantages, loss_mask)
+    with torch.no_grad():
+        log_rho = masked_log_ratio(logprobs.detach(), logprobs_behav, x.valid)  # [B, T], ℓθ - ℓμ
+        seq_weight = torch.exp(log_rho.sum(dim=-1, keepdim=True).clamp(max=0.0))  # [B, 1], min(1, π_θ(y)/μ(y))
+        negative = x.advantages < 0  # [B, T]
+        weight = torch.where(negative, seq_weight.expand_as(log_rho), torch.ones_like(log_rho))
+    loss = finish_policy_loss(-weight * x.advantages * x.logprobs, x, is_weight)
+
+    with torch.no_grad():
+        metrics = start_policy_metrics(x)
+        add_token_metric(metrics, "policy/topr_negative_frac", negative, x.valid, x.tokens)
+        add_token_metric(metrics, "policy/topr_truncated_frac", negative & (weight < 1.0), x.valid, x.tokens)
+        add_token_metric(metrics, "policy/topr_weight_mean", weight, x.valid, x.tokens)
     return loss, metrics
 
 
@@ -144,6 +282,31 @@ def aggregate_loss(
 
 POLICY_LOSSES = {
     "ppo": ppo_clip_loss,
+    "gspo": gspo_loss,
+    "gspo_token": gspo_token_loss,
+    "cispo": cispo_loss,
+    "sapo": sapo_loss,
+    "gpg": gpg_loss,
+    "clip_cov": clip_cov_loss,
+    "kl_cov": kl_cov_loss,
+    "topr": topr_loss,
+    "reinforce": reinforce_loss,
 }
+
+LOSS_HYPERPARAMETERS = {
+    "ppo": {"clip_low": 0.2, "clip_high": 0.28, "dual_clip_c": None},
+    "gspo": {"clip_low": 3e-4, "clip_high": 4e-4},
+    "gspo_token": {"clip_low": 3e-4, "clip_high": 4e-4},
+    "cispo": {"clip_low": None, "clip_high": 3.0},
+    "sapo": {"tau_pos": 1.0, "tau_neg": 1.05},
+    "gpg": {},
+    "clip_cov": {"clip_low": 1.0, "clip_high": 1.0, "cov_ratio": 2e-4, "cov_low": 1.0, "cov_high": 5.0},
+    "kl_cov": {"cov_ratio": 2e-3, "kl_coef": 1.0},
+    "topr": {},
+    "reinforce": {},
+}
+"""Loss name -> {hyperparameter keyword: published default}; exactly the keywords each function takes besides the
+common ones (``is_weight``, ``logprobs_behav``; clip_cov's ``generator`` is not a hyperparameter). Sources are in
+each function's docstring; a unit test keeps this table equal to the functions' defaults."""
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
