@@ -1,55 +1,235 @@
-"""Algorithm choices (stdlib only). The names match the registries in `asyncrl.algos`."""
-from dataclasses import dataclass
+"""Algorithm choices (stdlib only): advantage estimator, policy loss, off-policy correction, KL terms, aggregation.
+
+The names match the registries in `asyncrl.algos` (a unit test checks that they stay in sync). Loss and correction
+hyperparameters default to None, which means "the published default of the chosen loss/correction": the single
+source of those numbers is the keyword defaults of the functions in `asyncrl.algos`, so that a GSPO run does not
+silently inherit PPO's ε = 0.2 (GSPO's is 3e-4). Setting a hyperparameter that the chosen loss or correction does
+not read is an error, not a silent no-op.
+
+Combination rules (`COMBINATION_RULES`) are checked when the config loads; each rejected pair says why.
+"""
+from dataclasses import dataclass, fields
 from typing import Optional
 
-ADVANTAGE_NAMES = ("grpo",)
-LOSS_NAMES = ("ppo",)
-CORRECTION_NAMES = ("none", "decoupled")
+ADVANTAGE_NAMES = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg", "remax")
+GROUP_ADVANTAGES = ("rloo", "reinforce_pp_baseline", "opo", "gpg")
+"""Estimators whose baseline is the rest of the group: they need rollout.n >= 2."""
+LOSS_NAMES = ("ppo", "gspo", "gspo_token", "cispo", "sapo", "gpg", "clip_cov", "kl_cov", "topr", "reinforce")
+RATIO_FREE_LOSSES = ("gpg", "topr", "reinforce")
+"""Losses with no trust-region ratio against π_prox (plain policy gradient, possibly IS-weighted)."""
+CORRECTION_NAMES = ("none", "decoupled", "bypass", "tis", "mis", "geo_rs", "k3_rs", "icepop", "m2po", "vtrace")
+BATCH_GLOBAL_CORRECTIONS = ("m2po", "vtrace")
+"""Corrections whose result for a token depends on other rows or positions: they need π_prox of the whole batch
+before the first update, so the learner runs the no-grad proximal pass for them."""
 LOSS_AGG_NAMES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_NAMES = ("k1", "k2", "k3", "k3+")
+PROX_METHODS = ("recompute", "loglinear")
+
+LOSS_FIELDS = {
+    "ppo": {"clip_low": "clip_low", "clip_high": "clip_high", "dual_clip_c": "dual_clip_c"},
+    "gspo": {"clip_low": "clip_low", "clip_high": "clip_high"},
+    "gspo_token": {"clip_low": "clip_low", "clip_high": "clip_high"},
+    "cispo": {"clip_low": "clip_low", "clip_high": "clip_high"},
+    "sapo": {"tau_pos": "tau_pos", "tau_neg": "tau_neg"},
+    "gpg": {},
+    "clip_cov": {"clip_low": "clip_low", "clip_high": "clip_high", "cov_ratio": "cov_ratio",
+                 "cov_low": "cov_low", "cov_high": "cov_high"},
+    "kl_cov": {"cov_ratio": "cov_ratio", "kl_cov_coef": "kl_coef"},
+    "topr": {},
+    "reinforce": {},
+}
+"""Config field -> keyword of the loss function, per loss."""
+
+CORRECTION_FIELDS = {
+    "none": {},
+    "decoupled": {"is_cap": "cap", "is_mode": "mode"},
+    "bypass": {"is_cap": "cap"},
+    "tis": {"is_cap": "cap", "is_level": "level"},
+    "mis": {"is_cap": "cap", "is_level": "level"},
+    "geo_rs": {"rs_low": "low", "rs_high": "high"},
+    "k3_rs": {"k3_threshold": "threshold"},
+    "icepop": {"rs_low": "low", "rs_high": "high"},
+    "m2po": {"m2_threshold": "threshold"},
+    "vtrace": {"vtrace_clip_rho": "clip_rho", "vtrace_clip_pg_rho": "clip_pg_rho", "vtrace_clip_c": "clip_c"},
+}
+"""Config field -> keyword of the correction, per correction. `bypass` reads is_cap only for the plain-PG losses
+(reinforce, gpg), whose weight is then min(π_θ/μ, cap) (verl's bypass_pg_is)."""
+
+
+def check_combination(loss: str, correction: str, advantage: str, prox_logprobs: str) -> None:
+    """Raise ValueError for a loss/correction pair that is invalid or corrects twice, with the reason."""
+    if loss == "topr" and correction not in ("none", "bypass"):
+        raise ValueError(
+            f"algo.loss=topr with algo.correction={correction} corrects twice: TOPR already weights negative "
+            "samples by min(1, π_θ/μ) against the behaviour policy; use algo.correction=none")
+    if correction == "vtrace" and loss != "reinforce":
+        raise ValueError(
+            f"algo.correction=vtrace needs algo.loss=reinforce: V-trace puts its truncated importance weights into "
+            f"the advantages, and {loss}'s own ratio would weight the same tokens a second time")
+    if correction == "vtrace" and advantage != "grpo":
+        raise ValueError(
+            f"algo.correction=vtrace computes its own advantages from the rewards (algo.vtrace_values picks the "
+            f"baseline), so algo.advantage={advantage} would be ignored; leave algo.advantage at its default")
+    if prox_logprobs == "loglinear" and correction == "bypass":
+        raise ValueError("algo.prox_logprobs=loglinear approximates π_prox, but algo.correction=bypass has no "
+                         "proximal policy (old := behaviour); drop one of them")
+    if prox_logprobs == "loglinear" and correction in BATCH_GLOBAL_CORRECTIONS:
+        raise ValueError(f"algo.correction={correction} needs the exact π_prox of the whole batch before the first "
+                         "update; algo.prox_logprobs=loglinear exists to skip that pass; use recompute")
+    if prox_logprobs == "loglinear" and loss in RATIO_FREE_LOSSES and correction == "none":
+        raise ValueError(f"algo.loss={loss} with algo.correction=none never reads π_prox, so "
+                         "algo.prox_logprobs=loglinear has nothing to approximate")
 
 
 @dataclass
 class AlgoConfig:
     advantage: str = "grpo"
-    """Advantage estimator."""
+    """Advantage estimator: grpo, rloo, reinforce_pp, reinforce_pp_baseline, opo, gpg, remax (needs one greedy
+    sample per prompt, which the generators then supply)."""
     norm_adv_by_std: bool = True
     """GRPO: divide by the group's std (False gives Dr.GRPO)."""
+    gamma: float = 1.0
+    """Discount of token rewards for reinforce_pp (per token)."""
     loss: str = "ppo"
-    """Policy loss."""
-    clip_low: float = 0.2
-    """PPO lower clip ε_low: the ratio is clipped at 1 - clip_low."""
-    clip_high: float = 0.28
-    """PPO upper clip ε_high (clip-higher): the ratio is clipped at 1 + clip_high."""
+    """Policy loss: ppo, gspo, gspo_token, cispo, sapo, gpg, clip_cov, kl_cov, topr, reinforce."""
+    clip_low: Optional[float] = None
+    """ε_low: the ratio is clipped at 1 - clip_low (ppo 0.2, gspo 3e-4; cispo: None = no lower bound)."""
+    clip_high: Optional[float] = None
+    """ε_high (clip-higher): the ratio is clipped at 1 + clip_high (ppo 0.28, gspo 4e-4)."""
     dual_clip_c: Optional[float] = None
-    """Dual-clip bound c > 1 for negative advantages; None disables it."""
+    """ppo dual-clip bound c > 1 for negative advantages (verl uses 3.0); None disables it."""
+    tau_pos: Optional[float] = None
+    """sapo gate temperature for A > 0 (1.0)."""
+    tau_neg: Optional[float] = None
+    """sapo gate temperature for A <= 0 (1.05)."""
+    cov_ratio: Optional[float] = None
+    """clip_cov / kl_cov: fraction of tokens selected by covariance (2e-4 / 2e-3)."""
+    cov_low: Optional[float] = None
+    """clip_cov: lower covariance bound for selection (1.0)."""
+    cov_high: Optional[float] = None
+    """clip_cov: upper covariance bound for selection (5.0)."""
+    kl_cov_coef: Optional[float] = None
+    """kl_cov: coefficient of |ℓθ - ℓprox| on the selected tokens (1.0)."""
     correction: str = "decoupled"
-    """Off-policy correction: `decoupled` (w = π_prox/π_behav, AReaL) or `none`."""
-    is_cap: float = 5.0
-    """Upper bound on the decoupled importance weight w."""
-    is_mode: str = "truncate"
-    """What happens above is_cap: `truncate` (w = min(w, cap)) or `mask` (the token gets weight 0)."""
+    """Off-policy correction: none, decoupled (AReaL), bypass (old := behaviour), tis, mis, geo_rs, k3_rs,
+    icepop, m2po, vtrace."""
+    is_cap: Optional[float] = None
+    """Upper bound C on the importance weight (decoupled 5.0, tis/mis 2.0, bypass with reinforce/gpg 2.0)."""
+    is_mode: Optional[str] = None
+    """decoupled: `truncate` (w = min(w, C)) or `mask` (w = 0 above C); default truncate."""
+    is_level: Optional[str] = None
+    """tis/mis: `token` or `sequence` (default token)."""
+    rs_low: Optional[float] = None
+    """geo_rs / icepop lower bound on the ratio (0.999 / 0.5)."""
+    rs_high: Optional[float] = None
+    """geo_rs / icepop upper bound on the ratio (1.001 / 5.0)."""
+    k3_threshold: Optional[float] = None
+    """k3_rs: reject a sequence whose mean per-token k3 exceeds this (0.01)."""
+    m2_threshold: Optional[float] = None
+    """m2po: mask the largest squared log-ratios until their mean over kept tokens is below this (0.04)."""
+    vtrace_clip_rho: Optional[float] = None
+    """vtrace ρ̄ (1.0)."""
+    vtrace_clip_pg_rho: Optional[float] = None
+    """vtrace ρ̄_pg (1.0)."""
+    vtrace_clip_c: Optional[float] = None
+    """vtrace c̄ (1.0)."""
+    vtrace_values: str = "group_mean"
+    """vtrace baseline: `none` (critic-free, V = 0) or `group_mean` (V = the prompt's mean reward in the group)."""
+    prox_logprobs: str = "recompute"
+    """How π_prox is obtained: `recompute` (exact: a no-grad pass, skipped when it equals the first forward) or
+    `loglinear` (A-3PO approximation from the behaviour logprobs and versions; saves the pass)."""
+    ppo_minibatches: int = 1
+    """Optimizer steps per batch (the batch's rows are split into this many mini-batches)."""
+    kl_loss_coef: float = 0.0
+    """Coefficient of a KL(π_θ‖π_ref) loss term; > 0 loads the reference model."""
+    kl_loss_type: str = "k3"
+    """KL estimator of the loss term: k2, k3 (low_var_kl) or k3+ (k3 value, k2 gradient). k1 has zero expected
+    gradient as a loss and is rejected."""
+    kl_reward_coef: float = 0.0
+    """Initial coefficient β of a per-token KL penalty on the reward; > 0 loads the reference model."""
+    kl_reward_type: str = "k1"
+    """KL estimator of the reward penalty: k1, k2, k3, k3+."""
+    kl_controller: str = "fixed"
+    """Reward-penalty controller: `fixed` or `adaptive` (Ziegler et al. 2019: β tracks kl_target)."""
+    kl_target: float = 0.1
+    """adaptive controller: target KL, per token averaged over sequences (nats; verl's convention)."""
+    kl_horizon: float = 10000.0
+    """adaptive controller: horizon in samples."""
     loss_agg: str = "token-mean"
     """Loss aggregation; normalisers are global over the optimizer step."""
     loss_norm_constant: Optional[float] = None
     """Constant divisor for seq-mean-token-sum-norm (Dr.GRPO), e.g. the max completion length."""
+    dynamic_sampling: bool = False
+    """DAPO: drop groups whose rewards are all equal and keep pulling until the batch is full (counted)."""
 
     def __post_init__(self):
-        for key, value, allowed in (
-            ("advantage", self.advantage, ADVANTAGE_NAMES),
-            ("loss", self.loss, LOSS_NAMES),
-            ("correction", self.correction, CORRECTION_NAMES),
-            ("loss_agg", self.loss_agg, LOSS_AGG_NAMES),
-            ("is_mode", self.is_mode, ("truncate", "mask")),
-        ):
-            if value not in allowed:
-                raise ValueError(f"algo.{key} must be one of {allowed}, got {value!r}")
-        if not 0 <= self.clip_low < 1:
-            raise ValueError(f"algo.clip_low must be in [0, 1), got {self.clip_low}")
-        if self.clip_high < 0:
+        for key, allowed in (("advantage", ADVANTAGE_NAMES), ("loss", LOSS_NAMES), ("correction", CORRECTION_NAMES),
+                             ("loss_agg", LOSS_AGG_NAMES), ("kl_loss_type", KL_NAMES),
+                             ("kl_reward_type", KL_NAMES), ("kl_controller", ("fixed", "adaptive")),
+                             ("prox_logprobs", PROX_METHODS), ("vtrace_values", ("none", "group_mean"))):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"algo.{key} must be one of {allowed}, got {getattr(self, key)!r}")
+        check_combination(self.loss, self.correction, self.advantage, self.prox_logprobs)
+        self._check_hyperparameters_are_read()
+        self._check_ranges()
+        if self.kl_loss_coef > 0 and self.kl_loss_type == "k1":
+            raise ValueError("algo.kl_loss_type=k1 has zero expected gradient as a loss term (E∇k1 = 0); "
+                             "use k2, k3 or k3+, or put k1 on the reward with algo.kl_reward_coef")
+        if self.kl_loss_coef > 0 and self.kl_reward_coef > 0:
+            raise ValueError("algo.kl_loss_coef and algo.kl_reward_coef are both > 0: the KL to the reference "
+                             "would be penalised twice; keep one")
+        if self.loss_agg == "seq-mean-token-sum-norm" and not self.loss_norm_constant:
+            raise ValueError("algo.loss_norm_constant must be set (> 0) when algo.loss_agg=seq-mean-token-sum-norm")
+
+    def _check_hyperparameters_are_read(self) -> None:
+        used = set(LOSS_FIELDS[self.loss]) | set(CORRECTION_FIELDS[self.correction])
+        optional = {f.name for f in fields(self) if f.default is None and f.name != "loss_norm_constant"}
+        for name in sorted(optional - used):
+            if getattr(self, name) is not None:
+                raise ValueError(f"algo.{name} is set, but algo.loss={self.loss} with algo.correction="
+                                 f"{self.correction} does not use it")
+
+    def _check_ranges(self) -> None:
+        if self.clip_low is not None and not 0 <= self.clip_low <= 1:
+            raise ValueError(f"algo.clip_low must be in [0, 1], got {self.clip_low}")
+        if self.clip_high is not None and self.clip_high < 0:
             raise ValueError(f"algo.clip_high must be >= 0, got {self.clip_high}")
         if self.dual_clip_c is not None and self.dual_clip_c <= 1:
             raise ValueError(f"algo.dual_clip_c must be > 1 or null, got {self.dual_clip_c}")
-        if self.is_cap <= 1:
+        if self.is_cap is not None and self.is_cap <= 1:
             raise ValueError(f"algo.is_cap must be > 1, got {self.is_cap}")
-        if self.loss_agg == "seq-mean-token-sum-norm" and not self.loss_norm_constant:
-            raise ValueError("algo.loss_norm_constant must be set (> 0) when algo.loss_agg=seq-mean-token-sum-norm")
+        if self.is_mode not in (None, "truncate", "mask"):
+            raise ValueError(f"algo.is_mode must be truncate or mask, got {self.is_mode!r}")
+        if self.is_level not in (None, "token", "sequence"):
+            raise ValueError(f"algo.is_level must be token or sequence, got {self.is_level!r}")
+        if None not in (self.rs_low, self.rs_high) and not 0 <= self.rs_low < self.rs_high:
+            raise ValueError(f"algo.rs_low/rs_high must satisfy 0 <= low < high, got {self.rs_low}/{self.rs_high}")
+        for name in ("tau_pos", "tau_neg", "cov_ratio", "k3_threshold", "m2_threshold", "vtrace_clip_rho",
+                     "vtrace_clip_pg_rho", "vtrace_clip_c", "kl_cov_coef"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"algo.{name} must be > 0, got {getattr(self, name)}")
+        if self.ppo_minibatches < 1:
+            raise ValueError(f"algo.ppo_minibatches must be >= 1, got {self.ppo_minibatches}")
+        if self.kl_loss_coef < 0 or self.kl_reward_coef < 0:
+            raise ValueError("algo.kl_loss_coef and algo.kl_reward_coef must be >= 0")
+        if self.kl_target <= 0 or self.kl_horizon <= 0:
+            raise ValueError("algo.kl_target and algo.kl_horizon must be > 0")
+        if not 0 < self.gamma <= 1:
+            raise ValueError(f"algo.gamma must be in (0, 1], got {self.gamma}")
+        if self.gamma != 1.0 and self.advantage != "reinforce_pp":
+            raise ValueError(f"algo.gamma discounts token rewards for reinforce_pp only; algo.advantage="
+                             f"{self.advantage} uses the undiscounted outcome reward (got gamma={self.gamma})")
+
+    def needs_reference_model(self) -> bool:
+        """The reference model is loaded only when some KL coefficient is non-zero."""
+        return self.kl_loss_coef > 0 or self.kl_reward_coef > 0
+
+    def loss_kwargs(self) -> dict:
+        """Keyword arguments of the chosen loss: only the hyperparameters set, so the others keep their
+        published defaults."""
+        return {kw: getattr(self, f) for f, kw in LOSS_FIELDS[self.loss].items() if getattr(self, f) is not None}
+
+    def correction_kwargs(self) -> dict:
+        """Keyword arguments of the chosen correction (set hyperparameters only)."""
+        return {kw: getattr(self, f) for f, kw in CORRECTION_FIELDS[self.correction].items()
+                if getattr(self, f) is not None}

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from typing import List, Optional
 
-from asyncrl.algos.config import AlgoConfig
+from asyncrl.algos.config import GROUP_ADVANTAGES, AlgoConfig
 from asyncrl.buffer.config import BufferConfig
 from asyncrl.configs.sections import DataConfig, DemoConfig, JobConfig, ModelConfig, RewardConfig
 from asyncrl.generator.config import GeneratorConfig, RolloutConfig
@@ -41,6 +41,26 @@ class RunConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     weightsync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+
+    def __post_init__(self):
+        check_sections_agree(self)
+
+
+def check_sections_agree(cfg: "RunConfig") -> None:
+    """Rules that span sections. ReMax's greedy baseline is switched on for the generators rather than
+    rejected, because asking for remax already says that the baseline is wanted."""
+    if cfg.algo.advantage == "remax":
+        cfg.rollout.greedy_baseline = True
+    if cfg.rollout.n < 2:
+        if cfg.algo.advantage in GROUP_ADVANTAGES:
+            raise ValueError(f"algo.advantage={cfg.algo.advantage} takes its baseline from the other samples of "
+                             f"the group, so rollout.n must be >= 2 (got {cfg.rollout.n})")
+        if cfg.algo.dynamic_sampling:
+            raise ValueError("algo.dynamic_sampling drops groups whose rewards are all equal, which is every "
+                             "group when rollout.n = 1; set rollout.n >= 2")
+    if cfg.reward.overlong_buffer_len >= cfg.rollout.max_tokens:
+        raise ValueError(f"reward.overlong_buffer_len ({cfg.reward.overlong_buffer_len}) must be smaller than "
+                         f"rollout.max_tokens ({cfg.rollout.max_tokens})")
 
 
 def recipe_path(name_or_path: Optional[str]) -> str:

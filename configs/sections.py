@@ -47,6 +47,17 @@ class RewardConfig:
     """Python file with the reward function; None uses the built-in reward of the row's data_source."""
     function: str = "compute_score"
     """Name of the function in `path`: compute_score(data_source, solution_str, ground_truth, extra_info=None)."""
+    overlong_buffer_len: int = 0
+    """DAPO overlong shaping: completions longer than rollout.max_tokens - this many tokens are penalised
+    linearly, down to -overlong_penalty_factor at max_tokens. 0 turns shaping off."""
+    overlong_penalty_factor: float = 1.0
+    """DAPO overlong shaping: the penalty at (and beyond) rollout.max_tokens, in reward units."""
+
+    def __post_init__(self):
+        if self.overlong_buffer_len < 0:
+            raise ValueError(f"reward.overlong_buffer_len must be >= 0, got {self.overlong_buffer_len}")
+        if self.overlong_penalty_factor < 0:
+            raise ValueError(f"reward.overlong_penalty_factor must be >= 0, got {self.overlong_penalty_factor}")
 
 
 @dataclass

@@ -19,6 +19,9 @@ class RolloutConfig:
     """Top-k sampling; -1 disables it."""
     max_tokens: int = 16
     """Most completion tokens per sample."""
+    greedy_baseline: bool = False
+    """Also decode one greedy completion per prompt and send its reward as the group's `baseline_reward`
+    (ReMax). Turned on automatically when algo.advantage=remax."""
 
     def __post_init__(self):
         if self.n < 1:

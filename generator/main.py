@@ -60,7 +60,7 @@ async def run_generator_async(cfg, say=print) -> int:
         rollout = RolloutLoop(
             client, engine, iterate_prompts(rows, cfg.data.shuffle, cfg.generator.seed + os.getpid()),
             load_reward_fn(cfg.reward.path, cfg.reward.function), tokenizer, cfg.rollout,
-            cfg.generator.max_inflight_groups, generator_id,
+            cfg.generator.max_inflight_groups, generator_id, reward_shaping=cfg.reward,
             on_stats=(lambda m: metrics_log.log(m, step=engine.version)) if metrics_log else None,
             stats_every_s=cfg.generator.log_every_s)
         rollout.note_reply(hello)

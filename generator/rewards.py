@@ -60,3 +60,20 @@ def score(fn: Callable, data_source: str, solution_str: str, ground_truth, extra
     if not math.isfinite(reward) or not all(math.isfinite(v) for v in info.values()):
         raise RewardError(f"reward function returned a non-finite value for data_source {data_source!r}")
     return reward, info
+
+
+def overlong_penalty(length: int, max_tokens: int, buffer_len: int, factor: float) -> float:
+    """DAPO overlong reward shaping (arXiv 2503.14476, eq. 13), added to the task reward.
+
+    0 up to max_tokens - buffer_len tokens, then a linear ramp to -factor at max_tokens, and -factor beyond.
+    Truncated answers are usually wrong for a reason the reward cannot see (they were cut), so a soft penalty
+    teaches the policy to stop early instead of punishing a whole length band with noise. buffer_len = 0 is off.
+    """
+    if buffer_len <= 0:
+        return 0.0
+    expected = max_tokens - buffer_len
+    if length <= expected:
+        return 0.0
+    if length <= max_tokens:
+        return (expected - length) / buffer_len * factor
+    return -factor

@@ -14,7 +14,8 @@ import numpy as np
 from asyncrl.buffer.codec import encode_group
 from asyncrl.buffer.group import Group, Sample, Sampling, new_group_id
 from asyncrl.generator.engines.base import WeightLoadError
-from asyncrl.generator.rewards import RewardError, score
+from asyncrl.generator.rewards import RewardError, overlong_penalty, score
+from asyncrl.configs.sections import RewardConfig
 from asyncrl.weightsync.shm import WeightSyncError, verify_published
 
 log = logging.getLogger(__name__)
@@ -52,13 +53,14 @@ class RolloutStats:
 
 class RolloutLoop:
     def __init__(self, client, engine, prompts, reward_fn, tokenizer, rollout_cfg, max_inflight_groups: int,
-                 generator_id: str, on_stats=None, stats_every_s: float = 5.0):
+                 generator_id: str, on_stats=None, stats_every_s: float = 5.0, reward_shaping=None):
         self.client = client
         self.engine = engine
         self.prompts = prompts  # endless iterator of PromptRow
         self.reward_fn = reward_fn
         self.tokenizer = tokenizer
         self.rollout = rollout_cfg
+        self.reward_shaping = reward_shaping or RewardConfig()  # reward.overlong_* (DAPO)
         self.max_inflight_groups = max_inflight_groups
         self.generator_id = generator_id
         self.on_stats = on_stats
@@ -118,18 +120,19 @@ class RolloutLoop:
     async def _sample_group(self, row) -> Group:
         sampling = Sampling(self.rollout.temperature, self.rollout.top_p, self.rollout.top_k, self.rollout.max_tokens)
         created = time.time()
-        completions = await self.engine.sample(row.prompt_ids, sampling, self.rollout.n)
+        sampled = self.engine.sample(row.prompt_ids, sampling, self.rollout.n)
+        meta = {"data_source": row.data_source}
+        if self.rollout.greedy_baseline:
+            # ReMax: one greedy decode of the same prompt, scored like the others; its reward is the baseline.
+            greedy = Sampling(0.0, 1.0, -1, self.rollout.max_tokens)
+            completions, (baseline,) = await asyncio.gather(sampled, self.engine.sample(row.prompt_ids, greedy, 1))
+            meta["baseline_reward"], _ = self._score(row, baseline)
+            self.stats.tokens += len(baseline.token_ids)
+        else:
+            completions = await sampled
         samples = []
         for completion in completions:
-            text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-            try:
-                reward, info = score(self.reward_fn, row.data_source, text, row.ground_truth, row.extra_info)
-            except RewardError as err:
-                raise
-            except Exception as err:  # a reward function bug scores 0 and is counted, it does not kill the job
-                self.stats.reward_errors += 1
-                log.error("reward function failed on %s: %r", row.prompt_id, err)
-                reward, info = 0.0, {"reward_error": 1.0}
+            reward, info = self._score(row, completion)
             self.stats.rewards.append(reward)
             self.stats.tokens += len(completion.token_ids)
             samples.append(Sample(
@@ -141,7 +144,26 @@ class RolloutLoop:
         self.stats.groups += 1
         return Group(group_id=new_group_id(), prompt_id=row.prompt_id, generator_id=self.generator_id,
                      prompt_ids=np.asarray(row.prompt_ids, dtype=np.int32), samples=samples, sampling=sampling,
-                     created_at=created, meta={"data_source": row.data_source})
+                     created_at=created, meta=meta)
+
+    def _score(self, row, completion) -> tuple[float, dict]:
+        """Task reward plus DAPO overlong shaping (reward.overlong_*), with the shaping also in reward_info."""
+        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        try:
+            reward, info = score(self.reward_fn, row.data_source, text, row.ground_truth, row.extra_info)
+        except RewardError:
+            raise
+        except Exception as err:  # a reward function bug scores 0 and is counted, it does not kill the job
+            self.stats.reward_errors += 1
+            log.error("reward function failed on %s: %r", row.prompt_id, err)
+            reward, info = 0.0, {"reward_error": 1.0}
+        if self.reward_shaping.overlong_buffer_len > 0:
+            penalty = overlong_penalty(len(completion.token_ids), self.rollout.max_tokens,
+                                       self.reward_shaping.overlong_buffer_len,
+                                       self.reward_shaping.overlong_penalty_factor)
+            info = {**info, "overlong_penalty": penalty}
+            reward += penalty
+        return reward, info
 
     async def _send(self, group: Group) -> None:
         payload = encode_group(group)

@@ -1,9 +1,15 @@
-"""Turning groups into padded tensors and splitting them into token-budget micro-batches.
+"""Turning groups into padded tensors and splitting them into mini-batches and token-budget micro-batches.
 
 Every tensor that describes completion tokens is aligned with the learner's logprobs: position t of a [B, L-1]
-tensor is the token at input position t+1. Prompt positions and padding have loss_mask 0.
+tensor is the token at input position t+1. Prompt positions and padding have loss_mask 0. Rows are in group
+order (row = group * n + sample), which the group-baseline advantage estimators rely on.
+
+The per-step passes (reference logprobs, proximal logprobs, batch-global correction weights, advantages) fill the
+optional [B, L-1] fields of the whole batch once; `select` slices every field, so each micro-batch carries its
+rows' share of them and `rows` says where they came from.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
+from typing import Optional
 
 import numpy as np
 import torch
@@ -16,8 +22,13 @@ class Batch:
     loss_mask: torch.Tensor  # [B, L-1] float32
     logprobs_behav: torch.Tensor  # [B, L-1] float32 (generator logprobs, 0 where masked)
     versions: torch.Tensor  # [B, L-1] int64 (-1 where masked)
-    advantages: torch.Tensor  # [B, L-1] float32 (the sequence's advantage on its tokens)
+    token_rewards: torch.Tensor  # [B, L-1] float32: the sample's reward on its last completion token
     temperatures: torch.Tensor  # [B] float32
+    rows: torch.Tensor  # [B] int64: row index in the step's full batch
+    advantages: Optional[torch.Tensor] = None  # [B, L-1], filled by compute_advantages
+    logprobs_prox: Optional[torch.Tensor] = None  # [B, L-1], filled by the proximal pass when one runs
+    logprobs_ref: Optional[torch.Tensor] = None  # [B, L-1], filled when a reference model is loaded
+    is_weight: Optional[torch.Tensor] = None  # [B, L-1], filled by batch-global corrections (m2po)
 
     @property
     def num_rows(self) -> int:
@@ -26,30 +37,33 @@ class Batch:
     def select(self, rows: torch.Tensor) -> "Batch":
         """The given rows, trimmed to their longest sequence (micro-batches carry no extra padding)."""
         length = int(self.attention_mask[rows].sum(-1).max())
-        return Batch(
-            input_ids=self.input_ids[rows, :length],
-            attention_mask=self.attention_mask[rows, :length],
-            loss_mask=self.loss_mask[rows, : length - 1],
-            logprobs_behav=self.logprobs_behav[rows, : length - 1],
-            versions=self.versions[rows, : length - 1],
-            advantages=self.advantages[rows, : length - 1],
-            temperatures=self.temperatures[rows],
-        )
+        sliced = {}
+        for spec in fields(self):
+            value = getattr(self, spec.name)
+            if value is None or value.dim() == 1:
+                sliced[spec.name] = value if value is None else value[rows]
+            else:  # [B, L] inputs keep `length` columns, [B, L-1] token tensors keep `length - 1`
+                width = length if value.shape[1] == self.input_ids.shape[1] else length - 1
+                sliced[spec.name] = value[rows, :width]
+        return Batch(**sliced)
+
+    def with_fields(self, **values) -> "Batch":
+        return replace(self, **values)
 
 
-def build_batch(groups: list, advantages: torch.Tensor) -> Batch:
-    """One row per sample, in group order. `advantages` is [num_groups, n] (one value per sample)."""
-    rows = [(group, sample, advantages[g, s]) for g, group in enumerate(groups) for s, sample in enumerate(group.samples)]
-    length = max(len(group.prompt_ids) + len(sample.completion_ids) for group, sample, _ in rows)
+def build_batch(groups: list) -> Batch:
+    """One row per sample, in group order. Every group must hold the same number of samples."""
+    rows = [(group, sample) for group in groups for sample in group.samples]
+    length = max(len(group.prompt_ids) + len(sample.completion_ids) for group, sample in rows)
     batch = len(rows)
     input_ids = np.zeros((batch, length), dtype=np.int64)
     attention_mask = np.zeros((batch, length), dtype=np.int64)
     loss_mask = np.zeros((batch, length - 1), dtype=np.float32)
     behav = np.zeros((batch, length - 1), dtype=np.float32)
     versions = np.full((batch, length - 1), -1, dtype=np.int64)
-    adv = np.zeros((batch, length - 1), dtype=np.float32)
+    rewards = np.zeros((batch, length - 1), dtype=np.float32)
     temps = np.zeros(batch, dtype=np.float32)
-    for row, (group, sample, advantage) in enumerate(rows):
+    for row, (group, sample) in enumerate(rows):
         prompt_len, comp_len = len(group.prompt_ids), len(sample.completion_ids)
         input_ids[row, :prompt_len] = group.prompt_ids
         input_ids[row, prompt_len : prompt_len + comp_len] = sample.completion_ids
@@ -58,7 +72,9 @@ def build_batch(groups: list, advantages: torch.Tensor) -> Batch:
         loss_mask[row, span] = 1.0 if sample.loss_mask is None else sample.loss_mask
         behav[row, span] = sample.logprobs
         versions[row, span] = sample.versions
-        adv[row, span] = float(advantage)
+        trained = np.flatnonzero(loss_mask[row])
+        if trained.size:  # outcome reward on the last token that trains (tool output may end a sample)
+            rewards[row, trained[-1]] = sample.reward
         temps[row] = group.sampling.temperature
     return Batch(
         input_ids=torch.from_numpy(input_ids),
@@ -66,9 +82,20 @@ def build_batch(groups: list, advantages: torch.Tensor) -> Batch:
         loss_mask=torch.from_numpy(loss_mask),
         logprobs_behav=torch.from_numpy(behav),
         versions=torch.from_numpy(versions),
-        advantages=torch.from_numpy(adv),
+        token_rewards=torch.from_numpy(rewards),
         temperatures=torch.from_numpy(temps),
+        rows=torch.arange(batch),
     )
+
+
+def split_minibatches(batch: Batch, num_minibatches: int) -> list[Batch]:
+    """Contiguous row ranges, one per optimizer step. Contiguous ranges keep groups together when the number of
+    rows divides evenly, so group-level statistics of a mini-batch stay meaningful."""
+    if num_minibatches <= 1:
+        return [batch]
+    if num_minibatches > batch.num_rows:
+        raise ValueError(f"algo.ppo_minibatches={num_minibatches} exceeds the batch's {batch.num_rows} rows")
+    return [batch.select(chunk) for chunk in torch.arange(batch.num_rows).chunk(num_minibatches)]
 
 
 def split_microbatches(batch: Batch, max_tokens: int) -> list[Batch]:
@@ -85,3 +112,12 @@ def split_microbatches(batch: Batch, max_tokens: int) -> list[Batch]:
     if current:
         micro.append(batch.select(torch.tensor(current)))
     return micro
+
+
+def scatter_rows(full_shape: tuple, parts: list[tuple[torch.Tensor, torch.Tensor]], fill: float = 0.0) -> torch.Tensor:
+    """Put per-micro-batch [b, l] tensors back at their rows of a [B, L] tensor (columns beyond l stay `fill`)."""
+    dtype = parts[0][1].dtype if parts else torch.float32
+    out = torch.full(full_shape, fill, dtype=dtype)
+    for rows, values in parts:
+        out[rows, : values.shape[1]] = values
+    return out

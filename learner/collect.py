@@ -1,8 +1,21 @@
-"""Taking a batch of groups from the buffer, with the staleness check of DESIGN.md §4 applied to every group."""
+"""Taking a batch of groups from the buffer, with the staleness check of DESIGN.md §4 applied to every group.
+
+Batch assembly also applies the filters that decide what a step may train on, each counted, never silent:
+- stale groups (staleness > η) are dropped;
+- with DAPO dynamic sampling, groups whose rewards are all equal carry no gradient under a group baseline and are
+  dropped, and the learner keeps pulling until the batch is full;
+- groups of the wrong size, or without the greedy `baseline_reward` ReMax needs, are dropped with a log line.
+Every dropped group's admission is given back, so the generators are allowed to replace it.
+"""
+import logging
+import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from asyncrl.buffer.staleness import group_staleness, is_too_stale
+
+log = logging.getLogger(__name__)
 
 
 class BatchTimeout(RuntimeError):
@@ -13,13 +26,45 @@ class BatchTimeout(RuntimeError):
 class Collected:
     groups: list
     staleness: list = field(default_factory=list)
-    dropped_stale: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    """reason -> groups dropped while assembling this batch (stale, zero_variance, group_size, no_baseline)."""
     wait_s: float = 0.0
+
+    @property
+    def dropped_stale(self) -> int:
+        return self.dropped["stale"]
+
+
+@dataclass
+class BatchFilter:
+    """What a group must satisfy to be trained on, besides staleness."""
+
+    group_size: int
+    """rollout.n: every group must hold exactly this many samples (advantages assume it)."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal (DAPO)."""
+    needs_baseline: bool = False
+    """Require meta['baseline_reward'] (ReMax)."""
+
+
+def drop_reason(group, batch_filter: BatchFilter) -> str | None:
+    """Why the group cannot be trained on (besides staleness), or None."""
+    if len(group.samples) != batch_filter.group_size:
+        return "group_size"
+    if batch_filter.needs_baseline:
+        baseline = group.meta.get("baseline_reward")
+        if not isinstance(baseline, (int, float)) or not math.isfinite(baseline):
+            return "no_baseline"
+    if batch_filter.dynamic_sampling:
+        rewards = group.rewards()
+        if max(rewards) == min(rewards):
+            return "zero_variance"
+    return None
 
 
 def collect_batch(server, coordinator, groups_per_step: int, max_staleness: int, version: int,
-                  timeout_s: float) -> Collected:
-    """Take groups until `groups_per_step` fresh ones are in hand. Stale groups are dropped, counted, given back."""
+                  timeout_s: float, batch_filter: BatchFilter | None = None) -> Collected:
+    """Take groups until `groups_per_step` usable ones are in hand. Dropped groups are counted and given back."""
     started = time.monotonic()
     out = Collected(groups=[])
     while len(out.groups) < groups_per_step:
@@ -27,17 +72,24 @@ def collect_batch(server, coordinator, groups_per_step: int, max_staleness: int,
         if remaining <= 0:
             live = server.live_generators()
             raise BatchTimeout(
-                f"learner v{version}: only {len(out.groups)}/{groups_per_step} groups after {timeout_s:.0f} s; "
-                f"generators seen recently: {live or 'none'} (start one with `asyncrl generator --config ...`)")
+                f"learner v{version}: only {len(out.groups)}/{groups_per_step} groups after {timeout_s:.0f} s "
+                f"(dropped so far: {dict(out.dropped) or 'none'}); generators seen recently: {live or 'none'} "
+                f"(start one with `asyncrl generator --config ...`)")
         group = server.take(min(remaining, 1.0))
         if group is None:
             continue
         oldest = group.min_version()
         if oldest < 0:  # no completion tokens at all: nothing to learn from
-            coordinator.give_back(1)
-            continue
-        if is_too_stale(version, oldest, max_staleness):
-            out.dropped_stale += 1
+            reason = "empty"
+        elif is_too_stale(version, oldest, max_staleness):
+            reason = "stale"
+        else:
+            reason = drop_reason(group, batch_filter) if batch_filter else None
+        if reason is not None:
+            if reason in ("group_size", "no_baseline") and out.dropped[reason] == 0:
+                log.warning("learner v%d: dropping group %s from %s (%s)", version, group.group_id,
+                            group.generator_id, reason)
+            out.dropped[reason] += 1
             coordinator.give_back(1)
             continue
         out.groups.append(group)

@@ -5,6 +5,7 @@ It hosts the embedded buffer (a background thread) and the weight publisher. It 
 """
 import json
 import logging
+from collections import Counter
 import os
 import time
 
@@ -13,9 +14,10 @@ import torch
 from asyncrl.buffer.staleness import Coordinator
 from asyncrl.buffer.zmq_server import ZmqBufferServer
 from asyncrl.configs import flatten, shared_hash, to_yaml
-from asyncrl.learner.collect import collect_batch
+from asyncrl.algos.kl import AdaptiveKLController, FixedKLController
+from asyncrl.learner.collect import BatchFilter, collect_batch
 from asyncrl.learner.model import load_model
-from asyncrl.learner.train_step import train_step
+from asyncrl.learner.train_step import StepSettings, train_step
 from asyncrl.telemetry.mlflow_logger import MetricsLogger, create_or_attach_run, resolve_tracking_uri
 from asyncrl.telemetry.progress import ProgressDisplay
 from asyncrl.weightsync.shm import ShmWeightPublisher
@@ -38,6 +40,7 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str) -> dict:
         torch.set_num_threads(cfg.learner.torch_threads)
     model = load_model(model_path, cfg.learner.dtype, cfg.model.trust_remote_code).train()
     optimizer, scheduler = build_optimizer(model, cfg.learner)
+    algo_state = build_algo_state(cfg, model_path)
     tracking_uri = resolve_tracking_uri(cfg.telemetry.tracking_uri)
     run_id = create_or_attach_run(tracking_uri, cfg.telemetry.experiment, cfg.job.name)
     metrics_log = MetricsLogger(tracking_uri, run_id)
@@ -60,7 +63,8 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str) -> dict:
         server.start()
         log.info("learner: buffer at %s, MLflow run %s in %s", server.endpoint, run_id, tracking_uri)
         for version in range(cfg.learner.total_steps):
-            metrics = run_one_step(cfg, model, optimizer, scheduler, server, coordinator, publisher, version)
+            metrics = run_one_step(cfg, model, optimizer, scheduler, server, coordinator, publisher, version,
+                                   algo_state)
             rewards.append(metrics["reward/mean"])
             metrics_log.log(metrics, step=version + 1)
             progress.update(version + 1, metrics)
@@ -72,15 +76,38 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str) -> dict:
         publisher.close()
         progress.close()
         metrics_log.close(status=status)
-    return write_summary(job_dir, rewards, tracking_uri, run_id, server)
+    return write_summary(job_dir, rewards, tracking_uri, run_id, server, algo_state["dropped_total"])
 
 
-def run_one_step(cfg, model, optimizer, scheduler, server, coordinator, publisher, version: int) -> dict:
+def build_algo_state(cfg, model_path: str) -> dict:
+    """The frozen reference model (only when a KL coefficient is non-zero), the reward-KL controller and the
+    batch filter. Loading the reference costs a second copy of the weights, so nothing loads it by default."""
+    algo = cfg.algo
+    ref_model = None
+    if algo.needs_reference_model():
+        ref_model = load_model(model_path, cfg.learner.dtype, cfg.model.trust_remote_code).eval()
+        ref_model.requires_grad_(False)
+        log.info("learner: loaded the reference model for the KL term from %s", model_path)
+    if algo.kl_controller == "adaptive":
+        controller = AdaptiveKLController(algo.kl_reward_coef, algo.kl_target, algo.kl_horizon)
+    else:
+        controller = FixedKLController(algo.kl_reward_coef)
+    batch_filter = BatchFilter(group_size=cfg.rollout.n, dynamic_sampling=algo.dynamic_sampling,
+                               needs_baseline=algo.advantage == "remax")
+    return {"ref_model": ref_model, "kl_controller": controller, "batch_filter": batch_filter,
+            "dropped_total": Counter()}
+
+
+def run_one_step(cfg, model, optimizer, scheduler, server, coordinator, publisher, version: int,
+                 algo_state: dict) -> dict:
     collected = collect_batch(server, coordinator, cfg.buffer.groups_per_step, cfg.buffer.max_staleness, version,
-                              cfg.learner.wait_for_batch_timeout_s)
-    metrics = train_step(model, optimizer, scheduler, collected.groups, cfg.algo,
-                         cfg.learner.max_tokens_per_microbatch, cfg.learner.logprob_chunk_tokens,
-                         cfg.learner.grad_clip)
+                              cfg.learner.wait_for_batch_timeout_s, algo_state["batch_filter"])
+    settings = StepSettings(version=version, max_staleness=cfg.buffer.max_staleness,
+                            max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch,
+                            chunk_tokens=cfg.learner.logprob_chunk_tokens, grad_clip=cfg.learner.grad_clip,
+                            seed=cfg.learner.seed)
+    metrics = train_step(model, optimizer, scheduler, collected.groups, cfg.algo, settings,
+                         ref_model=algo_state["ref_model"], kl_controller=algo_state["kl_controller"])
     started = time.perf_counter()
     server.set_weights(publisher.publish(model.state_dict().items(), version + 1))
     coordinator.set_version(version + 1)  # only now may generators be admitted against v+1
@@ -88,6 +115,11 @@ def run_one_step(cfg, model, optimizer, scheduler, server, coordinator, publishe
     metrics["timing/learner/wait_for_batch_s"] = collected.wait_s
     metrics["buffer/staleness/mean"] = sum(collected.staleness) / len(collected.staleness)
     metrics["buffer/staleness/max"] = float(max(collected.staleness))
+    dropped_total = algo_state["dropped_total"]
+    dropped_total.update(collected.dropped)
+    for reason in ("stale", "zero_variance", "group_size", "no_baseline", "empty"):
+        metrics[f"buffer/dropped/{reason}"] = float(collected.dropped[reason])  # this step
+        metrics[f"buffer/dropped_total/{reason}"] = float(dropped_total[reason])  # since the job started
     metrics["buffer/dropped_stale"] = float(collected.dropped_stale)
     metrics["buffer/size"] = float(server.groups.qsize())
     metrics["buffer/received"] = float(server.received)
@@ -98,7 +130,7 @@ def run_one_step(cfg, model, optimizer, scheduler, server, coordinator, publishe
     return metrics
 
 
-def write_summary(job_dir: str, rewards: list, tracking_uri: str, run_id: str, server) -> dict:
+def write_summary(job_dir: str, rewards: list, tracking_uri: str, run_id: str, server, dropped: Counter) -> dict:
     window = max(1, len(rewards) // 10)
     summary = {
         "steps": len(rewards),
@@ -106,6 +138,7 @@ def write_summary(job_dir: str, rewards: list, tracking_uri: str, run_id: str, s
         "reward_last": sum(rewards[-window:]) / window if rewards else None,
         "reward_window_steps": window,
         "rejected": dict(server.rejected),
+        "dropped": dict(dropped),
         "generators": server.joins,
         "mlflow_tracking_uri": tracking_uri,
         "mlflow_run_id": run_id,

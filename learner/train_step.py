@@ -1,45 +1,97 @@
-"""One optimizer step of the learner, written as the algorithm reads (DESIGN.md §5).
+"""One learner step on one batch of groups, written as the algorithm reads (DESIGN.md §5).
 
-compute_advantages -> build micro-batches -> forward_backward each (current logprobs at the sampling
-temperature; π_prox; importance weight w = π_prox/π_behav; decoupled PPO; global-count aggregation) ->
-optimizer_step. With one optimizer step per batch, π_prox is the policy at the start of the step, which is exactly
-the current pass before any update, so its logprobs are the detached current ones: the separate no-grad recompute
-pass would compute the same numbers and is skipped.
+build_batch -> compute_reference_logprobs (only with a KL term) -> penalise_rewards (KL in the reward) ->
+recompute_prox_logprobs (only when π_prox is needed before the first update) -> compute_advantages ->
+for each of algo.ppo_minibatches mini-batches: forward_backward every micro-batch, optimizer_step.
+
+With one optimizer step per batch and no batch-global correction, π_prox (the policy at the start of the step) is
+exactly the current pass before any update, so its logprobs are the detached current ones and the separate
+no-grad pass is skipped (`objective.choose_prox_source`). All the math comes from `asyncrl.algos`.
 """
 import time
+from dataclasses import dataclass
 
 import torch
 
-from asyncrl.algos.advantages import ADVANTAGES
-from asyncrl.algos.corrections import compute_is_weight
-from asyncrl.algos.losses import POLICY_LOSSES, aggregate_loss
-from asyncrl.algos.metrics import combine_token_metrics, compute_offpolicy_metrics
-from asyncrl.learner.batch import Batch, build_batch, split_microbatches
+from asyncrl.algos.advantages import AdvantageInputs, compute_token_advantages
+from asyncrl.algos.corrections import compute_correction, compute_vtrace_advantages
+from asyncrl.algos.kl import apply_kl_penalty
+from asyncrl.algos.metrics import combine_token_metrics
+from asyncrl.learner.batch import Batch, build_batch, scatter_rows, split_microbatches, split_minibatches
 from asyncrl.learner.logprobs import compute_logprobs
+from asyncrl.learner.objective import StepCounts, choose_prox_source, compute_micro_loss, resolve_prox
+from asyncrl.learner.step_metrics import collect_step_metrics
 
 
-def compute_advantages(groups: list, algo) -> torch.Tensor:
-    """[num_groups, n] advantages from the groups' rewards."""
-    rewards = torch.tensor([group.rewards() for group in groups], dtype=torch.float64)
-    return ADVANTAGES[algo.advantage](rewards, norm_by_std=algo.norm_adv_by_std).float()
+@dataclass
+class StepSettings:
+    """The learner-side numbers one step needs (explicit, so train_step never reads the whole config)."""
+
+    version: int
+    """Learner version before this step (= optimizer steps done); tokens carry versions <= it."""
+    max_staleness: int
+    max_tokens_per_microbatch: int
+    chunk_tokens: int
+    grad_clip: float
+    seed: int = 0
 
 
-def forward_backward(model, micro: Batch, algo, chunk_tokens: int, global_tokens: float, global_seqs: float):
-    """Loss of one micro-batch, scaled by the step's global counts, backpropagated. Returns detached pieces."""
+@torch.no_grad()
+def compute_batch_logprobs(model, batch: Batch, settings: StepSettings) -> torch.Tensor:
+    """No-grad logprobs [B, L-1] of the whole batch, micro-batch by micro-batch."""
+    parts = []
+    for micro in split_microbatches(batch, settings.max_tokens_per_microbatch):
+        logprobs, _ = compute_logprobs(model, micro.input_ids, micro.attention_mask, micro.temperatures,
+                                       settings.chunk_tokens)
+        parts.append((micro.rows, logprobs))
+    return scatter_rows(tuple(batch.loss_mask.shape), parts)
+
+
+def penalise_rewards(batch: Batch, algo, kl_controller) -> tuple[torch.Tensor, dict]:
+    """Token rewards minus β·KL(μ‖ref) per token when algo.kl_reward_coef > 0 (β from the controller)."""
+    if algo.kl_reward_coef <= 0:
+        return batch.token_rewards, {}
+    coef = kl_controller.value
+    rewards, kl = apply_kl_penalty(batch.token_rewards, batch.logprobs_behav, batch.logprobs_ref, batch.loss_mask,
+                                   coef=coef, kind=algo.kl_reward_type)
+    # verl's convention: the controller sees the per-token mean KL of each sequence, averaged over sequences
+    token_kl = float(((kl * batch.loss_mask).sum(-1) / batch.loss_mask.sum(-1).clamp(min=1)).mean())
+    kl_controller.update(token_kl, batch.num_rows)
+    return rewards, {"kl/reward_coef": coef, "kl/reward_token_kl": token_kl}
+
+
+def compute_advantages(batch: Batch, groups: list, token_rewards: torch.Tensor, algo) -> torch.Tensor:
+    """[B, L-1] advantages, 0 off-mask. V-trace replaces the estimator (its weights live in the advantages)."""
+    mask = batch.loss_mask
+    if algo.correction == "vtrace":
+        seq_rewards = (token_rewards * mask).sum(-1).double()  # [B]
+        values = None
+        if algo.vtrace_values == "group_mean":
+            per_group = seq_rewards.view(len(groups), -1)  # [G, n]
+            group_mean = per_group.mean(-1, keepdim=True).expand_as(per_group).reshape(-1, 1)  # [B, 1]
+            values = group_mean * mask.double()  # V(x_t) = the prompt's mean reward, at every t
+        advantages = compute_vtrace_advantages(batch.logprobs_prox.double(), batch.logprobs_behav.double(),
+                                               mask, seq_rewards, values, **algo.correction_kwargs())
+        return advantages.float()
+    baseline = None
+    if algo.advantage == "remax":
+        baseline = torch.tensor([float(group.meta["baseline_reward"]) for group in groups], dtype=torch.float64)
+    inputs = AdvantageInputs(token_rewards=token_rewards.double(), loss_mask=mask,
+                             group_size=len(groups[0].samples), baseline_rewards=baseline)
+    return compute_token_advantages(algo.advantage, inputs, norm_by_std=algo.norm_adv_by_std,
+                                    gamma=algo.gamma).float()
+
+
+def forward_backward(model, micro: Batch, algo, counts: StepCounts, prox_source: str, settings: StepSettings,
+                     generator: torch.Generator):
+    """Current logprobs (with grad) at the sampling temperature, the loss, backward. Returns detached pieces."""
     logprobs, entropy = compute_logprobs(model, micro.input_ids, micro.attention_mask, micro.temperatures,
-                                         chunk_tokens, with_entropy=True)  # [b, l-1]
-    logprobs_prox = logprobs.detach()
-    is_weight, correction_metrics = compute_is_weight(
-        logprobs_prox, micro.logprobs_behav, micro.loss_mask,
-        correction=algo.correction, cap=algo.is_cap, mode=algo.is_mode)
-    per_token, loss_metrics = POLICY_LOSSES[algo.loss](
-        logprobs, logprobs_prox, micro.advantages, micro.loss_mask,
-        clip_low=algo.clip_low, clip_high=algo.clip_high, dual_clip_c=algo.dual_clip_c, is_weight=is_weight)
-    loss = aggregate_loss(per_token, micro.loss_mask, algo.loss_agg, global_tokens=global_tokens,
-                          global_seqs=global_seqs, norm_constant=algo.loss_norm_constant)
+                                         settings.chunk_tokens, with_entropy=True)  # [b, l-1]
+    prox = resolve_prox(prox_source, logprobs, micro, settings.version)
+    loss, pg_share, kl_share, metrics = compute_micro_loss(algo, logprobs, prox, micro, counts, algo.kl_loss_coef,
+                                                           generator)
     loss.backward()
-    valid = micro.loss_mask.bool()
-    return loss.detach(), {**loss_metrics, **correction_metrics}, logprobs_prox[valid], entropy[valid]
+    return pg_share, kl_share, metrics, prox.detach(), entropy
 
 
 def optimizer_step(model, optimizer, scheduler, grad_clip: float) -> float:
@@ -50,40 +102,49 @@ def optimizer_step(model, optimizer, scheduler, grad_clip: float) -> float:
     return float(grad_norm)
 
 
-def train_step(model, optimizer, scheduler, groups: list, algo, max_tokens_per_microbatch: int,
-               chunk_tokens: int, grad_clip: float) -> dict:
+def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSettings, ref_model=None,
+               kl_controller=None) -> dict:
+    """Train on `groups` (one batch); returns the step's metrics (DESIGN.md §10 names)."""
     started = time.perf_counter()
-    advantages = compute_advantages(groups, algo)
-    batch = build_batch(groups, advantages)
-    global_tokens = float(batch.loss_mask.sum())
-    global_seqs = float((batch.loss_mask.sum(-1) > 0).sum())
-    total_loss, token_metrics, prox, behav, entropies = 0.0, [], [], [], []
-    for micro in split_microbatches(batch, max_tokens_per_microbatch):
-        loss, metrics, micro_prox, micro_entropy = forward_backward(
-            model, micro, algo, chunk_tokens, global_tokens, global_seqs)
-        total_loss += float(loss)
-        token_metrics.append(metrics)
-        prox.append(micro_prox)
-        behav.append(micro.logprobs_behav[micro.loss_mask.bool()])
-        entropies.append(micro_entropy)
-    grad_norm = optimizer_step(model, optimizer, scheduler, grad_clip)
-    prox, behav = torch.cat(prox), torch.cat(behav)
-    rewards = torch.tensor([r for group in groups for r in group.rewards()])
-    group_std = torch.tensor([torch.tensor(group.rewards()).std().item() if len(group.samples) > 1 else 0.0
-                              for group in groups])
-    step_s = time.perf_counter() - started
-    return {
-        "loss/pg": total_loss,
-        "loss/total": total_loss,
-        **combine_token_metrics(token_metrics),
-        **compute_offpolicy_metrics(prox, behav, torch.ones_like(prox)),
-        "policy/entropy": float(torch.cat(entropies).mean()) if global_tokens else 0.0,
-        "policy/grad_norm": grad_norm,
+    batch = build_batch(groups)
+    if ref_model is not None:
+        batch.logprobs_ref = compute_batch_logprobs(ref_model, batch, settings)
+    token_rewards, kl_metrics = penalise_rewards(batch, algo, kl_controller)
+    prox_source = choose_prox_source(algo)
+    if prox_source == "recompute":
+        batch.logprobs_prox = compute_batch_logprobs(model, batch, settings)
+    batch.advantages = compute_advantages(batch, groups, token_rewards, algo)
+    correction_metrics = None
+    if algo.correction == "m2po":  # its mask depends on every token of the batch
+        batch.is_weight, correction_metrics = compute_correction("m2po", batch.logprobs_prox, batch.logprobs_behav,
+                                                                 batch.loss_mask, **algo.correction_kwargs())
+    generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + settings.version)
+    pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts, grad_norms = 0.0, 0.0, [], [], [], []
+    for mini in split_minibatches(batch, algo.ppo_minibatches):
+        counts = StepCounts(tokens=float(mini.loss_mask.sum()), seqs=float((mini.loss_mask.sum(-1) > 0).sum()))
+        for micro in split_microbatches(mini, settings.max_tokens_per_microbatch):
+            pg_share, kl_share, metrics, prox, entropy = forward_backward(model, micro, algo, counts, prox_source,
+                                                                          settings, generator)
+            pg_loss, kl_loss = pg_loss + pg_share, kl_loss + kl_share
+            token_metrics.append(metrics)
+            prox_parts.append((micro.rows, prox))
+            entropy_parts.append((micro.rows, entropy.detach()))
+        grad_norms.append(optimizer_step(model, optimizer, scheduler, settings.grad_clip))
+    shape = tuple(batch.loss_mask.shape)
+    metrics = collect_step_metrics(
+        batch, groups, algo, settings, prox=scatter_rows(shape, prox_parts), entropy=scatter_rows(shape, entropy_parts),
+        correction_metrics=correction_metrics)
+    metrics.update(combine_token_metrics(token_metrics))
+    metrics.update(kl_metrics)
+    minibatches = max(len(grad_norms), 1)
+    metrics.update({
+        "loss/pg": pg_loss / minibatches,
+        "loss/kl": kl_loss / minibatches,
+        "loss/total": (pg_loss + algo.kl_loss_coef * kl_loss) / minibatches,
+        "policy/grad_norm": sum(grad_norms) / minibatches,
         "policy/lr": scheduler.get_last_lr()[0],
-        "reward/mean": float(rewards.mean()),
-        "reward/std": float(rewards.std()) if rewards.numel() > 1 else 0.0,
-        "reward/frac_zero_std_groups": float((group_std == 0).float().mean()),
-        "rollout/len_tokens/mean": global_tokens / max(rewards.numel(), 1),
-        "timing/learner/step_s": step_s,
-        "perf/learner/tokens_per_s": float(batch.attention_mask.sum()) / step_s,
-    }
+    })
+    step_s = time.perf_counter() - started
+    metrics["timing/learner/step_s"] = step_s
+    metrics["perf/learner/tokens_per_s"] = float(batch.attention_mask.sum()) / step_s
+    return metrics

@@ -96,7 +96,13 @@ def _is_tied(model, name: str) -> bool:
 
 
 def processed_log_probs(logits: torch.Tensor, sampling) -> torch.Tensor:
-    """log of the distribution actually sampled from: temperature, then top-k, then top-p, renormalised."""
+    """log of the distribution actually sampled from: temperature, then top-k, then top-p, renormalised.
+
+    Temperature 0 is greedy decoding (ReMax baselines): a point mass on the argmax, as vLLM does.
+    """
+    if sampling.temperature == 0:
+        greedy = torch.full_like(logits, float("-inf"))
+        return greedy.scatter(-1, logits.argmax(-1, keepdim=True), 0.0)
     logits = logits / sampling.temperature
     if sampling.top_k and sampling.top_k > 0:
         kth = torch.topk(logits, min(sampling.top_k, logits.shape[-1])).values[:, -1:]

@@ -63,9 +63,12 @@ class VllmEngine:
                                                   request_id=uuid.uuid4().hex):
             delta = output.outputs[0]
             version = self.version  # tokens delivered after a load carry the new version
-            for token, logprob_dict in zip(delta.token_ids, delta.logprobs or []):
+            # A greedy request (temperature 0, the ReMax baseline) may come back without logprobs: its tokens
+            # are kept with logprob 0, the log-probability of the point mass greedy decoding samples from.
+            logprobs = delta.logprobs or [None] * len(delta.token_ids)
+            for token, logprob_dict in zip(delta.token_ids, logprobs):
                 completion.token_ids.append(token)
-                completion.logprobs.append(logprob_dict[token].logprob)
+                completion.logprobs.append(logprob_dict[token].logprob if logprob_dict else 0.0)
                 completion.versions.append(version)
             if delta.finish_reason is not None:
                 completion.finish_reason = "stop" if delta.finish_reason == "stop" else (

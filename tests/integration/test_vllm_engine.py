@@ -85,3 +85,18 @@ def test_weight_update_changes_greedy_outputs_and_never_serves_stale_prefix_cach
     # put the original weights back for other tests
     original = load_model(demo_assets[0])
     run(vllm_engine.load_weights(verify_published(publisher.publish(original.state_dict().items(), 8)), 8))
+
+
+def test_temperature_zero_is_the_learner_models_greedy_decode(vllm_engine, demo_assets, event_loop_runner):
+    """The ReMax baseline: vLLM's greedy completion equals argmax decoding with the same weights."""
+    run = event_loop_runner.run_until_complete
+    prompt = PROMPTS[0]
+    first, second = (run(vllm_engine.sample(prompt, Sampling(temperature=0.0, max_tokens=6), n=1))[0]
+                     for _ in range(2))
+    assert first.token_ids and first.token_ids == second.token_ids
+    model = load_model(demo_assets[0]).eval()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(len(first.token_ids)):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+    assert ids[len(prompt):] == first.token_ids

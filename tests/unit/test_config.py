@@ -66,3 +66,54 @@ def test_cli_reports_bad_override_with_exit_code_2():
     out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "learner", "--dry-run", "buffer.bogus=1"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "buffer.bogus" in out.stderr
+
+
+@pytest.mark.parametrize("override, message", [
+    (["algo.loss=topr", "algo.correction=tis"], "corrects twice"),
+    (["algo.correction=vtrace", "algo.loss=ppo"], "needs algo.loss=reinforce"),
+    (["algo.correction=vtrace", "algo.loss=reinforce", "algo.advantage=rloo"], "would be ignored"),
+    (["algo.correction=bypass", "algo.prox_logprobs=loglinear"], "no proximal policy"),
+    (["algo.correction=m2po", "algo.prox_logprobs=loglinear"], "exact"),
+    (["algo.kl_loss_coef=0.1", "algo.kl_loss_type=k1"], "zero expected gradient"),
+    (["algo.kl_loss_coef=0.1", "algo.kl_reward_coef=0.1"], "twice"),
+    (["algo.tau_pos=2.0"], "algo.tau_pos is set"),
+    (["algo.loss=gspo", "algo.dual_clip_c=3"], "algo.dual_clip_c is set"),
+    (["algo.correction=tis", "algo.is_mode=mask"], "algo.is_mode is set"),
+    (["algo.advantage=rloo", "rollout.n=1"], "rollout.n must be >= 2"),
+    (["algo.dynamic_sampling=true", "rollout.n=1"], "rollout.n >= 2"),
+    (["reward.overlong_buffer_len=10", "rollout.max_tokens=10"], "overlong_buffer_len"),
+    (["algo.ppo_minibatches=0"], "algo.ppo_minibatches"),
+])
+def test_invalid_algorithm_combinations_are_rejected_with_the_reason(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, override)
+
+
+def test_remax_switches_on_the_generators_greedy_baseline():
+    assert not load_config().rollout.greedy_baseline
+    assert load_config(None, ["algo.advantage=remax"]).rollout.greedy_baseline
+
+
+@pytest.mark.parametrize("recipe", ["demo_cpu.yaml", "grpo.yaml", "dapo.yaml", "gspo.yaml", "cispo.yaml"])
+def test_shipped_recipes_load(recipe):
+    cfg = load_config(recipe)
+    assert cfg.demo.task == "sort_digits"
+
+
+def test_config_names_match_the_algos_registries():
+    from asyncrl.algos import config
+    from asyncrl.algos.advantages import ADVANTAGES
+    from asyncrl.algos.corrections import CORRECTION_HYPERPARAMETERS, CORRECTIONS
+    from asyncrl.algos.kl import KL_ESTIMATORS
+    from asyncrl.algos.losses import LOSS_AGGREGATIONS, LOSS_HYPERPARAMETERS, POLICY_LOSSES
+
+    assert set(config.ADVANTAGE_NAMES) == set(ADVANTAGES)
+    assert set(config.LOSS_NAMES) == set(POLICY_LOSSES)
+    assert set(config.CORRECTION_NAMES) == set(CORRECTIONS) | {"bypass", "vtrace"}
+    assert set(config.KL_NAMES) == set(KL_ESTIMATORS)
+    assert set(config.LOSS_AGG_NAMES) == set(LOSS_AGGREGATIONS)
+    for loss, mapping in config.LOSS_FIELDS.items():  # every config field reaches a real keyword
+        assert set(mapping.values()) <= set(LOSS_HYPERPARAMETERS[loss]), loss
+    for correction, mapping in config.CORRECTION_FIELDS.items():
+        if correction in CORRECTION_HYPERPARAMETERS:
+            assert set(mapping.values()) <= set(CORRECTION_HYPERPARAMETERS[correction]), correction

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.algos.config import AlgoConfig
+from asyncrl.algos.config import LOSS_NAMES, AlgoConfig
 from asyncrl.buffer.group import Group, Sample, Sampling
 from asyncrl.learner.batch import build_batch, split_microbatches
 from asyncrl.learner.logprobs import compute_logprobs
 from asyncrl.learner.model import build_qwen2
-from asyncrl.learner.train_step import train_step
+from asyncrl.learner.train_step import StepSettings, train_step
 
 
 @pytest.fixture
@@ -47,50 +47,128 @@ def test_chunked_tempered_logprobs_equal_full_log_softmax(model):
 def test_batch_aligns_completion_tokens_with_logprob_positions():
     rng = np.random.default_rng(0)
     group = make_group(rng, n=2)
-    batch = build_batch([group], torch.tensor([[1.0, -1.0]]))
+    batch = build_batch([group])
     for row, sample in enumerate(group.samples):
         p, c = len(group.prompt_ids), len(sample.completion_ids)
         positions = batch.loss_mask[row].nonzero().squeeze(-1)
         assert positions.tolist() == list(range(p - 1, p - 1 + c))
         assert batch.input_ids[row, positions + 1].tolist() == sample.completion_ids.tolist()
         torch.testing.assert_close(batch.logprobs_behav[row, positions], torch.from_numpy(sample.logprobs))
-        assert set(batch.advantages[row, positions].tolist()) == {[1.0, -1.0][row]}
+        assert batch.token_rewards[row, positions].tolist() == [0.0] * (c - 1) + [sample.reward]
         assert (batch.versions[row][batch.loss_mask[row] == 0] == -1).all()
 
 
 def test_microbatches_respect_the_token_budget_and_cover_every_row():
     rng = np.random.default_rng(1)
-    batch = build_batch([make_group(rng) for _ in range(5)], torch.zeros(5, 3))
+    batch = build_batch([make_group(rng) for _ in range(5)])
     micro = split_microbatches(batch, max_tokens=24)
     assert sum(m.num_rows for m in micro) == batch.num_rows
     assert all(m.input_ids.numel() <= 24 or m.num_rows == 1 for m in micro)
 
 
-def _gradient_after_step(model, groups, max_tokens):
+def settings(max_tokens, version=0):
+    return StepSettings(version=version, max_staleness=2, max_tokens_per_microbatch=max_tokens, chunk_tokens=7,
+                        grad_clip=0)
+
+
+def _gradient_after_step(model, groups, max_tokens, algo=None, ref_model=None):
+    """Loss metrics and the gradient of one train_step (SGD with lr 0 records the gradient, changes nothing)."""
     model = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     captured = {}
-    original_step = optimizer.step
 
-    def capture_then_step(*a, **k):
-        captured.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-        return original_step(*a, **k)
+    def capture(optimizer, args, kwargs):
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                captured[n] = captured.get(n, 0) + p.grad.clone()
 
-    optimizer.step = capture_then_step
-    metrics = train_step(model, optimizer, scheduler, groups, AlgoConfig(), max_tokens, 7, grad_clip=0)
+    optimizer.register_step_pre_hook(capture)
+    metrics = train_step(model, optimizer, scheduler, groups, algo or AlgoConfig(), settings(max_tokens),
+                         ref_model=ref_model)
     return metrics, captured
 
 
-def test_train_step_loss_and_gradients_do_not_depend_on_microbatching(model):
+MICROBATCH_INVARIANT = [(loss, correction) for loss in LOSS_NAMES if loss not in ("clip_cov", "kl_cov", "topr")
+                        for correction in ("none", "decoupled", "bypass", "tis", "mis", "icepop", "m2po")]
+MICROBATCH_INVARIANT += [("topr", "none"), ("reinforce", "vtrace"), ("ppo", "geo_rs"), ("ppo", "k3_rs")]
+
+
+@pytest.mark.parametrize("loss, correction", MICROBATCH_INVARIANT)
+def test_train_step_loss_and_gradients_do_not_depend_on_microbatching(model, loss, correction):
+    """Global-count normalisers make the step independent of micro-batch composition (T5) for every loss and
+    correction (clip_cov / kl_cov pick tokens per micro-batch, as verl does, so they are excluded)."""
     rng = np.random.default_rng(2)
     groups = [make_group(rng, n=4, temperature=t) for t in (0.7, 1.0, 1.0)]
-    reference, grads = _gradient_after_step(model, groups, max_tokens=10_000)
+    algo = AlgoConfig(loss=loss, correction=correction, loss_agg="seq-mean-token-mean")
+    reference, grads = _gradient_after_step(model, groups, 10_000, algo)
     for budget in (40, 16):
-        metrics, other = _gradient_after_step(model, groups, max_tokens=budget)
+        metrics, other = _gradient_after_step(model, groups, budget, algo)
         assert abs(metrics["loss/pg"] - reference["loss/pg"]) < 1e-9
         for name, grad in grads.items():
             torch.testing.assert_close(other[name], grad, atol=1e-9, rtol=1e-7)
+
+
+def test_two_minibatches_take_two_optimizer_steps_on_a_frozen_prox(model):
+    rng = np.random.default_rng(4)
+    groups = [make_group(rng, n=2) for _ in range(4)]
+    algo = AlgoConfig(ppo_minibatches=2, loss="ppo", clip_low=0.2, clip_high=0.2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    steps = []
+    optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: steps.append(1))
+    metrics = train_step(model, optimizer, scheduler, groups, algo, settings(4096))
+    assert len(steps) == 2
+    # the second mini-batch trains after an update, so its ratio π_θ/π_prox is no longer exactly 1
+    assert metrics["policy/ppo_kl"] != 0.0
+
+
+def test_kl_loss_to_the_reference_model_is_zero_at_the_start_and_has_gradient(model):
+    rng = np.random.default_rng(5)
+    groups = [make_group(rng) for _ in range(2)]
+    ref = copy.deepcopy(model)
+    with_kl, grads_kl = _gradient_after_step(model, groups, 4096, AlgoConfig(kl_loss_coef=0.5, kl_loss_type="k3"), ref)
+    without, grads = _gradient_after_step(model, groups, 4096, AlgoConfig())
+    assert abs(with_kl["loss/kl"]) < 1e-12  # same weights: KL = 0 ...
+    for name in grads:  # ... and k3's gradient at δ = 0 is 0 too
+        torch.testing.assert_close(grads_kl[name], grads[name], atol=1e-10, rtol=0)
+    shifted = copy.deepcopy(ref)
+    with torch.no_grad():
+        for p in shifted.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    moved, grads_moved = _gradient_after_step(model, groups, 4096, AlgoConfig(kl_loss_coef=0.5, kl_loss_type="k3"),
+                                              shifted)
+    assert moved["loss/kl"] > 0 and moved["kl/ref_k3"] > 0
+    assert any(not torch.allclose(grads_moved[n], grads[n]) for n in grads)
+
+
+def test_kl_reward_penalty_lowers_the_rewards_the_estimator_sees(model):
+    from asyncrl.algos.kl import FixedKLController
+
+    rng = np.random.default_rng(6)
+    groups = [make_group(rng) for _ in range(2)]
+    shifted = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in shifted.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    metrics = train_step(model, optimizer, scheduler, groups, AlgoConfig(kl_reward_coef=0.1), settings(4096),
+                         ref_model=shifted, kl_controller=FixedKLController(0.1))
+    assert metrics["kl/reward_coef"] == 0.1 and metrics["kl/reward_token_kl"] != 0.0
+
+
+def test_loglinear_prox_and_remax_run_through_the_step(model):
+    rng = np.random.default_rng(7)
+    groups = [make_group(rng, version=v) for v in (0, 1, 2)]
+    for group in groups:
+        group.meta["baseline_reward"] = 0.5
+    algo = AlgoConfig(advantage="remax", prox_logprobs="loglinear")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    metrics = train_step(model, optimizer, scheduler, groups, algo, settings(4096, version=2))
+    assert metrics["reward/greedy_baseline/mean"] == 0.5
+    assert np.isfinite(metrics["loss/pg"]) and metrics["offpolicy/staleness/max"] == 2
 
 
 def test_train_step_reports_the_design_metrics(model):
@@ -98,8 +176,17 @@ def test_train_step_reports_the_design_metrics(model):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     before = [p.detach().clone() for p in model.parameters()]
-    metrics = train_step(model, optimizer, scheduler, [make_group(rng) for _ in range(3)], AlgoConfig(), 4096, 64, 1.0)
+    metrics = train_step(model, optimizer, scheduler, [make_group(rng) for _ in range(3)], AlgoConfig(),
+                         StepSettings(version=0, max_staleness=2, max_tokens_per_microbatch=4096, chunk_tokens=64,
+                                      grad_clip=1.0))
     for key in ("loss/pg", "reward/mean", "offpolicy/mismatch_k3", "policy/entropy", "perf/learner/tokens_per_s",
-                "policy/clip_frac_high", "offpolicy/is_weight/max", "offpolicy/ess", "reward/frac_zero_std_groups"):
+                "policy/clip_frac_high", "offpolicy/is_weight/max", "offpolicy/ess", "reward/frac_zero_std_groups",
+                "offpolicy/chi2_seq", "offpolicy/ppl_ratio", "offpolicy/staleness/mean", "offpolicy/staleness/hist/0"):
         assert np.isfinite(metrics[key]), key
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_reference_model_is_needed_only_with_a_kl_coefficient():
+    assert not AlgoConfig().needs_reference_model()
+    assert AlgoConfig(kl_loss_coef=0.001).needs_reference_model()
+    assert AlgoConfig(kl_reward_coef=0.01).needs_reference_model()

@@ -1,0 +1,109 @@
+"""Batch assembly on the learner (staleness, DAPO dynamic sampling, ReMax baselines, group size) and the
+generator-side pieces that feed it (DAPO overlong shaping, greedy decoding for the ReMax baseline)."""
+import queue
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.buffer.group import Group, Sample, Sampling
+from asyncrl.buffer.staleness import Coordinator
+from asyncrl.generator.rewards import overlong_penalty
+from asyncrl.learner.batch import build_batch
+from asyncrl.learner.collect import BatchFilter, BatchTimeout, collect_batch
+
+
+def make_group(rewards, version=0, baseline=None, length=3):
+    samples = [Sample(completion_ids=np.arange(2, 2 + length, dtype=np.int32),
+                      logprobs=np.full(length, -0.5, dtype=np.float32),
+                      versions=np.full(length, version, dtype=np.int32), reward=r, finish_reason="stop")
+               for r in rewards]
+    meta = {"data_source": "t"} if baseline is None else {"data_source": "t", "baseline_reward": baseline}
+    return Group(group_id=f"g{time.perf_counter_ns()}", prompt_id="p", generator_id="gen", prompt_ids=np.array([5, 6], np.int32),
+                 samples=samples, sampling=Sampling(temperature=1.0), created_at=time.time(), meta=meta)
+
+
+class QueueServer:
+    """The two methods of ZmqBufferServer that collect_batch uses, over a plain queue."""
+
+    def __init__(self, groups):
+        self.groups = queue.Queue()
+        for group in groups:
+            self.groups.put(group)
+
+    def take(self, timeout):
+        try:
+            return self.groups.get(timeout=min(timeout, 0.05))
+        except queue.Empty:
+            return None
+
+    def live_generators(self):
+        return ["gen"]
+
+
+class CountingCoordinator(Coordinator):
+    def __init__(self):
+        super().__init__(max_staleness=1, groups_per_step=2)
+        self.given_back = 0
+
+    def give_back(self, count):
+        self.given_back += count
+
+
+def test_dynamic_sampling_drops_zero_variance_groups_and_keeps_pulling():
+    groups = [make_group([1, 1, 1]), make_group([0, 1, 0]), make_group([0, 0, 0]), make_group([1, 0, 1])]
+    coordinator = CountingCoordinator()
+    out = collect_batch(QueueServer(groups), coordinator, 2, 1, 0, timeout_s=5,
+                        batch_filter=BatchFilter(group_size=3, dynamic_sampling=True))
+    assert [g.rewards() for g in out.groups] == [[0, 1, 0], [1, 0, 1]]
+    assert out.dropped["zero_variance"] == 2 and coordinator.given_back == 2
+
+
+def test_without_dynamic_sampling_zero_variance_groups_train():
+    out = collect_batch(QueueServer([make_group([1, 1, 1]), make_group([0, 0, 0])]), CountingCoordinator(), 2, 1, 0,
+                        timeout_s=5, batch_filter=BatchFilter(group_size=3))
+    assert len(out.groups) == 2 and not out.dropped
+
+
+def test_remax_groups_without_a_baseline_and_wrong_sizes_are_dropped_and_counted():
+    groups = [make_group([1, 0, 1], version=5), make_group([1, 0], version=5, baseline=0.5),
+              make_group([1, 0, 1], version=4, baseline=0.5),
+              make_group([0, 0, 1], version=3, baseline=1.0), make_group([1, 1, 0], version=5, baseline=0.0)]
+    out = collect_batch(QueueServer(groups), CountingCoordinator(), 2, 1, 5, timeout_s=5,
+                        batch_filter=BatchFilter(group_size=3, needs_baseline=True))
+    assert dict(out.dropped) == {"no_baseline": 1, "group_size": 1, "stale": 1}
+    assert [g.meta["baseline_reward"] for g in out.groups] == [0.5, 0.0]
+
+
+def test_batch_timeout_names_what_was_dropped():
+    with pytest.raises(BatchTimeout, match="zero_variance"):
+        collect_batch(QueueServer([make_group([1, 1, 1])]), CountingCoordinator(), 2, 1, 0, timeout_s=0.3,
+                      batch_filter=BatchFilter(group_size=3, dynamic_sampling=True))
+
+
+def test_outcome_reward_sits_on_the_last_trained_token():
+    group = make_group([0.25, -1.0], length=4)
+    group.samples[1].loss_mask = np.array([1, 1, 0, 0], dtype=np.uint8)  # e.g. tool output at the end
+    batch = build_batch([group])
+    assert batch.token_rewards[0].nonzero().squeeze(-1).tolist() == [1 + 3]  # prompt 2 -> positions 1..4
+    assert batch.token_rewards[1].nonzero().squeeze(-1).tolist() == [2]
+    assert batch.token_rewards.sum(-1).tolist() == [0.25, -1.0]
+
+
+@pytest.mark.parametrize("length, want", [(16384, 0.0), (18432, -0.5), (20480, -1.0), (20481, -1.0), (100, 0.0)])
+def test_dapo_overlong_penalty_matches_the_paper(length, want):  # reference §5 T16
+    assert overlong_penalty(length, max_tokens=20480, buffer_len=4096, factor=1.0) == pytest.approx(want)
+
+
+def test_overlong_penalty_is_off_without_a_buffer_and_scales_with_the_factor():
+    assert overlong_penalty(30, max_tokens=10, buffer_len=0, factor=1.0) == 0.0
+    assert overlong_penalty(9, max_tokens=10, buffer_len=2, factor=0.5) == pytest.approx(-0.25)
+
+
+def test_temperature_zero_is_greedy_in_the_hf_engine():
+    from asyncrl.generator.engines.hf_engine import processed_log_probs
+
+    logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 2.9]])
+    log_probs = processed_log_probs(logits, Sampling(temperature=0.0))
+    assert log_probs.exp().tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]

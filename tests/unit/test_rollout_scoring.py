@@ -1,0 +1,59 @@
+"""The generator's scoring of a group: ReMax's greedy baseline and DAPO's overlong shaping (logic only; the real
+engines are covered by tests/integration and the e2e runs)."""
+import asyncio
+
+from asyncrl.configs.sections import RewardConfig
+from asyncrl.generator.config import RolloutConfig
+from asyncrl.generator.dataset import PromptRow
+from asyncrl.generator.engines.base import Completion
+from asyncrl.generator.rollout import RolloutLoop
+
+
+class ScriptedEngine:
+    """Sampled completions have 1..n tokens of id 7; the greedy one (temperature 0) is a single token 9."""
+
+    version = 3
+
+    def __init__(self):
+        self.requests = []
+
+    async def sample(self, prompt_ids, sampling, n):
+        self.requests.append((sampling.temperature, n))
+        if sampling.temperature == 0:
+            return [Completion(token_ids=[9], logprobs=[0.0], versions=[3], finish_reason="stop")]
+        return [Completion(token_ids=[7] * (i + 1), logprobs=[-0.1] * (i + 1), versions=[3] * (i + 1),
+                           finish_reason="stop") for i in range(n)]
+
+
+class DigitTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(str(i) for i in ids)
+
+
+def reward_is_nine(data_source, solution_str, ground_truth, extra_info=None):
+    return float(solution_str == "9")
+
+
+def sample_group(rollout, reward_cfg):
+    engine = ScriptedEngine()
+    loop = RolloutLoop(client=None, engine=engine, prompts=iter([]), reward_fn=reward_is_nine,
+                       tokenizer=DigitTokenizer(), rollout_cfg=rollout, max_inflight_groups=1, generator_id="g",
+                       reward_shaping=reward_cfg)
+    row = PromptRow(prompt_id="p", prompt_ids=[1, 2], data_source="t", ground_truth="9", extra_info={})
+    return asyncio.run(loop._sample_group(row)), engine
+
+
+def test_greedy_baseline_is_scored_and_sent_only_when_asked():
+    group, engine = sample_group(RolloutConfig(n=3, max_tokens=4, greedy_baseline=True), RewardConfig())
+    assert group.meta["baseline_reward"] == 1.0 and sorted(engine.requests) == [(0.0, 1), (1.0, 3)]
+    assert [s.reward for s in group.samples] == [0.0, 0.0, 0.0]
+    group, engine = sample_group(RolloutConfig(n=3, max_tokens=4), RewardConfig())
+    assert "baseline_reward" not in group.meta and engine.requests == [(1.0, 3)]
+
+
+def test_overlong_shaping_is_added_to_the_reward_and_reported():
+    group, _ = sample_group(RolloutConfig(n=4, max_tokens=4), RewardConfig(overlong_buffer_len=2,
+                                                                          overlong_penalty_factor=1.0))
+    # lengths 1..4 with max 4 and a buffer of 2: 0, 0, -0.5, -1
+    assert [s.reward for s in group.samples] == [0.0, 0.0, -0.5, -1.0]
+    assert [s.reward_info["overlong_penalty"] for s in group.samples] == [0.0, 0.0, -0.5, -1.0]
