@@ -17,6 +17,7 @@ from asyncrl.configs import flatten, shared_hash, to_yaml
 from asyncrl.algos.kl import AdaptiveKLController, FixedKLController
 from asyncrl.learner.collect import BatchFilter, collect_batch
 from asyncrl.learner.model import load_model
+from asyncrl.learner.objective import resolved_hyperparameters
 from asyncrl.learner.train_step import StepSettings, train_step
 from asyncrl.telemetry.mlflow_logger import MetricsLogger, create_or_attach_run, resolve_tracking_uri
 from asyncrl.telemetry.progress import ProgressDisplay
@@ -44,7 +45,7 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str) -> dict:
     tracking_uri = resolve_tracking_uri(cfg.telemetry.tracking_uri)
     run_id = create_or_attach_run(tracking_uri, cfg.telemetry.experiment, cfg.job.name)
     metrics_log = MetricsLogger(tracking_uri, run_id)
-    metrics_log.log_params(flatten(cfg))
+    metrics_log.log_params({**flatten(cfg), **resolved_hyperparameters(cfg.algo)})
     metrics_log.log_text(to_yaml(cfg), "config/resolved.yaml")
     publisher = ShmWeightPublisher(os.path.join(cfg.weightsync.shm_dir, f"asyncrl-{cfg.job.name}-{os.getpid()}"),
                                    cfg.weightsync.keep_versions, cfg.weightsync.dtype)

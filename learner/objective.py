@@ -36,6 +36,21 @@ class StepCounts:
     seqs: float
 
 
+def resolved_hyperparameters(algo) -> dict:
+    """The loss's and correction's hyperparameters as they will be used (published defaults filled in), for the
+    run's MLflow params: a null in the recipe should not hide which ε a run trained with."""
+    from asyncrl.algos.corrections import CORRECTION_HYPERPARAMETERS
+    from asyncrl.algos.losses import LOSS_HYPERPARAMETERS
+
+    loss = {**LOSS_HYPERPARAMETERS[algo.loss], **algo.loss_kwargs()}
+    correction = {**CORRECTION_HYPERPARAMETERS.get(algo.correction, {}), **algo.correction_kwargs()}
+    if algo.correction == "bypass" and algo.loss in ("reinforce", "gpg"):
+        correction.setdefault("cap", BYPASS_PG_CAP)
+    resolved = {f"algo.resolved.{algo.loss}.{k}": str(v) for k, v in loss.items()}
+    resolved.update({f"algo.resolved.{algo.correction}.{k}": str(v) for k, v in correction.items()})
+    return resolved
+
+
 def choose_prox_source(algo) -> str:
     """`fused`, `recompute` or `loglinear`: where π_prox comes from for this config (see the module doc)."""
     if algo.prox_logprobs == "loglinear":

@@ -190,3 +190,11 @@ def test_reference_model_is_needed_only_with_a_kl_coefficient():
     assert not AlgoConfig().needs_reference_model()
     assert AlgoConfig(kl_loss_coef=0.001).needs_reference_model()
     assert AlgoConfig(kl_reward_coef=0.01).needs_reference_model()
+
+
+def test_resolved_hyperparameters_fill_in_the_published_defaults():
+    from asyncrl.learner.objective import resolved_hyperparameters
+
+    resolved = resolved_hyperparameters(AlgoConfig(loss="gspo", correction="tis", is_cap=3.0))
+    assert resolved["algo.resolved.gspo.clip_low"] == "0.0003" and resolved["algo.resolved.tis.cap"] == "3.0"
+    assert resolved["algo.resolved.tis.level"] == "token"
