@@ -50,7 +50,10 @@ def test_ctrl_c_stops_learner_and_generator(tmp_path, demo_assets, demo_cache):
     env = {**os.environ, "ASYNCRL_JOB_DIR": str(job_dir), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/m.db"}
     proc = subprocess.Popen([sys.executable, "-m", "asyncrl.launch.cli", "run", *overrides(demo_cache, free_port()),
                              "learner.total_steps=100000"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            # a harness that runs the suite in the background (`cmd &`) starts it with SIGINT
+                            # ignored, which children inherit; a terminal's Ctrl-C reaches a foreground job
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 240
     while not (job_dir / "progress.jsonl").exists():
         assert time.time() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
