@@ -21,7 +21,9 @@ def collect_step_metrics(batch: Batch, groups: list, algo, settings, prox: torch
     if correction_metrics is None and algo.correction not in ("none", "bypass", "vtrace"):
         _, correction_metrics = compute_correction(algo.correction, prox, batch.logprobs_behav, mask,
                                                    **algo.correction_kwargs())
-    metrics.update({key: float(value) for key, value in (correction_metrics or {}).items()})
+    # `_sum` numerators exist to combine micro-batches; this call already saw the whole batch
+    metrics.update({key: float(value) for key, value in (correction_metrics or {}).items()
+                    if not key.endswith("_sum")})
     rewards = torch.tensor([r for group in groups for r in group.rewards()], dtype=torch.float64)
     per_group = rewards.view(len(groups), -1)
     advantages = batch.advantages[valid].double()
