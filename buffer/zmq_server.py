@@ -37,6 +37,7 @@ class ZmqBufferServer:
         self.joins: dict[str, dict] = {}  # generator -> version at hello, min token version of its first group
         self._weights: dict = {}
         self._done = False
+        self.told_done: set[str] = set()  # generators that received a reply saying the job is done
         self._stop = threading.Event()
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
@@ -71,6 +72,21 @@ class ZmqBufferServer:
     def set_done(self) -> None:
         """The job is over: every further admit/group reply tells generators to stop."""
         self._done = True
+
+    def wait_for_generators_to_hear_done(self, timeout_s: float) -> list[str]:
+        """After `set_done`, keep serving until every generator seen in the last `timeout_s` has been told.
+
+        A generator that joined late may still be loading its model when the learner finishes; if the socket
+        closed under it, it would wait out its request timeout and exit as if the learner had crashed. Waits at
+        most `timeout_s`; returns the generators that never heard (a crashed one, or one still loading).
+        """
+        started = time.monotonic()
+        while True:
+            waiting = [gen for gen, seen in list(self.last_seen.items())
+                       if gen not in self.told_done and started - seen < timeout_s]
+            if not waiting or time.monotonic() - started >= timeout_s:
+                return waiting
+            time.sleep(0.05)
 
     def close(self) -> None:
         self._stop.set()
@@ -119,6 +135,8 @@ class ZmqBufferServer:
         self.last_seen[gen] = time.monotonic()
         reply = {"req": request["req"], "ok": True, "version": self.coordinator.version,
                  "weights": self._weights, "done": self._done}
+        if self._done:
+            self.told_done.add(gen)
         op = request["op"]
         if op == "hello":
             return self._hello(request, reply)

@@ -26,6 +26,8 @@ class LearnerConfig:
     """Parameter dtype of the learner."""
     wait_for_batch_timeout_s: float = 600.0
     """How long the learner waits for enough groups before it gives up and names the missing generators, in s."""
+    done_grace_s: float = 20.0
+    """After the last step, how long the learner keeps answering so every generator hears "done", in s."""
     torch_threads: int = 0
     """torch intra-op threads; 0 keeps torch's default."""
     seed: int = 0
@@ -44,6 +46,8 @@ class LearnerConfig:
             raise ValueError(f"learner.logprob_chunk_tokens must be >= 1, got {self.logprob_chunk_tokens}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"learner.dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.done_grace_s < 0:
+            raise ValueError(f"learner.done_grace_s must be >= 0, got {self.done_grace_s}")
         if self.wait_for_batch_timeout_s <= 0:
             raise ValueError(f"learner.wait_for_batch_timeout_s must be > 0, got {self.wait_for_batch_timeout_s}")
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):

@@ -72,7 +72,11 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str) -> dict:
         status = "FINISHED"
     finally:
         server.set_done()
-        time.sleep(1.0 if status == "FINISHED" else 0)  # let generators hear "done" in their next reply
+        if status == "FINISHED":  # let every generator hear "done" (a late joiner may still be loading)
+            unheard = server.wait_for_generators_to_hear_done(cfg.learner.done_grace_s)
+            if unheard:
+                log.warning("learner: generators %s did not poll within %.0f s of the end; they will time out",
+                            unheard, cfg.learner.done_grace_s)
         server.close()
         publisher.close()
         progress.close()

@@ -91,7 +91,8 @@ def test_generators_started_before_and_after_the_learner_join_with_current_weigh
                                                                                     demo_cache):
     port = free_port()
     job_dir = tmp_path / "job"
-    overrides = common_overrides(demo_cache, port, steps=10) + ["generator.engine=hf"]
+    # 40 steps leave the late joiner (model load on a busy 2-core machine) ample runway before the job ends
+    overrides = common_overrides(demo_cache, port, steps=40) + ["generator.engine=hf"]
     procs = {"early": start("generator", overrides + ["generator.generator_id=early"], tmp_path, job_dir, "early.log")}
     time.sleep(2)
     procs["learner"] = start("learner", overrides, tmp_path, job_dir, "learner.log")

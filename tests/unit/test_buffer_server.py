@@ -102,3 +102,22 @@ def test_a_dead_learner_is_named_in_the_error():
     with pytest.raises(LearnerUnavailable, match=str(port)):
         request(client, "admit")
     client.close()
+
+
+def test_finished_learner_keeps_serving_until_every_recent_generator_heard_done(server):
+    client = BufferClient(server.endpoint, "late", timeout_s=5)
+
+    async def scenario():
+        await client.request("admit", want=1)
+        server.set_done()
+        started = time.monotonic()
+        unheard = await asyncio.to_thread(server.wait_for_generators_to_hear_done, 0.3)  # it has not polled since
+        waited = time.monotonic() - started
+        reply = await client.request("admit", want=1)
+        return unheard, waited, reply, await asyncio.to_thread(server.wait_for_generators_to_hear_done, 5.0)
+
+    unheard, waited, reply, unheard_after = asyncio.run(scenario())
+    client.close()
+    assert unheard == ["late"] and waited >= 0.3
+    assert reply["done"] and reply["granted"] == 0
+    assert unheard_after == []  # everyone has heard: returns at once
