@@ -12,7 +12,7 @@ Which policy is the trust-region centre, and which weight multiplies the loss, d
 | m2po                        | π_prox                   | computed once on the whole batch              |
 | vtrace                      | π_prox (unused: reinforce)| none: the weights are inside the advantages  |
 
-π_prox is, by `ProxSource`: the detached current logprobs (`fused`: exact when the batch takes one optimizer step
+π_prox is, by `choose_prox_source`: the detached current logprobs (`fused`: exact when the batch takes one optimizer step
 and no correction needs the whole batch first), the no-grad pass stored in the batch (`recompute`), or A-3PO's
 log-linear interpolation between μ and the current policy (`loglinear`).
 """
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncrl.algos.corrections import approximate_prox_logprobs, compute_correction
+from asyncrl.algos.corrections import CORRECTION_HYPERPARAMETERS, approximate_prox_logprobs, compute_correction
 from asyncrl.algos.kl import compute_kl
-from asyncrl.algos.losses import POLICY_LOSSES, aggregate_loss
+from asyncrl.algos.losses import LOSS_HYPERPARAMETERS, POLICY_LOSSES, aggregate_loss
 
 BYPASS_PG_CAP = 2.0
 """Default C of min(π_θ/μ, C) for reinforce/gpg in bypass mode (verl's bypass_pg_is preset uses 2.0)."""
@@ -39,9 +39,6 @@ class StepCounts:
 def resolved_hyperparameters(algo) -> dict:
     """The loss's and correction's hyperparameters as they will be used (published defaults filled in), for the
     run's MLflow params: a null in the recipe should not hide which ε a run trained with."""
-    from asyncrl.algos.corrections import CORRECTION_HYPERPARAMETERS
-    from asyncrl.algos.losses import LOSS_HYPERPARAMETERS
-
     loss = {**LOSS_HYPERPARAMETERS[algo.loss], **algo.loss_kwargs()}
     correction = {**CORRECTION_HYPERPARAMETERS.get(algo.correction, {}), **algo.correction_kwargs()}
     if algo.correction == "bypass" and algo.loss in ("reinforce", "gpg"):
