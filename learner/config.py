@@ -26,6 +26,9 @@ class LearnerConfig:
     """Parameter dtype of the learner."""
     wait_for_batch_timeout_s: float = 600.0
     """How long the learner waits for enough groups before it gives up and names the missing generators, in s."""
+    packing: bool = False
+    """Run each micro-batch's decoder as one packed row (no padding tokens; block-diagonal causal attention).
+    Off by default: on CPU sdpa attends over the whole packed row, which costs more than it saves on short rows."""
     done_grace_s: float = 20.0
     """After the last step, how long the learner keeps answering so every generator hears "done", in s."""
     torch_threads: int = 0

@@ -15,12 +15,16 @@ def compute_logprobs(
     temperatures: torch.Tensor,  # [B] float
     chunk_tokens: int,
     with_entropy: bool = False,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of token t+1 given tokens <= t, shape [B, L-1] (fp32); and the entropy of that distribution."""
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    hidden = model.get_decoder()(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
-    ).last_hidden_state  # [B, L, H]
+    if packed:
+        hidden = packed_hidden_states(model, input_ids, attention_mask)  # [B, L, H]
+    else:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        hidden = model.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state  # [B, L, H]
     head = model.get_output_embeddings()
     hidden = hidden[:, :-1]  # [B, L-1, H]
     targets = input_ids[:, 1:]  # [B, L-1]
@@ -43,6 +47,28 @@ def compute_logprobs(
     logprobs = torch.cat(logprob_chunks).view(batch, length)
     entropy = torch.cat(entropy_chunks).view(batch, length) if with_entropy else None
     return logprobs, entropy
+
+
+def packed_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Decoder states of right-padded rows computed as ONE packed row without padding, put back as [B, L, H].
+
+    Positions restart at 0 for each sequence and a block-diagonal causal mask keeps attention inside it, so the
+    result equals the padded pass while the decoder never computes a padding token. The [N, N] boolean mask
+    suits sdpa on CPU; on GPUs flash-attn's varlen kernel makes the mask unnecessary (learner-at-scale issue).
+    """
+    valid = attention_mask.bool()  # [B, L], a prefix of each row
+    lengths = valid.sum(-1)  # [B]
+    flat_ids = input_ids[valid][None]  # [1, N]: rows one after another
+    segment = torch.repeat_interleave(torch.arange(len(lengths)), lengths)  # [N]
+    positions = torch.arange(valid.shape[1]).expand_as(input_ids)[valid][None]  # [1, N], restart per row
+    count = flat_ids.shape[1]
+    causal = torch.ones(count, count, dtype=torch.bool).tril()
+    block = (segment[:, None] == segment[None, :]) & causal  # [N, N]
+    flat = model.get_decoder()(input_ids=flat_ids, attention_mask=block[None, None],
+                               position_ids=positions).last_hidden_state[0]  # [N, H]
+    hidden = flat.new_zeros(*input_ids.shape, flat.shape[-1])  # [B, L, H]
+    hidden[valid] = flat
+    return hidden
 
 
 def _chunk_logprobs(head, hidden, targets, temps):

@@ -110,7 +110,7 @@ def run_one_step(cfg, model, optimizer, scheduler, server, coordinator, publishe
     settings = StepSettings(version=version, max_staleness=cfg.buffer.max_staleness,
                             max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch,
                             chunk_tokens=cfg.learner.logprob_chunk_tokens, grad_clip=cfg.learner.grad_clip,
-                            seed=cfg.learner.seed)
+                            seed=cfg.learner.seed, packing=cfg.learner.packing)
     metrics = train_step(model, optimizer, scheduler, collected.groups, cfg.algo, settings,
                          ref_model=algo_state["ref_model"], kl_controller=algo_state["kl_controller"])
     started = time.perf_counter()

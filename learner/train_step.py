@@ -34,6 +34,8 @@ class StepSettings:
     chunk_tokens: int
     grad_clip: float
     seed: int = 0
+    packing: bool = False
+    """Pack each micro-batch's rows into one (learner.packing)."""
 
 
 @torch.no_grad()
@@ -42,7 +44,7 @@ def compute_batch_logprobs(model, batch: Batch, settings: StepSettings) -> torch
     parts = []
     for micro in split_microbatches(batch, settings.max_tokens_per_microbatch):
         logprobs, _ = compute_logprobs(model, micro.input_ids, micro.attention_mask, micro.temperatures,
-                                       settings.chunk_tokens)
+                                       settings.chunk_tokens, packed=settings.packing)
         parts.append((micro.rows, logprobs))
     return scatter_rows(tuple(batch.loss_mask.shape), parts)
 
@@ -86,7 +88,8 @@ def forward_backward(model, micro: Batch, algo, counts: StepCounts, prox_source:
                      generator: torch.Generator):
     """Current logprobs (with grad) at the sampling temperature, the loss, backward. Returns detached pieces."""
     logprobs, entropy = compute_logprobs(model, micro.input_ids, micro.attention_mask, micro.temperatures,
-                                         settings.chunk_tokens, with_entropy=True)  # [b, l-1]
+                                         settings.chunk_tokens, with_entropy=True,
+                                         packed=settings.packing)  # [b, l-1]
     prox = resolve_prox(prox_source, logprobs, micro, settings.version)
     loss, pg_share, kl_share, metrics = compute_micro_loss(algo, logprobs, prox, micro, counts, algo.kl_loss_coef,
                                                            generator)

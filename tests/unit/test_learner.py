@@ -198,3 +198,43 @@ def test_resolved_hyperparameters_fill_in_the_published_defaults():
     resolved = resolved_hyperparameters(AlgoConfig(loss="gspo", correction="tis", is_cap=3.0))
     assert resolved["algo.resolved.gspo.clip_low"] == "0.0003" and resolved["algo.resolved.tis.cap"] == "3.0"
     assert resolved["algo.resolved.tis.level"] == "token"
+
+
+def test_packed_and_padded_batches_give_the_same_loss_and_gradients(model):
+    rng = np.random.default_rng(8)
+    groups = [make_group(rng, n=3, temperature=t) for t in (0.7, 1.0, 1.3)]
+    results = []
+    for packing in (False, True):
+        step_model = copy.deepcopy(model)
+        optimizer = torch.optim.SGD(step_model.parameters(), lr=0.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        grads = {}
+        optimizer.register_step_pre_hook(
+            lambda o, a, k, m=step_model, g=grads: g.update({n: p.grad.clone() for n, p in m.named_parameters()}))
+        config = StepSettings(version=0, max_staleness=2, max_tokens_per_microbatch=40, chunk_tokens=7, grad_clip=0,
+                              packing=packing)
+        results.append((train_step(step_model, optimizer, scheduler, groups, AlgoConfig(), config), grads))
+    (padded, padded_grads), (packed, packed_grads) = results
+    assert abs(padded["loss/pg"] - packed["loss/pg"]) < 1e-12
+    assert abs(padded["policy/entropy"] - packed["policy/entropy"]) < 1e-12
+    for name, grad in padded_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, atol=1e-10, rtol=0)
+
+
+def test_packed_rows_never_attend_across_sequences(model):
+    from asyncrl.learner.logprobs import packed_hidden_states
+
+    ids = torch.randint(2, 32, (3, 8))
+    mask = torch.ones_like(ids)
+    mask[0, 3:] = 0
+    mask[2, 6:] = 0
+    ids = ids * mask
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    padded = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=position_ids).last_hidden_state
+    packed = packed_hidden_states(model, ids, mask)
+    valid = mask.bool()
+    torch.testing.assert_close(packed[valid], padded[valid], atol=1e-12, rtol=0)
+    assert (packed[~valid] == 0).all()
+    # the same packed row with plain causal attention leaks earlier sequences into later ones
+    flat = model.get_decoder()(input_ids=ids[valid][None], position_ids=position_ids[valid][None]).last_hidden_state[0]
+    assert not torch.allclose(flat[3:], padded[valid][3:])
