@@ -121,3 +121,34 @@ def scatter_rows(full_shape: tuple, parts: list[tuple[torch.Tensor, torch.Tensor
     for rows, values in parts:
         out[rows, : values.shape[1]] = values
     return out
+
+
+def assign_rows(lengths: list, num_ranks: int) -> list[list[int]]:
+    """Rows per data-parallel rank, balanced by tokens: longest first, each onto the least-loaded rank (ties to the
+    lowest rank). Deterministic, so every rank computes every rank's share without talking."""
+    loads, shares = [0] * num_ranks, [[] for _ in range(num_ranks)]
+    for row in sorted(range(len(lengths)), key=lambda r: (-lengths[r], r)):
+        target = min(range(num_ranks), key=lambda rank: (loads[rank], rank))
+        shares[target].append(row)
+        loads[target] += lengths[row]
+    return [sorted(share) for share in shares]
+
+
+def plan_microbatches(batch: Batch, max_tokens: int, dp_rank: int = 0, dp_size: int = 1) -> list[Optional[Batch]]:
+    """This rank's micro-batches of `batch`. With dp_size > 1 the rows are first balanced across ranks by tokens,
+    and the list is padded with None so every rank runs the same number of forward/backward passes (FSDP's
+    collectives need them in lockstep); a None is a pass that contributes nothing."""
+    if dp_size == 1:
+        return split_microbatches(batch, max_tokens)
+    shares = assign_rows(batch.attention_mask.sum(-1).tolist(), dp_size)
+    counts = [len(split_microbatches(batch.select(torch.tensor(share)), max_tokens)) if share else 0
+              for share in shares]
+    mine = shares[dp_rank]
+    micro = split_microbatches(batch.select(torch.tensor(mine)), max_tokens) if mine else []
+    return micro + [None] * (max(counts) - len(micro))
+
+
+def placeholder_microbatch(batch: Batch) -> Batch:
+    """A one-row micro-batch for a rank with no rows left: it runs the model (so collectives line up) and is
+    multiplied by zero."""
+    return batch.select(torch.tensor([0]))

@@ -1,11 +1,35 @@
-"""Token logprobs and entropy at the sampling temperature, computed in chunks.
+"""Token logprobs and entropy at the sampling temperature, computed in chunks, padded or packed, on one rank or
+split over a sequence-parallel group.
 
 The decoder runs once; the LM head is applied to `chunk_tokens` positions at a time, so the [B, T, V] fp32 logits
 never exist at once. Logits are divided by each row's sampling temperature before the softmax, because the
 generator's logprobs describe the distribution it actually sampled from (vLLM `processed_logprobs`).
+
+Whatever the layout, the decoder sees a *stream*: rows of token ids with their position ids, each position's
+target (the next token) and temperature. Padded, the stream is the batch itself. Packed, it is one row holding every
+sequence back to back, positions restarting at 0 per sequence and attention kept inside each one (block-diagonal
+mask on CPU sdpa; on GPUs flash-attn varlen reads the same restarting positions). Under Ulysses each SP rank runs
+its contiguous slice of the stream's columns, computes logprobs for its positions only, and the [rows, S] logprobs
+are gathered (differentiably) so every SP rank holds the whole sequence's values for the loss.
 """
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
+import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
+
+from asyncrl.learner.ulysses import gather_sequence
+
+
+@dataclass
+class Stream:
+    ids: torch.Tensor  # [R, S] int64
+    positions: torch.Tensor  # [R, S] int64
+    targets: torch.Tensor  # [R, S] int64: the token that position predicts (0 where none)
+    temps: torch.Tensor  # [R, S] float: sampling temperature of the position's sequence
+    segments: Optional[torch.Tensor]  # [R, S] int64 sequence index per position (packed only)
+    attention_mask: Optional[torch.Tensor]  # [R, S] 0/1 (padded only)
 
 
 def compute_logprobs(
@@ -16,22 +40,97 @@ def compute_logprobs(
     chunk_tokens: int,
     with_entropy: bool = False,
     packed: bool = False,
+    sp_group=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of token t+1 given tokens <= t, shape [B, L-1] (fp32); and the entropy of that distribution."""
-    if packed:
-        hidden = packed_hidden_states(model, input_ids, attention_mask)  # [B, L, H]
+    stream = packed_stream(input_ids, attention_mask, temperatures) if packed else padded_stream(
+        input_ids, attention_mask, temperatures)
+    sp_size = dist.get_world_size(sp_group) if sp_group is not None else 1
+    if sp_size > 1:
+        stream = pad_columns(stream, sp_size)
+        rank, width = dist.get_rank(sp_group), stream.ids.shape[1] // sp_size
+        local = slice(rank * width, (rank + 1) * width)
+        hidden = decoder_states(model, input_ids=stream.ids[:, local], position_ids=stream.positions[:, local],
+                                segment_ids=stream.segments)  # [R, s, H]
+        logprobs, entropy = head_logprobs(model, hidden, stream.targets[:, local], stream.temps[:, local],
+                                          chunk_tokens, with_entropy)
+        logprobs = gather_sequence(logprobs, sp_group)  # [R, S]
+        entropy = gather_sequence(entropy, sp_group) if with_entropy else None
     else:
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        hidden = model.get_decoder()(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
-        ).last_hidden_state  # [B, L, H]
+        hidden = run_decoder(model, stream)  # [R, S, H]
+        logprobs, entropy = head_logprobs(model, hidden, stream.targets, stream.temps, chunk_tokens, with_entropy)
+    unstream = unpack if packed else unpad
+    return unstream(logprobs, attention_mask), unstream(entropy, attention_mask) if with_entropy else None
+
+
+def padded_stream(input_ids, attention_mask, temperatures) -> Stream:
+    targets = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
+    return Stream(ids=input_ids, positions=(attention_mask.long().cumsum(-1) - 1).clamp(min=0), targets=targets,
+                  temps=temperatures[:, None].expand_as(input_ids), segments=None, attention_mask=attention_mask)
+
+
+def packed_stream(input_ids, attention_mask, temperatures) -> Stream:
+    """Right-padded rows as ONE row without padding: positions restart per sequence, segments say which is which."""
+    valid = attention_mask.bool()  # [B, L], a prefix of each row
+    lengths = valid.sum(-1)  # [B]
+    targets = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
+    positions = torch.arange(valid.shape[1]).expand_as(input_ids)
+    return Stream(ids=input_ids[valid][None], positions=positions[valid][None], targets=targets[valid][None],
+                  temps=temperatures[:, None].expand_as(input_ids)[valid][None],
+                  segments=torch.repeat_interleave(torch.arange(len(lengths)), lengths)[None], attention_mask=None)
+
+
+def pad_columns(stream: Stream, multiple: int) -> Stream:
+    """Extra columns so the stream splits evenly over SP ranks. Padding positions continue the last row's count and
+    form their own segment; their outputs are cut off before anything reads them."""
+    width = stream.ids.shape[1]
+    extra = -width % multiple
+    if not extra:
+        return stream
+
+    def grow(tensor, fill):
+        if tensor is None:
+            return None
+        return torch.cat([tensor, tensor.new_full((tensor.shape[0], extra), fill)], dim=1)
+
+    positions = torch.cat([stream.positions, stream.positions[:, -1:] + torch.arange(1, extra + 1)], dim=1)
+    segments = grow(stream.segments, -1)
+    return Stream(ids=grow(stream.ids, 0), positions=positions, targets=grow(stream.targets, 0),
+                  temps=grow(stream.temps, 1.0), segments=segments, attention_mask=grow(stream.attention_mask, 0))
+
+
+def run_decoder(model, stream: Stream) -> torch.Tensor:
+    """Decoder states [R, S, H] on one rank (sdpa): the padding mask, or the packed block-diagonal causal mask."""
+    if stream.segments is None:
+        return decoder_states(model, input_ids=stream.ids, attention_mask=stream.attention_mask,
+                              position_ids=stream.positions)
+    count = stream.ids.shape[1]
+    causal = torch.ones(count, count, dtype=torch.bool).tril()
+    block = (stream.segments[:, :, None] == stream.segments[:, None, :]) & causal  # [R, S, S]
+    return decoder_states(model, input_ids=stream.ids, attention_mask=block[:, None], position_ids=stream.positions)
+
+
+NO_LOGITS = torch.zeros(0, dtype=torch.long)
+
+
+def decoder_states(model, **inputs) -> torch.Tensor:
+    """The final (normed) decoder states [R, S, H], through the model's own forward with logits for no position.
+
+    Going through the root module's forward, rather than calling its decoder directly, matters under FSDP2: the
+    root's hooks gather the embeddings and final norm (and the head tied to them) and arrange their gradient
+    reduction. The LM head is then applied in chunks by the caller.
+    """
+    out = model(**inputs, output_hidden_states=True, logits_to_keep=NO_LOGITS, use_cache=False)
+    return out.hidden_states[-1]
+
+
+def head_logprobs(model, hidden, targets, temps, chunk_tokens: int, with_entropy: bool):
+    """[R, S] logprobs of `targets` (and entropies), applying the LM head `chunk_tokens` positions at a time."""
     head = model.get_output_embeddings()
-    hidden = hidden[:, :-1]  # [B, L-1, H]
-    targets = input_ids[:, 1:]  # [B, L-1]
-    batch, length, width = hidden.shape
+    rows, length, width = hidden.shape
     flat_hidden = hidden.reshape(-1, width)
     flat_targets = targets.reshape(-1)
-    flat_temps = temperatures.to(torch.promote_types(hidden.dtype, torch.float32)).repeat_interleave(length)
+    flat_temps = temps.reshape(-1).to(torch.promote_types(hidden.dtype, torch.float32))
     logprob_chunks, entropy_chunks = [], []
     for start in range(0, flat_hidden.shape[0], chunk_tokens):
         stop = start + chunk_tokens
@@ -44,31 +143,25 @@ def compute_logprobs(
         if with_entropy:
             with torch.no_grad():
                 entropy_chunks.append(_chunk_entropy(head, flat_hidden[start:stop].detach(), flat_temps[start:stop]))
-    logprobs = torch.cat(logprob_chunks).view(batch, length)
-    entropy = torch.cat(entropy_chunks).view(batch, length) if with_entropy else None
+    logprobs = torch.cat(logprob_chunks).view(rows, length)
+    entropy = torch.cat(entropy_chunks).view(rows, length) if with_entropy else None
     return logprobs, entropy
 
 
-def packed_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Decoder states of right-padded rows computed as ONE packed row without padding, put back as [B, L, H].
+def unpad(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, S>=L] stream values -> [B, L-1] (position t predicts token t+1)."""
+    return values[:, : attention_mask.shape[1] - 1]
 
-    Positions restart at 0 for each sequence and a block-diagonal causal mask keeps attention inside it, so the
-    result equals the padded pass while the decoder never computes a padding token. The [N, N] boolean mask
-    suits sdpa on CPU; on GPUs flash-attn's varlen kernel makes the mask unnecessary (learner-at-scale issue).
-    """
-    valid = attention_mask.bool()  # [B, L], a prefix of each row
-    lengths = valid.sum(-1)  # [B]
-    flat_ids = input_ids[valid][None]  # [1, N]: rows one after another
-    segment = torch.repeat_interleave(torch.arange(len(lengths)), lengths)  # [N]
-    positions = torch.arange(valid.shape[1]).expand_as(input_ids)[valid][None]  # [1, N], restart per row
-    count = flat_ids.shape[1]
-    causal = torch.ones(count, count, dtype=torch.bool).tril()
-    block = (segment[:, None] == segment[None, :]) & causal  # [N, N]
-    flat = model.get_decoder()(input_ids=flat_ids, attention_mask=block[None, None],
-                               position_ids=positions).last_hidden_state[0]  # [N, H]
-    hidden = flat.new_zeros(*input_ids.shape, flat.shape[-1])  # [B, L, H]
-    hidden[valid] = flat
-    return hidden
+
+def unpack(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[1, S>=N] packed values -> [B, L-1]: each sequence's positions but its last (which predicts nothing)."""
+    valid = attention_mask.bool()
+    lengths = valid.sum(-1)
+    predicts = valid.clone()
+    predicts[torch.arange(len(lengths)), (lengths - 1).clamp(min=0)] = False  # the last token of each sequence
+    flat = values[0, : int(lengths.sum())][predicts[valid]]
+    out = values.new_zeros(attention_mask.shape[0], attention_mask.shape[1] - 1)
+    return out.masked_scatter(valid[:, 1:], flat)
 
 
 def _chunk_logprobs(head, hidden, targets, temps):

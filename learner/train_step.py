@@ -17,9 +17,11 @@ from asyncrl.algos.advantages import AdvantageInputs, compute_token_advantages
 from asyncrl.algos.corrections import compute_correction, compute_vtrace_advantages
 from asyncrl.algos.kl import apply_kl_penalty
 from asyncrl.algos.metrics import combine_token_metrics
-from asyncrl.learner.batch import Batch, build_batch, scatter_rows, split_microbatches, split_minibatches
+from asyncrl.learner.batch import (Batch, build_batch, placeholder_microbatch, plan_microbatches, scatter_rows,
+                                   split_minibatches)
 from asyncrl.learner.logprobs import compute_logprobs
 from asyncrl.learner.objective import StepCounts, choose_prox_source, compute_micro_loss, resolve_prox
+from asyncrl.learner.parallel import ParallelState, all_gather_objects, all_reduce_sum
 from asyncrl.learner.step_metrics import collect_step_metrics
 
 
@@ -36,17 +38,38 @@ class StepSettings:
     seed: int = 0
     packing: bool = False
     """Pack each micro-batch's rows into one (learner.packing)."""
+    parallel: ParallelState = None
+    """This rank's place in the learner's mesh; None is one process."""
+
+    def __post_init__(self):
+        if self.parallel is None:
+            self.parallel = ParallelState()
+
+    def microbatches(self, batch: Batch) -> list:
+        """This rank's micro-batches (None = a placeholder pass); the token budget is per rank, so an SP group's
+        micro-batch holds sp_size times as many tokens."""
+        parallel = self.parallel
+        return plan_microbatches(batch, self.max_tokens_per_microbatch * parallel.sp_size, parallel.dp_rank,
+                                 parallel.dp_size)
+
+    def logprobs(self, model, micro: Batch, with_entropy: bool = False):
+        return compute_logprobs(model, micro.input_ids, micro.attention_mask, micro.temperatures, self.chunk_tokens,
+                                with_entropy=with_entropy, packed=self.packing, sp_group=self.parallel.sp_group)
 
 
 @torch.no_grad()
 def compute_batch_logprobs(model, batch: Batch, settings: StepSettings) -> torch.Tensor:
-    """No-grad logprobs [B, L-1] of the whole batch, micro-batch by micro-batch."""
+    """No-grad logprobs [B, L-1] of the whole batch, micro-batch by micro-batch; each DP rank computes its rows and
+    a sum over the DP group (rows are disjoint) gives every rank the whole batch."""
     parts = []
-    for micro in split_microbatches(batch, settings.max_tokens_per_microbatch):
-        logprobs, _ = compute_logprobs(model, micro.input_ids, micro.attention_mask, micro.temperatures,
-                                       settings.chunk_tokens, packed=settings.packing)
+    for micro in settings.microbatches(batch):
+        if micro is None:
+            settings.logprobs(model, placeholder_microbatch(batch))  # FSDP's all-gathers must run on every rank
+            continue
+        logprobs, _ = settings.logprobs(model, micro)
         parts.append((micro.rows, logprobs))
-    return scatter_rows(tuple(batch.loss_mask.shape), parts)
+    full = scatter_rows(tuple(batch.loss_mask.shape), parts)
+    return all_reduce_sum(full, settings.parallel.dp_group)
 
 
 def penalise_rewards(batch: Batch, algo, kl_controller) -> tuple[torch.Tensor, dict]:
@@ -86,23 +109,41 @@ def compute_advantages(batch: Batch, groups: list, token_rewards: torch.Tensor, 
 
 def forward_backward(model, micro: Batch, algo, counts: StepCounts, prox_source: str, settings: StepSettings,
                      generator: torch.Generator):
-    """Current logprobs (with grad) at the sampling temperature, the loss, backward. Returns detached pieces."""
-    logprobs, entropy = compute_logprobs(model, micro.input_ids, micro.attention_mask, micro.temperatures,
-                                         settings.chunk_tokens, with_entropy=True,
-                                         packed=settings.packing)  # [b, l-1]
+    """Current logprobs (with grad) at the sampling temperature, the loss, backward. Returns detached pieces.
+    The loss is scaled by the world size because FSDP averages gradients over it (parallel.py)."""
+    logprobs, entropy = settings.logprobs(model, micro, with_entropy=True)  # [b, l-1]
     prox = resolve_prox(prox_source, logprobs, micro, settings.version)
     loss, pg_share, kl_share, metrics = compute_micro_loss(algo, logprobs, prox, micro, counts, algo.kl_loss_coef,
                                                            generator)
-    loss.backward()
+    (loss * settings.parallel.loss_scale).backward()
     return pg_share, kl_share, metrics, prox.detach(), entropy
+
+
+def placeholder_pass(model, batch: Batch, settings: StepSettings) -> None:
+    """Forward and backward through every parameter with a zero loss: a rank with fewer micro-batches than its
+    peers still joins each of FSDP's all-gathers and reduce-scatters."""
+    logprobs, _ = settings.logprobs(model, placeholder_microbatch(batch))
+    (logprobs.sum() * 0.0).backward()
 
 
 def optimizer_step(model, optimizer, scheduler, grad_clip: float) -> float:
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
+        grad_norm = grad_norm.full_tensor()
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return float(grad_norm)
+
+
+def gather_over_dp(parallel: ParallelState, pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts):
+    """Every DP rank's shares of the step's losses, token metrics, π_prox and entropy, so each rank reports the
+    whole batch. (SP ranks of one group hold the same values; gathering over the DP group counts each row once.)"""
+    if parallel.dp_group is None:
+        return pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts
+    gathered = all_gather_objects((pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts), parallel.dp_group)
+    return (sum(g[0] for g in gathered), sum(g[1] for g in gathered), [m for g in gathered for m in g[2]],
+            [p for g in gathered for p in g[3]], [e for g in gathered for e in g[4]])
 
 
 def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSettings, ref_model=None,
@@ -125,7 +166,10 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
     pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts, grad_norms = 0.0, 0.0, [], [], [], []
     for mini in split_minibatches(batch, algo.ppo_minibatches):
         counts = StepCounts(tokens=float(mini.loss_mask.sum()), seqs=float((mini.loss_mask.sum(-1) > 0).sum()))
-        for micro in split_microbatches(mini, settings.max_tokens_per_microbatch):
+        for micro in settings.microbatches(mini):
+            if micro is None:
+                placeholder_pass(model, mini, settings)
+                continue
             pg_share, kl_share, metrics, prox, entropy = forward_backward(model, micro, algo, counts, prox_source,
                                                                           settings, generator)
             pg_loss, kl_loss = pg_loss + pg_share, kl_loss + kl_share
@@ -133,6 +177,8 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
             prox_parts.append((micro.rows, prox))
             entropy_parts.append((micro.rows, entropy.detach()))
         grad_norms.append(optimizer_step(model, optimizer, scheduler, settings.grad_clip))
+    pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts = gather_over_dp(
+        settings.parallel, pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts)
     shape = tuple(batch.loss_mask.shape)
     metrics = collect_step_metrics(
         batch, groups, algo, settings, prox=scatter_rows(shape, prox_parts), entropy=scatter_rows(shape, entropy_parts),
