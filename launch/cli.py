@@ -24,11 +24,25 @@ def build_parser() -> argparse.ArgumentParser:
                          help="recipe YAML: a path, or a recipe shipped in asyncrl/configs (default demo_cpu.yaml)")
         cmd.add_argument("--dry-run", action="store_true", help="print the resolved config as YAML and exit")
         cmd.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. buffer.max_staleness=4 learner.lr=1e-6")
+    add_export_parser(sub)
     return parser
+
+
+def add_export_parser(sub) -> None:
+    """`export` reads a checkpoint, not a recipe: it takes no --config or overrides."""
+    help_text = "write a checkpoint's weights, config and tokenizer as an HF model directory (safetensors)"
+    cmd = sub.add_parser("export", help=help_text, description=help_text)
+    cmd.add_argument("--checkpoint", required=True,
+                     help="a step-* checkpoint directory, or a checkpoint root (its latest checkpoint is used)")
+    cmd.add_argument("--out", required=True, help="output directory for the HF model")
+    cmd.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                     help="dtype of the exported weights (default: the config's dtype, else float32)")
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "export":
+        return cmd_export(args)
     from asyncrl.configs import ConfigError, load_config, to_yaml
 
     try:
@@ -115,6 +129,19 @@ def cmd_run(cfg, args) -> int:
     from asyncrl.launch.supervisor import run_job
 
     return run_job(cfg, args.config, args.overrides)
+
+
+def cmd_export(args) -> int:
+    from asyncrl.learner.checkpoint import CheckpointError
+    from asyncrl.learner.export import export_checkpoint
+
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, args.dtype)
+    except CheckpointError as err:
+        print(f"asyncrl export: {err}", file=sys.stderr)
+        return 2
+    print(f"export: wrote {os.path.abspath(out)}")
+    return 0
 
 
 def print_summary(summary: dict) -> None:

@@ -1,0 +1,316 @@
+"""Resumable checkpoints with `torch.distributed.checkpoint` (DCP), in one process or under FSDP2 on any world size.
+
+Layout of one checkpoint, `root/step-{version:08d}/`:
+
+    dcp/               model + optimizer, DCP format (FSDP2 DTensors are written sharded, one file per rank)
+    scheduler.pt       the LR scheduler's state_dict (rank 0; identical on every rank)
+    rng-rank{r}.pt     rank r's RNG states: torch CPU, CUDA (if any), python `random`, numpy
+    hf/                config.json, generation_config.json and tokenizer files, so `asyncrl export` needs nothing else
+    meta.json          version, consumed frontier, world size; written last
+
+Atomicity: everything is written under `root/.tmp-step-{version:08d}/` and renamed once meta.json is in it, so a
+kill -9 at any point leaves nothing `latest_checkpoint` would pick (it also requires meta.json). Stale temporary
+directories are removed by the next save.
+
+Every rank calls every function here; with a process group initialised they are collective. Only rank 0 writes
+meta.json, copies hf files, renames and prunes; barriers make the final directory visible to all ranks on return.
+With `async_save=True` the DCP write runs in a background thread on its own gloo group (so its collectives never
+interleave with training's), and the checkpoint is finalised by the next save or by `wait_for_pending_save()`.
+"""
+import contextlib
+import json
+import os
+import random
+import re
+import shutil
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+CHECKPOINT_PREFIX = "step-"
+TMP_PREFIX = ".tmp-" + CHECKPOINT_PREFIX
+META_FILE = "meta.json"
+DCP_DIR = "dcp"
+HF_DIR = "hf"
+SCHEDULER_FILE = "scheduler.pt"
+FORMAT_VERSION = 1
+HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+            "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+            "chat_template.jinja", "chat_template.json")
+_STEP_RE = re.compile(rf"^{re.escape(CHECKPOINT_PREFIX)}(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A path is not a complete checkpoint, or cannot be loaded into this job."""
+
+
+@dataclass
+class _PendingSave:
+    """An async DCP write in flight, and what finalising it needs."""
+    future: object
+    tmp_dir: str
+    final_dir: str
+    root: str
+    meta: dict
+    keep_last: int
+
+
+_pending: _PendingSave | None = None
+_async_group = None  # (default group, a gloo group only background saves use), made on the first async save
+
+
+def save_checkpoint(root: str, model, optimizer, scheduler, version: int, consumed: dict, keep_last: int,
+                    model_dir: str | None = None, async_save: bool = False) -> str:
+    """Writes root/step-{version:08d}/ and returns its path. Holds: the model and optimizer (DCP, via
+    torch.distributed.checkpoint.state_dict.get_state_dict so FSDP2 DTensors are saved sharded), the LR scheduler
+    state, every rank's RNG state (torch CPU RNG, CUDA RNG if available, python `random`, numpy), the version, and
+    `consumed` (a JSON-able dict: the buffer's consumed frontier; opaque to this module). When model_dir is given,
+    config.json, generation_config.json and tokenizer files from it are copied into step-X/hf/ so export needs
+    nothing else (without it, the model's own `config` is written there when it has one).
+    Atomic: written under a temporary name and renamed, with meta.json written last, so a kill -9 mid-save leaves no
+    directory that latest_checkpoint would pick. Keeps the newest keep_last checkpoints (keep_last<=0 keeps all),
+    deleting older ones (rank 0 deletes). With async_save=True, uses dcp.async_save; the rename/prune of that
+    checkpoint happens when the next save starts or when wait_for_pending_save() is called."""
+    global _pending
+    meta = {"format": FORMAT_VERSION, "version": int(version), "consumed": consumed, "world_size": _world_size(),
+            "time": time.time()}
+    json.dumps(meta)  # fail before writing anything if `consumed` is not JSON-able
+    if model_dir is not None and not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise CheckpointError(f"model_dir {model_dir} has no config.json")  # on every rank, so none waits alone
+    wait_for_pending_save()
+    name = f"{CHECKPOINT_PREFIX}{version:08d}"
+    tmp_dir, final_dir = os.path.join(root, f"{TMP_PREFIX}{version:08d}"), os.path.join(root, name)
+    rank = _rank()
+    if rank == 0:
+        _remove_stale_tmp_dirs(root)
+        os.makedirs(tmp_dir)
+        _write_hf_files(os.path.join(tmp_dir, HF_DIR), model_dir, model)
+        torch.save(scheduler.state_dict(), os.path.join(tmp_dir, SCHEDULER_FILE))
+    _barrier()  # the temporary directory exists (and is empty of stale files) before any rank writes into it
+    torch.save(capture_rng_state(), os.path.join(tmp_dir, f"rng-rank{rank}.pt"))
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp_dir = os.path.join(tmp_dir, DCP_DIR)
+    if async_save:
+        future = dcp.async_save(state, checkpoint_id=dcp_dir, process_group=_get_async_group(),
+                                no_dist=not _distributed())
+        _pending = _PendingSave(future, tmp_dir, final_dir, root, meta, keep_last)
+    else:
+        with quiet_single_process_dcp():
+            dcp.save(state, checkpoint_id=dcp_dir, no_dist=not _distributed())
+        _finalize(tmp_dir, final_dir, root, meta, keep_last)
+    return final_dir
+
+
+def wait_for_pending_save() -> None:
+    """Blocks until the in-flight async save (if any) is written, then renames it into place and prunes."""
+    global _pending
+    pending, _pending = _pending, None
+    if pending is None:
+        return
+    # dcp.async_save returns a Future, or an AsyncSaveResponse whose upload_completion is the Future.
+    future = getattr(pending.future, "upload_completion", pending.future)
+    future.result()
+    _finalize(pending.tmp_dir, pending.final_dir, pending.root, pending.meta, pending.keep_last)
+
+
+def load_checkpoint(path: str, model, optimizer, scheduler) -> tuple[int, dict]:
+    """Loads everything save_checkpoint wrote into the given (already FSDP-wrapped if distributed) model/optimizer/
+    scheduler, restores this rank's RNG state, returns (version, consumed). Clear error naming the path if it is not
+    a complete checkpoint, or if it was written with a different world size where that matters (RNG per rank)."""
+    meta = read_meta(path)
+    world, rank = _world_size(), _rank()
+    if meta["world_size"] != world:
+        raise CheckpointError(
+            f"checkpoint {path} was written by {meta['world_size']} ranks but this job has {world}: per-rank RNG "
+            f"states cannot be restored (export it with `asyncrl export` to start a new run from its weights)")
+    rng_file = os.path.join(path, f"rng-rank{rank}.pt")
+    # Every rank checks every file, so all ranks raise together instead of some waiting in dcp.load's collectives.
+    files = [os.path.join(path, f"rng-rank{r}.pt") for r in range(world)]
+    for needed in files + [os.path.join(path, SCHEDULER_FILE), os.path.join(path, DCP_DIR, ".metadata")]:
+        if not os.path.exists(needed):
+            raise CheckpointError(f"checkpoint {path} is incomplete: {os.path.relpath(needed, path)} is missing")
+    model_state, optim_state = get_state_dict(model, optimizer)  # initialises the optimizer state to load into
+    state = {"model": model_state, "optim": optim_state}
+    with quiet_single_process_dcp():
+        dcp.load(state, checkpoint_id=os.path.join(path, DCP_DIR), no_dist=not _distributed())
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    scheduler.load_state_dict(torch.load(os.path.join(path, SCHEDULER_FILE), weights_only=True))
+    restore_rng_state(torch.load(rng_file, weights_only=True))
+    _barrier()
+    return meta["version"], meta["consumed"]
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The newest complete checkpoint under root (a step-* directory with meta.json), or None."""
+    found = _list_checkpoints(root, complete_only=True)
+    return found[-1][1] if found else None
+
+
+def read_meta(path: str) -> dict:
+    """meta.json of a complete checkpoint; CheckpointError naming the path otherwise."""
+    meta_file = os.path.join(path, META_FILE)
+    if not os.path.isfile(meta_file):
+        why = "does not exist" if not os.path.exists(path) else f"has no {META_FILE} (not a complete checkpoint)"
+        raise CheckpointError(f"checkpoint {path} {why}")
+    try:
+        with open(meta_file) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {path}: unreadable {META_FILE}: {err}") from err
+    if meta.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path}: format {meta.get('format')!r}, expected {FORMAT_VERSION}")
+    return meta
+
+
+def resolve_checkpoint(path: str) -> str:
+    """path itself if it is a complete checkpoint, else the latest checkpoint under it; CheckpointError if neither."""
+    if os.path.isfile(os.path.join(path, META_FILE)):
+        return path
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise CheckpointError(f"checkpoint {path} has no {META_FILE} and no complete {CHECKPOINT_PREFIX}* "
+                              f"checkpoint under it")
+    return latest
+
+
+def capture_rng_state() -> dict:
+    numpy_state = np.random.get_state(legacy=False)
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": {**numpy_state, "state": {"key": numpy_state["state"]["key"].tolist(),
+                                           "pos": int(numpy_state["state"]["pos"])}},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    numpy_state = state["numpy"]
+    np.random.set_state({**numpy_state, "state": {"key": np.array(numpy_state["state"]["key"], dtype=np.uint32),
+                                                  "pos": numpy_state["state"]["pos"]}})
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@contextlib.contextmanager
+def quiet_single_process_dcp():
+    """DCP warns on every single-process save/load even when no_dist=True is passed explicitly, as it is here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _finalize(tmp_dir: str, final_dir: str, root: str, meta: dict, keep_last: int) -> None:
+    """Rank 0 writes meta.json (last), renames the temporary directory into place and prunes; then all ranks meet."""
+    _barrier()  # every rank's DCP shards and RNG file are written
+    if _rank() == 0:
+        with open(os.path.join(tmp_dir, META_FILE), "w") as f:
+            json.dump(meta, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if os.path.exists(final_dir):  # the same version saved again (e.g. after a resume): replace it
+            _remove_checkpoint(final_dir)
+        os.rename(tmp_dir, final_dir)
+        _fsync_dir(root)
+        _prune(root, keep_last)
+    _barrier()
+
+
+def _prune(root: str, keep_last: int) -> None:
+    """Deletes complete checkpoints beyond the newest keep_last, and any step-* directory older than those kept."""
+    if keep_last <= 0:
+        return
+    complete = _list_checkpoints(root, complete_only=True)
+    if len(complete) <= keep_last:
+        return
+    oldest_kept = complete[-keep_last][0]
+    for version, path in _list_checkpoints(root, complete_only=False):
+        if version < oldest_kept:
+            _remove_checkpoint(path)
+
+
+def _remove_checkpoint(path: str) -> None:
+    # meta.json first: a half-deleted directory must never look complete.
+    meta_file = os.path.join(path, META_FILE)
+    if os.path.exists(meta_file):
+        os.remove(meta_file)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _list_checkpoints(root: str, complete_only: bool) -> list[tuple[int, str]]:
+    """[(version, path)] of step-* directories under root, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        match = _STEP_RE.match(name)
+        path = os.path.join(root, name)
+        if match and os.path.isdir(path) and (not complete_only or os.path.isfile(os.path.join(path, META_FILE))):
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def _remove_stale_tmp_dirs(root: str) -> None:
+    """Temporary directories of saves that were killed (no async save is pending when this runs)."""
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            if name.startswith(TMP_PREFIX):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _write_hf_files(hf_dir: str, model_dir: str | None, model) -> None:
+    os.makedirs(hf_dir)
+    if model_dir is not None:
+        for name in os.listdir(model_dir):
+            if name in HF_FILES or name.startswith("tokenizer"):
+                shutil.copy2(os.path.join(model_dir, name), os.path.join(hf_dir, name))
+    elif hasattr(getattr(model, "config", None), "save_pretrained"):
+        model.config.save_pretrained(hf_dir)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _get_async_group():
+    """A gloo group used only by background saves; collective to create, so every rank makes it on the same save."""
+    global _async_group
+    if not _distributed():
+        return None
+    if _async_group is None or _async_group[0] is not dist.group.WORLD:  # none yet, or made for an older PG
+        _async_group = (dist.group.WORLD, dist.new_group(backend="gloo"))
+    return _async_group[1]
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if _distributed() else 1
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
