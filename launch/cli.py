@@ -24,8 +24,44 @@ def build_parser() -> argparse.ArgumentParser:
                          help="recipe YAML: a path, or a recipe shipped in asyncrl/configs (default demo_cpu.yaml)")
         cmd.add_argument("--dry-run", action="store_true", help="print the resolved config as YAML and exit")
         cmd.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. buffer.max_staleness=4 learner.lr=1e-6")
+        if name == "learner":
+            add_launch_arguments(cmd)
     add_export_parser(sub)
     return parser
+
+
+def add_launch_arguments(cmd) -> None:
+    """Ranks and restarts of the learner. --nproc re-executes the command under torchrun (torch.distributed.run),
+    one process per rank; --nnodes/--node-rank/--master-addr/--master-port span machines (static rendezvous:
+    start the same command on every node with its own --node-rank)."""
+    cmd.add_argument("--nproc", type=int, default=1, help="learner ranks on this machine (default 1)")
+    cmd.add_argument("--nnodes", type=int, default=1, help="machines in the learner (default 1)")
+    cmd.add_argument("--node-rank", type=int, default=0, help="this machine's index among --nnodes")
+    cmd.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 for the rendezvous")
+    cmd.add_argument("--master-port", type=int, default=0, help="port on node 0 (default: a free one; set it when "
+                     "--nnodes > 1)")
+    cmd.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CHECKPOINT",
+                     help="continue from a checkpoint (a step-* dir or a checkpoint root); with no value, the newest "
+                          "in the checkpoint directory (learner.resume=auto)")
+
+
+def torchrun_command(args, argv: list) -> list:
+    """The torchrun command line that runs this learner command once per rank."""
+    import socket
+
+    if args.nproc < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise ValueError(f"--nproc {args.nproc}, --nnodes {args.nnodes}, --node-rank {args.node_rank}: need "
+                         f"nproc >= 1 and 0 <= node-rank < nnodes")
+    port = args.master_port
+    if not port:
+        if args.nnodes > 1:
+            raise ValueError("--master-port is required with --nnodes > 1 (every node must use the same one)")
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
+            f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
+            f"--master-port={port}", "-m", "asyncrl.learner", *argv]
 
 
 def add_export_parser(sub) -> None:
@@ -45,6 +81,10 @@ def main(argv=None) -> int:
         return cmd_export(args)
     from asyncrl.configs import ConfigError, load_config, to_yaml
 
+    if getattr(args, "resume", None):
+        if "=" in args.resume and not os.path.exists(args.resume):  # `--resume a.b=c`: an override, not a path
+            args.overrides, args.resume = [args.resume, *args.overrides], "auto"
+        args.overrides = [*args.overrides, f"learner.resume={args.resume}"]
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
@@ -84,13 +124,46 @@ def resolve_model_and_data(cfg, say) -> tuple[str, list]:
 
 
 def cmd_learner(cfg, args) -> int:
-    from asyncrl.launch.demo import say_stderr
-    from asyncrl.learner.loop import run_learner
+    if args.nproc * args.nnodes > 1 and "LOCAL_RANK" not in os.environ:
+        argv = ([f"--config={args.config}"] if args.config else []) + list(args.overrides)
+        try:
+            command = torchrun_command(args, argv)
+        except ValueError as err:
+            print(f"asyncrl learner: {err}", file=sys.stderr)
+            return 2
+        os.environ.setdefault("ASYNCRL_JOB_DIR", job_dir_for(cfg))  # every rank (and node 0's log) agree on it
+        os.execv(sys.executable, command)  # torchrun forwards signals to the ranks and reports a failed one
+    import torch.distributed as dist
 
-    model_path, files = resolve_model_and_data(cfg, say_stderr)
-    summary = run_learner(cfg, model_path, files, job_dir_for(cfg))
-    print_summary(summary)
-    return 0
+    from asyncrl.launch.demo import say_stderr
+    from asyncrl.learner.checkpoint import CheckpointError
+    from asyncrl.learner.loop import run_learner
+    from asyncrl.learner.parallel import ParallelConfigError, broadcast_object, die_with_launcher, init_parallel
+
+    if "LOCAL_RANK" in os.environ:  # a rank under torchrun
+        die_with_launcher()
+    try:
+        parallel = init_parallel(cfg.learner.sp_size, cfg.learner.dist_timeout_s)
+    except ParallelConfigError as err:
+        print(f"asyncrl learner: {err}", file=sys.stderr)
+        return 2
+    try:
+        where = None
+        if parallel.is_main:  # one rank builds the demo assets and names the job directory
+            model_path, files = resolve_model_and_data(cfg, say_stderr)
+            where = (model_path, files, job_dir_for(cfg))
+        model_path, files, job_dir = broadcast_object(where, parallel)
+        try:
+            summary = run_learner(cfg, model_path, files, job_dir, parallel)
+        except CheckpointError as err:
+            print(f"asyncrl learner: {err}", file=sys.stderr)
+            return 2
+        if summary is not None:
+            print_summary(summary)
+        return 0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def cmd_generator(cfg, args) -> int:

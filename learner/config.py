@@ -35,6 +35,34 @@ class LearnerConfig:
     """torch intra-op threads; 0 keeps torch's default."""
     seed: int = 0
     """Seed for the learner's RNG."""
+    sp_size: int = 1
+    """Ulysses sequence-parallel size: ranks that split each sequence (must divide the number of ranks and the
+    attention heads). The data-parallel size is ranks / sp_size."""
+    param_dtype: str = ""
+    """FSDP2 MixedPrecisionPolicy: dtype of the gathered parameters in forward/backward ("" = learner.dtype)."""
+    reduce_dtype: str = "float32"
+    """FSDP2 MixedPrecisionPolicy: dtype gradients are reduced in."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of keeping them (less memory, ~1/3 more
+    compute)."""
+    cpu_offload: bool = False
+    """FSDP2 CPUOffloadPolicy: keep sharded parameters, gradients and optimizer state in host memory (GPU only)."""
+    dist_timeout_s: float = 1800.0
+    """Timeout of the learner's collectives (gloo/NCCL), in s; a rank that stops answering fails the job then."""
+    publish_bucket_mb: float = 256.0
+    """Weights are gathered from the FSDP shards this many MB at a time when a version is published."""
+    checkpoint_every: int = 50
+    """Save a checkpoint every this many steps (and after the last); 0 turns checkpoints off."""
+    checkpoint_keep: int = 2
+    """Keep the newest this many checkpoints; 0 keeps all."""
+    checkpoint_async: bool = False
+    """Write checkpoints in the background (DCP async_save) while training continues."""
+    checkpoint_dir: str = ""
+    """Where checkpoints go ("" = <job dir>/checkpoints). Set a fixed path to make a restarted job continue on its
+    own (resume=auto); a fresh job directory has no checkpoints, so a new run never resumes by accident."""
+    resume: str = "auto"
+    """"auto": continue from the newest checkpoint in the checkpoint directory if there is one; "never": start
+    fresh; or the path of a checkpoint (or of a checkpoint root) to start from (`asyncrl learner --resume PATH`)."""
 
     def __post_init__(self):
         if self.total_steps < 1:
@@ -53,6 +81,21 @@ class LearnerConfig:
             raise ValueError(f"learner.done_grace_s must be >= 0, got {self.done_grace_s}")
         if self.wait_for_batch_timeout_s <= 0:
             raise ValueError(f"learner.wait_for_batch_timeout_s must be > 0, got {self.wait_for_batch_timeout_s}")
+        if self.sp_size < 1:
+            raise ValueError(f"learner.sp_size must be >= 1, got {self.sp_size}")
+        for key in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, key)
+            if value and value not in ("float32", "bfloat16", "float16"):
+                raise ValueError(f"learner.{key} must be float32, bfloat16 or float16, got {value!r}")
+        if self.dist_timeout_s <= 0:
+            raise ValueError(f"learner.dist_timeout_s must be > 0, got {self.dist_timeout_s}")
+        if self.publish_bucket_mb <= 0:
+            raise ValueError(f"learner.publish_bucket_mb must be > 0, got {self.publish_bucket_mb}")
+        if self.checkpoint_every < 0 or self.checkpoint_keep < 0:
+            raise ValueError(f"learner.checkpoint_every and learner.checkpoint_keep must be >= 0, got "
+                             f"{self.checkpoint_every}, {self.checkpoint_keep}")
+        if not self.resume:
+            raise ValueError('learner.resume must be "auto", "never" or a checkpoint path')
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
             raise ValueError(f"learner.adam_beta1/adam_beta2 must be in [0, 1), got {self.adam_beta1}, {self.adam_beta2}")
 

@@ -1,7 +1,10 @@
-"""The learner process: take a batch, train one step, publish the new version, log. Repeat.
+"""The learner process: take a batch, train one step, publish the new version, log, checkpoint. Repeat.
 
-It hosts the embedded buffer (a background thread) and the weight publisher. It waits on: full batches (bounded by
-`learner.wait_for_batch_timeout_s`). It unblocks generators by publishing each version, which raises admission.
+On N ranks (torchrun), rank 0 hosts the embedded buffer (a background thread), MLflow and the weight publisher,
+and sends each batch to every rank; all ranks train on it (FSDP2 × Ulysses) and gather the new weights for rank 0
+to publish. It waits on: full batches (bounded by `learner.wait_for_batch_timeout_s`), and collectives (bounded by
+`learner.dist_timeout_s`). It unblocks generators by publishing each version, which raises admission. A restarted
+job resumes from its newest checkpoint (`learner.resume=auto`) at the same version.
 """
 import json
 import logging
@@ -15,13 +18,18 @@ from asyncrl.buffer.staleness import Coordinator
 from asyncrl.buffer.zmq_server import ZmqBufferServer
 from asyncrl.configs import flatten, shared_hash, to_yaml
 from asyncrl.algos.kl import AdaptiveKLController, FixedKLController
+from asyncrl.learner.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, read_meta,
+                                        resolve_checkpoint, save_checkpoint, wait_for_pending_save)
 from asyncrl.learner.collect import BatchFilter, collect_batch
 from asyncrl.learner.model import load_model
 from asyncrl.learner.objective import resolved_hyperparameters
+from asyncrl.learner.parallel import ParallelState, apply_fsdp, broadcast_object
+from asyncrl.learner.publish import iter_full_weights
+from asyncrl.learner.ulysses import apply_ulysses
 from asyncrl.learner.train_step import StepSettings, train_step
 from asyncrl.telemetry.mlflow_logger import MetricsLogger, create_or_attach_run, resolve_tracking_uri
 from asyncrl.telemetry.progress import ProgressDisplay
-from asyncrl.weightsync.shm import ShmWeightPublisher
+from asyncrl.weightsync.shm import DTYPES as WEIGHT_DTYPES, ShmWeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -34,63 +42,153 @@ def build_optimizer(model, cfg):
     return optimizer, scheduler
 
 
-def run_learner(cfg, model_path: str, train_files: list, job_dir: str) -> dict:
-    """Runs the whole job's training; returns the summary (also written to job_dir/summary.json)."""
+def build_policy(cfg, model_path: str, parallel: ParallelState):
+    """The HF model on this rank: loaded, routed through Ulysses when sp_size > 1, then FSDP2-sharded."""
+    model = load_model(model_path, cfg.learner.dtype, cfg.model.trust_remote_code)
+    if parallel.sp_size > 1:
+        apply_ulysses(model, parallel.sp_group, parallel.sp_size)
+    return apply_fsdp(model, parallel, param_dtype=cfg.learner.param_dtype or cfg.learner.dtype,
+                      reduce_dtype=cfg.learner.reduce_dtype, cpu_offload=cfg.learner.cpu_offload,
+                      activation_checkpointing=cfg.learner.activation_checkpointing)
+
+
+def checkpoint_root(cfg, job_dir: str) -> str:
+    """learner.checkpoint_dir, else the job directory's checkpoints/ (a fresh job directory never resumes by
+    accident; a fixed checkpoint_dir, or ASYNCRL_JOB_DIR reused, makes restarts pick up where they stopped)."""
+    return cfg.learner.checkpoint_dir or os.path.join(job_dir, "checkpoints")
+
+
+def find_resume_point(cfg, job_dir: str) -> str | None:
+    """The checkpoint to start from, per learner.resume ("auto", "never" or a path)."""
+    if cfg.learner.resume == "never":
+        return None
+    if cfg.learner.resume == "auto":
+        found = latest_checkpoint(checkpoint_root(cfg, job_dir))
+    else:
+        found = resolve_checkpoint(cfg.learner.resume)
+    if found is not None:
+        version = read_meta(found)["version"]
+        if version >= cfg.learner.total_steps:
+            raise CheckpointError(
+                f"checkpoint {found} is at version {version} >= learner.total_steps={cfg.learner.total_steps}: that "
+                f"job already finished. Raise learner.total_steps to train on, or set learner.resume=never (or "
+                f"another learner.checkpoint_dir) to start over")
+    return found
+
+
+def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
+                parallel: ParallelState | None = None) -> dict | None:
+    """Runs the whole job's training on this rank; returns the summary on rank 0 (also written to
+    job_dir/summary.json), None on the others. Rank 0 hosts the buffer, MLflow and the weight publisher; every rank
+    trains on every batch (each its share of the rows or of the sequence)."""
+    parallel = parallel or ParallelState()
     torch.manual_seed(cfg.learner.seed)
     if cfg.learner.torch_threads:
         torch.set_num_threads(cfg.learner.torch_threads)
-    model = load_model(model_path, cfg.learner.dtype, cfg.model.trust_remote_code).train()
+    model = build_policy(cfg, model_path, parallel).train()
     optimizer, scheduler = build_optimizer(model, cfg.learner)
-    algo_state = build_algo_state(cfg, model_path)
-    tracking_uri = resolve_tracking_uri(cfg.telemetry.tracking_uri)
-    run_id = create_or_attach_run(tracking_uri, cfg.telemetry.experiment, cfg.job.name)
-    metrics_log = MetricsLogger(tracking_uri, run_id)
-    metrics_log.log_params({**flatten(cfg), **resolved_hyperparameters(cfg.algo)})
-    metrics_log.log_text(to_yaml(cfg), "config/resolved.yaml")
-    publisher = ShmWeightPublisher(os.path.join(cfg.weightsync.shm_dir, f"asyncrl-{cfg.job.name}-{os.getpid()}"),
-                                   cfg.weightsync.keep_versions, cfg.weightsync.dtype)
-    coordinator = Coordinator(cfg.buffer.max_staleness, cfg.buffer.groups_per_step)
-    run_info = {"model_path": os.path.abspath(model_path), "train_files": [os.path.abspath(f) for f in train_files],
-                "mlflow_run_id": run_id, "tracking_uri": tracking_uri, "job_dir": os.path.abspath(job_dir)}
-    server = ZmqBufferServer(
-        cfg.buffer.host, cfg.buffer.port, coordinator, vocab_size=model.get_input_embeddings().num_embeddings,
-        config_hash=shared_hash(cfg), max_message_bytes=cfg.buffer.max_message_bytes,
-        queue_groups=cfg.buffer.queue_groups, run_info=run_info)
-    progress = ProgressDisplay(cfg.learner.total_steps, os.path.join(job_dir, "progress.jsonl"),
-                               enabled=cfg.telemetry.progress)
+    algo_state = build_algo_state(cfg, model_path, parallel)
+    start_version, consumed = 0, {"groups": 0, "by_generator": {}}
+    resume_from = find_resume_point(cfg, job_dir)
+    if resume_from is not None:
+        start_version, consumed = load_checkpoint(resume_from, model, optimizer, scheduler)
+        algo_state["dropped_total"].update(consumed.get("dropped_total", {}))
+        if parallel.is_main:
+            log.info("learner: resumed from %s at version %d", resume_from, start_version)
+    host = LearnerHost(cfg, model, model_path, train_files, job_dir, parallel, start_version) if parallel.is_main \
+        else None
     rewards, status = [], "FAILED"
     try:
-        server.set_weights(publisher.publish(model.state_dict().items(), 0))
-        server.start()
-        log.info("learner: buffer at %s, MLflow run %s in %s", server.endpoint, run_id, tracking_uri)
-        for version in range(cfg.learner.total_steps):
-            metrics = run_one_step(cfg, model, optimizer, scheduler, server, coordinator, publisher, version,
-                                   algo_state)
-            rewards.append(metrics["reward/mean"])
-            metrics_log.log(metrics, step=version + 1)
-            progress.update(version + 1, metrics)
+        publish_weights(model, parallel, host, start_version, cfg)
+        if host is not None:
+            host.start()
+        for version in range(start_version, cfg.learner.total_steps):
+            metrics = run_one_step(cfg, model, optimizer, scheduler, host, parallel, version, algo_state, consumed)
+            if host is not None:
+                rewards.append(metrics["reward/mean"])
+                host.metrics_log.log(metrics, step=version + 1)
+                host.progress.update(version + 1, metrics)
+            every = cfg.learner.checkpoint_every
+            if every and ((version + 1) % every == 0 or version + 1 == cfg.learner.total_steps):
+                consumed["dropped_total"] = dict(algo_state["dropped_total"])
+                save_checkpoint(checkpoint_root(cfg, job_dir), model, optimizer, scheduler, version + 1, consumed,
+                                cfg.learner.checkpoint_keep, model_dir=model_path,
+                                async_save=cfg.learner.checkpoint_async)
+        wait_for_pending_save()
         status = "FINISHED"
     finally:
-        server.set_done()
+        if host is not None:
+            host.close(status)
+    if host is None:
+        return None
+    return write_summary(job_dir, rewards, host.tracking_uri, host.run_id, host.server, algo_state["dropped_total"],
+                         start_version)
+
+
+class LearnerHost:
+    """What only rank 0 runs: the embedded buffer, the staleness coordinator, MLflow, the progress display and the
+    weight publisher."""
+
+    def __init__(self, cfg, model, model_path: str, train_files: list, job_dir: str, parallel: ParallelState,
+                 start_version: int):
+        self.cfg = cfg
+        self.tracking_uri = resolve_tracking_uri(cfg.telemetry.tracking_uri)
+        self.run_id = create_or_attach_run(self.tracking_uri, cfg.telemetry.experiment, cfg.job.name)
+        self.metrics_log = MetricsLogger(self.tracking_uri, self.run_id)
+        self.metrics_log.log_params({**flatten(cfg), **resolved_hyperparameters(cfg.algo),
+                                     "learner.world_size": parallel.world_size, "learner.dp_size": parallel.dp_size})
+        self.metrics_log.log_text(to_yaml(cfg), "config/resolved.yaml")
+        self.publisher = ShmWeightPublisher(
+            os.path.join(cfg.weightsync.shm_dir, f"asyncrl-{cfg.job.name}-{os.getpid()}"),
+            cfg.weightsync.keep_versions, cfg.weightsync.dtype)
+        self.coordinator = Coordinator(cfg.buffer.max_staleness, cfg.buffer.groups_per_step)
+        self.coordinator.set_version(start_version)
+        run_info = {"model_path": os.path.abspath(model_path), "train_files": [os.path.abspath(f) for f in train_files],
+                    "mlflow_run_id": self.run_id, "tracking_uri": self.tracking_uri,
+                    "job_dir": os.path.abspath(job_dir)}
+        self.server = ZmqBufferServer(
+            cfg.buffer.host, cfg.buffer.port, self.coordinator,
+            vocab_size=model.get_input_embeddings().num_embeddings, config_hash=shared_hash(cfg),
+            max_message_bytes=cfg.buffer.max_message_bytes, queue_groups=cfg.buffer.queue_groups, run_info=run_info)
+        self.progress = ProgressDisplay(cfg.learner.total_steps, os.path.join(job_dir, "progress.jsonl"),
+                                        enabled=cfg.telemetry.progress)
+
+    def start(self) -> None:
+        self.server.start()
+        log.info("learner: buffer at %s, MLflow run %s in %s", self.server.endpoint, self.run_id, self.tracking_uri)
+
+    def close(self, status: str) -> None:
+        self.server.set_done()
         if status == "FINISHED":  # let every generator hear "done" (a late joiner may still be loading)
-            unheard = server.wait_for_generators_to_hear_done(cfg.learner.done_grace_s)
+            unheard = self.server.wait_for_generators_to_hear_done(self.cfg.learner.done_grace_s)
             if unheard:
                 log.warning("learner: generators %s did not poll within %.0f s of the end; they will time out",
-                            unheard, cfg.learner.done_grace_s)
-        server.close()
-        publisher.close()
-        progress.close()
-        metrics_log.close(status=status)
-    return write_summary(job_dir, rewards, tracking_uri, run_id, server, algo_state["dropped_total"])
+                            unheard, self.cfg.learner.done_grace_s)
+        self.server.close()
+        self.publisher.close()
+        self.progress.close()
+        self.metrics_log.close(status=status)
 
 
-def build_algo_state(cfg, model_path: str) -> dict:
+def publish_weights(model, parallel: ParallelState, host, version: int, cfg) -> None:
+    """Gather the full weights bucket by bucket on every rank; rank 0 casts once and publishes `version`."""
+    bucket_bytes = int(cfg.learner.publish_bucket_mb * 2**20)
+    dtype = WEIGHT_DTYPES[cfg.weightsync.dtype]
+    weights = iter_full_weights(model, parallel, dtype, bucket_bytes)
+    if host is None:
+        for _ in weights:  # nothing is yielded here; iterating runs this rank's side of the gathers
+            pass
+        return
+    host.server.set_weights(host.publisher.publish(weights, version))
+
+
+def build_algo_state(cfg, model_path: str, parallel: ParallelState) -> dict:
     """The frozen reference model (only when a KL coefficient is non-zero), the reward-KL controller and the
     batch filter. Loading the reference costs a second copy of the weights, so nothing loads it by default."""
     algo = cfg.algo
     ref_model = None
     if algo.needs_reference_model():
-        ref_model = load_model(model_path, cfg.learner.dtype, cfg.model.trust_remote_code).eval()
+        ref_model = build_policy(cfg, model_path, parallel).eval()
         ref_model.requires_grad_(False)
         log.info("learner: loaded the reference model for the KL term from %s", model_path)
     if algo.kl_controller == "adaptive":
@@ -103,19 +201,49 @@ def build_algo_state(cfg, model_path: str) -> dict:
             "dropped_total": Counter()}
 
 
-def run_one_step(cfg, model, optimizer, scheduler, server, coordinator, publisher, version: int,
-                 algo_state: dict) -> dict:
-    collected = collect_batch(server, coordinator, cfg.buffer.groups_per_step, cfg.buffer.max_staleness, version,
-                              cfg.learner.wait_for_batch_timeout_s, algo_state["batch_filter"])
+class BatchUnavailable(RuntimeError):
+    """Rank 0 could not assemble a batch; the other ranks stop with its message."""
+
+
+def next_batch(cfg, host, parallel: ParallelState, version: int, algo_state: dict, consumed: dict):
+    """Rank 0 collects the step's groups from the buffer and sends them to every rank; every rank gets
+    (groups, Collected or None). A failure on rank 0 is sent too, so no rank waits in a collective forever."""
+    collected, message = None, None
+    if host is not None:
+        try:
+            collected = collect_batch(host.server, host.coordinator, cfg.buffer.groups_per_step,
+                                      cfg.buffer.max_staleness, version, cfg.learner.wait_for_batch_timeout_s,
+                                      algo_state["batch_filter"])
+            message = ("groups", collected.groups)
+        except Exception as err:
+            message = ("error", f"{type(err).__name__}: {err}")
+            broadcast_object(message, parallel)
+            raise
+    kind, payload = broadcast_object(message, parallel)
+    if kind == "error":
+        raise BatchUnavailable(f"rank 0 could not assemble batch v{version}: {payload}")
+    consumed["groups"] = consumed.get("groups", 0) + len(payload)
+    by_generator = consumed.setdefault("by_generator", {})
+    for group in payload:
+        by_generator[group.generator_id] = by_generator.get(group.generator_id, 0) + 1
+    return payload, collected
+
+
+def run_one_step(cfg, model, optimizer, scheduler, host, parallel: ParallelState, version: int, algo_state: dict,
+                 consumed: dict) -> dict:
+    groups, collected = next_batch(cfg, host, parallel, version, algo_state, consumed)
     settings = StepSettings(version=version, max_staleness=cfg.buffer.max_staleness,
                             max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch,
                             chunk_tokens=cfg.learner.logprob_chunk_tokens, grad_clip=cfg.learner.grad_clip,
-                            seed=cfg.learner.seed, packing=cfg.learner.packing)
-    metrics = train_step(model, optimizer, scheduler, collected.groups, cfg.algo, settings,
+                            seed=cfg.learner.seed, packing=cfg.learner.packing, parallel=parallel)
+    metrics = train_step(model, optimizer, scheduler, groups, cfg.algo, settings,
                          ref_model=algo_state["ref_model"], kl_controller=algo_state["kl_controller"])
     started = time.perf_counter()
-    server.set_weights(publisher.publish(model.state_dict().items(), version + 1))
-    coordinator.set_version(version + 1)  # only now may generators be admitted against v+1
+    publish_weights(model, parallel, host, version + 1, cfg)
+    if host is None:
+        return metrics
+    server = host.server
+    host.coordinator.set_version(version + 1)  # only now may generators be admitted against v+1
     metrics["timing/weightsync/publish_s"] = time.perf_counter() - started
     metrics["timing/learner/wait_for_batch_s"] = collected.wait_s
     metrics["buffer/staleness/mean"] = sum(collected.staleness) / len(collected.staleness)
@@ -128,6 +256,7 @@ def run_one_step(cfg, model, optimizer, scheduler, server, coordinator, publishe
     metrics["buffer/dropped_stale"] = float(collected.dropped_stale)
     metrics["buffer/size"] = float(server.groups.qsize())
     metrics["buffer/received"] = float(server.received)
+    metrics["buffer/consumed_total"] = float(consumed["groups"])
     for reason, count in server.rejected.items():
         metrics[f"buffer/rejected/{reason}"] = float(count)
     generator_rates = [s.get("perf/generator/tokens_per_s", 0.0) for s in server.generator_stats.values()]
@@ -135,10 +264,12 @@ def run_one_step(cfg, model, optimizer, scheduler, server, coordinator, publishe
     return metrics
 
 
-def write_summary(job_dir: str, rewards: list, tracking_uri: str, run_id: str, server, dropped: Counter) -> dict:
+def write_summary(job_dir: str, rewards: list, tracking_uri: str, run_id: str, server, dropped: Counter,
+                  start_version: int = 0) -> dict:
     window = max(1, len(rewards) // 10)
     summary = {
         "steps": len(rewards),
+        "start_version": start_version,
         "reward_first": sum(rewards[:window]) / window if rewards else None,
         "reward_last": sum(rewards[-window:]) / window if rewards else None,
         "reward_window_steps": window,

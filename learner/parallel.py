@@ -13,6 +13,7 @@ calls torch.distributed, so the single-process learner is exactly the code path 
 import datetime
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,22 @@ def init_parallel(sp_size: int, timeout_s: float = 600.0) -> ParallelState:
     return build_parallel_state(sp_size, device)
 
 
+def die_with_launcher() -> None:
+    """Ask Linux to SIGKILL this rank when its parent (torchrun's agent) dies. torchrun starts each rank in a
+    session of its own, so a `kill -9` of the agent would otherwise leave orphaned ranks holding the buffer's port
+    and waiting in collectives."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the agent died before the request took effect
+        os._exit(1)
+
+
 def build_parallel_state(sp_size: int, device: str = "cpu") -> ParallelState:
     """The meshes for an initialised process group."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -114,6 +131,8 @@ def apply_fsdp(model, parallel: ParallelState, param_dtype: str = "float32", red
     if cpu_offload and parallel.device == "cpu":
         raise ParallelConfigError("learner.cpu_offload moves sharded parameters from GPU to host memory; on a CPU "
                                   "learner they already live there, so turn it off")
+    # decoder_states returns out.hidden_states[-1], a view; nothing modifies it in place, which is what this warns of
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     policy = MixedPrecisionPolicy(param_dtype=MP_DTYPES[param_dtype], reduce_dtype=MP_DTYPES[reduce_dtype])
     offload = CPUOffloadPolicy(pin_memory=True) if cpu_offload else OffloadPolicy()
     for layer in decoder_layers(model):

@@ -1,0 +1,216 @@
+"""Kill -9 the learner mid-run, start it again, and it carries on bit-identically from its last checkpoint.
+
+The learner is the real `asyncrl learner` process (one rank, and two ranks of FSDP2 × Ulysses under torchrun). The
+generator is a scripted client of the real ZeroMQ protocol: the groups it sends depend only on the version they
+are admitted at and their index within it, so an uninterrupted run and a killed-and-resumed run train on the
+same data and their loss curves can be compared exactly.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from asyncrl.buffer.codec import encode_group
+from asyncrl.buffer.group import Group, Sample, Sampling
+from asyncrl.buffer.protocol import pack, unpack_reply
+from tests.conftest import free_port
+
+VOCAB = 64
+GROUPS_PER_STEP = 2
+N = 4
+
+
+def scripted_group(version: int, index: int, incarnation: int) -> Group:
+    rng = np.random.default_rng(version * 1000 + index)
+    samples = []
+    for _ in range(N):
+        length = int(rng.integers(2, 10))
+        samples.append(Sample(completion_ids=rng.integers(2, VOCAB, length).astype(np.int32),
+                              logprobs=-rng.random(length).astype(np.float32) * 3,
+                              versions=np.full(length, version, np.int32), reward=float(rng.integers(0, 2)),
+                              finish_reason="stop"))
+    return Group(group_id=f"i{incarnation}-v{version}-{index}", prompt_id=str(index), generator_id="scripted",
+                 prompt_ids=rng.integers(2, VOCAB, 5).astype(np.int32), samples=samples,
+                 sampling=Sampling(temperature=1.0), created_at=time.time())
+
+
+class ScriptedGenerator(threading.Thread):
+    """Says hello, asks for admission, sends scripted groups; reconnects when the learner goes away."""
+
+    def __init__(self, port: int, config_hash: str, hold_from: int | None = None):
+        super().__init__(daemon=True)
+        self.port, self.config_hash, self.hold_from = port, config_hash, hold_from
+        self.stop = threading.Event()
+        self.release = threading.Event()  # groups for versions >= hold_from wait for it
+        self.incarnations = 0
+        self.errors = []
+
+    def run(self):
+        import zmq
+
+        context = zmq.Context()
+        try:
+            while not self.stop.is_set():
+                sock = context.socket(zmq.DEALER)
+                sock.connect(f"tcp://127.0.0.1:{self.port}")
+                try:
+                    self.session(sock)
+                except TimeoutError:
+                    pass  # the learner is gone (killed): connect again and wait for the next one
+                finally:
+                    sock.close(linger=0)
+        except Exception as err:  # surfaced by the test
+            self.errors.append(repr(err))
+        finally:
+            context.term()
+
+    def session(self, sock):
+        req = 0
+
+        def ask(op, body=None, timeout_s=3.0, **fields):
+            nonlocal req
+            req += 1
+            frames = [pack({"op": op, "req": req, "gen": "scripted", **fields})] + ([body] if body else [])
+            sock.send_multipart(frames)
+            while sock.poll(int(timeout_s * 1000)):
+                reply = unpack_reply(sock.recv_multipart()[0])
+                if reply["req"] == req:
+                    return reply
+            raise TimeoutError(op)
+
+        hello = ask("hello", config_hash=self.config_hash)
+        assert hello["ok"], hello
+        self.incarnations += 1
+        sent = {}  # version -> groups sent this session
+        while not self.stop.is_set():
+            reply = ask("admit", want=1)
+            if reply["done"]:
+                self.stop.set()
+                return
+            if not reply.get("granted"):
+                time.sleep(0.02)
+                continue
+            version = reply["version"]
+            if self.hold_from is not None and version >= self.hold_from and not self.release.is_set():
+                self.release.wait()  # the learner waits for this batch meanwhile (the test kills it there)
+                raise TimeoutError("released: start over with whichever learner is up now")
+            index = sent.get(version, 0)
+            sent[version] = index + 1
+            answer = ask("group", body=encode_group(scripted_group(version, index, self.incarnations)))
+            assert answer.get("accepted"), answer
+
+
+def learner_overrides(model_dir, port, steps):
+    return [f"model.path={model_dir}", "demo.task=''", f"buffer.port={port}", f"learner.total_steps={steps}",
+            "buffer.max_staleness=0", f"buffer.groups_per_step={GROUPS_PER_STEP}", f"rollout.n={N}",
+            "learner.checkpoint_every=2", "learner.checkpoint_keep=2", "learner.torch_threads=1",
+            "learner.lr=1e-3", "learner.warmup_steps=0", "learner.done_grace_s=1", "telemetry.progress=false"]
+
+
+def start_learner(overrides, job_dir, tmp_path, nproc: int, extra=()):
+    env = {**os.environ, "ASYNCRL_JOB_DIR": str(job_dir), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
+    log = open(os.path.join(job_dir, f"learner-{time.monotonic_ns()}.log"), "wb")
+    command = [sys.executable, "-m", "asyncrl.launch.cli", "learner", *(["--nproc", str(nproc)] if nproc > 1 else []),
+               *extra, *overrides]
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True), log
+
+
+def losses(job_dir):
+    with open(os.path.join(job_dir, "progress.jsonl")) as handle:
+        rows = [json.loads(line) for line in handle]
+    return {row["step"]: row["loss/pg"] for row in rows}
+
+
+def run_to_end(proc, log, timeout_s=300):
+    try:
+        code = proc.wait(timeout=timeout_s)
+    finally:
+        log.close()
+    assert code == 0, open(log.name).read()[-3000:]
+
+
+def child_pids(pid: int) -> list:
+    with open(f"/proc/{pid}/task/{pid}/children") as handle:
+        return [int(child) for child in handle.read().split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, only not yet reaped
+    except FileNotFoundError:
+        return False
+
+
+def wait_until_gone(pids, timeout_s=30):
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        while alive(pid):
+            assert time.monotonic() < deadline, f"rank {pid} outlived its killed launcher"
+            time.sleep(0.05)
+
+
+def wait_for_checkpoint(path, proc, timeout_s=300):
+    deadline = time.monotonic() + timeout_s
+    while not os.path.isfile(os.path.join(path, "meta.json")):
+        assert proc.poll() is None, "the learner exited before its checkpoint"
+        assert time.monotonic() < deadline, f"no checkpoint at {path}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from asyncrl.learner.model import build_qwen2
+
+    path = str(tmp_path_factory.mktemp("tiny-model"))
+    build_qwen2(vocab_size=VOCAB, hidden_size=64, num_layers=2, eos_token_id=1, pad_token_id=0,
+                seed=0).save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc,sp", [(1, 1), (2, 2)])
+def test_kill_9_then_resume_continues_the_loss_curve_bit_identically(tiny_model_dir, tmp_path, nproc, sp):
+    from asyncrl.configs import load_config, shared_hash
+
+    steps = 6
+    results = {}
+    for name in ("reference", "killed"):
+        job_dir = tmp_path / name
+        job_dir.mkdir()
+        port = free_port()
+        overrides = learner_overrides(tiny_model_dir, port, steps) + [f"learner.sp_size={sp}"]
+        generator = ScriptedGenerator(port, shared_hash(load_config(None, overrides)),
+                                      hold_from=4 if name == "killed" else None)
+        generator.start()
+        proc, log = start_learner(overrides, job_dir, tmp_path, nproc)
+        if name == "killed":  # kill -9 once step 4's checkpoint is on disk, while the learner waits for batch 5
+            wait_for_checkpoint(job_dir / "checkpoints" / "step-00000004", proc)
+            ranks = child_pids(proc.pid)  # torchrun's ranks (each in its own session)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            wait_until_gone(ranks)  # they die with their launcher (PR_SET_PDEATHSIG), freeing the buffer's port
+            log.close()
+            before = losses(job_dir)
+            generator.release.set()
+            proc, log = start_learner(overrides, job_dir, tmp_path, nproc, extra=["--resume"])
+        run_to_end(proc, log)
+        generator.stop.set()
+        generator.join(timeout=30)
+        assert not generator.errors, generator.errors
+        results[name] = losses(job_dir)
+        summary = json.load(open(job_dir / "summary.json"))
+        results[name + "_start"] = summary["start_version"]
+    reference, killed = results["reference"], results["killed"]
+    assert sorted(reference) == list(range(1, steps + 1))
+    assert results["killed_start"] == 4 and results["reference_start"] == 0  # the version carries on
+    assert all(before[step] == reference[step] for step in before)  # the first life trained the same
+    for step in (5, 6):
+        assert killed[step] == reference[step], (step, killed[step], reference[step])  # bit-identical
