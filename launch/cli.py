@@ -24,13 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
                          help="recipe YAML: a path, or a recipe shipped in asyncrl/configs (default demo_cpu.yaml)")
         cmd.add_argument("--dry-run", action="store_true", help="print the resolved config as YAML and exit")
         cmd.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. buffer.max_staleness=4 learner.lr=1e-6")
-        if name == "learner":
-            add_launch_arguments(cmd)
+        if name in ("learner", "sft"):
+            add_launch_arguments(cmd, resume=name == "learner")
     add_export_parser(sub)
     return parser
 
 
-def add_launch_arguments(cmd) -> None:
+def add_launch_arguments(cmd, resume: bool) -> None:
     """Ranks and restarts of the learner. --nproc re-executes the command under torchrun (torch.distributed.run),
     one process per rank; --nnodes/--node-rank/--master-addr/--master-port span machines (static rendezvous:
     start the same command on every node with its own --node-rank)."""
@@ -40,12 +40,28 @@ def add_launch_arguments(cmd) -> None:
     cmd.add_argument("--master-addr", default="127.0.0.1", help="address of node 0 for the rendezvous")
     cmd.add_argument("--master-port", type=int, default=0, help="port on node 0 (default: a free one; set it when "
                      "--nnodes > 1)")
+    if not resume:
+        return
     cmd.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CHECKPOINT",
                      help="continue from a checkpoint (a step-* dir or a checkpoint root); with no value, the newest "
                           "in the checkpoint directory (learner.resume=auto)")
 
 
-def torchrun_command(args, argv: list) -> list:
+def exec_torchrun(cfg, args, module: str, command_name: str) -> int:
+    """Replace this process by torchrun running the same command once per rank (returns only on a bad option)."""
+    argv = ([f"--config={args.config}"] if args.config else []) + list(args.overrides)
+    if module == "asyncrl.launch.cli":
+        argv = [command_name, *argv]
+    try:
+        command = torchrun_command(args, argv, module)
+    except ValueError as err:
+        print(f"asyncrl {command_name}: {err}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("ASYNCRL_JOB_DIR", job_dir_for(cfg))  # every rank (and node 0's log) agree on it
+    os.execv(sys.executable, command)  # torchrun forwards signals to the ranks and reports a failed one
+
+
+def torchrun_command(args, argv: list, module: str = "asyncrl.learner") -> list:
     """The torchrun command line that runs this learner command once per rank."""
     import socket
 
@@ -61,7 +77,7 @@ def torchrun_command(args, argv: list) -> list:
             port = sock.getsockname()[1]
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
             f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
-            f"--master-port={port}", "-m", "asyncrl.learner", *argv]
+            f"--master-port={port}", "-m", module, *argv]
 
 
 def add_export_parser(sub) -> None:
@@ -125,14 +141,7 @@ def resolve_model_and_data(cfg, say) -> tuple[str, list]:
 
 def cmd_learner(cfg, args) -> int:
     if args.nproc * args.nnodes > 1 and "LOCAL_RANK" not in os.environ:
-        argv = ([f"--config={args.config}"] if args.config else []) + list(args.overrides)
-        try:
-            command = torchrun_command(args, argv)
-        except ValueError as err:
-            print(f"asyncrl learner: {err}", file=sys.stderr)
-            return 2
-        os.environ.setdefault("ASYNCRL_JOB_DIR", job_dir_for(cfg))  # every rank (and node 0's log) agree on it
-        os.execv(sys.executable, command)  # torchrun forwards signals to the ranks and reports a failed one
+        return exec_torchrun(cfg, args, module="asyncrl.learner", command_name="learner")
     import torch.distributed as dist
 
     from asyncrl.launch.demo import say_stderr
@@ -174,28 +183,63 @@ def cmd_generator(cfg, args) -> int:
 
 
 def cmd_sft(cfg, args) -> int:
+    """SFT on the learner's stack; with --nproc N, on N ranks (FSDP2, learner.sp_size for Ulysses)."""
+    if args.nproc * args.nnodes > 1 and "LOCAL_RANK" not in os.environ:
+        return exec_torchrun(cfg, args, module="asyncrl.launch.cli", command_name="sft")
     import torch
+    import torch.distributed as dist
 
     from asyncrl.launch.demo import demo_dir, prepare_demo, say_stderr
-    from asyncrl.learner.model import load_model, load_tokenizer
-    from asyncrl.learner.sft import read_sft_examples, run_sft
+    from asyncrl.learner.loop import build_policy
+    from asyncrl.learner.model import load_tokenizer
+    from asyncrl.learner.parallel import ParallelConfigError, broadcast_object, die_with_launcher, init_parallel
+    from asyncrl.learner.publish import iter_full_weights
+    from asyncrl.learner.sft import run_sft
+    from asyncrl.learner.sft_data import SFTDataError, read_sft_examples
+    from asyncrl.learner.train_step import StepSettings
 
-    model_path, files = cfg.model.path, cfg.data.train_files
-    if cfg.demo.task and model_path is None:
-        prepare_demo(cfg.demo, cfg.job.seed, say_stderr)
-        root = demo_dir(cfg.demo, cfg.job.seed)
-        model_path, files = os.path.join(root, "base"), files or [os.path.join(root, "data", "sft.parquet")]
-    torch.manual_seed(cfg.sft.seed)
-    tokenizer, model = load_tokenizer(model_path), load_model(model_path, cfg.learner.dtype)
-    examples = read_sft_examples(files, tokenizer)
-    losses = run_sft(model, examples, cfg.sft.steps, cfg.sft.lr, cfg.sft.batch_size, cfg.sft.seed,
-                     on_step=lambda s, n, l: say_stderr(f"sft step {s}/{n} loss {l:.4f}") if s % 10 == 0 or s == n else None)
-    out = os.path.join(job_dir_for(cfg), "model")
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    print(f"sft: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}; model saved to {out}" if losses
-          else f"sft: 0 steps; model saved to {out}")
-    return 0
+    if "LOCAL_RANK" in os.environ:
+        die_with_launcher()
+    try:
+        parallel = init_parallel(cfg.learner.sp_size, cfg.learner.dist_timeout_s)
+    except ParallelConfigError as err:
+        print(f"asyncrl sft: {err}", file=sys.stderr)
+        return 2
+    try:
+        where = None
+        if parallel.is_main:
+            model_path, files = cfg.model.path, cfg.data.train_files
+            if cfg.demo.task and model_path is None:
+                prepare_demo(cfg.demo, cfg.job.seed, say_stderr)
+                root = demo_dir(cfg.demo, cfg.job.seed)
+                model_path, files = os.path.join(root, "base"), files or [os.path.join(root, "data", "sft.parquet")]
+            where = (model_path, files, job_dir_for(cfg))
+        model_path, files, job_dir = broadcast_object(where, parallel)
+        torch.manual_seed(cfg.sft.seed)
+        tokenizer, model = load_tokenizer(model_path), build_policy(cfg, model_path, parallel)
+        try:
+            examples = read_sft_examples(files, tokenizer, cfg.sft.max_length or None, cfg.sft.truncation)
+        except (SFTDataError, FileNotFoundError) as err:
+            print(f"asyncrl sft: {err}", file=sys.stderr)
+            return 2
+        settings = StepSettings(version=0, max_staleness=0, max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch,
+                                chunk_tokens=cfg.learner.logprob_chunk_tokens, grad_clip=cfg.learner.grad_clip,
+                                packing=cfg.learner.packing, parallel=parallel)
+        say = say_stderr if parallel.is_main else (lambda message: None)
+        losses = run_sft(model, examples, cfg.sft.steps, cfg.sft.lr, cfg.sft.batch_size, cfg.sft.seed, settings,
+                         on_step=lambda s, n, l: say(f"sft step {s}/{n} loss {l:.4f}") if s % 10 == 0 or s == n
+                         else None)
+        out = os.path.join(job_dir, "model")
+        weights = dict(iter_full_weights(model, parallel, torch.float32, 256 << 20))
+        if parallel.is_main:
+            model.save_pretrained(out, state_dict=weights)
+            tokenizer.save_pretrained(out)
+            print(f"sft: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}; model saved to {out}" if losses
+                  else f"sft: 0 steps; model saved to {out}")
+        return 0
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def cmd_run(cfg, args) -> int:

@@ -89,7 +89,8 @@ def warm_start(base_dir: str, out_dir: str, sft_file: str, task, demo_cfg, seed:
     import torch
 
     from asyncrl.learner.model import load_model, load_tokenizer
-    from asyncrl.learner.sft import read_sft_examples, run_sft
+    from asyncrl.learner.sft import run_sft
+    from asyncrl.learner.sft_data import read_sft_examples
 
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(base_dir)

@@ -110,8 +110,16 @@ class SFTConfig:
     """Sequences per SFT step."""
     seed: int = 0
     """Seed for shuffling and init."""
+    max_length: int = 0
+    """Longest example in tokens (0 = no limit); what happens to longer ones is `truncation`."""
+    truncation: str = "error"
+    """Examples longer than max_length: "error" (stop and name the row), "drop" (skip, counted) or "right" (cut)."""
 
     def __post_init__(self):
+        if self.max_length < 0:
+            raise ValueError(f"sft.max_length must be >= 0, got {self.max_length}")
+        if self.truncation not in ("error", "drop", "right"):
+            raise ValueError(f"sft.truncation must be error, drop or right, got {self.truncation!r}")
         if self.steps < 0:
             raise ValueError(f"sft.steps must be >= 0, got {self.steps}")
         if self.lr <= 0:

@@ -1,69 +1,80 @@
-"""Supervised fine-tuning on the learner's own code (model loading, chunked logprobs, padded micro-batches).
+"""Supervised fine-tuning on the learner's own stack: the same micro-batch planner (token budget, balanced over
+data-parallel ranks), the same chunked logprobs (padded or packed, Ulysses when sp_size > 1) and FSDP2.
 
-Data: parquet in verl's row format. The prompt messages are rendered with the chat template; the target is
-`reward_model.ground_truth` followed by EOS, and only target tokens carry loss.
+Data comes from `sft_data` (chat parquet with a loss mask on assistant turns, or verl rows). The loss is the
+token-mean cross-entropy over every trained token of the step: each micro-batch's sum is divided by the step's
+total trained tokens, so the split into micro-batches and ranks does not change it.
 """
 import logging
-import os
 import random
 
+import numpy as np
 import torch
 
-from asyncrl.learner.logprobs import compute_logprobs
+from asyncrl.learner.batch import Batch, placeholder_microbatch
+from asyncrl.learner.train_step import StepSettings
 
 log = logging.getLogger(__name__)
 
 
-def read_sft_examples(paths: list, tokenizer) -> list[tuple[list, list]]:
-    """(prompt_ids, target_ids) pairs from verl-format parquet rows."""
-    import pyarrow.parquet as pq
-
-    examples = []
-    for path in paths:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"SFT data file {path!r} does not exist")
-        for row in pq.read_table(path).to_pylist():
-            truth = (row.get("reward_model") or {}).get("ground_truth")
-            if truth is None:
-                raise ValueError(f"{path}: a row has no reward_model.ground_truth to use as the SFT target")
-            text = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
-            prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-            target = tokenizer(str(truth), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            examples.append((prompt, target))
-    return examples
-
-
-def pad_examples(examples: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """input_ids [B, L], attention_mask [B, L], loss_mask [B, L-1] (1 on target tokens)."""
-    length = max(len(p) + len(t) for p, t in examples)
-    input_ids = torch.zeros(len(examples), length, dtype=torch.long)
-    attention = torch.zeros(len(examples), length, dtype=torch.long)
-    loss_mask = torch.zeros(len(examples), length - 1)
-    for row, (prompt, target) in enumerate(examples):
-        ids = prompt + target
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        attention[row, : len(ids)] = 1
-        loss_mask[row, len(prompt) - 1 : len(ids) - 1] = 1
-    return input_ids, attention, loss_mask
+def sft_batch(examples: list) -> Batch:
+    """Right-padded rows of `SFTExample`s as a learner Batch. loss_mask[:, t] says whether token t+1 is trained
+    (logprob positions predict the next token); the RL-only fields are zeros."""
+    length = max(len(example.input_ids) for example in examples)
+    rows = len(examples)
+    input_ids = np.zeros((rows, length), dtype=np.int64)
+    attention = np.zeros((rows, length), dtype=np.int64)
+    loss_mask = np.zeros((rows, length - 1), dtype=np.float32)
+    for row, example in enumerate(examples):
+        size = len(example.input_ids)
+        input_ids[row, :size] = example.input_ids
+        attention[row, :size] = 1
+        loss_mask[row, : size - 1] = example.loss_mask[1:]
+    zeros = torch.zeros(rows, length - 1)
+    return Batch(input_ids=torch.from_numpy(input_ids), attention_mask=torch.from_numpy(attention),
+                 loss_mask=torch.from_numpy(loss_mask), logprobs_behav=zeros, versions=zeros.long(),
+                 token_rewards=zeros, temperatures=torch.ones(rows), rows=torch.arange(rows))
 
 
-def run_sft(model, examples: list, steps: int, lr: float, batch_size: int, seed: int, chunk_tokens: int = 4096,
-            on_step=None) -> list[float]:
-    """Token-mean cross-entropy with AdamW; returns the loss of every step."""
+def sft_step(model, optimizer, examples: list, settings: StepSettings) -> float:
+    """One optimizer step on `examples` (the same list on every rank); returns the step's mean token loss."""
+    batch = sft_batch(examples)
+    tokens = float(batch.loss_mask.sum())
+    if tokens == 0:
+        raise ValueError("an SFT batch has no trained tokens (every loss mask is empty)")
+    total = 0.0
+    for micro in settings.microbatches(batch):
+        if micro is None:
+            micro = placeholder_microbatch(batch)
+            micro.loss_mask = torch.zeros_like(micro.loss_mask)  # runs the model for FSDP; contributes nothing
+        logprobs, _ = settings.logprobs(model, micro)
+        loss = -(logprobs * micro.loss_mask).sum() / tokens
+        (loss * settings.parallel.loss_scale).backward()
+        total += float(loss.detach())
+    torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip if settings.grad_clip > 0 else float("inf"))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if settings.parallel.dp_group is not None:  # each DP rank summed its own rows
+        box = torch.tensor([total], dtype=torch.float64)
+        torch.distributed.all_reduce(box, group=settings.parallel.dp_group)
+        total = float(box)
+    return total
+
+
+def run_sft(model, examples: list, steps: int, lr: float, batch_size: int, seed: int,
+            settings: StepSettings | None = None, on_step=None) -> list[float]:
+    """AdamW over `steps` batches of `batch_size` examples drawn with `seed` (identically on every rank); returns
+    the loss of every step."""
+    if not examples:
+        raise ValueError("no SFT examples to train on")
+    settings = settings or StepSettings(version=0, max_staleness=0, max_tokens_per_microbatch=1 << 30,
+                                        chunk_tokens=4096, grad_clip=1.0)
     rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     losses = []
     for step in range(steps):
-        input_ids, attention, loss_mask = pad_examples(rng.sample(examples, min(batch_size, len(examples))))
-        ones = torch.ones(input_ids.shape[0])
-        logprobs, _ = compute_logprobs(model, input_ids, attention, ones, chunk_tokens)
-        loss = -(logprobs * loss_mask).sum() / loss_mask.sum().clamp(min=1)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(sft_step(model, optimizer, rng.sample(examples, min(batch_size, len(examples))), settings))
         if on_step is not None:
             on_step(step + 1, steps, losses[-1])
     return losses

@@ -17,6 +17,8 @@ from asyncrl.buffer.group import Group, Sample, Sampling
 from asyncrl.learner.batch import assign_rows, build_batch, plan_microbatches
 from asyncrl.learner.model import build_qwen2
 from asyncrl.learner.parallel import ParallelState, apply_fsdp, build_parallel_state
+from asyncrl.learner.sft import sft_step
+from asyncrl.learner.sft_data import SFTExample
 from asyncrl.learner.train_step import StepSettings, train_step
 from asyncrl.learner.ulysses import UlyssesConfigError, apply_ulysses, check_heads
 from tests.conftest import free_port
@@ -39,6 +41,20 @@ def make_groups(seed: int, num_groups: int = 4, n: int = 3) -> list:
         groups.append(Group(group_id=str(index), prompt_id="p", generator_id="t", prompt_ids=prompt, samples=samples,
                             sampling=Sampling(temperature=0.8), created_at=time.time()))
     return groups
+
+
+def sft_examples(seed: int, count: int = 7) -> list:
+    """Conversations of varied length whose trained tokens come in spans (assistant turns)."""
+    rng = np.random.default_rng(seed)
+    examples = []
+    for index in range(count):
+        length = int(rng.integers(4, 20))
+        mask = np.zeros(length, dtype=int)
+        start = int(rng.integers(1, length - 1))
+        mask[start:] = 1
+        examples.append(SFTExample(input_ids=rng.integers(2, VOCAB, length).tolist(), loss_mask=mask.tolist(),
+                                   source=f"synthetic:{index}"))
+    return examples
 
 
 def tiny_model(heads: int = 4, kv_heads: int = 2):
@@ -66,6 +82,8 @@ def run_step(model, parallel: ParallelState, case: dict) -> tuple[dict, dict]:
     optimizer.register_step_pre_hook(capture)
     settings = StepSettings(version=0, max_staleness=4, max_tokens_per_microbatch=case["budget"], chunk_tokens=7,
                             grad_clip=1.0, packing=case["packing"], parallel=parallel)
+    if case.get("sft"):
+        return {"loss/pg": sft_step(model, optimizer, sft_examples(case["seed"]), settings)}, grads
     algo = AlgoConfig(ppo_minibatches=case["minibatches"])
     metrics = train_step(model, optimizer, scheduler, make_groups(case["seed"]), algo, settings)
     return metrics, grads
@@ -128,6 +146,16 @@ def test_ulysses_repeats_kv_heads_when_sp_does_not_divide_them(tmp_path):
     assert check_heads(tiny_model(4, 1).config, 2) == 4
     expected = reference(case)
     got = run_ranks(2, case, tmp_path)
+    assert abs(got["metrics"]["loss/pg"] - expected["metrics"]["loss/pg"]) < 1e-5
+    for param, grad in expected["grads"].items():
+        torch.testing.assert_close(got["grads"][param], grad, atol=1e-5, rtol=0, msg=param)
+
+
+@pytest.mark.slow
+def test_sft_on_fsdp2_and_ulysses_matches_one_process(tmp_path):
+    case = dict(seed=7, budget=24, packing=True, minibatches=1, heads=4, kv_heads=2, sp=2, sft=True)
+    expected = reference(case)
+    got = run_ranks(4, case, tmp_path)
     assert abs(got["metrics"]["loss/pg"] - expected["metrics"]["loss/pg"]) < 1e-5
     for param, grad in expected["grads"].items():
         torch.testing.assert_close(got["grads"][param], grad, atol=1e-5, rtol=0, msg=param)

@@ -31,12 +31,17 @@ def test_non_finite_reward_is_an_error():
 
 
 @pytest.mark.slow
-def test_asyncrl_sft_trains_and_saves_a_model(tmp_path, demo_assets, demo_cache):
+@pytest.mark.parametrize("launch", [[], ["--nproc", "2", "learner.sp_size=2", "learner.packing=true"]],
+                         ids=["one-process", "two-ranks-ulysses-packed"])
+def test_asyncrl_sft_trains_and_saves_a_model(tmp_path, demo_assets, demo_cache, launch):
     env = {**os.environ, "ASYNCRL_JOB_DIR": str(tmp_path / "job")}
-    out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "sft", f"demo.cache_dir={demo_cache}",
+    out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "sft", *launch, f"demo.cache_dir={demo_cache}",
                           "demo.sft_steps=20", "demo.num_prompts=256", "sft.steps=10", "sft.batch_size=32"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     first, last = (float(x) for x in out.stdout.split("loss ")[1].split(";")[0].split(" -> "))
     assert last < first
-    assert os.path.isfile(tmp_path / "job" / "model" / "config.json")
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "job" / "model")  # full weights, not a shard
+    assert saved.get_output_embeddings().weight.shape[0] == saved.config.vocab_size
