@@ -156,13 +156,14 @@ def test_verl_rows_train_ground_truth_and_eos_only(tmp_path, chatml):
     assert untrained_text(chatml, example) == "<|im_start|>user\nSort 312<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_verl_rows_match_the_current_reader(tmp_path, char):
-    from asyncrl.learner.sft import read_sft_examples as read_verl_pairs
-
+def test_verl_rows_train_on_the_ground_truth_and_eos(tmp_path, char):
     rows = [{"prompt": [{"role": "user", "content": "abc"}], "reward_model": {"ground_truth": "cba"}},
             {"prompt": [{"role": "user", "content": "x"}], "reward_model": {"ground_truth": "42"}}]
     path = write_rows(tmp_path, rows)
-    for example, (prompt, target) in zip(read_sft_examples([path], char), read_verl_pairs([path], char)):
+    for example, row in zip(read_sft_examples([path], char), rows):
+        text = char.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+        prompt = char(text, add_special_tokens=False)["input_ids"]
+        target = char(row["reward_model"]["ground_truth"], add_special_tokens=False)["input_ids"] + [char.eos_token_id]
         assert example.input_ids == prompt + target
         assert example.loss_mask == [0] * len(prompt) + [1] * len(target)
 
