@@ -19,3 +19,15 @@ def test_async_vs_sync_bench_runs_on_a_tiny_setting(tmp_path, demo_assets, demo_
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "async_vs_sync" and result["speedup"] > 0
     assert result["sync"]["eta"] == 0 and result["async"]["eta"] == 1
+
+
+@pytest.mark.slow
+def test_learner_bench_runs_on_a_tiny_setting(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.learner", "--rounds", "1", "--groups", "2", "--hidden",
+                          "64", "--layers", "1", "--seq-len", "256"], capture_output=True, text=True, timeout=600,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "learner"
+    assert result["overhead"]["ratio"] > 0 and result["packing"]["speedup"] > 0
+    assert 0 < result["sp_memory"]["activation_ratio"] < 1  # SP = 2 keeps less per rank than SP = 1
