@@ -7,7 +7,6 @@ sequence, and attention keeps the whole sequence for its share of the heads. The
 beside it, but it also holds the model, the interpreter and torch itself.
 """
 import os
-import resource
 import tempfile
 
 import torch
@@ -39,6 +38,15 @@ def saved_activation_bytes(model, input_ids: torch.Tensor, sp_group) -> int:
     return sum(seen.values())
 
 
+def peak_rss_bytes() -> int:
+    """VmHWM of this process. (ru_maxrss would not do: it survives exec, so a spawned rank reports its parent's.)"""
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def rank_worker(rank: int, world: int, port: int, seq_len: int, hidden: int, layers: int, out: str) -> None:
     torch.set_num_threads(1)
     sp_group = None
@@ -53,7 +61,7 @@ def rank_worker(rank: int, world: int, port: int, seq_len: int, hidden: int, lay
         apply_ulysses(model, sp_group, world)
     input_ids = torch.randint(2, VOCAB, (1, seq_len), generator=torch.Generator().manual_seed(0))
     activations = saved_activation_bytes(model, input_ids, sp_group)
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_rss = peak_rss_bytes()
     with open(f"{out}.{rank}", "w") as handle:
         handle.write(f"{activations} {peak_rss}")
     if world > 1:

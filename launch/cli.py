@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. buffer.max_staleness=4 learner.lr=1e-6")
         if name in ("learner", "sft"):
             add_launch_arguments(cmd, resume=name == "learner")
+        if name == "run":
+            cmd.add_argument("--nproc", type=int, default=1, help="learner ranks (torchrun; default 1)")
     add_export_parser(sub)
     return parser
 
@@ -245,7 +247,10 @@ def cmd_sft(cfg, args) -> int:
 def cmd_run(cfg, args) -> int:
     from asyncrl.launch.supervisor import run_job
 
-    return run_job(cfg, args.config, args.overrides)
+    if args.nproc < 1:
+        print(f"asyncrl run: --nproc must be >= 1, got {args.nproc}", file=sys.stderr)
+        return 2
+    return run_job(cfg, args.config, args.overrides, learner_args=["--nproc", str(args.nproc)] if args.nproc > 1 else [])
 
 
 def cmd_export(args) -> int:

@@ -18,14 +18,15 @@ GRACE_S = 30.0
 TAIL_LINES = 25
 
 
-def run_job(cfg, recipe, overrides: list) -> int:
+def run_job(cfg, recipe, overrides: list, learner_args: list = ()) -> int:
     from asyncrl.launch.cli import job_dir_for, print_summary, resolve_model_and_data
     from asyncrl.launch.demo import say_stderr
 
     job_dir = os.path.abspath(job_dir_for(cfg))
     resolve_model_and_data(cfg, say_stderr)
     say_stderr(f"asyncrl run: job directory {job_dir}")
-    children = {name: start_child(name, recipe, overrides, job_dir) for name in ("learner", "generator")}
+    children = {"learner": start_child("learner", recipe, overrides, job_dir, list(learner_args)),
+                "generator": start_child("generator", recipe, overrides, job_dir)}
     try:
         code = supervise(children, job_dir)
     except KeyboardInterrupt:
@@ -40,9 +41,9 @@ def run_job(cfg, recipe, overrides: list) -> int:
     return code
 
 
-def start_child(name: str, recipe, overrides: list, job_dir: str) -> dict:
-    command = [sys.executable, "-m", "asyncrl.launch.cli", name, *(["--config", recipe] if recipe else []),
-               *overrides, "telemetry.progress=false"]
+def start_child(name: str, recipe, overrides: list, job_dir: str, extra_args: list = ()) -> dict:
+    command = [sys.executable, "-m", "asyncrl.launch.cli", name, *extra_args,
+               *(["--config", recipe] if recipe else []), *overrides, "telemetry.progress=false"]
     log_path = os.path.join(job_dir, f"{name}.log")
     env = {**os.environ, "ASYNCRL_JOB_DIR": job_dir, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "ab") as log_file:

@@ -117,3 +117,25 @@ def test_generators_started_before_and_after_the_learner_join_with_current_weigh
         assert late["first_group_min_version"] >= late["hello_version"]
     assert "first_group_min_version" in summary["generators"]["early"]
     assert max(p["buffer/staleness/max"] for p in read_progress(job_dir)) <= 1
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_asyncrl_run_with_a_two_rank_ulysses_learner_publishes_whole_weights(tmp_path, demo_assets, demo_cache):
+    """Two learner ranks (FSDP2 × Ulysses, packed) behind torchrun, one vLLM generator: the weights the generator
+    samples with are the gathered full weights, so its logprobs agree with the learner's (k3 stays small), and
+    the job checkpoints its last version."""
+    port = free_port()
+    job_dir = tmp_path / "job"
+    env = {**job_env(tmp_path), "ASYNCRL_JOB_DIR": str(job_dir)}
+    overrides = common_overrides(demo_cache, port, steps=6) + ["learner.sp_size=2", "learner.packing=true",
+                                                               "learner.checkpoint_every=3"]
+    out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "run", "--nproc", "2", *overrides],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads((job_dir / "summary.json").read_text())
+    assert summary["steps"] == 6
+    progress = read_progress(job_dir)
+    worst = max(p["offpolicy/mismatch_k3"] for p in progress)
+    assert worst < 0.05, [p["offpolicy/mismatch_k3"] for p in progress]
+    assert sorted(os.listdir(job_dir / "checkpoints")) == ["step-00000003", "step-00000006"]
