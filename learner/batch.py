@@ -47,6 +47,13 @@ class Batch:
                 sliced[spec.name] = value[rows, :width]
         return Batch(**sliced)
 
+    def to(self, device) -> "Batch":
+        """Every tensor on `device` (the same object when it is already there: the CPU learner copies nothing)."""
+        if str(device) == "cpu":
+            return self
+        return Batch(**{spec.name: None if getattr(self, spec.name) is None else getattr(self, spec.name).to(device)
+                        for spec in fields(self)})
+
     def with_fields(self, **values) -> "Batch":
         return replace(self, **values)
 

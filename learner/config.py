@@ -35,6 +35,9 @@ class LearnerConfig:
     """torch intra-op threads; 0 keeps torch's default."""
     seed: int = 0
     """Seed for the learner's RNG."""
+    attn_implementation: str = "auto"
+    """Attention kernel: "auto" (flash_attention_2 on CUDA when flash-attn is installed, else sdpa), "sdpa",
+    "flash_attention_2" or "eager". With sp_size > 1 Ulysses wraps it (its inner attention follows the same rule)."""
     sp_size: int = 1
     """Ulysses sequence-parallel size: ranks that split each sequence (must divide the number of ranks and the
     attention heads). The data-parallel size is ranks / sp_size."""
@@ -81,6 +84,9 @@ class LearnerConfig:
             raise ValueError(f"learner.done_grace_s must be >= 0, got {self.done_grace_s}")
         if self.wait_for_batch_timeout_s <= 0:
             raise ValueError(f"learner.wait_for_batch_timeout_s must be > 0, got {self.wait_for_batch_timeout_s}")
+        if self.attn_implementation not in ("auto", "sdpa", "flash_attention_2", "eager"):
+            raise ValueError(f"learner.attn_implementation must be auto, sdpa, flash_attention_2 or eager, got "
+                             f"{self.attn_implementation!r}")
         if self.sp_size < 1:
             raise ValueError(f"learner.sp_size must be >= 1, got {self.sp_size}")
         for key in ("param_dtype", "reduce_dtype"):

@@ -100,7 +100,10 @@ def pad_columns(stream: Stream, multiple: int) -> Stream:
 
 
 def run_decoder(model, stream: Stream) -> torch.Tensor:
-    """Decoder states [R, S, H] on one rank (sdpa): the padding mask, or the packed block-diagonal causal mask."""
+    """Decoder states [R, S, H] on one rank: the padding mask, or for packed rows the block-diagonal causal mask
+    (sdpa), or nothing but the restarting position ids (flash-attn 2, which reads them as varlen boundaries)."""
+    if stream.segments is not None and model.config._attn_implementation.startswith("flash_attention"):
+        return decoder_states(model, input_ids=stream.ids, position_ids=stream.positions)
     if stream.segments is None:
         return decoder_states(model, input_ids=stream.ids, attention_mask=stream.attention_mask,
                               position_ids=stream.positions)

@@ -44,7 +44,8 @@ def build_optimizer(model, cfg):
 
 def build_policy(cfg, model_path: str, parallel: ParallelState):
     """The HF model on this rank: loaded, routed through Ulysses when sp_size > 1, then FSDP2-sharded."""
-    model = load_model(model_path, cfg.learner.dtype, cfg.model.trust_remote_code)
+    model = load_model(model_path, cfg.learner.dtype, cfg.model.trust_remote_code, cfg.learner.attn_implementation)
+    model.to(parallel.device)
     if parallel.sp_size > 1:
         apply_ulysses(model, parallel.sp_group, parallel.sp_size)
     return apply_fsdp(model, parallel, param_dtype=cfg.learner.param_dtype or cfg.learner.dtype,

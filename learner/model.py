@@ -10,15 +10,30 @@ class ModelLoadError(RuntimeError):
     """The model directory is missing or unreadable."""
 
 
-def load_model(path: str, dtype: str = "float32", trust_remote_code: bool = False):
-    """An `AutoModelForCausalLM` from a local HF directory, in `dtype`, with sdpa attention."""
+def load_model(path: str, dtype: str = "float32", trust_remote_code: bool = False, attn_implementation: str = "sdpa"):
+    """An `AutoModelForCausalLM` from a local HF directory, in `dtype`, with the given attention ("auto": see
+    resolve_attn_implementation)."""
     from transformers import AutoModelForCausalLM
 
     check_model_dir(path)
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=DTYPES[dtype], attn_implementation="sdpa", trust_remote_code=trust_remote_code
-    )
+        path, dtype=DTYPES[dtype], attn_implementation=resolve_attn_implementation(attn_implementation),
+        trust_remote_code=trust_remote_code)
     return model
+
+
+def resolve_attn_implementation(name: str) -> str:
+    """"auto" is flash-attn 2 on CUDA when it is installed (packed rows then run as varlen, no mask), else sdpa."""
+    if name != "auto":
+        return name
+    if torch.cuda.is_available():
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            pass
+    return "sdpa"
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):

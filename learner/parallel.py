@@ -64,7 +64,7 @@ def init_parallel(sp_size: int, timeout_s: float = 600.0) -> ParallelState:
         if sp_size != 1:
             raise ParallelConfigError(f"learner.sp_size={sp_size} needs {sp_size}·k ranks, but this is one process; "
                                       f"launch with `asyncrl learner --nproc {sp_size}` or torchrun")
-        return ParallelState()
+        return ParallelState(device="cuda" if torch.cuda.is_available() else "cpu")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if not dist.is_initialized():
         backend = "nccl" if device == "cuda" else "gloo"

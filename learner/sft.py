@@ -47,6 +47,7 @@ def sft_step(model, optimizer, examples: list, settings: StepSettings) -> float:
         if micro is None:
             micro = placeholder_microbatch(batch)
             micro.loss_mask = torch.zeros_like(micro.loss_mask)  # runs the model for FSDP; contributes nothing
+        micro = micro.to(settings.parallel.device)
         logprobs, _ = settings.logprobs(model, micro)
         loss = -(logprobs * micro.loss_mask).sum() / tokens
         (loss * settings.parallel.loss_scale).backward()
@@ -55,7 +56,7 @@ def sft_step(model, optimizer, examples: list, settings: StepSettings) -> float:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     if settings.parallel.dp_group is not None:  # each DP rank summed its own rows
-        box = torch.tensor([total], dtype=torch.float64)
+        box = torch.tensor([total], dtype=torch.float64, device=settings.parallel.device)
         torch.distributed.all_reduce(box, group=settings.parallel.dp_group)
         total = float(box)
     return total

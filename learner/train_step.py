@@ -53,6 +53,7 @@ class StepSettings:
                                  parallel.dp_size)
 
     def logprobs(self, model, micro: Batch, with_entropy: bool = False):
+        """Logprobs (and entropy) of a micro-batch already on the learner's device."""
         return compute_logprobs(model, micro.input_ids, micro.attention_mask, micro.temperatures, self.chunk_tokens,
                                 with_entropy=with_entropy, packed=self.packing, sp_group=self.parallel.sp_group)
 
@@ -61,15 +62,17 @@ class StepSettings:
 def compute_batch_logprobs(model, batch: Batch, settings: StepSettings) -> torch.Tensor:
     """No-grad logprobs [B, L-1] of the whole batch, micro-batch by micro-batch; each DP rank computes its rows and
     a sum over the DP group (rows are disjoint) gives every rank the whole batch."""
-    parts = []
+    parts, device = [], settings.parallel.device
     for micro in settings.microbatches(batch):
-        if micro is None:
-            settings.logprobs(model, placeholder_microbatch(batch))  # FSDP's all-gathers must run on every rank
+        if micro is None:  # FSDP's all-gathers must run on every rank
+            settings.logprobs(model, placeholder_microbatch(batch).to(device))
             continue
-        logprobs, _ = settings.logprobs(model, micro)
-        parts.append((micro.rows, logprobs))
+        logprobs, _ = settings.logprobs(model, micro.to(device))
+        parts.append((micro.rows, logprobs.cpu()))
     full = scatter_rows(tuple(batch.loss_mask.shape), parts)
-    return all_reduce_sum(full, settings.parallel.dp_group)
+    if settings.parallel.dp_group is None:
+        return full
+    return all_reduce_sum(full.to(device), settings.parallel.dp_group).cpu()  # NCCL reduces device tensors
 
 
 def penalise_rewards(batch: Batch, algo, kl_controller) -> tuple[torch.Tensor, dict]:
@@ -122,7 +125,7 @@ def forward_backward(model, micro: Batch, algo, counts: StepCounts, prox_source:
 def placeholder_pass(model, batch: Batch, settings: StepSettings) -> None:
     """Forward and backward through every parameter with a zero loss: a rank with fewer micro-batches than its
     peers still joins each of FSDP's all-gathers and reduce-scatters."""
-    logprobs, _ = settings.logprobs(model, placeholder_microbatch(batch))
+    logprobs, _ = settings.logprobs(model, placeholder_microbatch(batch).to(settings.parallel.device))
     (logprobs.sum() * 0.0).backward()
 
 
@@ -170,12 +173,12 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
             if micro is None:
                 placeholder_pass(model, mini, settings)
                 continue
-            pg_share, kl_share, metrics, prox, entropy = forward_backward(model, micro, algo, counts, prox_source,
-                                                                          settings, generator)
+            pg_share, kl_share, metrics, prox, entropy = forward_backward(
+                model, micro.to(settings.parallel.device), algo, counts, prox_source, settings, generator)
             pg_loss, kl_loss = pg_loss + pg_share, kl_loss + kl_share
-            token_metrics.append(metrics)
-            prox_parts.append((micro.rows, prox))
-            entropy_parts.append((micro.rows, entropy.detach()))
+            token_metrics.append({key: float(value) for key, value in metrics.items()})
+            prox_parts.append((micro.rows, prox.cpu()))
+            entropy_parts.append((micro.rows, entropy.detach().cpu()))
         grad_norms.append(optimizer_step(model, optimizer, scheduler, settings.grad_clip))
     pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts = gather_over_dp(
         settings.parallel, pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts)

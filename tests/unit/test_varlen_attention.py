@@ -1,0 +1,61 @@
+"""The inner attention of Ulysses: flash-attn's varlen layout (cu_seqlens, [total, heads, dim]) against sdpa with a
+block-diagonal mask. On CPU the kernel is a faithful stand-in with flash_attn_varlen_func's signature that runs
+sdpa per segment; the `gpu` test runs the real kernel."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from asyncrl.learner.ulysses import cu_seqlens, inner_attention, varlen_kernel
+
+
+def fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                softmax_scale=None, causal=False):
+    """flash_attn_varlen_func's contract: q [total, h, d], k/v [total, h_kv, d] (h_kv divides h), int32 cu_seqlens,
+    causal within each sequence; returns [total, h, d]."""
+    assert cu_seqlens_q.dtype == torch.int32 and torch.equal(cu_seqlens_q, cu_seqlens_k)
+    lengths = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+    assert max(lengths) == max_seqlen_q == max_seqlen_k and sum(lengths) == q.shape[0]
+    out = torch.empty_like(q)
+    for start, end in zip(cu_seqlens_q[:-1].tolist(), cu_seqlens_q[1:].tolist()):
+        qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [h, s, d]
+        ks = ks.repeat_interleave(qs.shape[0] // ks.shape[0], dim=0)
+        vs = vs.repeat_interleave(qs.shape[0] // vs.shape[0], dim=0)
+        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=softmax_scale,
+                                                        dropout_p=dropout_p).transpose(0, 1)
+    return out
+
+
+def test_cu_seqlens_marks_where_each_segment_starts():
+    bounds, longest = cu_seqlens(torch.tensor([[0, 0, 0, 1, 2, 2, -1, -1]]))
+    assert bounds.tolist() == [0, 3, 4, 6, 8] and bounds.dtype == torch.int32 and longest == 3
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_varlen_layout_matches_masked_sdpa(packed):
+    torch.manual_seed(0)
+    batch, length = (1, 13) if packed else (3, 6)
+    q = torch.randn(batch, 4, length, 8, dtype=torch.float64)
+    k, v = torch.randn(2, batch, 2, length, 8, dtype=torch.float64)  # grouped-query: 2 KV heads for 4
+    segments = torch.tensor([[0, 0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3, -1]]) if packed else None
+    expected = inner_attention(q, k, v, segments, 0.3, 0.0, kernel=None)
+    got = inner_attention(q, k, v, segments, 0.3, 0.0, kernel=fake_varlen)
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+
+
+def test_no_kernel_on_cpu():
+    assert varlen_kernel(torch.device("cpu")) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and flash-attn")
+def test_real_flash_attn_varlen_matches_sdpa_on_cuda():
+    kernel = varlen_kernel(torch.device("cuda"))
+    if kernel is None:
+        pytest.skip("flash-attn is not installed")
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 13, 64, dtype=torch.bfloat16, device="cuda")
+    k, v = torch.randn(2, 1, 2, 13, 64, dtype=torch.bfloat16, device="cuda")
+    segments = torch.tensor([[0, 0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3, -1]], device="cuda")
+    expected = inner_attention(q.float(), k.float(), v.float(), segments, 0.125, 0.0, kernel=None)
+    got = inner_attention(q, k, v, segments, 0.125, 0.0, kernel=kernel)
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=0)
