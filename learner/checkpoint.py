@@ -15,7 +15,9 @@ directories are removed by the next save.
 Every rank calls every function here; with a process group initialised they are collective. Only rank 0 writes
 meta.json, copies hf files, renames and prunes; barriers make the final directory visible to all ranks on return.
 With `async_save=True` the DCP write runs in a background thread on its own gloo group (so its collectives never
-interleave with training's), and the checkpoint is finalised by the next save or by `wait_for_pending_save()`.
+interleave with training's); rank 0 puts it in place from DCP's writer thread as soon as the write completes (DCP's
+finish step has gathered every rank's results by then), and the next save or `wait_for_pending_save()` waits for
+that.
 """
 import contextlib
 import json
@@ -25,7 +27,8 @@ import re
 import shutil
 import time
 import warnings
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -59,6 +62,8 @@ class _PendingSave:
     root: str
     meta: dict
     keep_last: int
+    finalized: threading.Event = field(default_factory=threading.Event)
+    error: list = field(default_factory=list)
 
 
 _pending: _PendingSave | None = None
@@ -75,8 +80,8 @@ def save_checkpoint(root: str, model, optimizer, scheduler, version: int, consum
     nothing else (without it, the model's own `config` is written there when it has one).
     Atomic: written under a temporary name and renamed, with meta.json written last, so a kill -9 mid-save leaves no
     directory that latest_checkpoint would pick. Keeps the newest keep_last checkpoints (keep_last<=0 keeps all),
-    deleting older ones (rank 0 deletes). With async_save=True, uses dcp.async_save; the rename/prune of that
-    checkpoint happens when the next save starts or when wait_for_pending_save() is called."""
+    deleting older ones (rank 0 deletes). With async_save=True, uses dcp.async_save; rank 0 renames and prunes as
+    soon as the write completes, and the next save or wait_for_pending_save() waits for that."""
     global _pending
     meta = {"format": FORMAT_VERSION, "version": int(version), "consumed": consumed, "world_size": _world_size(),
             "time": time.time()}
@@ -101,6 +106,9 @@ def save_checkpoint(root: str, model, optimizer, scheduler, version: int, consum
         future = dcp.async_save(state, checkpoint_id=dcp_dir, process_group=_get_async_group(),
                                 no_dist=not _distributed())
         _pending = _PendingSave(future, tmp_dir, final_dir, root, meta, keep_last)
+        if rank == 0:  # in place as soon as it is written, even while training waits for data
+            getattr(future, "upload_completion", future).add_done_callback(
+                lambda done, pending=_pending: _finalize_in_background(done, pending))
     else:
         with quiet_single_process_dcp():
             dcp.save(state, checkpoint_id=dcp_dir, no_dist=not _distributed())
@@ -117,7 +125,26 @@ def wait_for_pending_save() -> None:
     # dcp.async_save returns a Future, or an AsyncSaveResponse whose upload_completion is the Future.
     future = getattr(pending.future, "upload_completion", pending.future)
     future.result()
-    _finalize(pending.tmp_dir, pending.final_dir, pending.root, pending.meta, pending.keep_last)
+    if _rank() == 0:
+        pending.finalized.wait()
+        if pending.error:
+            raise CheckpointError(f"checkpoint {pending.final_dir}: finalising the background save failed: "
+                                  f"{pending.error[0]}")
+    _barrier()  # the next save (or the exit) sees the finished directory on every rank
+
+
+def _finalize_in_background(future, pending: _PendingSave) -> None:
+    """Rank 0, in DCP's writer thread, once the write is done: DCP's own finish step has gathered every rank's
+    write results before the future completes, so every shard is on disk. No collective here."""
+    try:
+        if future.exception() is None:
+            _write_meta_and_rename(pending.tmp_dir, pending.final_dir, pending.root, pending.meta, pending.keep_last)
+        else:
+            pending.error.append(repr(future.exception()))
+    except Exception as err:  # surfaced by wait_for_pending_save
+        pending.error.append(repr(err))
+    finally:
+        pending.finalized.set()
 
 
 def load_checkpoint(path: str, model, optimizer, scheduler) -> tuple[int, dict]:
@@ -217,16 +244,21 @@ def _finalize(tmp_dir: str, final_dir: str, root: str, meta: dict, keep_last: in
     """Rank 0 writes meta.json (last), renames the temporary directory into place and prunes; then all ranks meet."""
     _barrier()  # every rank's DCP shards and RNG file are written
     if _rank() == 0:
-        with open(os.path.join(tmp_dir, META_FILE), "w") as f:
-            json.dump(meta, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        if os.path.exists(final_dir):  # the same version saved again (e.g. after a resume): replace it
-            _remove_checkpoint(final_dir)
-        os.rename(tmp_dir, final_dir)
-        _fsync_dir(root)
-        _prune(root, keep_last)
+        _write_meta_and_rename(tmp_dir, final_dir, root, meta, keep_last)
     _barrier()
+
+
+def _write_meta_and_rename(tmp_dir: str, final_dir: str, root: str, meta: dict, keep_last: int) -> None:
+    """Rank 0 only: meta.json last, then the rename that makes the checkpoint visible, then pruning."""
+    with open(os.path.join(tmp_dir, META_FILE), "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    if os.path.exists(final_dir):  # the same version saved again (e.g. after a resume): replace it
+        _remove_checkpoint(final_dir)
+    os.rename(tmp_dir, final_dir)
+    _fsync_dir(root)
+    _prune(root, keep_last)
 
 
 def _prune(root: str, keep_last: int) -> None:

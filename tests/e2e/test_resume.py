@@ -176,8 +176,9 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,sp", [(1, 1), (2, 2)])
-def test_kill_9_then_resume_continues_the_loss_curve_bit_identically(tiny_model_dir, tmp_path, nproc, sp):
+@pytest.mark.parametrize("nproc,sp,background", [(1, 1, True), (2, 2, False)])
+def test_kill_9_then_resume_continues_the_loss_curve_bit_identically(tiny_model_dir, tmp_path, nproc, sp, background):
+    """One rank saving in the background (DCP async_save), and two ranks of FSDP2 × Ulysses saving in line."""
     from asyncrl.configs import load_config, shared_hash
 
     steps = 6
@@ -186,7 +187,8 @@ def test_kill_9_then_resume_continues_the_loss_curve_bit_identically(tiny_model_
         job_dir = tmp_path / name
         job_dir.mkdir()
         port = free_port()
-        overrides = learner_overrides(tiny_model_dir, port, steps) + [f"learner.sp_size={sp}"]
+        overrides = learner_overrides(tiny_model_dir, port, steps) + [f"learner.sp_size={sp}",
+                                                                      f"learner.checkpoint_async={background}"]
         generator = ScriptedGenerator(port, shared_hash(load_config(None, overrides)),
                                       hold_from=4 if name == "killed" else None)
         generator.start()

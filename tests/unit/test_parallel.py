@@ -16,7 +16,8 @@ from asyncrl.algos.config import AlgoConfig
 from asyncrl.buffer.group import Group, Sample, Sampling
 from asyncrl.learner.batch import assign_rows, build_batch, plan_microbatches
 from asyncrl.learner.model import build_qwen2
-from asyncrl.learner.parallel import ParallelState, apply_fsdp, build_parallel_state
+from asyncrl.learner.parallel import ParallelConfigError, ParallelState, apply_fsdp, build_parallel_state
+from asyncrl.learner.publish import bucket_names, iter_full_weights
 from asyncrl.learner.sft import sft_step
 from asyncrl.learner.sft_data import SFTExample
 from asyncrl.learner.train_step import StepSettings, train_step
@@ -98,10 +99,12 @@ def worker(rank: int, world: int, port: int, case: dict, out: str) -> None:
         model = tiny_model(case["heads"], case["kv_heads"])
         if parallel.sp_size > 1:
             apply_ulysses(model, parallel.sp_group, parallel.sp_size)
-        apply_fsdp(model, parallel)
+        apply_fsdp(model, parallel, param_dtype=case.get("param_dtype", "float32"),
+                   activation_checkpointing=case.get("ac", False))
+        published = dict(iter_full_weights(model, parallel, torch.float32, bucket_bytes=20_000))
         metrics, grads = run_step(model, parallel, case)
         if rank == 0:
-            torch.save({"metrics": metrics, "grads": grads}, out)
+            torch.save({"metrics": metrics, "grads": grads, "published": published}, out)
     finally:
         dist.destroy_process_group()
 
@@ -159,6 +162,40 @@ def test_sft_on_fsdp2_and_ulysses_matches_one_process(tmp_path):
     assert abs(got["metrics"]["loss/pg"] - expected["metrics"]["loss/pg"]) < 1e-5
     for param, grad in expected["grads"].items():
         torch.testing.assert_close(got["grads"][param], grad, atol=1e-5, rtol=0, msg=param)
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_matches_and_published_weights_are_whole(tmp_path):
+    case = dict(seed=11, budget=40, packing=False, minibatches=1, heads=4, kv_heads=2, sp=1, ac=True)
+    expected = reference(case)
+    got = run_ranks(2, case, tmp_path)
+    assert abs(got["metrics"]["loss/pg"] - expected["metrics"]["loss/pg"]) < 1e-5
+    for param, grad in expected["grads"].items():
+        torch.testing.assert_close(got["grads"][param], grad, atol=1e-5, rtol=0, msg=param)
+    full = tiny_model().state_dict()  # what rank 0 published before the step: every tensor whole, tied ones too
+    assert set(got["published"]) == set(full)
+    for name, tensor in full.items():
+        assert torch.equal(got["published"][name], tensor), name
+
+
+@pytest.mark.slow
+def test_bf16_mixed_precision_trains_close_to_fp32(tmp_path):
+    case = dict(seed=3, budget=40, packing=False, minibatches=1, heads=4, kv_heads=2, sp=1, param_dtype="bfloat16")
+    expected = reference(case)
+    got = run_ranks(2, case, tmp_path)
+    assert abs(got["metrics"]["loss/pg"] - expected["metrics"]["loss/pg"]) < 0.05
+    assert got["metrics"]["policy/grad_norm"] > 0
+
+
+def test_publish_buckets_hold_about_the_asked_bytes():
+    tensors = {"a": torch.zeros(10), "b": torch.zeros(10), "c": torch.zeros(100), "d": torch.zeros(5)}
+    assert bucket_names(tensors, 80) == [["a", "b"], ["c"], ["d"]]
+
+
+def test_cpu_offload_on_a_cpu_learner_is_a_clear_error():
+    parallel = ParallelState(world_size=2, dp_size=2, device="cpu")
+    with pytest.raises(ParallelConfigError, match="cpu_offload"):
+        apply_fsdp(tiny_model(), parallel, cpu_offload=True)
 
 
 def test_sp_size_that_does_not_divide_the_heads_is_a_clear_error():
