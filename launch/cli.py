@@ -141,6 +141,20 @@ def resolve_model_and_data(cfg, say) -> tuple[str, list]:
     return cfg.model.path, cfg.data.train_files
 
 
+def join_ranks(cfg, command: str):
+    """This process's ParallelState (one plain process, or a rank under torchrun, which then dies with its
+    launcher); an exit code instead when the launch does not fit learner.sp_size."""
+    from asyncrl.learner.parallel import ParallelConfigError, die_with_launcher, init_parallel
+
+    if "LOCAL_RANK" in os.environ:
+        die_with_launcher()
+    try:
+        return init_parallel(cfg.learner.sp_size, cfg.learner.dist_timeout_s)
+    except ParallelConfigError as err:
+        print(f"asyncrl {command}: {err}", file=sys.stderr)
+        return 2
+
+
 def cmd_learner(cfg, args) -> int:
     if args.nproc * args.nnodes > 1 and "LOCAL_RANK" not in os.environ:
         return exec_torchrun(cfg, args, module="asyncrl.learner", command_name="learner")
@@ -149,15 +163,11 @@ def cmd_learner(cfg, args) -> int:
     from asyncrl.launch.demo import say_stderr
     from asyncrl.learner.checkpoint import CheckpointError
     from asyncrl.learner.loop import run_learner
-    from asyncrl.learner.parallel import ParallelConfigError, broadcast_object, die_with_launcher, init_parallel
+    from asyncrl.learner.parallel import broadcast_object
 
-    if "LOCAL_RANK" in os.environ:  # a rank under torchrun
-        die_with_launcher()
-    try:
-        parallel = init_parallel(cfg.learner.sp_size, cfg.learner.dist_timeout_s)
-    except ParallelConfigError as err:
-        print(f"asyncrl learner: {err}", file=sys.stderr)
-        return 2
+    parallel = join_ranks(cfg, "learner")
+    if isinstance(parallel, int):
+        return parallel
     try:
         where = None
         if parallel.is_main:  # one rank builds the demo assets and names the job directory
@@ -194,19 +204,15 @@ def cmd_sft(cfg, args) -> int:
     from asyncrl.launch.demo import demo_dir, prepare_demo, say_stderr
     from asyncrl.learner.loop import build_policy
     from asyncrl.learner.model import load_tokenizer
-    from asyncrl.learner.parallel import ParallelConfigError, broadcast_object, die_with_launcher, init_parallel
+    from asyncrl.learner.parallel import broadcast_object
     from asyncrl.learner.publish import iter_full_weights
     from asyncrl.learner.sft import run_sft
     from asyncrl.learner.sft_data import SFTDataError, read_sft_examples
     from asyncrl.learner.train_step import StepSettings
 
-    if "LOCAL_RANK" in os.environ:
-        die_with_launcher()
-    try:
-        parallel = init_parallel(cfg.learner.sp_size, cfg.learner.dist_timeout_s)
-    except ParallelConfigError as err:
-        print(f"asyncrl sft: {err}", file=sys.stderr)
-        return 2
+    parallel = join_ranks(cfg, "sft")
+    if isinstance(parallel, int):
+        return parallel
     try:
         where = None
         if parallel.is_main:

@@ -34,30 +34,29 @@ def _all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> to
     return torch.cat(recv.unbind(0), dim=gather_dim)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """[b, h, s_local, d] -> [b, h/sp, S, d]; its gradient takes the inverse trip."""
+class _AllToAll(torch.autograd.Function):
+    """`_all_to_all` with its gradient taking the inverse trip (scatter and gather dims swapped). Sequence to heads:
+    [b, h, s_local, d] -> [b, h/sp, S, d] is (scatter 1, gather 2); heads to sequence is (2, 1)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_to_all(x, group, scatter_dim=1, gather_dim=2)
+    def forward(ctx, x, group, scatter_dim: int, gather_dim: int):
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        return _all_to_all(x, group, scatter_dim, gather_dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_to_all(grad, ctx.group, scatter_dim=2, gather_dim=1), None
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all(grad, ctx.group, gather_dim, scatter_dim), None, None, None
 
 
-class _HeadsToSeq(torch.autograd.Function):
+def seq_to_heads(x: torch.Tensor, group) -> torch.Tensor:
+    """[b, h, s_local, d] -> [b, h/sp, S, d]."""
+    return _AllToAll.apply(x, group, 1, 2)
+
+
+def heads_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     """[b, h/sp, S, d] -> [b, h, s_local, d]."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_to_all(x, group, scatter_dim=2, gather_dim=1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_to_all(grad, ctx.group, scatter_dim=1, gather_dim=2), None
+    return _AllToAll.apply(x, group, 2, 1)
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -104,11 +103,11 @@ def ulysses_attention(module, query, key, value, attention_mask, dropout: float 
     if kv_repeat > 1:
         key = key.repeat_interleave(kv_repeat, dim=1)
         value = value.repeat_interleave(kv_repeat, dim=1)
-    q = _SeqToHeads.apply(query, sp_group)  # [b, h/sp, S, d]
-    k = _SeqToHeads.apply(key, sp_group)
-    v = _SeqToHeads.apply(value, sp_group)
+    q = seq_to_heads(query, sp_group)  # [b, h/sp, S, d]
+    k = seq_to_heads(key, sp_group)
+    v = seq_to_heads(value, sp_group)
     out = inner_attention(q, k, v, segment_ids, scaling, dropout, varlen_kernel(q.device))
-    out = _HeadsToSeq.apply(out, sp_group)  # [b, h, s, d]
+    out = heads_to_seq(out, sp_group)  # [b, h, s, d]
     return out.transpose(1, 2).contiguous(), None
 
 

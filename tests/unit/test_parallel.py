@@ -121,6 +121,14 @@ def reference(case: dict) -> dict:
     return {"metrics": metrics, "grads": grads}
 
 
+def assert_same_step(got: dict, expected: dict, tol: float = 1e-5) -> None:
+    """The step's loss and every full gradient agree within `tol`."""
+    assert abs(got["metrics"]["loss/pg"] - expected["metrics"]["loss/pg"]) < tol
+    assert set(got["grads"]) == set(expected["grads"])
+    for param, grad in expected["grads"].items():
+        torch.testing.assert_close(got["grads"][param], grad, atol=tol, rtol=0, msg=param)
+
+
 CASES = {
     "fsdp2": dict(world=2, sp=1),
     "sp2": dict(world=2, sp=2),
@@ -149,9 +157,7 @@ def test_ulysses_repeats_kv_heads_when_sp_does_not_divide_them(tmp_path):
     assert check_heads(tiny_model(4, 1).config, 2) == 4
     expected = reference(case)
     got = run_ranks(2, case, tmp_path)
-    assert abs(got["metrics"]["loss/pg"] - expected["metrics"]["loss/pg"]) < 1e-5
-    for param, grad in expected["grads"].items():
-        torch.testing.assert_close(got["grads"][param], grad, atol=1e-5, rtol=0, msg=param)
+    assert_same_step(got, expected)
 
 
 @pytest.mark.slow
@@ -159,9 +165,7 @@ def test_sft_on_fsdp2_and_ulysses_matches_one_process(tmp_path):
     case = dict(seed=7, budget=24, packing=True, minibatches=1, heads=4, kv_heads=2, sp=2, sft=True)
     expected = reference(case)
     got = run_ranks(4, case, tmp_path)
-    assert abs(got["metrics"]["loss/pg"] - expected["metrics"]["loss/pg"]) < 1e-5
-    for param, grad in expected["grads"].items():
-        torch.testing.assert_close(got["grads"][param], grad, atol=1e-5, rtol=0, msg=param)
+    assert_same_step(got, expected)
 
 
 @pytest.mark.slow
@@ -169,9 +173,7 @@ def test_activation_checkpointing_matches_and_published_weights_are_whole(tmp_pa
     case = dict(seed=11, budget=40, packing=False, minibatches=1, heads=4, kv_heads=2, sp=1, ac=True)
     expected = reference(case)
     got = run_ranks(2, case, tmp_path)
-    assert abs(got["metrics"]["loss/pg"] - expected["metrics"]["loss/pg"]) < 1e-5
-    for param, grad in expected["grads"].items():
-        torch.testing.assert_close(got["grads"][param], grad, atol=1e-5, rtol=0, msg=param)
+    assert_same_step(got, expected)
     full = tiny_model().state_dict()  # what rank 0 published before the step: every tensor whole, tied ones too
     assert set(got["published"]) == set(full)
     for name, tensor in full.items():
