@@ -28,3 +28,60 @@ def demo_assets(demo_cache):
 
     cfg = load_config(None, [f"demo.cache_dir={demo_cache}", "demo.sft_steps=20", "demo.num_prompts=256"])
     return prepare_demo(cfg.demo, cfg.job.seed, say=lambda message: None)
+
+
+class RedisServer:
+    """A real redis-server (Debian's binary) on a free 127.0.0.1 port in its own directory, stopped by PID."""
+
+    def __init__(self, directory: str, appendfsync: str = "always", extra: tuple = ()):
+        self.directory, self.appendfsync, self.extra = directory, appendfsync, extra
+        self.port = free_port()
+        self.proc = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "RedisServer":
+        import subprocess
+        import time
+
+        import redis
+
+        command = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", self.directory,
+                   "--appendonly", "yes", "--appendfsync", self.appendfsync, "--save", "",
+                   "--maxmemory-policy", "noeviction", *self.extra]
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_connect_timeout=1)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.exceptions.BusyLoadingError:
+                pass
+            except redis.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+            time.sleep(0.02)
+        client.close()
+        return self
+
+    def kill(self, sig=None) -> None:
+        import signal
+
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig or signal.SIGTERM)
+            self.proc.wait(timeout=20)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """One redis-server for the session's Redis tests (each test uses its own job name, so keys never collide)."""
+    import shutil
+
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed (scripts/ensure_redis installs Debian's package)")
+    server = RedisServer(str(tmp_path_factory.mktemp("redis"))).start()
+    yield server
+    server.kill()

@@ -1,0 +1,111 @@
+"""DESIGN.md §4's admission rule held in Redis, so generators on any machine share it (the zmq backend keeps the
+same rule in `staleness.Coordinator`, in the learner's memory).
+
+State, under the job's hash tag: `version` (the learner's published version), `started` (admitted groups not given
+back), `leases` (a sorted set: one member per admitted group not yet delivered, scored by its expiry in ms).
+Every admission is one Lua script, so the read-check-increment cannot interleave with another generator's:
+1. leases past their expiry are removed and given back (`started` -= their count): a generator killed with -9
+   never holds capacity for longer than the lease (AReaL issue #1396: a fleet hung at zero capacity);
+2. capacity = (η + version + 1) · groups_per_step − started, never below 0;
+3. up to `want` leases are granted, named `<prefix>:<i>`.
+Delivering a group releases its lease in the same script that adds it to the stream (redis_stream.PRODUCE). A
+group delivered after its lease expired is counted as started again there, so `started` stays exact.
+"""
+import time
+import uuid
+
+from asyncrl.buffer.redis_stream import job_keys
+
+ADMIT = """
+-- KEYS[1] version, KEYS[2] started, KEYS[3] leases
+-- ARGV[1] eta, ARGV[2] groups_per_step, ARGV[3] want, ARGV[4] now_ms, ARGV[5] lease_ms, ARGV[6] lease prefix
+local now = tonumber(ARGV[4])
+local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now)
+if #expired > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+  local left = tonumber(redis.call('GET', KEYS[2]) or '0') - #expired
+  if left < 0 then left = 0 end
+  redis.call('SET', KEYS[2], left)
+end
+local version = tonumber(redis.call('GET', KEYS[1]) or '0')
+local started = tonumber(redis.call('GET', KEYS[2]) or '0')
+local cap = (tonumber(ARGV[1]) + version + 1) * tonumber(ARGV[2]) - started
+if cap < 0 then cap = 0 end
+local granted = math.min(tonumber(ARGV[3]), cap)
+for i = 1, granted do
+  redis.call('ZADD', KEYS[3], now + tonumber(ARGV[5]), ARGV[6] .. ':' .. i)
+end
+redis.call('INCRBY', KEYS[2], granted)
+return {granted, version, #expired}
+"""
+
+GIVE_BACK = """
+-- KEYS[1] started; ARGV[1] count
+local left = tonumber(redis.call('GET', KEYS[1]) or '0') - tonumber(ARGV[1])
+if left < 0 then left = 0 end
+redis.call('SET', KEYS[1], left)
+return left
+"""
+
+SET_VERSION = """
+-- KEYS[1] version; ARGV[1] version; ARGV[2] '1' to allow going back (a learner resumed from a checkpoint)
+local current = tonumber(redis.call('GET', KEYS[1]) or '-1')
+local wanted = tonumber(ARGV[1])
+if wanted > current or ARGV[2] == '1' then redis.call('SET', KEYS[1], wanted) return wanted end
+return current
+"""
+
+
+class RedisCoordinator:
+    """Admission, leases and the version, for one job, through one Redis client."""
+
+    def __init__(self, client, job: str, max_staleness: int, groups_per_step: int, lease_s: float = 120.0):
+        self.client = client
+        self.keys = job_keys(job)
+        self.max_staleness = max_staleness
+        self.groups_per_step = groups_per_step
+        self.lease_ms = int(lease_s * 1000)
+        self._admit = client.register_script(ADMIT)
+        self._give_back = client.register_script(GIVE_BACK)
+        self._set_version = client.register_script(SET_VERSION)
+
+    def try_admit(self, generator_id: str, want: int = 1, now_ms: int | None = None) -> tuple[list[str], int]:
+        """(lease ids granted, the version now); each lease admits one group until it is delivered or expires."""
+        prefix = f"{generator_id}:{uuid.uuid4().hex[:12]}"
+        now_ms = int(time.time() * 1000) if now_ms is None else now_ms
+        granted, version, _ = self._admit(
+            keys=[self.keys["version"], self.keys["started"], self.keys["leases"]],
+            args=[self.max_staleness, self.groups_per_step, max(0, int(want)), now_ms, self.lease_ms, prefix])
+        return [f"{prefix}:{i}" for i in range(1, int(granted) + 1)], int(version)
+
+    def give_back(self, count: int = 1) -> int:
+        """Admitted groups that will never be trained (stale, rejected, dead-lettered) free their capacity."""
+        return int(self._give_back(keys=[self.keys["started"]], args=[count]))
+
+    def release(self, lease_ids: list) -> int:
+        """A generator gives up leases it will not deliver (shutting down): their capacity returns at once."""
+        if not lease_ids:
+            return 0
+        removed = self.client.zrem(self.keys["leases"], *lease_ids)
+        if removed:
+            self.give_back(removed)
+        return int(removed)
+
+    def set_version(self, version: int, allow_backwards: bool = False) -> int:
+        """Publish `version` (never lower, unless a learner resumed from an older checkpoint says so)."""
+        return int(self._set_version(keys=[self.keys["version"]], args=[version, "1" if allow_backwards else "0"]))
+
+    def reset_started(self, started: int) -> None:
+        """A learner restarting from a checkpoint states how many admitted groups are still owed training."""
+        self.client.set(self.keys["started"], max(0, int(started)))
+
+    @property
+    def version(self) -> int:
+        return int(self.client.get(self.keys["version"]) or 0)
+
+    @property
+    def started(self) -> int:
+        return int(self.client.get(self.keys["started"]) or 0)
+
+    def leases(self) -> int:
+        return int(self.client.zcard(self.keys["leases"]))

@@ -1,0 +1,159 @@
+"""The durable buffer: groups in one Redis Stream, consumed by the learner through a consumer group.
+
+Keys share the hash tag `{job}` (one cluster slot): `asyncrl:{job}:groups` (the stream),
+`asyncrl:{job}:seen:<group_id>` (idempotence marks, expiring), `asyncrl:{job}:dead` (the dead-letter stream).
+
+Delivery protocol (at-least-once delivery + idempotent training = each admitted group trained exactly once):
+1. A producer adds a group with `produce`: a Lua script sets the group's `seen` mark NX and only then XADDs, so a
+   resend after a lost reply adds nothing. The same script releases the producer's admission lease (coordinator).
+2. The learner reads new entries with XREADGROUP (`>`); after a restart it first re-reads the entries still pending
+   for its consumer name (`0`), and entries pending for a consumer that died are taken over with XAUTOCLAIM.
+3. The learner trains, and XACKs an entry only after a checkpoint covering the optimizer step that used it is on
+   disk. A crash before that leaves the entry pending, so it is delivered again and retrained from the restored
+   checkpoint, whose weights never saw it.
+4. A crash between the checkpoint and the XACK would deliver a group the checkpoint already covers. The checkpoint
+   records the entry ids it covers; on restart those are acked without training (`ack`) — the idempotent half.
+5. An entry that cannot be decoded, or that was delivered `max_deliveries` times, goes to the dead-letter stream with
+   its reason and is acked, so one poison message never blocks the learner.
+Trimming removes only entries older than the oldest pending one (or, with none pending, than the group's last
+delivered id): every removed entry was delivered and acked, so nothing unconsumed is ever deleted.
+"""
+import redis
+
+GROUP = "learner"
+PAYLOAD = b"g"
+
+PRODUCE = """
+-- KEYS[1] stream, KEYS[2] seen mark, KEYS[3] leases, KEYS[4] started; ARGV[1] payload, ARGV[2] mark ttl (s),
+-- ARGV[3] lease id ('' for none)
+if not redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[2]) then
+  return false
+end
+local id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[1])
+if ARGV[3] ~= '' and redis.call('ZREM', KEYS[3], ARGV[3]) == 0 then
+  redis.call('INCR', KEYS[4])  -- its lease had expired and been given back: it counts as started again
+end
+return id
+"""
+
+
+def job_keys(job: str) -> dict:
+    prefix = f"asyncrl:{{{job}}}:"
+    return {name: prefix + name for name in ("groups", "dead", "version", "started", "leases", "meta")} | {
+        "seen": prefix + "seen:"}
+
+
+class GroupStream:
+    """One job's stream of encoded groups. `consumer` names this reader (the learner uses `learner-0`)."""
+
+    def __init__(self, client, job: str, consumer: str = "learner-0", mark_ttl_s: int = 7 * 24 * 3600,
+                 max_deliveries: int = 5):
+        self.client = client
+        self.keys = job_keys(job)
+        self.consumer = consumer
+        self.mark_ttl_s = mark_ttl_s
+        self.max_deliveries = max_deliveries
+        self._produce = client.register_script(PRODUCE)
+        self._pending_cursor = b"0"  # where re-reading this consumer's pending entries continues; None when done
+
+    def ensure_group(self) -> None:
+        """Create the stream and the learner's consumer group (from the beginning) if they do not exist."""
+        try:
+            self.client.xgroup_create(self.keys["groups"], GROUP, id="0", mkstream=True)
+        except redis.ResponseError as err:
+            if "BUSYGROUP" not in str(err):
+                raise
+
+    def produce(self, group_id: str, payload: bytes, lease_id: str = "") -> bytes | None:
+        """XADD unless this group_id was added before; returns the entry id, or None for a duplicate."""
+        return self._produce(keys=[self.keys["groups"], self.keys["seen"] + group_id, self.keys["leases"],
+                                   self.keys["started"]], args=[payload, self.mark_ttl_s, lease_id])
+
+    def read(self, count: int, block_ms: int) -> list[tuple[bytes, bytes]]:
+        """Up to `count` (entry id, payload): first whatever is still pending for this consumer from before a
+        restart, then new entries (blocking up to block_ms)."""
+        while self._pending_cursor is not None:
+            reply = self.client.xreadgroup(GROUP, self.consumer, {self.keys["groups"]: self._pending_cursor},
+                                           count=count)
+            entries = reply[0][1] if reply else []
+            if not entries:
+                self._pending_cursor = None
+                break
+            self._pending_cursor = entries[-1][0]
+            pending = self._with_payloads(entries)
+            if pending:
+                return pending
+        reply = self.client.xreadgroup(GROUP, self.consumer, {self.keys["groups"]: b">"}, count=count, block=block_ms)
+        return self._with_payloads(reply[0][1] if reply else [])
+
+    def _with_payloads(self, entries: list) -> list[tuple[bytes, bytes]]:
+        out = []
+        for entry_id, fields in entries:
+            if not fields:  # pending but already trimmed away: nothing left to train
+                self.ack([entry_id])
+                continue
+            out.append((entry_id, fields.get(PAYLOAD, b"")))
+        return out
+
+    def ack(self, entry_ids: list) -> int:
+        return self.client.xack(self.keys["groups"], GROUP, *entry_ids) if entry_ids else 0
+
+    def dead_letter(self, entry_id: bytes, payload: bytes, reason: str) -> None:
+        """Move an entry to the dead-letter stream with its reason, and ack it, in one transaction."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(self.keys["dead"], {"entry": entry_id, "reason": reason, "payload": payload}, maxlen=10_000,
+                  approximate=True)
+        pipe.xack(self.keys["groups"], GROUP, entry_id)
+        pipe.execute()
+
+    def reclaim(self, min_idle_ms: int, count: int = 100) -> list[tuple[bytes, bytes]]:
+        """Entries pending for any consumer idle longer than min_idle_ms, now owned by this one. Those delivered
+        max_deliveries times already go to the dead-letter stream instead."""
+        _, claimed, deleted = self.client.xautoclaim(self.keys["groups"], GROUP, self.consumer, min_idle_ms,
+                                                     start_id="0-0", count=count)[:3]
+        if deleted:
+            self.ack(list(deleted))
+        out = []
+        counts = self.delivery_counts([entry_id for entry_id, _ in claimed])
+        for entry_id, fields in claimed:
+            payload = (fields or {}).get(PAYLOAD, b"")
+            if counts.get(entry_id, 0) > self.max_deliveries:
+                self.dead_letter(entry_id, payload, f"delivered {counts[entry_id]} times without being acked")
+                continue
+            out.append((entry_id, payload))
+        return out
+
+    def delivery_counts(self, entry_ids: list) -> dict:
+        if not entry_ids:
+            return {}
+        lowest, highest = min(entry_ids, key=_id_key), max(entry_ids, key=_id_key)
+        rows = self.client.xpending_range(self.keys["groups"], GROUP, min=lowest, max=highest, count=len(entry_ids)
+                                          + 1000)
+        return {row["message_id"]: row["times_delivered"] for row in rows}
+
+    def trim(self) -> int:
+        """Delete acked entries only (see the module doc); returns how many went."""
+        summary = self.client.xpending(self.keys["groups"], GROUP)
+        if summary["pending"]:
+            floor = summary["min"]
+        else:
+            groups = {g["name"]: g for g in self.client.xinfo_groups(self.keys["groups"])}
+            floor = groups[GROUP.encode()]["last-delivered-id"] if GROUP.encode() in groups else b"0-0"
+        if floor in (b"0-0", "0-0"):
+            return 0
+        return self.client.xtrim(self.keys["groups"], minid=floor, approximate=False)
+
+    def length(self) -> int:
+        return self.client.xlen(self.keys["groups"])
+
+    def pending_count(self) -> int:
+        return self.client.xpending(self.keys["groups"], GROUP)["pending"]
+
+    def dead_letters(self) -> list[dict]:
+        return [fields for _, fields in self.client.xrange(self.keys["dead"])]
+
+
+def _id_key(entry_id) -> tuple[int, int]:
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    millis, seq = text.split("-")
+    return int(millis), int(seq)
