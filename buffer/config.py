@@ -1,13 +1,14 @@
 """Buffer and coordinator settings (stdlib only, so `--help` and `--dry-run` never import torch)."""
 from dataclasses import dataclass
 
-BACKENDS = ("zmq",)
+BACKENDS = ("zmq", "redis")
 
 
 @dataclass
 class BufferConfig:
     backend: str = "zmq"
-    """Transport between generators and the learner. `zmq`: embedded in the learner process."""
+    """Transport between generators and the learner. `zmq`: embedded in the learner process. `redis`: a durable
+    stream in buffer.redis_url, shared by a learner and generators on any machines."""
     host: str = "127.0.0.1"
     """Address the learner's embedded buffer binds to and generators connect to. 127.0.0.1 keeps it local."""
     port: int = 47500
@@ -20,6 +21,21 @@ class BufferConfig:
     """Largest encoded group accepted, in bytes. Larger messages are rejected before decoding."""
     queue_groups: int = 256
     """Bound on decoded groups waiting for the learner, in groups. Producers get back-pressure beyond it."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis for backend=redis: redis://[user[:password]@]host:port/db, or rediss:// for TLS."""
+    redis_tls_ca_file: str = ""
+    """CA bundle for rediss:// ("" = the system's)."""
+    redis_tls_cert_file: str = ""
+    """Client certificate for rediss:// with mutual TLS."""
+    redis_tls_key_file: str = ""
+    """Client key for rediss:// with mutual TLS."""
+    redis_namespace: str = ""
+    """Key namespace of this job in Redis ("" = job.name); a generator must use the learner's."""
+    lease_s: float = 120.0
+    """backend=redis: an admitted group not delivered within this long is given back (a dead generator's
+    capacity returns), in s."""
+    reclaim_idle_s: float = 60.0
+    """backend=redis: entries a dead learner consumer left unacked this long are taken over, in s."""
     request_timeout_s: float = 30.0
     """How long a generator waits for one reply from the learner before it calls the learner dead, in seconds."""
 
@@ -38,5 +54,11 @@ class BufferConfig:
             raise ValueError(
                 f"buffer.queue_groups ({self.queue_groups}) must be >= buffer.groups_per_step ({self.groups_per_step})"
             )
+        if self.lease_s <= 0 or self.reclaim_idle_s <= 0:
+            raise ValueError(f"buffer.lease_s and buffer.reclaim_idle_s must be > 0, got {self.lease_s}, "
+                             f"{self.reclaim_idle_s}")
+        if self.backend == "redis" and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"buffer.redis_url must start with redis://, rediss:// or unix://, got "
+                             f"{self.redis_url.split('@')[-1]!r}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"buffer.request_timeout_s must be > 0, got {self.request_timeout_s}")

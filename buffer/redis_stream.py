@@ -146,6 +146,14 @@ class GroupStream:
     def length(self) -> int:
         return self.client.xlen(self.keys["groups"])
 
+    def unread(self) -> int:
+        """Entries not yet delivered to any consumer of the learner's group."""
+        for info in self.client.xinfo_groups(self.keys["groups"]):
+            if info["name"] == GROUP.encode():
+                lag = info.get("lag")
+                return int(lag) if lag is not None else 0
+        return self.length()
+
     def pending_count(self) -> int:
         return self.client.xpending(self.keys["groups"], GROUP)["pending"]
 
@@ -157,3 +165,20 @@ def _id_key(entry_id) -> tuple[int, int]:
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     millis, seq = text.split("-")
     return int(millis), int(seq)
+
+
+def reset_job(client, job: str) -> int:
+    """Delete every key of `job` (a fresh start under a namespace an older run used); returns how many went."""
+    keys = job_keys(job)
+    names = [keys[name] for name in ("groups", "dead", "version", "started", "leases", "meta")]
+    names += [keys["meta"] + ":stats", keys["meta"] + ":joins"]
+    removed = client.delete(*names)
+    batch = []
+    for key in client.scan_iter(match=keys["seen"] + "*", count=1000):
+        batch.append(key)
+        if len(batch) >= 1000:
+            removed += client.delete(*batch)
+            batch = []
+    if batch:
+        removed += client.delete(*batch)
+    return removed

@@ -95,6 +95,10 @@ class ZmqBufferServer:
         self._socket.close(linger=0)
         self._context.term()
 
+    def queued(self) -> int:
+        """Valid groups waiting for the learner."""
+        return self.groups.qsize()
+
     def live_generators(self) -> list[str]:
         now = time.monotonic()
         return [g for g, seen in self.last_seen.items() if now - seen < self.peer_timeout_s]

@@ -4,6 +4,7 @@ import asyncio
 import logging
 import os
 
+from asyncrl.buffer.backends import make_generator_client
 from asyncrl.buffer.zmq_client import BufferClient, LearnerUnavailable
 from asyncrl.configs import shared_hash
 from asyncrl.generator.dataset import iterate_prompts, read_rows, tokenize_rows
@@ -32,6 +33,7 @@ async def wait_for_learner(client: BufferClient, config_hash: str, timeout_s: fl
             if not announced:
                 say(f"generator {client.generator_id}: waiting for the learner at {client.endpoint} ...")
                 announced = True
+            await asyncio.sleep(0.5)  # Redis says "no learner yet" at once; do not spin
             continue
         if not reply.get("ok"):
             raise GeneratorRefused(reply.get("error", "refused"))
@@ -40,7 +42,7 @@ async def wait_for_learner(client: BufferClient, config_hash: str, timeout_s: fl
 
 async def run_generator_async(cfg, say=print) -> int:
     generator_id = cfg.generator.generator_id or f"gen-{os.getpid()}"
-    client = BufferClient(f"tcp://{cfg.buffer.host}:{cfg.buffer.port}", generator_id, cfg.buffer.request_timeout_s)
+    client = make_generator_client(cfg, generator_id)
     engine, metrics_log, rollout = None, None, None
     try:
         hello = await wait_for_learner(client, shared_hash(cfg), cfg.generator.connect_timeout_s, say)

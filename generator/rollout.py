@@ -168,7 +168,7 @@ class RolloutLoop:
     async def _send(self, group: Group) -> None:
         payload = encode_group(group)
         while True:
-            reply = await self.client.request("group", body=payload)
+            reply = await self.client.request("group", body=payload, group_id=group.group_id)
             self.note_reply(reply)
             if reply.get("accepted") or not reply.get("retry"):
                 if not reply.get("accepted"):

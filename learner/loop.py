@@ -14,8 +14,7 @@ import time
 
 import torch
 
-from asyncrl.buffer.staleness import Coordinator
-from asyncrl.buffer.zmq_server import ZmqBufferServer
+from asyncrl.buffer.backends import make_learner_buffer
 from asyncrl.configs import flatten, shared_hash, to_yaml
 from asyncrl.algos.kl import AdaptiveKLController, FixedKLController
 from asyncrl.learner.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, read_meta,
@@ -96,8 +95,9 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
         algo_state["dropped_total"].update(consumed.get("dropped_total", {}))
         if parallel.is_main:
             log.info("learner: resumed from %s at version %d", resume_from, start_version)
-    host = LearnerHost(cfg, model, model_path, train_files, job_dir, parallel, start_version) if parallel.is_main \
-        else None
+    host = LearnerHost(cfg, model, model_path, train_files, job_dir, parallel, start_version,
+                       fresh=resume_from is None) if parallel.is_main else None
+    acks = AckLedger(host.server if host is not None else None, consumed)
     rewards, status = [], "FAILED"
     try:
         publish_weights(model, parallel, host, start_version, cfg)
@@ -106,6 +106,7 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
         for version in range(start_version, cfg.learner.total_steps):
             metrics = run_one_step(cfg, model, optimizer, scheduler, host, parallel, version, algo_state, consumed)
             if host is not None:
+                host.record_groups(version + 1, metrics.pop("_group_ids"))
                 rewards.append(metrics["reward/mean"])
                 host.metrics_log.log(metrics, step=version + 1)
                 host.progress.update(version + 1, metrics)
@@ -115,7 +116,11 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
                 save_checkpoint(checkpoint_root(cfg, job_dir), model, optimizer, scheduler, version + 1, consumed,
                                 cfg.learner.checkpoint_keep, model_dir=model_path,
                                 async_save=cfg.learner.checkpoint_async)
+                acks.checkpointed(background=cfg.learner.checkpoint_async)
+            elif not every:
+                acks.checkpointed(background=False)  # no checkpoints: nothing to resume from, ack at once
         wait_for_pending_save()
+        acks.all_saved()
         status = "FINISHED"
     finally:
         if host is not None:
@@ -131,7 +136,7 @@ class LearnerHost:
     weight publisher."""
 
     def __init__(self, cfg, model, model_path: str, train_files: list, job_dir: str, parallel: ParallelState,
-                 start_version: int):
+                 start_version: int, fresh: bool):
         self.cfg = cfg
         self.tracking_uri = resolve_tracking_uri(cfg.telemetry.tracking_uri)
         self.run_id = create_or_attach_run(self.tracking_uri, cfg.telemetry.experiment, cfg.job.name)
@@ -142,17 +147,21 @@ class LearnerHost:
         self.publisher = ShmWeightPublisher(
             os.path.join(cfg.weightsync.shm_dir, f"asyncrl-{cfg.job.name}-{os.getpid()}"),
             cfg.weightsync.keep_versions, cfg.weightsync.dtype)
-        self.coordinator = Coordinator(cfg.buffer.max_staleness, cfg.buffer.groups_per_step)
-        self.coordinator.set_version(start_version)
         run_info = {"model_path": os.path.abspath(model_path), "train_files": [os.path.abspath(f) for f in train_files],
                     "mlflow_run_id": self.run_id, "tracking_uri": self.tracking_uri,
                     "job_dir": os.path.abspath(job_dir)}
-        self.server = ZmqBufferServer(
-            cfg.buffer.host, cfg.buffer.port, self.coordinator,
-            vocab_size=model.get_input_embeddings().num_embeddings, config_hash=shared_hash(cfg),
-            max_message_bytes=cfg.buffer.max_message_bytes, queue_groups=cfg.buffer.queue_groups, run_info=run_info)
+        self.server, self.coordinator = make_learner_buffer(
+            cfg, vocab_size=model.get_input_embeddings().num_embeddings, config_hash=shared_hash(cfg),
+            run_info=run_info, start_version=start_version, fresh=fresh)
+        self.groups_path = os.path.join(job_dir, "trained_groups.jsonl")
         self.progress = ProgressDisplay(cfg.learner.total_steps, os.path.join(job_dir, "progress.jsonl"),
                                         enabled=cfg.telemetry.progress)
+
+    def record_groups(self, step: int, group_ids: list) -> None:
+        """job_dir/trained_groups.jsonl: which groups each step trained on (an audit trail: with the Redis
+        backend every admitted group appears exactly once across restarts)."""
+        with open(self.groups_path, "a") as handle:
+            handle.write(json.dumps({"step": step, "groups": group_ids}) + "\n")
 
     def start(self) -> None:
         self.server.start()
@@ -169,6 +178,40 @@ class LearnerHost:
         self.publisher.close()
         self.progress.close()
         self.metrics_log.close(status=status)
+
+
+class AckLedger:
+    """When the Redis stream may forget a trained group: only once a checkpoint covering its step is on disk.
+
+    `consumed["unacked"]` lists the entries trained since the last acknowledgement and is saved inside each
+    checkpoint, so a learner killed between writing a checkpoint and acking acks those entries at restart instead
+    of training them twice. A background save is acked when it is known to be complete (the next save, or the end).
+    """
+
+    def __init__(self, server, consumed: dict):
+        self.server = server if hasattr(server, "ack") else None
+        self.consumed = consumed
+        self.awaiting: list = []
+        if self.server is not None and consumed.get("unacked"):
+            self.server.ack(consumed.pop("unacked"))  # covered by the checkpoint we resumed from
+        consumed["unacked"] = []
+
+    def checkpointed(self, background: bool) -> None:
+        if self.server is None:
+            return
+        if self.awaiting:  # the previous background save finished before this one started
+            self.server.ack(self.awaiting)
+        covered, self.consumed["unacked"] = self.consumed["unacked"], []
+        if background:
+            self.awaiting = covered
+        else:
+            self.awaiting = []
+            self.server.ack(covered)
+
+    def all_saved(self) -> None:
+        if self.server is not None and self.awaiting:
+            self.server.ack(self.awaiting)
+            self.awaiting = []
 
 
 def publish_weights(model, parallel: ParallelState, host, version: int, cfg) -> None:
@@ -243,6 +286,7 @@ def run_one_step(cfg, model, optimizer, scheduler, host, parallel: ParallelState
     publish_weights(model, parallel, host, version + 1, cfg)
     if host is None:
         return metrics
+    metrics["_group_ids"] = [group.group_id for group in groups]
     server = host.server
     host.coordinator.set_version(version + 1)  # only now may generators be admitted against v+1
     metrics["timing/weightsync/publish_s"] = time.perf_counter() - started
@@ -255,13 +299,17 @@ def run_one_step(cfg, model, optimizer, scheduler, host, parallel: ParallelState
         metrics[f"buffer/dropped/{reason}"] = float(collected.dropped[reason])  # this step
         metrics[f"buffer/dropped_total/{reason}"] = float(dropped_total[reason])  # since the job started
     metrics["buffer/dropped_stale"] = float(collected.dropped_stale)
-    metrics["buffer/size"] = float(server.groups.qsize())
+    metrics["buffer/size"] = float(server.queued())
     metrics["buffer/received"] = float(server.received)
     metrics["buffer/consumed_total"] = float(consumed["groups"])
     for reason, count in server.rejected.items():
         metrics[f"buffer/rejected/{reason}"] = float(count)
     generator_rates = [s.get("perf/generator/tokens_per_s", 0.0) for s in server.generator_stats.values()]
     metrics["perf/generator/tokens_per_s"] = float(sum(generator_rates))
+    if hasattr(server, "taken_entries"):  # Redis: these groups are acked once a checkpoint covers this step
+        consumed.setdefault("unacked", []).extend(entry.decode() for entry in server.taken_entries)
+        server.taken_entries.clear()
+        metrics["buffer/dropped/future_version"] = float(server.dropped_future)
     return metrics
 
 

@@ -1,0 +1,60 @@
+"""Choosing the buffer backend (`buffer.backend`): the learner's buffer and coordinator, the generator's client."""
+from asyncrl.buffer.redis_conn import RedisOptions
+
+
+def redis_options(buffer_cfg) -> RedisOptions:
+    return RedisOptions(url=buffer_cfg.redis_url, tls_ca_file=buffer_cfg.redis_tls_ca_file,
+                        tls_cert_file=buffer_cfg.redis_tls_cert_file, tls_key_file=buffer_cfg.redis_tls_key_file)
+
+
+def namespace(cfg) -> str:
+    return cfg.buffer.redis_namespace or cfg.job.name
+
+
+def make_learner_buffer(cfg, *, vocab_size: int, config_hash: str, run_info: dict, start_version: int,
+                        fresh: bool):
+    """(server, coordinator) for the learner. With Redis, a fresh start clears what an older run left under the
+    same namespace; a resumed one keeps the stream (its unacked groups are still owed training) and moves the
+    version back to the checkpoint's."""
+    buffer = cfg.buffer
+    if buffer.backend == "zmq":
+        from asyncrl.buffer.staleness import Coordinator
+        from asyncrl.buffer.zmq_server import ZmqBufferServer
+
+        coordinator = Coordinator(buffer.max_staleness, buffer.groups_per_step)
+        coordinator.set_version(start_version)
+        server = ZmqBufferServer(buffer.host, buffer.port, coordinator, vocab_size=vocab_size,
+                                 config_hash=config_hash, max_message_bytes=buffer.max_message_bytes,
+                                 queue_groups=buffer.queue_groups, run_info=run_info)
+        return server, coordinator
+    from asyncrl.buffer.redis_conn import check_server, connect
+    from asyncrl.buffer.redis_coordinator import RedisCoordinator
+    from asyncrl.buffer.redis_server import RedisBufferServer
+    from asyncrl.buffer.redis_stream import reset_job
+
+    options = redis_options(buffer)
+    client = connect(options)
+    check_server(client, options.url)
+    job = namespace(cfg)
+    if fresh:
+        reset_job(client, job)
+    coordinator = RedisCoordinator(client, job, buffer.max_staleness, buffer.groups_per_step, buffer.lease_s)
+    coordinator.set_version(start_version, allow_backwards=True)
+    server = RedisBufferServer(client, options.url, job, coordinator, vocab_size=vocab_size, config_hash=config_hash,
+                               max_message_bytes=buffer.max_message_bytes, run_info=run_info,
+                               reclaim_idle_s=buffer.reclaim_idle_s)
+    return server, coordinator
+
+
+def make_generator_client(cfg, generator_id: str):
+    buffer = cfg.buffer
+    if buffer.backend == "zmq":
+        from asyncrl.buffer.zmq_client import BufferClient
+
+        return BufferClient(f"tcp://{buffer.host}:{buffer.port}", generator_id, buffer.request_timeout_s)
+    from asyncrl.buffer.redis_client import RedisBufferClient
+    from asyncrl.buffer.redis_conn import connect
+
+    options = redis_options(buffer)
+    return RedisBufferClient(connect(options), options.url, namespace(cfg), generator_id, buffer.max_staleness,
+                             buffer.groups_per_step, buffer.lease_s)
