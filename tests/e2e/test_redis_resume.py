@@ -135,3 +135,50 @@ def test_kill_9_and_resume_trains_every_admitted_group_exactly_once(tiny_model_d
     assert summary["start_version"] in (4, 8)
     assert max(row["buffer/staleness/max"] for row in rows) <= 0  # η = 0 held, before and after the restart
     assert dropped_future >= 0 and summary["steps"] == steps - summary["start_version"]
+
+
+def test_demo_on_redis_with_two_generators_survives_a_generator_kill_9(redis_server, tmp_path, demo_assets,
+                                                                      demo_cache):
+    """The demo over buffer.backend=redis: one learner, two generators; one is killed with -9 mid-run (its leases
+    expire and come back) and restarted. Every group is trained at most once and η holds."""
+    import subprocess
+    import sys
+
+    from tests.e2e.test_run import common_overrides, job_env, read_progress
+    from tests.conftest import free_port
+
+    job_dir = tmp_path / "job"
+    eta = 1
+    overrides = common_overrides(demo_cache, free_port(), steps=16, eta=eta) + [
+        "generator.engine=hf", "buffer.backend=redis", f"buffer.redis_url={redis_server.url}",
+        f"buffer.redis_namespace=demo{uuid.uuid4().hex[:8]}", "buffer.lease_s=5", "generator.max_inflight_groups=2"]
+    env = {**job_env(tmp_path), "ASYNCRL_JOB_DIR": str(job_dir)}
+
+    def start(role, name):
+        log = open(tmp_path / f"{name}.log", "ab")
+        extra = [f"generator.generator_id={name}"] if role == "generator" else []
+        return subprocess.Popen([sys.executable, "-m", "asyncrl.launch.cli", role, *overrides, *extra], cwd=tmp_path,
+                                env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    procs = {"learner": start("learner", "learner"), "a": start("generator", "a"), "b": start("generator", "b")}
+    try:
+        deadline = time.monotonic() + 300
+        while not ((job_dir / "progress.jsonl").exists() and len(read_progress(job_dir)) >= 4):
+            assert procs["learner"].poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "learner.log").read_text()[-3000:]
+            time.sleep(0.2)
+        procs["b"].send_signal(signal.SIGKILL)  # mid-run, holding admissions
+        procs["b"].wait()
+        procs["b2"] = start("generator", "b")  # the same generator id comes back
+        for name in ("learner", "a", "b2"):
+            assert procs[name].wait(timeout=300) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    timeline = effective_timeline(job_dir / "trained_groups.jsonl")
+    assert sorted(timeline) == list(range(1, 17))
+    trained = [group for step in sorted(timeline) for group in timeline[step]]
+    assert len(trained) == len(set(trained)) == 16 * 4  # no group twice
+    progress = read_progress(job_dir)
+    assert max(p["buffer/staleness/max"] for p in progress) <= eta
