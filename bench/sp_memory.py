@@ -65,6 +65,7 @@ def rank_worker(rank: int, world: int, port: int, seq_len: int, hidden: int, lay
     with open(f"{out}.{rank}", "w") as handle:
         handle.write(f"{activations} {peak_rss}")
     if world > 1:
+        dist.barrier()  # both ranks leave together: tearing gloo down while a peer still talks can abort
         dist.destroy_process_group()
 
 

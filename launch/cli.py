@@ -155,6 +155,15 @@ def join_ranks(cfg, command: str):
         return 2
 
 
+def leave_ranks(parallel) -> None:
+    """On a clean finish every rank waits for the others before the process group is torn down: tearing gloo down
+    while a peer is still talking can abort the peer ("terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if parallel.distributed and dist.is_initialized():
+        dist.barrier()
+
+
 def cmd_learner(cfg, args) -> int:
     if args.nproc * args.nnodes > 1 and "LOCAL_RANK" not in os.environ:
         return exec_torchrun(cfg, args, module="asyncrl.learner", command_name="learner")
@@ -181,6 +190,7 @@ def cmd_learner(cfg, args) -> int:
             return 2
         if summary is not None:
             print_summary(summary)
+        leave_ranks(parallel)
         return 0
     finally:
         if dist.is_initialized():
@@ -244,6 +254,7 @@ def cmd_sft(cfg, args) -> int:
             tokenizer.save_pretrained(out)
             print(f"sft: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}; model saved to {out}" if losses
                   else f"sft: 0 steps; model saved to {out}")
+        leave_ranks(parallel)
         return 0
     finally:
         if dist.is_initialized():

@@ -31,3 +31,16 @@ def test_learner_bench_runs_on_a_tiny_setting(tmp_path):
     assert result["bench"] == "learner"
     assert result["overhead"]["ratio"] > 0 and result["packing"]["speedup"] > 0
     assert 0 < result["sp_memory"]["activation_ratio"] < 1  # SP = 2 keeps less per rank than SP = 1
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_buffer_bench_runs_on_a_tiny_setting(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.buffer", "--count", "40"], capture_output=True,
+                         text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "buffer"
+    assert set(result["paths"]) == {"zmq/4KB", "zmq/64KB", "redis/4KB", "redis/64KB"}
+    for pair in result["paths"].values():
+        assert pair["ratio"] > 0 and pair["backend"]["p99_ms"] >= pair["backend"]["p50_ms"] > 0

@@ -105,6 +105,7 @@ def worker(rank: int, world: int, port: int, case: dict, out: str) -> None:
         metrics, grads = run_step(model, parallel, case)
         if rank == 0:
             torch.save({"metrics": metrics, "grads": grads, "published": published}, out)
+        dist.barrier()  # both ranks leave together: tearing gloo down while a peer still talks can abort
     finally:
         dist.destroy_process_group()
 

@@ -1,0 +1,285 @@
+"""Buffer throughput and latency: each backend beside its raw transport, same payloads (it reports; it asserts
+nothing).
+
+For 4 KB and 64 KB groups, a producer process sends `--count` groups as fast as the path allows and this process
+consumes them; latency is from the producer stamping the message to the consumer holding it.
+- zmq backend: BufferClient "group" requests, 8 in flight -> ZmqBufferServer (validation, queue) -> take().
+- raw zmq: PUSH/PULL of the same encoded bytes.
+- redis backend: RedisBufferClient (idempotent Lua XADD) -> RedisBufferServer (XREADGROUP, validation) -> take(), ack.
+- raw redis: pipelined XADD; XREADGROUP + XACK.
+Target: each backend at >= 0.8 of its raw transport in groups/s. Needs redis-server on PATH (a private one is
+started on a free port). Usage: python -m asyncrl.bench.buffer [--count N]
+"""
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import struct
+import subprocess
+import tempfile
+import time
+import uuid
+
+import numpy as np
+
+from asyncrl.buffer.codec import decode_group, encode_group
+from asyncrl.buffer.group import Group, Sample, Sampling
+
+VOCAB = 32000
+IN_FLIGHT = 8
+STAMP = struct.Struct("<d")
+
+
+def make_payload(size_bytes: int) -> Group:
+    """A group of 4 samples whose encoding is about size_bytes (12 bytes per completion token)."""
+    tokens = max(1, size_bytes // (12 * 4))
+    rng = np.random.default_rng(0)
+    samples = [Sample(completion_ids=rng.integers(0, VOCAB, tokens).astype(np.int32),
+                      logprobs=-rng.random(tokens).astype(np.float32), versions=np.zeros(tokens, np.int32),
+                      reward=1.0, finish_reason="stop") for _ in range(4)]
+    return Group(group_id=uuid.uuid4().hex, prompt_id="p", generator_id="bench", prompt_ids=np.arange(16, dtype=np.int32),
+                 samples=samples, sampling=Sampling(temperature=1.0), created_at=0.0)
+
+
+def stamped(group: Group) -> bytes:
+    group.group_id = uuid.uuid4().hex
+    group.created_at = time.time()
+    return encode_group(group)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --- producers (separate processes) ---------------------------------------------------------------------------
+def produce_raw_zmq(port: int, size: int, count: int) -> None:
+    import zmq
+
+    sock = zmq.Context().socket(zmq.PUSH)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    group = make_payload(size)
+    for _ in range(count):
+        sock.send(STAMP.pack(time.time()) + encode_group(group))
+    sock.close(linger=-1)
+
+
+def produce_zmq_backend(port: int, size: int, count: int) -> None:
+    import asyncio
+
+    from asyncrl.buffer.zmq_client import BufferClient
+
+    async def run():
+        client = BufferClient(f"tcp://127.0.0.1:{port}", "bench", 30)
+        left = [count]
+
+        async def worker():  # a generator keeps several groups in flight (generator.max_inflight_groups)
+            group = make_payload(size)
+            while left[0] > 0:
+                left[0] -= 1
+                while True:
+                    reply = await client.request("group", body=stamped(group), group_id=group.group_id)
+                    if reply.get("accepted"):
+                        break
+                    await asyncio.sleep(0.001)  # back-pressure: the queue is full
+
+        await asyncio.gather(*(worker() for _ in range(IN_FLIGHT)))
+        client.close()
+
+    asyncio.run(run())
+
+
+def produce_raw_redis(url: str, key: str, size: int, count: int) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url)
+    group = make_payload(size)
+    pipe = client.pipeline(transaction=False)
+    for index in range(count):
+        pipe.xadd(key, {"g": STAMP.pack(time.time()) + encode_group(group)})
+        if index % 32 == 31:
+            pipe.execute()
+    pipe.execute()
+
+
+def produce_redis_backend(url: str, job: str, size: int, count: int) -> None:
+    from asyncrl.buffer.redis_conn import RedisOptions, connect
+    from asyncrl.buffer.redis_stream import GroupStream
+
+    stream = GroupStream(connect(RedisOptions(url)), job)
+    group = make_payload(size)
+    for _ in range(count):
+        payload = stamped(group)
+        stream.produce(group.group_id, payload)
+
+
+# --- consumers (this process) ---------------------------------------------------------------------------------
+def consume(take, count: int, stamp_of, timeout_s: float = 300) -> dict:
+    latencies, nbytes = [], 0
+    started, deadline = None, time.monotonic() + timeout_s
+    while len(latencies) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(latencies)}/{count} messages arrived")
+        item = take()
+        if item is None:
+            continue
+        now = time.time()
+        if started is None:
+            started = time.monotonic()
+        sent, size = stamp_of(item)
+        latencies.append(now - sent)
+        nbytes += size
+    elapsed = max(time.monotonic() - started, 1e-9)
+    return {"groups_per_s": (count - 1) / elapsed, "mb_per_s": nbytes / 2**20 / elapsed,
+            "p50_ms": float(np.percentile(latencies, 50) * 1000), "p99_ms": float(np.percentile(latencies, 99) * 1000)}
+
+
+def run_raw_zmq(size: int, count: int) -> dict:
+    import zmq
+
+    port = free_port()
+    sock = zmq.Context().socket(zmq.PULL)
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    proc = mp.get_context("spawn").Process(target=produce_raw_zmq, args=(port, size, count))
+    proc.start()
+
+    def take():
+        if not sock.poll(1000):
+            return None
+        return sock.recv()
+
+    def stamp_of(message):
+        decode_group(message[STAMP.size:], vocab_size=VOCAB, max_version=0, max_message_bytes=1 << 24)
+        return STAMP.unpack_from(message)[0], len(message)
+
+    try:
+        return consume(take, count, stamp_of)
+    finally:
+        proc.join()
+        sock.close(linger=0)
+
+
+def run_zmq_backend(size: int, count: int) -> dict:
+    from asyncrl.buffer.staleness import Coordinator
+    from asyncrl.buffer.zmq_server import ZmqBufferServer
+
+    port = free_port()
+    server = ZmqBufferServer("127.0.0.1", port, Coordinator(1 << 20, 1 << 20), vocab_size=VOCAB, config_hash="b",
+                             max_message_bytes=1 << 24, queue_groups=256, run_info={}).start()
+    proc = mp.get_context("spawn").Process(target=produce_zmq_backend, args=(port, size, count))
+    proc.start()
+    try:
+        return consume(lambda: server.take(1.0), count, lambda group: (group.created_at, size))
+    finally:
+        proc.join()
+        server.close()
+
+
+def run_raw_redis(url: str, size: int, count: int) -> dict:
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=30)
+    key = f"bench:{uuid.uuid4().hex}"
+    client.xgroup_create(key, "c", id="0", mkstream=True)
+    proc = mp.get_context("spawn").Process(target=produce_raw_redis, args=(url, key, size, count))
+    proc.start()
+    ready = []
+
+    def take():
+        if not ready:
+            reply = client.xreadgroup("c", "c1", {key: ">"}, count=64, block=1000)
+            entries = reply[0][1] if reply else []
+            if entries:
+                client.xack(key, "c", *[entry_id for entry_id, _ in entries])
+            ready.extend(fields[b"g"] for _, fields in entries)
+        return ready.pop(0) if ready else None
+
+    def stamp_of(message):
+        decode_group(message[STAMP.size:], vocab_size=VOCAB, max_version=0, max_message_bytes=1 << 24)
+        return STAMP.unpack_from(message)[0], len(message)
+
+    try:
+        return consume(take, count, stamp_of)
+    finally:
+        proc.join()
+        client.delete(key)
+
+
+def run_redis_backend(url: str, size: int, count: int) -> dict:
+    from asyncrl.buffer.redis_conn import RedisOptions, connect
+    from asyncrl.buffer.redis_coordinator import RedisCoordinator
+    from asyncrl.buffer.redis_server import RedisBufferServer
+    from asyncrl.buffer.redis_stream import reset_job
+
+    client = connect(RedisOptions(url))
+    job = f"bench{uuid.uuid4().hex[:8]}"
+    server = RedisBufferServer(client, url, job, RedisCoordinator(client, job, 1 << 20, 1 << 20), vocab_size=VOCAB,
+                               config_hash="b", max_message_bytes=1 << 24, run_info={}).start()
+    proc = mp.get_context("spawn").Process(target=produce_redis_backend, args=(url, job, size, count))
+    proc.start()
+
+    def take():
+        group = server.take(1.0)
+        if len(server.taken_entries) >= 64 or (group is None and server.taken_entries):
+            server.ack(server.taken_entries)  # the learner acks in batches (per checkpoint)
+            server.taken_entries.clear()
+        return group
+
+    try:
+        return consume(take, count, lambda group: (group.created_at, size))
+    finally:
+        proc.join()
+        reset_job(client, job)
+
+
+def start_redis(directory: str) -> tuple[subprocess.Popen, str]:
+    import redis
+
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", directory,
+                             "--save", "", "--appendonly", "no", "--maxmemory-policy", "noeviction"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port)
+    for _ in range(500):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.02)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--count", type=int, default=2000, help="groups per 4 KB run (64 KB runs send a quarter)")
+    args = parser.parse_args(argv)
+    rows = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        redis_proc, url = start_redis(tmp)
+        try:
+            for size, count in ((4096, args.count), (65536, max(10, args.count // 4))):
+                label = f"{size // 1024}KB"
+                rows[f"zmq/{label}"] = {"raw": run_raw_zmq(size, count), "backend": run_zmq_backend(size, count)}
+                rows[f"redis/{label}"] = {"raw": run_raw_redis(url, size, count),
+                                          "backend": run_redis_backend(url, size, count)}
+        finally:
+            redis_proc.terminate()
+            redis_proc.wait()
+    print(f"{'path':<12} {'side':<8} {'groups/s':>10} {'MB/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'vs raw':>7}")
+    for name, pair in rows.items():
+        pair["ratio"] = pair["backend"]["groups_per_s"] / pair["raw"]["groups_per_s"]
+        for side in ("raw", "backend"):
+            r = pair[side]
+            ratio = f"{pair['ratio']:.2f}" if side == "backend" else ""
+            print(f"{name:<12} {side:<8} {r['groups_per_s']:>10.0f} {r['mb_per_s']:>8.1f} {r['p50_ms']:>8.2f} "
+                  f"{r['p99_ms']:>8.2f} {ratio:>7}")
+    result = {"bench": "buffer", "count": args.count, "paths": rows}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main()
