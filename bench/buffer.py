@@ -136,6 +136,12 @@ def consume(take, count: int, stamp_of, timeout_s: float = 300) -> dict:
             "p50_ms": float(np.percentile(latencies, 50) * 1000), "p99_ms": float(np.percentile(latencies, 99) * 1000)}
 
 
+def raw_stamp_of(message: bytes) -> tuple[float, int]:
+    """A raw message's send time and size, after the same validation the backends do."""
+    decode_group(message[STAMP.size:], vocab_size=VOCAB, max_version=0, max_message_bytes=1 << 24)
+    return STAMP.unpack_from(message)[0], len(message)
+
+
 def run_raw_zmq(size: int, count: int) -> dict:
     import zmq
 
@@ -150,12 +156,8 @@ def run_raw_zmq(size: int, count: int) -> dict:
             return None
         return sock.recv()
 
-    def stamp_of(message):
-        decode_group(message[STAMP.size:], vocab_size=VOCAB, max_version=0, max_message_bytes=1 << 24)
-        return STAMP.unpack_from(message)[0], len(message)
-
     try:
-        return consume(take, count, stamp_of)
+        return consume(take, count, raw_stamp_of)
     finally:
         proc.join()
         sock.close(linger=0)
@@ -196,12 +198,8 @@ def run_raw_redis(url: str, size: int, count: int) -> dict:
             ready.extend(fields[b"g"] for _, fields in entries)
         return ready.pop(0) if ready else None
 
-    def stamp_of(message):
-        decode_group(message[STAMP.size:], vocab_size=VOCAB, max_version=0, max_message_bytes=1 << 24)
-        return STAMP.unpack_from(message)[0], len(message)
-
     try:
-        return consume(take, count, stamp_of)
+        return consume(take, count, raw_stamp_of)
     finally:
         proc.join()
         client.delete(key)
