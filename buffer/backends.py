@@ -27,22 +27,26 @@ def make_learner_buffer(cfg, *, vocab_size: int, config_hash: str, run_info: dic
                                  config_hash=config_hash, max_message_bytes=buffer.max_message_bytes,
                                  queue_groups=buffer.queue_groups, run_info=run_info)
         return server, coordinator
-    from asyncrl.buffer.redis_conn import check_server, connect
+    from asyncrl.buffer.redis_conn import check_server, configure_durability, connect
     from asyncrl.buffer.redis_coordinator import RedisCoordinator
+    from asyncrl.buffer.redis_reconnect import Reconnecting
     from asyncrl.buffer.redis_server import RedisBufferServer
     from asyncrl.buffer.redis_stream import reset_job
 
     options = redis_options(buffer)
     client = connect(options)
-    check_server(client, options.url)
+    check_server(client, options.url)  # at startup a wrong URL or setting is an error at once, never retried
+    configure_durability(client, options.url, buffer.redis_appendfsync)
     job = namespace(cfg)
     if fresh:
         reset_job(client, job)
-    coordinator = RedisCoordinator(client, job, buffer.max_staleness, buffer.groups_per_step, buffer.lease_s)
+    retry = Reconnecting(options.url, buffer.redis_reconnect_s)
+    coordinator = RedisCoordinator(client, job, buffer.max_staleness, buffer.groups_per_step, buffer.lease_s,
+                                   retry=retry)
     coordinator.set_version(start_version, allow_backwards=True)
     server = RedisBufferServer(client, options.url, job, coordinator, vocab_size=vocab_size, config_hash=config_hash,
                                max_message_bytes=buffer.max_message_bytes, run_info=run_info,
-                               reclaim_idle_s=buffer.reclaim_idle_s)
+                               reclaim_idle_s=buffer.reclaim_idle_s, retry=retry)
     return server, coordinator
 
 
@@ -54,7 +58,9 @@ def make_generator_client(cfg, generator_id: str):
         return BufferClient(f"tcp://{buffer.host}:{buffer.port}", generator_id, buffer.request_timeout_s)
     from asyncrl.buffer.redis_client import RedisBufferClient
     from asyncrl.buffer.redis_conn import connect
+    from asyncrl.buffer.redis_reconnect import Reconnecting
 
     options = redis_options(buffer)
     return RedisBufferClient(connect(options), options.url, namespace(cfg), generator_id, buffer.max_staleness,
-                             buffer.groups_per_step, buffer.lease_s)
+                             buffer.groups_per_step, buffer.lease_s,
+                             retry=Reconnecting(options.url, buffer.redis_reconnect_s))

@@ -36,6 +36,12 @@ class BufferConfig:
     capacity returns), in s."""
     reclaim_idle_s: float = 60.0
     """backend=redis: entries a dead learner consumer left unacked this long are taken over, in s."""
+    redis_reconnect_s: float = 120.0
+    """backend=redis: how long the learner and generators wait through a Redis outage (a restart) before they stop
+    with an error naming it, in s."""
+    redis_appendfsync: str = ""
+    """backend=redis: "" leaves the server's persistence as configured; always/everysec/no makes the learner turn
+    AOF on with that fsync policy at startup. The README's Redis section says what each loses in a crash."""
     request_timeout_s: float = 30.0
     """How long a generator waits for one reply from the learner before it calls the learner dead, in seconds."""
 
@@ -60,5 +66,10 @@ class BufferConfig:
         if self.backend == "redis" and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"buffer.redis_url must start with redis://, rediss:// or unix://, got "
                              f"{self.redis_url.split('@')[-1]!r}")
+        if self.redis_reconnect_s <= 0:
+            raise ValueError(f"buffer.redis_reconnect_s must be > 0, got {self.redis_reconnect_s}")
+        if self.redis_appendfsync not in ("", "always", "everysec", "no"):
+            raise ValueError(f"buffer.redis_appendfsync must be '', always, everysec or no, got "
+                             f"{self.redis_appendfsync!r}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"buffer.request_timeout_s must be > 0, got {self.request_timeout_s}")

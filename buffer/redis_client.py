@@ -4,45 +4,89 @@ is the same for both backends.
 hello reads the run metadata the learner left in Redis (it answers "not ready" until a learner has started); admit
 runs the Lua admission and keeps the granted leases; group adds the group to the stream and releases one lease in
 the same script; stats and the join record go to hashes beside the metadata; bye releases unused leases. Redis
-calls are synchronous and short, so they run in a worker thread; a Redis that does not answer raises
-LearnerUnavailable naming it, and the generator retries or exits as it would with the zmq learner.
+calls are synchronous and short, so they run in a worker thread.
+
+A Redis that stops answering (restarted, network cut) is retried for buffer.redis_reconnect_s (redis_reconnect.py):
+each request is idempotent, so it is resent whole. Its token is fixed before the first try: admission's lease
+prefix, so a resent admit is answered with the same grant; a group's lease, taken once, so a resent group neither
+loses its lease nor takes another. Past the patience the request raises LearnerUnavailable naming the server, and
+the generator exits as it would with a dead zmq learner.
 """
 import asyncio
 import json
 import time
 
+import uuid
+
 import redis
 
 from asyncrl.buffer.redis_conn import redacted
 from asyncrl.buffer.redis_coordinator import RedisCoordinator
+from asyncrl.buffer.redis_produce import PipelinedProducer
+from asyncrl.buffer.redis_reconnect import RedisUnavailable, direct
 from asyncrl.buffer.redis_stream import GroupStream
 from asyncrl.buffer.zmq_client import LearnerUnavailable
 
 
+class NotRegistered(RuntimeError):
+    """No learner has written this job's metadata to Redis (not started yet, or Redis restarted empty)."""
+
+
 class RedisBufferClient:
     def __init__(self, client, url: str, job: str, generator_id: str, max_staleness: int, groups_per_step: int,
-                 lease_s: float):
+                 lease_s: float, retry=direct):
         self.client = client
         self.endpoint = redacted(url)
         self.generator_id = generator_id
-        self.stream = GroupStream(client, job)
+        self.retry = retry
+        self.stream = GroupStream(client, job)  # direct: the whole request is retried as one
         self.keys = self.stream.keys
         self.coordinator = RedisCoordinator(client, job, max_staleness, groups_per_step, lease_s)
+        self.producer = PipelinedProducer(client, self.stream)
         self.leases: list[str] = []
 
     async def request(self, op: str, body: bytes | None = None, timeout_s: float | None = None, **fields) -> dict:
+        token = ""
+        if op == "admit":
+            token = f"{self.generator_id}:{uuid.uuid4().hex[:12]}"
+        elif op == "group":
+            token = self.leases.pop(0) if self.leases else ""
+        retry = self.retry.within(timeout_s) if timeout_s and hasattr(self.retry, "within") else self.retry
         try:
-            return await asyncio.to_thread(self._handle, op, body, fields)
-        except (redis.ConnectionError, redis.TimeoutError) as err:
+            return await asyncio.to_thread(retry, op, self._handle, op, body, fields, token)
+        except NotRegistered as err:
+            raise LearnerUnavailable(f"Redis at {self.endpoint}: {err}") from None
+        except (redis.ConnectionError, redis.TimeoutError, RedisUnavailable) as err:
             raise LearnerUnavailable(f"Redis at {self.endpoint} did not answer {op!r}: {err}") from None
 
-    def _handle(self, op: str, body, fields: dict) -> dict:
-        meta = {key.decode(): value.decode() for key, value in self.client.hgetall(self.keys["meta"]).items()}
-        if "config_hash" not in meta:  # no learner has started this job yet
-            raise redis.ConnectionError("no learner has registered this job in Redis yet")
-        version = self.coordinator.version
-        reply = {"ok": True, "version": version, "weights": json.loads(meta.get("weights") or "{}"),
-                 "done": meta.get("done") == "1"}
+    def _handle(self, op: str, body, fields: dict, token: str) -> dict:
+        if op == "group":
+            if not fields.get("group_id"):
+                return {"ok": False, "accepted": False, "retry": False,
+                        "error": "a group request needs its group_id (idempotence key)"}
+            # queued with the other in-flight deliveries: one round trip for all (a duplicate adds nothing)
+            raw_meta, version, _ = self.producer.produce(fields["group_id"], body, lease_id=token)
+            return {**self._reply(raw_meta, op, version), "accepted": True}
+        pipe = self.client.pipeline(transaction=False)
+        raw_meta, version = pipe.hgetall(self.keys["meta"]).get(self.keys["version"]).execute()
+        reply = self._reply(raw_meta, op, int(version or 0))
+        meta = {key.decode(): value.decode() for key, value in raw_meta.items()}
+        return self._op(op, meta, reply, int(version or 0), fields, token)
+
+    @staticmethod
+    def _reply(raw_meta: dict, op: str, version: int) -> dict:
+        """The fields every reply carries, from the run metadata the learner keeps in Redis."""
+        meta = {key.decode(): value.decode() for key, value in raw_meta.items()}
+        if "config_hash" not in meta:
+            if op == "hello":  # the caller waits for the learner to start, saying so
+                raise NotRegistered("no learner has registered this job yet")
+            # mid-run, the metadata can only be missing because Redis restarted empty: the learner rewrites it as
+            # soon as it reconnects, so this is waited out like the outage itself
+            raise redis.ConnectionError("the job's metadata is gone from Redis; waiting for the learner to rewrite it")
+        return {"ok": True, "version": version, "weights": json.loads(meta.get("weights") or "{}"),
+                "done": meta.get("done") == "1"}
+
+    def _op(self, op: str, meta: dict, reply: dict, version: int, fields: dict, token: str) -> dict:
         if op == "hello":
             if fields.get("config_hash") != meta["config_hash"]:
                 return {**reply, "ok": False, "error": (
@@ -55,16 +99,10 @@ class RedisBufferClient:
         if op == "admit":
             granted = []
             if not reply["done"]:
-                granted, reply["version"] = self.coordinator.try_admit(self.generator_id, fields.get("want", 1))
+                granted, reply["version"] = self.coordinator.try_admit(self.generator_id, fields.get("want", 1),
+                                                                            request_id=token)
             self.leases.extend(granted)
             return {**reply, "granted": len(granted)}
-        if op == "group":
-            if not fields.get("group_id"):
-                return {**reply, "ok": False, "accepted": False, "retry": False,
-                        "error": "a group request needs its group_id (idempotence key)"}
-            lease = self.leases.pop(0) if self.leases else ""
-            self.stream.produce(fields["group_id"], body, lease_id=lease)  # a duplicate adds nothing: accepted
-            return {**reply, "accepted": True}
         if op == "stats":
             self.client.hset(self.keys["meta"] + ":stats", self.generator_id, json.dumps(fields.get("metrics", {})))
             return reply

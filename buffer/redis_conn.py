@@ -4,10 +4,23 @@ The URL carries the password or ACL user (`redis://user:secret@host:6379/0`) and
 file options are explicit arguments. Blocking stream reads wait up to `block_ms`, so the client's socket timeout is
 set above that: redis-py 8's default `socket_timeout=5` turns any longer `XREADGROUP BLOCK` into a TimeoutError.
 """
+import logging
+import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+log = logging.getLogger(__name__)
 MIN_VERSION = (6, 2)  # XAUTOCLAIM, XADD MINID trimming
+APPENDFSYNC = ("always", "everysec", "no")
+LOSS_WINDOW = {
+    "always": "nothing: every write is on disk before Redis replies",
+    "everysec": "nothing if only redis-server dies; up to about 1 s of writes (2 s worst case) if the machine "
+                "crashes or loses power",
+    "no": "nothing if only redis-server dies; up to the OS's flush interval (about 30 s on Linux) if the machine "
+          "crashes or loses power",
+}
+"""What a crash loses under each AOF fsync policy. Redis writes the AOF to the OS before it replies, so a killed
+redis-server loses nothing under any policy; the policy only decides what a machine crash takes with it."""
 
 
 class RedisSetupError(RuntimeError):
@@ -42,8 +55,14 @@ def connect(options: RedisOptions):
     if urlsplit(options.url).scheme not in ("redis", "rediss", "unix"):
         raise RedisSetupError(f"buffer.redis_url {redacted(options.url)!r} must start with redis://, rediss:// "
                               f"(TLS) or unix://")
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    # redis-py 6+ silently resends any command 3 times on a connection error. asyncrl retries itself, per
+    # operation it knows to be idempotent, and must see the outage to re-read what a lost reply delivered
+    # (redis_reconnect.py); so the client's own retries are off.
     kwargs = dict(socket_timeout=options.block_ms / 1000 + 10, socket_connect_timeout=options.connect_timeout_s,
-                  health_check_interval=30, retry_on_timeout=False)
+                  health_check_interval=30, retry_on_timeout=False, retry=Retry(NoBackoff(), 0))
     if options.url.startswith("rediss://"):
         kwargs.update({key: value for key, value in (("ssl_ca_certs", options.tls_ca_file),
                                                      ("ssl_certfile", options.tls_cert_file),
@@ -80,3 +99,46 @@ def check_server(client, url: str) -> dict:
         raise RedisSetupError(f"Redis at {where} has maxmemory-policy {policy!r}: it may evict the buffer's stream "
                               f"(one key) and lose every queued group. Set `maxmemory-policy noeviction`.")
     return info
+
+
+def configure_durability(client, url: str, appendfsync: str) -> str:
+    """Apply buffer.redis_appendfsync ("" leaves the server as configured) and describe the resulting loss window.
+
+    Without AOF a Redis restart loses the stream, the consumer group and the coordinator's state; the learner
+    recreates them and carries on, but every queued and unacked group is gone, so that is warned about loudly.
+    """
+    import redis
+
+    where = redacted(url)
+    if appendfsync:
+        if appendfsync not in APPENDFSYNC:
+            raise RedisSetupError(f"buffer.redis_appendfsync must be one of {APPENDFSYNC} or '', got {appendfsync!r}")
+        try:
+            client.config_set("appendonly", "yes")
+            client.config_set("appendfsync", appendfsync)
+        except redis.ResponseError as err:
+            raise RedisSetupError(f"Redis at {where} refused CONFIG SET appendonly/appendfsync ({err}); set "
+                                  f"`appendonly yes` and `appendfsync {appendfsync}` in its redis.conf, and leave "
+                                  f"buffer.redis_appendfsync empty") from None
+        # Turning AOF on starts a rewrite that writes the initial file; until it finishes nothing is durable (and
+        # Redis refuses to shut down), so the claim below waits for it to be true.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            state = client.info("persistence")
+            if not (int(state.get("aof_rewrite_in_progress", 0)) or int(state.get("aof_rewrite_scheduled", 0))):
+                break
+            time.sleep(0.05)
+    persistence = client.info("persistence")
+    if not int(persistence.get("aof_enabled", 0)):
+        message = (f"Redis at {where} has AOF off: if redis-server restarts, every queued and unacked group is lost "
+                   f"(set buffer.redis_appendfsync=everysec, or `appendonly yes` on the server)")
+        log.warning(message)
+        return message
+    try:
+        policy = client.config_get("appendfsync").get("appendfsync", "everysec")
+    except redis.ResponseError:
+        policy = "everysec"  # CONFIG disabled: Redis's default
+    policy = policy.decode() if isinstance(policy, bytes) else policy
+    message = f"Redis at {where}: AOF with appendfsync={policy}; a crash loses {LOSS_WINDOW.get(policy, 'unknown')}"
+    log.info(message)
+    return message

@@ -7,18 +7,25 @@ Every admission is one Lua script, so the read-check-increment cannot interleave
 1. leases past their expiry are removed and given back (`started` -= their count): a generator killed with -9
    never holds capacity for longer than the lease (AReaL issue #1396: a fleet hung at zero capacity);
 2. capacity = (η + version + 1) · groups_per_step − started, never below 0;
-3. up to `want` leases are granted, named `<prefix>:<i>`.
+3. up to `want` leases are granted, named `<prefix>:<i>`, and the count is remembered under `grant:<prefix>` until the
+   leases expire, so a request resent after its reply was lost (a Redis restart) is answered the same and never
+   counted twice; `started` would otherwise leak capacity that no lease could ever give back.
 Delivering a group releases its lease in the same script that adds it to the stream (redis_stream.PRODUCE). A
 group delivered after its lease expired is counted as started again there, so `started` stays exact.
 """
 import time
 import uuid
 
+from asyncrl.buffer.redis_reconnect import direct
 from asyncrl.buffer.redis_stream import job_keys
 
 ADMIT = """
--- KEYS[1] version, KEYS[2] started, KEYS[3] leases
+-- KEYS[1] version, KEYS[2] started, KEYS[3] leases, KEYS[4] this request's grant record
 -- ARGV[1] eta, ARGV[2] groups_per_step, ARGV[3] want, ARGV[4] now_ms, ARGV[5] lease_ms, ARGV[6] lease prefix
+local prior = redis.call('GET', KEYS[4])
+if prior then
+  return {tonumber(prior), tonumber(redis.call('GET', KEYS[1]) or '0'), 0}
+end
 local now = tonumber(ARGV[4])
 local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now)
 if #expired > 0 then
@@ -36,11 +43,15 @@ for i = 1, granted do
   redis.call('ZADD', KEYS[3], now + tonumber(ARGV[5]), ARGV[6] .. ':' .. i)
 end
 redis.call('INCRBY', KEYS[2], granted)
+redis.call('SET', KEYS[4], granted, 'PX', tonumber(ARGV[5]) + 3600000)  -- outlives any resend
 return {granted, version, #expired}
 """
 
 GIVE_BACK = """
--- KEYS[1] started; ARGV[1] count
+-- KEYS[1] started, KEYS[2] (optional) this give-back's record; ARGV[1] count, ARGV[2] record ttl (s)
+if KEYS[2] and not redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[2]) then
+  return tonumber(redis.call('GET', KEYS[1]) or '0')
+end
 local left = tonumber(redis.call('GET', KEYS[1]) or '0') - tonumber(ARGV[1])
 if left < 0 then left = 0 end
 redis.call('SET', KEYS[1], left)
@@ -59,8 +70,10 @@ return current
 class RedisCoordinator:
     """Admission, leases and the version, for one job, through one Redis client."""
 
-    def __init__(self, client, job: str, max_staleness: int, groups_per_step: int, lease_s: float = 120.0):
+    def __init__(self, client, job: str, max_staleness: int, groups_per_step: int, lease_s: float = 120.0,
+                 retry=direct):
         self.client = client
+        self.retry = retry
         self.keys = job_keys(job)
         self.max_staleness = max_staleness
         self.groups_per_step = groups_per_step
@@ -68,44 +81,57 @@ class RedisCoordinator:
         self._admit = client.register_script(ADMIT)
         self._give_back = client.register_script(GIVE_BACK)
         self._set_version = client.register_script(SET_VERSION)
+        self.published = None
+        """The version this process last set (the learner's), re-asserted if Redis comes back without it."""
 
-    def try_admit(self, generator_id: str, want: int = 1, now_ms: int | None = None) -> tuple[list[str], int]:
-        """(lease ids granted, the version now); each lease admits one group until it is delivered or expires."""
-        prefix = f"{generator_id}:{uuid.uuid4().hex[:12]}"
+    def try_admit(self, generator_id: str, want: int = 1, now_ms: int | None = None,
+                  request_id: str = "") -> tuple[list[str], int]:
+        """(lease ids granted, the version now); each lease admits one group until it is delivered or expires.
+        A resend with the same `request_id` (after a lost reply) gets the same leases and counts nothing twice."""
+        prefix = request_id or f"{generator_id}:{uuid.uuid4().hex[:12]}"
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-        granted, version, _ = self._admit(
-            keys=[self.keys["version"], self.keys["started"], self.keys["leases"]],
+        granted, version, _ = self.retry("admission", self._admit, keys=[
+            self.keys["version"], self.keys["started"], self.keys["leases"], self.keys["grant"] + prefix],
             args=[self.max_staleness, self.groups_per_step, max(0, int(want)), now_ms, self.lease_ms, prefix])
         return [f"{prefix}:{i}" for i in range(1, int(granted) + 1)], int(version)
 
-    def give_back(self, count: int = 1) -> int:
-        """Admitted groups that will never be trained (stale, rejected, dead-lettered) free their capacity."""
-        return int(self._give_back(keys=[self.keys["started"]], args=[count]))
+    def give_back(self, count: int = 1, token: str = "") -> int:
+        """Admitted groups that will never be trained (stale, rejected, dead-lettered) free their capacity. A
+        `token` (the group or entry id) makes it idempotent: resent after a lost reply, it gives back nothing more."""
+        keys = [self.keys["started"]] + ([self.keys["given"] + token] if token else [])
+        return int(self.retry("give-back", self._give_back, keys=keys, args=[count, 7 * 24 * 3600]))
 
     def release(self, lease_ids: list) -> int:
         """A generator gives up leases it will not deliver (shutting down): their capacity returns at once."""
         if not lease_ids:
             return 0
-        removed = self.client.zrem(self.keys["leases"], *lease_ids)
-        if removed:
+        removed = self.retry("lease release", self.client.zrem, self.keys["leases"], *lease_ids)
+        if removed:  # a resend after a lost reply removes nothing, so gives back nothing twice
             self.give_back(removed)
         return int(removed)
 
     def set_version(self, version: int, allow_backwards: bool = False) -> int:
         """Publish `version` (never lower, unless a learner resumed from an older checkpoint says so)."""
-        return int(self._set_version(keys=[self.keys["version"]], args=[version, "1" if allow_backwards else "0"]))
+        self.published = int(version)
+        return int(self.retry("version", self._set_version, keys=[self.keys["version"]],
+                              args=[version, "1" if allow_backwards else "0"]))
+
+    def reassert_version(self) -> None:
+        """After a reconnect: a Redis that lost recent writes may hold an older version; put ours back."""
+        if self.published is not None:
+            self._set_version(keys=[self.keys["version"]], args=[self.published, "0"])
 
     def reset_started(self, started: int) -> None:
         """A learner restarting from a checkpoint states how many admitted groups are still owed training."""
-        self.client.set(self.keys["started"], max(0, int(started)))
+        self.retry("started", self.client.set, self.keys["started"], max(0, int(started)))
 
     @property
     def version(self) -> int:
-        return int(self.client.get(self.keys["version"]) or 0)
+        return int(self.retry("version", self.client.get, self.keys["version"]) or 0)
 
     @property
     def started(self) -> int:
-        return int(self.client.get(self.keys["started"]) or 0)
+        return int(self.retry("started", self.client.get, self.keys["started"]) or 0)
 
     def leases(self) -> int:
-        return int(self.client.zcard(self.keys["leases"]))
+        return int(self.retry("leases", self.client.zcard, self.keys["leases"]))

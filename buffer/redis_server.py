@@ -5,24 +5,35 @@ Redis holds everything a generator on another machine needs (`asyncrl:{job}:meta
 records and statistics beside it. Groups arrive through the stream (redis_stream.py, whose docstring states the
 exactly-once protocol); admission is the Lua coordinator (redis_coordinator.py). Nothing here runs a thread: `take`
 reads the stream when the learner asks.
+
+Through a Redis restart (redis_reconnect.py) the server keeps two sets so no group is trained twice: `held`, the
+entries it has read and not yet acked (skipped when the pending list is re-read after a reconnect, and kept from
+XAUTOCLAIM by touching them), and the most recent acked ones (skipped and acked again, should an ack have been lost
+with the server's last writes).
 """
 import json
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
+
+import redis
 
 from asyncrl.buffer.codec import CodecError, decode_group
 from asyncrl.buffer.redis_conn import redacted
+from asyncrl.buffer.redis_reconnect import direct
 from asyncrl.buffer.redis_stream import GroupStream
 
 log = logging.getLogger(__name__)
 NO_VERSION_LIMIT = 1 << 30
+ACKED_MEMORY = 200_000  # acked entry ids remembered (about 20 MB); far more than one checkpoint interval's groups
 
 
 class RedisBufferServer:
     def __init__(self, client, url: str, job: str, coordinator, *, vocab_size: int, config_hash: str,
-                 max_message_bytes: int, run_info: dict, reclaim_idle_s: float = 60.0, read_count: int = 64):
+                 max_message_bytes: int, run_info: dict, reclaim_idle_s: float = 60.0, read_count: int = 64,
+                 retry=direct):
         self.client = client
+        self.retry = retry
         self.coordinator = coordinator
         self.vocab_size = vocab_size
         self.config_hash = config_hash
@@ -30,7 +41,7 @@ class RedisBufferServer:
         self.run_info = dict(run_info)
         self.reclaim_idle_ms = int(reclaim_idle_s * 1000)
         self.read_count = read_count
-        self.stream = GroupStream(client, job)
+        self.stream = GroupStream(client, job, retry=retry)
         self.keys = self.stream.keys
         self.endpoint = f"{redacted(url)} (job {job})"
         self.rejected = Counter()
@@ -39,14 +50,37 @@ class RedisBufferServer:
         self.joins: dict[str, dict] = {}
         self._ready: deque = deque()  # (entry id, Group) read but not yet taken
         self.taken_entries: list = []  # entry ids of groups handed to the learner, not yet acked
+        self.held: set = set()  # entry ids read (ready or taken) and not yet acked
+        self._acked: OrderedDict = OrderedDict()  # recently acked entry ids, oldest first
+        self.redelivered = 0  # entries delivered again that this learner already held or acked (skipped)
+        self._weights: dict = {}
+        self._done = False
         self._next_reclaim = 0.0
+        if hasattr(retry, "on_reconnect"):
+            retry.on_reconnect(self._after_reconnect)
 
     # --- learner side -------------------------------------------------------------------------------------
     def start(self) -> "RedisBufferServer":
         self.stream.ensure_group()
-        self.client.hset(self.keys["meta"], mapping={"config_hash": self.config_hash,
-                                                     "run_info": json.dumps(self.run_info), "done": "0"})
+        self._write_meta()
         return self
+
+    def _write_meta(self, retry=None) -> None:
+        """Everything a generator needs, in one hash; idempotent, so it is simply rewritten after a reconnect."""
+        (retry or self.retry)("run metadata", self.client.hset, self.keys["meta"], mapping={
+            "config_hash": self.config_hash, "run_info": json.dumps(self.run_info),
+            "weights": json.dumps(self._weights), "done": "1" if self._done else "0"})
+
+    def _after_reconnect(self) -> None:
+        """Redis answered again: what it may have lost is restored, and entries it may have delivered to us in a
+        reply we never received are re-read from our pending list. Runs inside the retry loop, so it calls Redis
+        directly (a connection error here just means Redis is not back yet)."""
+        if self.stream.create_group():
+            log.error("Redis came back without the buffer stream (restarted without AOF?): the groups queued in it "
+                      "are lost; recreated it")
+        self._write_meta(retry=direct)
+        self.coordinator.reassert_version()
+        self.stream.restart_pending()
 
     def take(self, timeout_s: float):
         """The next valid group, or None after timeout_s. Invalid ones go to the dead-letter stream."""
@@ -55,9 +89,24 @@ class RedisBufferServer:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            entries = self._reclaim_due() or self.stream.read(self.read_count, max(1, int(remaining * 1000)))
+            try:
+                entries = self._reclaim_due() or self.stream.read(self.read_count, max(1, int(remaining * 1000)))
+            except redis.ResponseError as err:
+                if "NOGROUP" not in str(err):
+                    raise
+                # Redis restarted without its data while we were idle (redis-py redials silently, so only this
+                # tells): rebuild and keep reading what generators send from now on.
+                self.retry("rebuilding the lost stream", self._after_reconnect)
+                continue
+            version = self.coordinator.version if entries else 0  # one read per batch, not per group
             for entry_id, payload in entries:
-                self._accept(entry_id, payload)
+                if entry_id in self.held:  # re-read after a reconnect: already ours
+                    self.redelivered += 1
+                elif entry_id in self._acked:  # its ack was lost with Redis's last writes: ack again, skip
+                    self.redelivered += 1
+                    self.stream.ack([entry_id])
+                else:
+                    self._accept(entry_id, payload, version)
         entry_id, group = self._ready.popleft()
         self.taken_entries.append(entry_id)
         return group
@@ -68,42 +117,52 @@ class RedisBufferServer:
         if now < self._next_reclaim:
             return []
         self._next_reclaim = now + max(self.reclaim_idle_ms / 1000 / 2, 1.0)
-        return self.stream.reclaim(self.reclaim_idle_ms)
+        self.stream.touch(list(self.held))  # ours, however long training and the checkpoint take
+        return self.stream.reclaim(self.reclaim_idle_ms, held=frozenset(self.held))
 
-    def _accept(self, entry_id: bytes, payload: bytes) -> None:
+    def _accept(self, entry_id: bytes, payload: bytes, version: int) -> None:
         try:
             group = decode_group(payload, vocab_size=self.vocab_size, max_version=NO_VERSION_LIMIT,
                                  max_message_bytes=self.max_message_bytes)
         except CodecError as err:
             self.stream.dead_letter(entry_id, payload, f"{err.reason}: {err}")
-            self.coordinator.give_back(1)
+            self.coordinator.give_back(1, token=entry_id.decode())
             self.rejected[err.reason] += 1
             log.warning("buffer: group entry %s is malformed (%s); moved to the dead-letter stream", entry_id, err)
             return
         newest = max((int(s.versions.max()) for s in group.samples if len(s.versions)), default=-1)
-        if newest > self.coordinator.version:
+        if newest > version:
             # sampled with weights newer than this learner has: a version lost when the learner went back to its
             # checkpoint. No policy it trains can correct for it, so it is dropped (acked) and its slot given back.
             self.stream.ack([entry_id])
-            self.coordinator.give_back(1)
+            self.coordinator.give_back(1, token=entry_id.decode())
             self.dropped_future += 1
             return
         self.received += 1
+        self.held.add(entry_id)
         self.joins.setdefault(group.generator_id, {"first_group_min_version": group.min_version()})
         self._ready.append((entry_id, group))
 
     def ack(self, entry_ids: list) -> int:
         """Acknowledge trained groups (call only once a checkpoint covering them is written), then trim what every
         reader is done with."""
-        acked = self.stream.ack(list(entry_ids))
+        entry_ids = [e if isinstance(e, bytes) else e.encode() for e in entry_ids]
+        acked = self.stream.ack(entry_ids)
+        for entry_id in entry_ids:
+            self.held.discard(entry_id)
+            self._acked[entry_id] = None
+        while len(self._acked) > ACKED_MEMORY:
+            self._acked.popitem(last=False)
         self.stream.trim()
         return acked
 
     def set_weights(self, descriptor: dict) -> None:
-        self.client.hset(self.keys["meta"], "weights", json.dumps(descriptor))
+        self._weights = dict(descriptor)
+        self._write_meta()
 
     def set_done(self) -> None:
-        self.client.hset(self.keys["meta"], "done", "1")
+        self._done = True
+        self._write_meta()
 
     def wait_for_generators_to_hear_done(self, timeout_s: float) -> list[str]:
         return []  # the flag stays in Redis: a generator reads it whenever it next asks
@@ -114,7 +173,7 @@ class RedisBufferServer:
 
     @property
     def generator_stats(self) -> dict:
-        raw = self.client.hgetall(self.keys["meta"] + ":stats")
+        raw = self.retry("generator stats", self.client.hgetall, self.keys["meta"] + ":stats")
         return {key.decode(): json.loads(value) for key, value in raw.items()}
 
     def live_generators(self) -> list[str]:

@@ -18,8 +18,13 @@ Delivery protocol (at-least-once delivery + idempotent training = each admitted 
 Trimming removes only entries older than the oldest pending one (or, with none pending, than the group's last
 delivered id): every removed entry was delivered and acked, so nothing unconsumed is ever deleted.
 """
+import logging
+
 import redis
 
+from asyncrl.buffer.redis_reconnect import direct
+
+log = logging.getLogger(__name__)
 GROUP = "learner"
 PAYLOAD = b"g"
 
@@ -40,15 +45,18 @@ return id
 def job_keys(job: str) -> dict:
     prefix = f"asyncrl:{{{job}}}:"
     return {name: prefix + name for name in ("groups", "dead", "version", "started", "leases", "meta")} | {
-        "seen": prefix + "seen:"}
+        "seen": prefix + "seen:", "grant": prefix + "grant:", "given": prefix + "given:"}
 
 
 class GroupStream:
     """One job's stream of encoded groups. `consumer` names this reader (the learner uses `learner-0`)."""
 
     def __init__(self, client, job: str, consumer: str = "learner-0", mark_ttl_s: int = 7 * 24 * 3600,
-                 max_deliveries: int = 5):
+                 max_deliveries: int = 5, retry=direct):
         self.client = client
+        self.retry = retry
+        """Runs each Redis operation (redis_reconnect.Reconnecting rides out a restart; every one here is
+        idempotent, see the module doc of redis_reconnect)."""
         self.keys = job_keys(job)
         self.consumer = consumer
         self.mark_ttl_s = mark_ttl_s
@@ -56,25 +64,40 @@ class GroupStream:
         self._produce = client.register_script(PRODUCE)
         self._pending_cursor = b"0"  # where re-reading this consumer's pending entries continues; None when done
 
-    def ensure_group(self) -> None:
-        """Create the stream and the learner's consumer group (from the beginning) if they do not exist."""
+    def ensure_group(self) -> bool:
+        """Create the stream and the learner's consumer group (from the beginning) if they do not exist; True if
+        it had to be created."""
+        return self.retry("XGROUP CREATE", self.create_group)
+
+    def create_group(self) -> bool:
+        """ensure_group without retrying (for code that runs inside a retry, such as a reconnect listener)."""
         try:
             self.client.xgroup_create(self.keys["groups"], GROUP, id="0", mkstream=True)
+            return True
         except redis.ResponseError as err:
             if "BUSYGROUP" not in str(err):
                 raise
+            return False
 
-    def produce(self, group_id: str, payload: bytes, lease_id: str = "") -> bytes | None:
-        """XADD unless this group_id was added before; returns the entry id, or None for a duplicate."""
-        return self._produce(keys=[self.keys["groups"], self.keys["seen"] + group_id, self.keys["leases"],
-                                   self.keys["started"]], args=[payload, self.mark_ttl_s, lease_id])
+    def restart_pending(self) -> None:
+        """Re-read this consumer's pending entries before new ones: after a reply lost to a dropped connection,
+        entries may have been delivered to us without our seeing them (the reader skips those it already holds)."""
+        self._pending_cursor = b"0"
+
+    def produce(self, group_id: str, payload: bytes, lease_id: str = "", client=None) -> bytes | None:
+        """XADD unless this group_id was added before; returns the entry id, or None for a duplicate. With a
+        pipeline as `client` it is only queued there (the caller executes, and retries, the pipeline)."""
+        keys = [self.keys["groups"], self.keys["seen"] + group_id, self.keys["leases"], self.keys["started"]]
+        args = [payload, self.mark_ttl_s, lease_id]
+        if client is not None:
+            return self._produce(keys=keys, args=args, client=client)
+        return self.retry("produce (XADD)", self._produce, keys=keys, args=args)
 
     def read(self, count: int, block_ms: int) -> list[tuple[bytes, bytes]]:
         """Up to `count` (entry id, payload): first whatever is still pending for this consumer from before a
         restart, then new entries (blocking up to block_ms)."""
         while self._pending_cursor is not None:
-            reply = self.client.xreadgroup(GROUP, self.consumer, {self.keys["groups"]: self._pending_cursor},
-                                           count=count)
+            reply = self._xreadgroup(self._pending_cursor, count, None)
             entries = reply[0][1] if reply else []
             if not entries:
                 self._pending_cursor = None
@@ -83,8 +106,12 @@ class GroupStream:
             pending = self._with_payloads(entries)
             if pending:
                 return pending
-        reply = self.client.xreadgroup(GROUP, self.consumer, {self.keys["groups"]: b">"}, count=count, block=block_ms)
+        reply = self._xreadgroup(b">", count, block_ms)
         return self._with_payloads(reply[0][1] if reply else [])
+
+    def _xreadgroup(self, cursor: bytes, count: int, block_ms: int | None):
+        return self.retry("XREADGROUP", self.client.xreadgroup, GROUP, self.consumer, {self.keys["groups"]: cursor},
+                          count=count, block=block_ms)
 
     def _with_payloads(self, entries: list) -> list[tuple[bytes, bytes]]:
         out = []
@@ -96,23 +123,35 @@ class GroupStream:
         return out
 
     def ack(self, entry_ids: list) -> int:
-        return self.client.xack(self.keys["groups"], GROUP, *entry_ids) if entry_ids else 0
+        return self.retry("XACK", self.client.xack, self.keys["groups"], GROUP, *entry_ids) if entry_ids else 0
 
     def dead_letter(self, entry_id: bytes, payload: bytes, reason: str) -> None:
         """Move an entry to the dead-letter stream with its reason, and ack it, in one transaction."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(self.keys["dead"], {"entry": entry_id, "reason": reason, "payload": payload}, maxlen=10_000,
-                  approximate=True)
-        pipe.xack(self.keys["groups"], GROUP, entry_id)
-        pipe.execute()
+        def move():  # resent after a lost reply, the dead-letter stream may hold the entry twice; never zero times
+            pipe = self.client.pipeline(transaction=True)
+            pipe.xadd(self.keys["dead"], {"entry": entry_id, "reason": reason, "payload": payload}, maxlen=10_000,
+                      approximate=True)
+            pipe.xack(self.keys["groups"], GROUP, entry_id)
+            pipe.execute()
 
-    def reclaim(self, min_idle_ms: int, count: int = 100) -> list[tuple[bytes, bytes]]:
-        """Entries pending for any consumer idle longer than min_idle_ms, now owned by this one. Those delivered
-        max_deliveries times already go to the dead-letter stream instead."""
-        _, claimed, deleted = self.client.xautoclaim(self.keys["groups"], GROUP, self.consumer, min_idle_ms,
-                                                     start_id="0-0", count=count)[:3]
+        self.retry("dead-letter", move)
+
+    def touch(self, entry_ids: list) -> None:
+        """Reset the idle time of entries this consumer still holds (read, training, not yet covered by a
+        checkpoint), without counting a delivery, so `reclaim` never takes them back from a live learner."""
+        for start in range(0, len(entry_ids), 1000):
+            self.retry("XCLAIM JUSTID", self.client.xclaim, self.keys["groups"], GROUP, self.consumer, 0,
+                       entry_ids[start:start + 1000], justid=True)
+
+    def reclaim(self, min_idle_ms: int, count: int = 100, held: frozenset = frozenset()) -> list[tuple[bytes, bytes]]:
+        """Entries pending for any consumer idle longer than min_idle_ms, now owned by this one, except those in
+        `held` (this consumer is still working on them). Those delivered max_deliveries times already go to the
+        dead-letter stream instead."""
+        _, claimed, deleted = self.retry("XAUTOCLAIM", self.client.xautoclaim, self.keys["groups"], GROUP,
+                                         self.consumer, min_idle_ms, start_id="0-0", count=count)[:3]
         if deleted:
             self.ack(list(deleted))
+        claimed = [(entry_id, fields) for entry_id, fields in claimed if entry_id not in held]
         out = []
         counts = self.delivery_counts([entry_id for entry_id, _ in claimed])
         for entry_id, fields in claimed:
@@ -127,13 +166,21 @@ class GroupStream:
         if not entry_ids:
             return {}
         lowest, highest = min(entry_ids, key=_id_key), max(entry_ids, key=_id_key)
-        rows = self.client.xpending_range(self.keys["groups"], GROUP, min=lowest, max=highest, count=len(entry_ids)
-                                          + 1000)
+        rows = self.retry("XPENDING", self.client.xpending_range, self.keys["groups"], GROUP, min=lowest, max=highest,
+                          count=len(entry_ids) + 1000)
         return {row["message_id"]: row["times_delivered"] for row in rows}
 
     def trim(self) -> int:
         """Delete acked entries only (see the module doc); returns how many went."""
-        summary = self.client.xpending(self.keys["groups"], GROUP)
+        return self.retry("XTRIM", self._trim)
+
+    def _trim(self) -> int:
+        try:
+            summary = self.client.xpending(self.keys["groups"], GROUP)
+        except redis.ResponseError as err:  # NOGROUP: lost with a Redis that restarted empty; read() recreates it
+            if "NOGROUP" in str(err):
+                return 0
+            raise
         if summary["pending"]:
             floor = summary["min"]
         else:
@@ -144,11 +191,15 @@ class GroupStream:
         return self.client.xtrim(self.keys["groups"], minid=floor, approximate=False)
 
     def length(self) -> int:
-        return self.client.xlen(self.keys["groups"])
+        return self.retry("XLEN", self.client.xlen, self.keys["groups"])
 
     def unread(self) -> int:
         """Entries not yet delivered to any consumer of the learner's group."""
-        for info in self.client.xinfo_groups(self.keys["groups"]):
+        try:
+            groups = self.retry("XINFO GROUPS", self.client.xinfo_groups, self.keys["groups"])
+        except redis.ResponseError:  # no stream (yet, or lost with a Redis that restarted empty)
+            return 0
+        for info in groups:
             if info["name"] == GROUP.encode():
                 lag = info.get("lag")
                 return int(lag) if lag is not None else 0
@@ -173,12 +224,13 @@ def reset_job(client, job: str) -> int:
     names = [keys[name] for name in ("groups", "dead", "version", "started", "leases", "meta")]
     names += [keys["meta"] + ":stats", keys["meta"] + ":joins"]
     removed = client.delete(*names)
-    batch = []
-    for key in client.scan_iter(match=keys["seen"] + "*", count=1000):
-        batch.append(key)
-        if len(batch) >= 1000:
+    for marks in ("seen", "grant", "given"):
+        batch = []
+        for key in client.scan_iter(match=keys[marks] + "*", count=1000):
+            batch.append(key)
+            if len(batch) >= 1000:
+                removed += client.delete(*batch)
+                batch = []
+        if batch:
             removed += client.delete(*batch)
-            batch = []
-    if batch:
-        removed += client.delete(*batch)
     return removed

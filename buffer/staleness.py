@@ -71,8 +71,9 @@ class Coordinator:
             if self._outstanding[generator_id] > 0:
                 self._outstanding[generator_id] -= 1
 
-    def give_back(self, count: int = 1) -> None:
-        """Admitted groups that will never be trained (stale, rejected, aborted) free their capacity."""
+    def give_back(self, count: int = 1, token: str = "") -> None:
+        """Admitted groups that will never be trained (stale, rejected, aborted) free their capacity. `token` is
+        for the Redis coordinator's idempotence; in memory there is no resend to guard against."""
         with self._lock:
             self._started = max(0, self._started - count)
 

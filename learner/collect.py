@@ -90,7 +90,7 @@ def collect_batch(server, coordinator, groups_per_step: int, max_staleness: int,
                 log.warning("learner v%d: dropping group %s from %s (%s)", version, group.group_id,
                             group.generator_id, reason)
             out.dropped[reason] += 1
-            coordinator.give_back(1)
+            coordinator.give_back(1, token=group.group_id)
             continue
         out.groups.append(group)
         out.staleness.append(group_staleness(version, oldest))

@@ -149,7 +149,7 @@ class LearnerHost:
             cfg.weightsync.keep_versions, cfg.weightsync.dtype)
         run_info = {"model_path": os.path.abspath(model_path), "train_files": [os.path.abspath(f) for f in train_files],
                     "mlflow_run_id": self.run_id, "tracking_uri": self.tracking_uri,
-                    "job_dir": os.path.abspath(job_dir)}
+                    "job_dir": os.path.abspath(job_dir), "job": cfg.job.name}
         self.server, self.coordinator = make_learner_buffer(
             cfg, vocab_size=model.get_input_embeddings().num_embeddings, config_hash=shared_hash(cfg),
             run_info=run_info, start_version=start_version, fresh=fresh)
@@ -310,6 +310,8 @@ def run_one_step(cfg, model, optimizer, scheduler, host, parallel: ParallelState
         consumed.setdefault("unacked", []).extend(entry.decode() for entry in server.taken_entries)
         server.taken_entries.clear()
         metrics["buffer/dropped/future_version"] = float(server.dropped_future)
+        metrics["buffer/redis/outages"] = float(getattr(server.retry, "outages", 0))  # lost and reconnected
+        metrics["buffer/redis/redelivered"] = float(server.redelivered)  # re-read after a reconnect, skipped
     return metrics
 
 

@@ -47,7 +47,7 @@ class CountingCoordinator(Coordinator):
         super().__init__(max_staleness=1, groups_per_step=2)
         self.given_back = 0
 
-    def give_back(self, count):
+    def give_back(self, count, token=""):
         self.given_back += count
 
 
