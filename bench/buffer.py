@@ -8,7 +8,7 @@ consumes them; latency is from the producer stamping the message to the consumer
 - redis backend: RedisBufferClient (idempotent Lua XADD) -> RedisBufferServer (XREADGROUP, validation) -> take(), ack.
 - raw redis: pipelined XADD; XREADGROUP + XACK.
 Target: each backend at >= 0.8 of its raw transport in groups/s. Needs redis-server on PATH (a private one is
-started on a free port). Usage: python -m asyncrl.bench.buffer [--count N]
+started on a free port). Usage: python -m asyncrl.bench.buffer [--count N] [--paths all|zmq|redis]
 """
 import argparse
 import json
@@ -252,19 +252,24 @@ def start_redis(directory: str) -> tuple[subprocess.Popen, str]:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--count", type=int, default=2000, help="groups per 4 KB run (64 KB runs send a quarter)")
+    parser.add_argument("--paths", choices=("all", "zmq", "redis"), default="all",
+                        help="which transports to run (zmq alone needs no redis-server)")
     args = parser.parse_args(argv)
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        redis_proc, url = start_redis(tmp)
+        redis_proc, url = start_redis(tmp) if args.paths != "zmq" else (None, None)
         try:
             for size, count in ((4096, args.count), (65536, max(10, args.count // 4))):
                 label = f"{size // 1024}KB"
-                rows[f"zmq/{label}"] = {"raw": run_raw_zmq(size, count), "backend": run_zmq_backend(size, count)}
-                rows[f"redis/{label}"] = {"raw": run_raw_redis(url, size, count),
-                                          "backend": run_redis_backend(url, size, count)}
+                if args.paths != "redis":
+                    rows[f"zmq/{label}"] = {"raw": run_raw_zmq(size, count), "backend": run_zmq_backend(size, count)}
+                if args.paths != "zmq":
+                    rows[f"redis/{label}"] = {"raw": run_raw_redis(url, size, count),
+                                              "backend": run_redis_backend(url, size, count)}
         finally:
-            redis_proc.terminate()
-            redis_proc.wait()
+            if redis_proc is not None:
+                redis_proc.terminate()
+                redis_proc.wait()
     print(f"{'path':<12} {'side':<8} {'groups/s':>10} {'MB/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'vs raw':>7}")
     for name, pair in rows.items():
         pair["ratio"] = pair["backend"]["groups_per_s"] / pair["raw"]["groups_per_s"]
