@@ -78,7 +78,10 @@ def _array_to_wire(values, dtype) -> bytes:
     arr = np.asarray(values)
     if arr.size == 0:  # np.asarray([]) is float64, which would fail the int cast below
         return b""
-    return arr.astype(np.dtype(dtype).newbyteorder("<"), casting="same_kind").tobytes()
+    wire = np.dtype(dtype).newbyteorder("<")
+    if arr.dtype == wire:  # the usual case: already the wire dtype, so skip the cast's extra copy
+        return arr.tobytes()
+    return arr.astype(wire, casting="same_kind").tobytes()
 
 
 def _scalar_to_wire(value):
