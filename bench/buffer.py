@@ -5,7 +5,8 @@ For 4 KB and 64 KB groups, a producer process sends `--count` groups as fast as 
 consumes them; latency is from the producer stamping the message to the consumer holding it.
 - zmq backend: BufferClient "group" requests, 8 in flight -> ZmqBufferServer (validation, queue) -> take().
 - raw zmq: PUSH/PULL of the same encoded bytes.
-- redis backend: RedisBufferClient (idempotent Lua XADD) -> RedisBufferServer (XREADGROUP, validation) -> take(), ack.
+- redis backend: RedisBufferClient "group" requests, 8 in flight (pipelined idempotent Lua XADDs) ->
+  RedisBufferServer (XREADGROUP, validation) -> take(), ack.
 - raw redis: pipelined XADD; XREADGROUP + XACK.
 Target: each backend at >= 0.8 of its raw transport in groups/s. Needs redis-server on PATH (a private one is
 started on a free port). Usage: python -m asyncrl.bench.buffer [--count N] [--paths all|zmq|redis]
@@ -105,14 +106,27 @@ def produce_raw_redis(url: str, key: str, size: int, count: int) -> None:
 
 
 def produce_redis_backend(url: str, job: str, size: int, count: int) -> None:
-    from asyncrl.buffer.redis_conn import RedisOptions, connect
-    from asyncrl.buffer.redis_stream import GroupStream
+    """The generator's real path: RedisBufferClient "group" requests, IN_FLIGHT at once (it pipelines them)."""
+    import asyncio
 
-    stream = GroupStream(connect(RedisOptions(url)), job)
-    group = make_payload(size)
-    for _ in range(count):
-        payload = stamped(group)
-        stream.produce(group.group_id, payload)
+    from asyncrl.buffer.redis_client import RedisBufferClient
+    from asyncrl.buffer.redis_conn import RedisOptions, connect
+
+    async def run():
+        client = RedisBufferClient(connect(RedisOptions(url)), url, job, "bench", 1 << 20, 1 << 20, lease_s=60)
+        left = [count]
+
+        async def worker():
+            group = make_payload(size)
+            while left[0] > 0:
+                left[0] -= 1
+                reply = await client.request("group", body=stamped(group), group_id=group.group_id)
+                assert reply["accepted"], reply
+
+        await asyncio.gather(*(worker() for _ in range(IN_FLIGHT)))
+        client.close()
+
+    asyncio.run(run())
 
 
 # --- consumers (this process) ---------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import redis
 
 from asyncrl.buffer.redis_conn import redacted
 from asyncrl.buffer.redis_coordinator import RedisCoordinator
-from asyncrl.buffer.redis_produce import PipelinedProducer
+from asyncrl.buffer.redis_produce import DeliveryBatcher, produce_batch
 from asyncrl.buffer.redis_reconnect import RedisUnavailable, direct
 from asyncrl.buffer.redis_stream import GroupStream
 from asyncrl.buffer.zmq_client import LearnerUnavailable
@@ -42,15 +42,15 @@ class RedisBufferClient:
         self.stream = GroupStream(client, job)  # direct: the whole request is retried as one
         self.keys = self.stream.keys
         self.coordinator = RedisCoordinator(client, job, max_staleness, groups_per_step, lease_s)
-        self.producer = PipelinedProducer(client, self.stream)
+        self.batcher = DeliveryBatcher(self._send_batch)
         self.leases: list[str] = []
 
     async def request(self, op: str, body: bytes | None = None, timeout_s: float | None = None, **fields) -> dict:
+        if op == "group":
+            return await self._deliver(body, fields)
         token = ""
         if op == "admit":
             token = f"{self.generator_id}:{uuid.uuid4().hex[:12]}"
-        elif op == "group":
-            token = self.leases.pop(0) if self.leases else ""
         retry = self.retry.within(timeout_s) if timeout_s and hasattr(self.retry, "within") else self.retry
         try:
             return await asyncio.to_thread(retry, op, self._handle, op, body, fields, token)
@@ -59,24 +59,35 @@ class RedisBufferClient:
         except (redis.ConnectionError, redis.TimeoutError, RedisUnavailable) as err:
             raise LearnerUnavailable(f"Redis at {self.endpoint} did not answer {op!r}: {err}") from None
 
+    async def _deliver(self, body: bytes, fields: dict) -> dict:
+        """A group goes out with the other in-flight deliveries: one round trip for all (a duplicate adds nothing).
+        Its lease is taken once, so a resend neither loses it nor takes another."""
+        if not fields.get("group_id"):
+            return {"ok": False, "accepted": False, "retry": False,
+                    "error": "a group request needs its group_id (idempotence key)"}
+        lease = self.leases.pop(0) if self.leases else ""
+        try:
+            raw_meta, version, _ = await self.batcher.deliver((fields["group_id"], body, lease))
+        except (redis.ConnectionError, redis.TimeoutError, RedisUnavailable) as err:
+            raise LearnerUnavailable(f"Redis at {self.endpoint} did not take group {fields['group_id']}: {err}") \
+                from None
+        meta = {key.decode(): value.decode() for key, value in raw_meta.items()}
+        # the group is in the stream even if the metadata is not (Redis restarted empty): the learner reads it
+        return {"ok": True, "accepted": True, "version": version, "done": meta.get("done") == "1",
+                "weights": json.loads(meta.get("weights") or "{}")}
+
+    def _send_batch(self, deliveries: list) -> tuple:
+        return self.retry("group delivery", produce_batch, self.client, self.stream, deliveries)
+
     def _handle(self, op: str, body, fields: dict, token: str) -> dict:
-        if op == "group":
-            if not fields.get("group_id"):
-                return {"ok": False, "accepted": False, "retry": False,
-                        "error": "a group request needs its group_id (idempotence key)"}
-            # queued with the other in-flight deliveries: one round trip for all (a duplicate adds nothing)
-            raw_meta, version, _ = self.producer.produce(fields["group_id"], body, lease_id=token)
-            return {**self._reply(raw_meta, op, version), "accepted": True}
         pipe = self.client.pipeline(transaction=False)
         raw_meta, version = pipe.hgetall(self.keys["meta"]).get(self.keys["version"]).execute()
-        reply = self._reply(raw_meta, op, int(version or 0))
         meta = {key.decode(): value.decode() for key, value in raw_meta.items()}
-        return self._op(op, meta, reply, int(version or 0), fields, token)
+        return self._op(op, meta, self._reply(meta, op, int(version or 0)), int(version or 0), fields, token)
 
     @staticmethod
-    def _reply(raw_meta: dict, op: str, version: int) -> dict:
+    def _reply(meta: dict, op: str, version: int) -> dict:
         """The fields every reply carries, from the run metadata the learner keeps in Redis."""
-        meta = {key.decode(): value.decode() for key, value in raw_meta.items()}
         if "config_hash" not in meta:
             if op == "hello":  # the caller waits for the learner to start, saying so
                 raise NotRegistered("no learner has registered this job yet")

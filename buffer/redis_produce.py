@@ -1,77 +1,61 @@
 """A generator's concurrent group deliveries, sent to Redis as one pipeline.
 
-Why: a generator keeps several groups in flight (generator.max_inflight_groups) and their requests reach Redis
-from worker threads. Sent one by one, each costs a network round trip (the idempotent PRODUCE script, plus the
-run metadata every reply carries); on a remote Redis the round trip, not Redis, is the limit. Here the first
-thread to arrive becomes the flusher and sends everything queued so far, the metadata read included, in one
-pipeline; the others wait for their own result. A pipeline is not a transaction: each PRODUCE is atomic on its own
-and keyed on its group id, so a failed flush is simply resent by every waiter (redis_reconnect.py).
+Why: a generator keeps several groups in flight (generator.max_inflight_groups). Sent one by one, each delivery
+costs a network round trip (the idempotent PRODUCE script, plus the run metadata every reply carries) and a hop to
+a worker thread; on a remote Redis the round trip, not Redis, is the limit. Here deliveries made while a pipeline is
+out wait for the next one, which carries all of them and one metadata read, in one worker-thread hop. A pipeline
+is not a transaction: each PRODUCE is atomic on its own and keyed on its group id, so a failed pipeline is simply
+sent again (redis_reconnect.py).
 """
-import threading
-from dataclasses import dataclass, field
+import asyncio
 
 from asyncrl.buffer.redis_stream import GroupStream
 
 
-@dataclass
-class _Delivery:
-    group_id: str
-    payload: bytes
-    lease_id: str
-    done: threading.Event = field(default_factory=threading.Event)
-    result: tuple | None = None
-    error: BaseException | None = None
+def produce_batch(client, stream: GroupStream, deliveries: list) -> tuple:
+    """deliveries: (group_id, payload, lease_id). Returns (raw meta hash, version, [entry id or None per delivery])
+    from one round trip."""
+    pipe = client.pipeline(transaction=False)
+    pipe.hgetall(stream.keys["meta"])
+    pipe.get(stream.keys["version"])
+    for group_id, payload, lease_id in deliveries:
+        stream.produce(group_id, payload, lease_id, client=pipe)
+    meta, version, *entries = pipe.execute()
+    return meta, int(version or 0), entries
 
 
-class PipelinedProducer:
-    """`produce` from any thread; returns (meta hash, version, entry id or None for a duplicate)."""
+class DeliveryBatcher:
+    """`await deliver(item)` from any number of tasks; `send(items) -> (meta, version, results)` runs in a worker
+    thread, one call per batch (the caller wraps it in its retry policy)."""
 
-    def __init__(self, client, stream: GroupStream, max_batch: int = 64):
-        self.client = client
-        self.stream = stream
+    def __init__(self, send, max_batch: int = 64):
+        self.send = send
         self.max_batch = max_batch
-        self._lock = threading.Lock()
-        self._queue: list[_Delivery] = []
-        self._flushing = False
-        self.flushes = 0  # pipelines sent (deliveries / flushes = the batching achieved)
+        self._waiting: list = []  # (item, future)
+        self._flusher: asyncio.Task | None = None
+        self.batches = 0  # pipelines sent (deliveries / batches = the batching achieved)
 
-    def produce(self, group_id: str, payload: bytes, lease_id: str = "") -> tuple:
-        mine = _Delivery(group_id, payload, lease_id)
-        with self._lock:
-            self._queue.append(mine)
-            lead = not self._flushing
-            self._flushing = self._flushing or lead
-        if lead:
-            self._flush_until_empty()
-        mine.done.wait()
-        if mine.error is not None:
-            raise mine.error
-        return mine.result
+    async def deliver(self, item) -> tuple:
+        """(meta, version, this item's result)."""
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append((item, future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self._flush())
+        return await future
 
-    def _flush_until_empty(self) -> None:
-        while True:
-            with self._lock:
-                batch, self._queue = self._queue[:self.max_batch], self._queue[self.max_batch:]
-                if not batch:
-                    self._flushing = False
-                    return
+    async def _flush(self) -> None:
+        while self._waiting:
+            batch, self._waiting = self._waiting[:self.max_batch], self._waiting[self.max_batch:]
             try:
-                results = self._send(batch)
-            except BaseException as err:  # every waiter sees the error and resends its own delivery
-                for delivery in batch:
-                    delivery.error = err
-                    delivery.done.set()
+                meta, version, results = await asyncio.to_thread(self.send, [item for item, _ in batch])
+            except BaseException as err:  # every delivery in the batch fails with it (each caller decides)
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(err)
+                if isinstance(err, asyncio.CancelledError):
+                    raise
                 continue
-            for delivery, result in zip(batch, results):
-                delivery.result = result
-                delivery.done.set()
-
-    def _send(self, batch: list[_Delivery]) -> list[tuple]:
-        pipe = self.client.pipeline(transaction=False)
-        pipe.hgetall(self.stream.keys["meta"])
-        pipe.get(self.stream.keys["version"])
-        for delivery in batch:
-            self.stream.produce(delivery.group_id, delivery.payload, delivery.lease_id, client=pipe)
-        meta, version, *entries = pipe.execute()
-        self.flushes += 1
-        return [(meta, int(version or 0), entry) for entry in entries]
+            self.batches += 1
+            for (_, future), result in zip(batch, results):
+                if not future.done():
+                    future.set_result((meta, version, result))

@@ -1,85 +1,49 @@
-"""The pipelined producer's batching logic with a fake stream and client: concurrent deliveries share pipelines,
-each gets its own result, and a failed pipeline fails exactly the deliveries in it (each then resends its own)."""
-import threading
+"""The delivery batcher's logic with a fake send: concurrent deliveries share batches (one worker-thread hop and
+one pipeline each), each gets its own result, and a failed batch fails exactly the deliveries in it."""
+import asyncio
 import time
 
 import pytest
 
-from asyncrl.buffer.redis_produce import PipelinedProducer
+from asyncrl.buffer.redis_produce import DeliveryBatcher
 
 
-class FakePipe:
-    def __init__(self, owner):
-        self.owner, self.queued = owner, []
+class FakeSend:
+    """Stands in for produce_batch: one round trip per call, during which more deliveries queue up."""
 
-    def hgetall(self, key):
-        self.queued.append({b"config_hash": b"h"})
-        return self
-
-    def get(self, key):
-        self.queued.append(b"7")
-        return self
-
-    def execute(self):
-        time.sleep(0.02)  # a round trip, during which other deliveries queue up
-        self.owner.pipelines.append(len(self.queued) - 2)
-        if self.owner.fail_next:
-            self.owner.fail_next = False
-            raise ConnectionError("connection lost mid-pipeline")
-        return self.queued
-
-
-class FakeStream:
-    keys = {"meta": "m", "version": "v"}
-
-    def produce(self, group_id, payload, lease_id="", client=None):
-        client.queued.append(None if group_id == "dup" else f"id-{group_id}".encode())
-
-
-class FakeClient:
     def __init__(self):
-        self.pipelines: list[int] = []
+        self.batches: list[list] = []
         self.fail_next = False
 
-    def pipeline(self, transaction):
-        assert transaction is False  # each PRODUCE is atomic alone; the batch needs no MULTI
-        return FakePipe(self)
+    def __call__(self, items):
+        time.sleep(0.02)
+        self.batches.append(list(items))
+        if self.fail_next:
+            self.fail_next = False
+            raise ConnectionError("connection lost mid-pipeline")
+        return {b"config_hash": b"h"}, 7, [None if item == "dup" else f"id-{item}".encode() for item in items]
 
 
-def deliver_concurrently(producer, names):
-    results, errors = {}, {}
-
-    def one(name):
-        try:
-            results[name] = producer.produce(name, b"payload")
-        except ConnectionError as err:
-            errors[name] = err
-
-    threads = [threading.Thread(target=one, args=(name,)) for name in names]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return results, errors
+async def deliver_all(batcher, items):
+    return await asyncio.gather(*(batcher.deliver(item) for item in items), return_exceptions=True)
 
 
-def test_concurrent_deliveries_share_pipelines_and_get_their_own_results():
-    client = FakeClient()
-    producer = PipelinedProducer(client, FakeStream())
-    names = [f"g{i}" for i in range(16)] + ["dup"]
-    results, errors = deliver_concurrently(producer, names)
-    assert not errors and sum(client.pipelines) == 17 and len(client.pipelines) < 17  # batched
-    assert producer.flushes == len(client.pipelines)
-    assert results["g3"] == ({b"config_hash": b"h"}, 7, b"id-g3") and results["dup"][2] is None
+def test_concurrent_deliveries_share_batches_and_get_their_own_results():
+    send = FakeSend()
+    batcher = DeliveryBatcher(send, max_batch=8)
+    items = [f"g{i}" for i in range(20)] + ["dup"]
+    results = asyncio.run(deliver_all(batcher, items))
+    assert [len(batch) for batch in send.batches] == [8, 8, 5] and batcher.batches == 3
+    assert results[3] == ({b"config_hash": b"h"}, 7, b"id-g3") and results[-1][2] is None
 
 
-def test_a_failed_pipeline_fails_only_its_deliveries():
-    client = FakeClient()
-    client.fail_next = True
-    producer = PipelinedProducer(client, FakeStream())
-    results, errors = deliver_concurrently(producer, [f"g{i}" for i in range(8)])
-    assert len(errors) == client.pipelines[0] and len(results) == 8 - len(errors)
+def test_a_failed_batch_fails_only_its_deliveries_and_the_next_goes_through():
+    send = FakeSend()
+    send.fail_next = True
+    batcher = DeliveryBatcher(send, max_batch=4)
+    results = asyncio.run(deliver_all(batcher, [f"g{i}" for i in range(6)]))
+    assert all(isinstance(r, ConnectionError) for r in results[:4]) and results[4][2] == b"id-g4"
     with pytest.raises(ConnectionError):
-        client.fail_next = True
-        producer.produce("alone", b"x")
-    assert producer.produce("alone", b"x")[2] == b"id-alone"  # the resend goes through
+        send.fail_next = True
+        asyncio.run(batcher.deliver("alone"))
+    assert asyncio.run(batcher.deliver("alone"))[2] == b"id-alone"  # the resend goes through
