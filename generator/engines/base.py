@@ -1,8 +1,12 @@
 """What every engine provides: token ids in, token ids + processed logprobs + per-token versions out.
 
-Engines: `vllm` (AsyncLLM), `hf` (plain transformers, the reference). They share this interface:
+Engines: `vllm` (AsyncLLM), `sglang` (sglang.Engine, CUDA only), `hf` (plain transformers, the reference).
+They share this interface:
   await start(); await sample(prompt_ids, sampling, n) -> list[Completion];
-  await load_weights(safetensors_path, version); await close(); attribute `version`.
+  await load_weights(staged, fallback); await close(); attribute `version`.
+`staged` is a complete, verified version in the generator's staging mapping (weightsync/receiver.py); `fallback` is
+the last good one (None: the model's own files). A load either completes or goes back to `fallback` and raises
+WeightLoadError; no engine ever samples from partly loaded weights.
 """
 from dataclasses import dataclass, field
 
@@ -30,6 +34,18 @@ def make_engine(name: str, **kwargs):
                 "or use generator.engine=hf"
             ) from None
         return VllmEngine(**kwargs)
+    if name == "sglang":
+        from asyncrl.generator.engines.sglang_engine import SglangEngine
+
+        if kwargs.get("engine_factory") is None:  # a test's fake needs no SGLang
+            try:
+                import sglang  # noqa: F401
+            except ImportError as err:
+                raise RuntimeError(
+                    f"generator.engine=sglang but SGLang cannot be imported ({err}); it needs CUDA "
+                    "(pip install 'sglang[all]'), or use generator.engine=vllm or hf"
+                ) from None
+        return SglangEngine(**kwargs)
     if name == "hf":
         from asyncrl.generator.engines.hf_engine import HfEngine
 
