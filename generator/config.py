@@ -1,7 +1,7 @@
 """Generator and rollout settings (stdlib only)."""
 from dataclasses import dataclass
 
-ENGINES = ("vllm", "hf")
+ENGINES = ("vllm", "sglang", "hf")
 UPDATE_MODES = ("wait", "keep")
 
 

@@ -11,6 +11,7 @@ from asyncrl.generator.dataset import iterate_prompts, read_rows, tokenize_rows
 from asyncrl.generator.engines.base import make_engine
 from asyncrl.generator.rewards import load_reward_fn
 from asyncrl.generator.rollout import RolloutLoop
+from asyncrl.weightsync.receiver import WeightStage
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ async def wait_for_learner(client: BufferClient, config_hash: str, timeout_s: fl
 async def run_generator_async(cfg, say=print) -> int:
     generator_id = cfg.generator.generator_id or f"gen-{os.getpid()}"
     client = make_generator_client(cfg, generator_id)
-    engine, metrics_log, rollout = None, None, None
+    engine, metrics_log, rollout, stage = None, None, None, None
     try:
         hello = await wait_for_learner(client, shared_hash(cfg), cfg.generator.connect_timeout_s, say)
         info = hello["run_info"]
@@ -58,13 +59,14 @@ async def run_generator_async(cfg, say=print) -> int:
                              seed=cfg.generator.seed + os.getpid() % 1000, update_mode=cfg.generator.update_mode,
                              trust_remote_code=cfg.model.trust_remote_code)
         await engine.start()
+        stage = WeightStage(cfg.weightsync.shm_dir, generator_id, cfg.weightsync.timeout_s)
         metrics_log = _metrics_logger(info, generator_id)
         rollout = RolloutLoop(
             client, engine, iterate_prompts(rows, cfg.data.shuffle, cfg.generator.seed + os.getpid()),
             load_reward_fn(cfg.reward.path, cfg.reward.function), tokenizer, cfg.rollout,
             cfg.generator.max_inflight_groups, generator_id, reward_shaping=cfg.reward,
             on_stats=(lambda m: metrics_log.log(m, step=engine.version)) if metrics_log else None,
-            stats_every_s=cfg.generator.log_every_s)
+            stats_every_s=cfg.generator.log_every_s, stage=stage)
         rollout.note_reply(hello)
         await rollout.ensure_latest_weights()  # a late joiner samples nothing before it has the current weights
         say(f"generator {generator_id}: {cfg.generator.engine} engine ready on v{engine.version}")
@@ -83,6 +85,8 @@ async def run_generator_async(cfg, say=print) -> int:
             metrics_log.close()
         if engine is not None:
             await engine.close()
+        if stage is not None:
+            stage.close()
         client.close()
 
 

@@ -16,7 +16,7 @@ from asyncrl.buffer.group import Group, Sample, Sampling, new_group_id
 from asyncrl.generator.engines.base import WeightLoadError
 from asyncrl.generator.rewards import RewardError, overlong_penalty, score
 from asyncrl.configs.sections import RewardConfig
-from asyncrl.weightsync.shm import WeightSyncError, verify_published
+from asyncrl.weightsync.receiver import WeightSyncError
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +53,10 @@ class RolloutStats:
 
 class RolloutLoop:
     def __init__(self, client, engine, prompts, reward_fn, tokenizer, rollout_cfg, max_inflight_groups: int,
-                 generator_id: str, on_stats=None, stats_every_s: float = 5.0, reward_shaping=None):
+                 generator_id: str, on_stats=None, stats_every_s: float = 5.0, reward_shaping=None, stage=None):
         self.client = client
         self.engine = engine
+        self.stage = stage  # weightsync.receiver.WeightStage: verified copies of announced versions
         self.prompts = prompts  # endless iterator of PromptRow
         self.reward_fn = reward_fn
         self.tokenizer = tokenizer
@@ -108,11 +109,15 @@ class RolloutLoop:
             if not target or target["version"] <= self.engine.version:
                 return
             started = time.monotonic()
+            staged = None
             try:
-                path = verify_published(target)
-                await self.engine.load_weights(path, target["version"])
+                staged = await asyncio.to_thread(self.stage.stage, target)  # whole and checksummed, or an error
+                await self.engine.load_weights(staged, self.stage.good)
+                self.stage.end_load(staged, ok=True)
                 self.stats.weight_loads += 1
             except (WeightSyncError, WeightLoadError) as err:
+                if staged is not None:
+                    self.stage.end_load(staged, ok=False)
                 self.stats.weight_failures += 1
                 log.error("generator %s: %s; continuing on v%d", self.generator_id, err, self.engine.version)
             self.stats.weight_wait_s += time.monotonic() - started

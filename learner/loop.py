@@ -23,12 +23,13 @@ from asyncrl.learner.collect import BatchFilter, collect_batch
 from asyncrl.learner.model import load_model
 from asyncrl.learner.objective import resolved_hyperparameters
 from asyncrl.learner.parallel import ParallelState, apply_fsdp, broadcast_object
-from asyncrl.learner.publish import iter_full_weights
+from asyncrl.learner.publish import iter_full_weights, weight_specs
 from asyncrl.learner.ulysses import apply_ulysses
 from asyncrl.learner.train_step import StepSettings, train_step
 from asyncrl.telemetry.mlflow_logger import MetricsLogger, create_or_attach_run, resolve_tracking_uri
 from asyncrl.telemetry.progress import ProgressDisplay
-from asyncrl.weightsync.shm import DTYPES as WEIGHT_DTYPES, ShmWeightPublisher
+from asyncrl.weightsync.backends import make_publisher
+from asyncrl.weightsync.layout import DTYPES as WEIGHT_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -144,9 +145,7 @@ class LearnerHost:
         self.metrics_log.log_params({**flatten(cfg), **resolved_hyperparameters(cfg.algo),
                                      "learner.world_size": parallel.world_size, "learner.dp_size": parallel.dp_size})
         self.metrics_log.log_text(to_yaml(cfg), "config/resolved.yaml")
-        self.publisher = ShmWeightPublisher(
-            os.path.join(cfg.weightsync.shm_dir, f"asyncrl-{cfg.job.name}-{os.getpid()}"),
-            cfg.weightsync.keep_versions, cfg.weightsync.dtype)
+        self.publisher = make_publisher(cfg.weightsync, cfg.job.name)
         run_info = {"model_path": os.path.abspath(model_path), "train_files": [os.path.abspath(f) for f in train_files],
                     "mlflow_run_id": self.run_id, "tracking_uri": self.tracking_uri,
                     "job_dir": os.path.abspath(job_dir), "job": cfg.job.name}
@@ -223,7 +222,7 @@ def publish_weights(model, parallel: ParallelState, host, version: int, cfg) -> 
         for _ in weights:  # nothing is yielded here; iterating runs this rank's side of the gathers
             pass
         return
-    host.server.set_weights(host.publisher.publish(weights, version))
+    host.server.set_weights(host.publisher.publish(weights, version, weight_specs(model, cfg.weightsync.dtype)))
 
 
 def build_algo_state(cfg, model_path: str, parallel: ParallelState) -> dict:

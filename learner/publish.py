@@ -51,3 +51,9 @@ def iter_full_weights(model, parallel: ParallelState, dtype: torch.dtype,
         for name in names:  # the bucket goes before the next is gathered (a tied tensor stays until its last name)
             if last_name[id(state[name])] == name:
                 gathered.pop(id(state[name]))
+
+
+def weight_specs(model, dtype: str) -> list[tuple[str, str, tuple]]:
+    """(name, dtype, full shape) of every entry iter_full_weights yields, in its order, without gathering anything
+    (a sharded DTensor knows its global shape): the weight layout is planned before the first bucket is gathered."""
+    return [(name, dtype, tuple(tensor.shape)) for name, tensor in model.state_dict().items()]

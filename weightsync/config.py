@@ -1,19 +1,34 @@
 """Weight-sync settings (stdlib only)."""
 from dataclasses import dataclass
 
-BACKENDS = ("shm",)
+BACKENDS = ("shm", "broadcast")
 
 
 @dataclass
 class WeightSyncConfig:
     backend: str = "shm"
-    """Data plane. `shm`: safetensors files in a shared-memory directory on the learner's host."""
+    """Data plane for the steady fleet. `shm`: a persistent shared-memory mapping on the learner's host (generators
+    elsewhere use the catch-up server). `broadcast`: also a torch.distributed group (gloo on CPU, NCCL on GPU) that
+    relays each version along a chain of generators."""
     shm_dir: str = "/dev/shm"
-    """Parent directory of the per-job weight directory; must be tmpfs for speed and on the generators' host."""
+    """Where the learner's ring and each generator's staging mapping live; tmpfs, for memory-speed copies."""
     keep_versions: int = 3
-    """Published versions kept on disk, so a generator still reading an old one is never cut off."""
+    """Versions the learner's ring holds at once (its slots), so a generator still copying one is not cut off."""
     dtype: str = "float32"
     """Dtype of the published weights (the engine's dtype); the cast happens once, on the learner."""
+    bucket_mb: float = 64.0
+    """Transfer bucket size, in MiB: tensors are packed into flat buckets of about this size, each checksummed and
+    sent whole (bucket k travels while k+1 is gathered)."""
+    catchup_host: str = "127.0.0.1"
+    """Address the learner's catch-up server binds to (0.0.0.0 to serve generators on other hosts)."""
+    catchup_port: int = 0
+    """Port of the catch-up server (0: any free port; generators learn it from the control message)."""
+    catchup_advertise: str = ""
+    """Host name generators on other machines use to reach the catch-up server ("" = catchup_host)."""
+    broadcast_port: int = 0
+    """backend=broadcast: port of the group's rendezvous store on the learner (0: any free port)."""
+    timeout_s: float = 60.0
+    """Longest any weight-sync wait may take (a fetch, a broadcast, a rendezvous) before it fails naming the peer."""
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -22,3 +37,10 @@ class WeightSyncConfig:
             raise ValueError(f"weightsync.keep_versions must be >= 2, got {self.keep_versions}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"weightsync.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.bucket_mb <= 0:
+            raise ValueError(f"weightsync.bucket_mb must be > 0, got {self.bucket_mb}")
+        for name in ("catchup_port", "broadcast_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"weightsync.{name} must be in [0, 65535], got {getattr(self, name)}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"weightsync.timeout_s must be > 0, got {self.timeout_s}")

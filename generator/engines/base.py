@@ -3,7 +3,10 @@
 Engines: `vllm` (AsyncLLM), `sglang` (sglang.Engine, CUDA only), `hf` (plain transformers, the reference).
 They share this interface:
   await start(); await sample(prompt_ids, sampling, n) -> list[Completion];
-  await load_weights(safetensors_path, version); await close(); attribute `version`.
+  await load_weights(staged, fallback); await close(); attribute `version`.
+`staged` is a complete, verified version in the generator's staging mapping (weightsync/receiver.py); `fallback` is
+the last good one (None: the model's own files). A load either completes or goes back to `fallback` and raises
+WeightLoadError; no engine ever samples from partly loaded weights.
 """
 from dataclasses import dataclass, field
 

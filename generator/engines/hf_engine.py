@@ -63,28 +63,37 @@ class HfEngine:
             output = self.model(input_ids=tokens[:, None], past_key_values=output.past_key_values, use_cache=True)
         return completions
 
-    async def load_weights(self, path: str, version: int) -> None:
-        """Copy the tensors in under the lock, so no batch ever sees a partly loaded model."""
-        from safetensors.torch import load_file
-
+    async def load_weights(self, staged, fallback=None) -> None:
+        """Copy the staged tensors in under the lock, so no batch ever sees a partly loaded model. Names and shapes
+        are checked before the first copy; should a copy still fail midway, `fallback` (the last good staged
+        version, or the model's own files) is copied back before the lock is released."""
         async with self._lock:
+            tensors = dict(staged.buckets.tensors())
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            missing = [name for name in params if name not in tensors and not _is_tied(self.model, name)]
+            unknown = [name for name in tensors if name not in params]
+            bad_shape = [n for n, t in tensors.items() if n in params and params[n].shape != t.shape]
+            if missing or unknown or bad_shape:  # checked before any copy: never half-loaded
+                raise WeightLoadError(
+                    f"v{staged.version}: missing {missing[:3]}, unknown {unknown[:3]}, wrong shape {bad_shape[:3]}")
             try:
-                tensors = load_file(path)
-                params = dict(self.model.named_parameters(remove_duplicate=False))
-                missing = [name for name in params if name not in tensors and not _is_tied(self.model, name)]
-                unknown = [name for name in tensors if name not in params]
-                bad_shape = [n for n, t in tensors.items() if n in params and params[n].shape != t.shape]
-                if missing or unknown or bad_shape:  # checked before any copy: never half-loaded
-                    raise WeightLoadError(
-                        f"v{version}: missing {missing[:3]}, unknown {unknown[:3]}, wrong shape {bad_shape[:3]}")
-                with torch.no_grad():
-                    for name, tensor in tensors.items():
-                        params[name].copy_(tensor)
-            except WeightLoadError:
-                raise
+                self._copy_in(params, tensors)
             except Exception as err:
-                raise WeightLoadError(f"hf engine could not load v{version} from {path}: {err}") from err
-            self.version = version
+                self._copy_in(params, dict(fallback.buckets.tensors()) if fallback else self._original())
+                raise WeightLoadError(f"hf engine could not load v{staged.version}: {err}; kept v{self.version}") \
+                    from err
+            self.version = staged.version
+
+    @torch.no_grad()
+    def _copy_in(self, params: dict, tensors: dict) -> None:
+        for name, tensor in tensors.items():
+            params[name].copy_(tensor)
+
+    def _original(self) -> dict:
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype,
+                                                    trust_remote_code=self.trust_remote_code).state_dict()
 
     async def close(self) -> None:
         self.model = None

@@ -104,9 +104,14 @@ class SglangEngine:
         completion.finish_reason = FINISH_REASONS.get((finish or {}).get("type"), "length")
         return completion
 
-    async def load_weights(self, path: str, version: int) -> None:
-        """The shm path: load a published safetensors directory with `update_weights_from_disk`."""
-        await self.receiver.load_from_disk(os.path.dirname(path), version)
+    async def load_weights(self, staged, fallback=None) -> None:
+        """The staged path (shared memory, or anything the generator's WeightStage verified): sent to SGLang with
+        `update_weights_from_tensor`; a failure goes back to `fallback` (see sglang_receiver.py)."""
+        await self.receiver.load_staged(staged, fallback)
+
+    async def load_from_disk(self, directory: str, version: int) -> None:
+        """A published HF directory (an exported checkpoint), with `update_weights_from_disk`."""
+        await self.receiver.load_from_disk(directory, version)
 
     async def receive_weights(self, message: dict) -> None:
         """The distributed path: one control message per version (see sglang_receiver.py)."""

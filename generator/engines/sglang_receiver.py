@@ -101,6 +101,7 @@ class SglangWeightReceiver:
         self._idle = asyncio.Event()
         self._idle.set()
         self._lock = asyncio.Lock()  # one load at a time
+        self._fallback = None  # the last good staged version, during a staged load
 
     # --- the sampler's side ------------------------------------------------------------------------------
 
@@ -148,6 +149,25 @@ class SglangWeightReceiver:
                 raise
             if message.get("path"):
                 self.good_path, self.good_version = message["path"], version
+
+    async def load_staged(self, staged, fallback=None) -> None:
+        """A version staged in shared memory (weightsync/receiver.py), sent with `update_weights_from_tensor`; a
+        failed load goes back to `fallback` (the last good staged version) the same way, or to the disk copy."""
+        version = staged.version
+        async with self._lock:
+            self._check_usable(version)
+            self._fallback = fallback
+
+            def load():
+                return bounded(self.engine.update_weights_from_tensor(
+                    named_tensors=list(staged.buckets.tensors()), flush_cache=self.update_mode != "keep",
+                    weight_version=str(version)), self.timeout_s, f"load v{version} from staging",
+                    self.engine_peer)
+
+            try:
+                await self._load(version, load, f"staging slot {staged.slot}")
+            finally:
+                self._fallback = None
 
     async def load_from_disk(self, directory: str, version: int) -> None:
         """Load a published directory (the shm backend): the same pause discipline, then `good_path` moves."""
@@ -266,12 +286,20 @@ class SglangWeightReceiver:
             # Aborting first frees the model-update lock held by queued requests (the disk reload takes it).
             await bounded(self.engine.pause_generation(mode="abort"), self.timeout_s, "abort before rollback",
                           self.engine_peer)
-            success, reason, _ = await bounded(self.engine.update_weights_from_disk(
-                model_path=self.good_path, weight_version=str(self.good_version), abort_all_requests=True,
-                flush_cache=True), self.timeout_s, f"reload v{self.good_version}", self.engine_peer)
+            if self._fallback is not None:  # the last good version is still staged in shared memory
+                success, reason, *_ = await bounded(self.engine.update_weights_from_tensor(
+                    named_tensors=list(self._fallback.buckets.tensors()), flush_cache=True,
+                    weight_version=str(self._fallback.version)), self.timeout_s,
+                    f"reload v{self._fallback.version} from staging", self.engine_peer)
+                good_version = self._fallback.version
+            else:
+                success, reason, _ = await bounded(self.engine.update_weights_from_disk(
+                    model_path=self.good_path, weight_version=str(self.good_version), abort_all_requests=True,
+                    flush_cache=True), self.timeout_s, f"reload v{self.good_version}", self.engine_peer)
+                good_version = self.good_version
             if not success:
                 raise RuntimeError(reason)
-            self.version = self.good_version
+            self.version = good_version
             await bounded(self.engine.continue_generation(), self.timeout_s, "continue generation",
                           self.engine_peer)
         except Exception as rollback_err:

@@ -1,11 +1,13 @@
 """vLLM engine through `AsyncLLM`: streaming deltas, token ids in and out, processed logprobs.
 
-Weight updates follow platform_notes.md: pause -> `reload_weights` on every worker (the only way that works after
-CPU weight prepacking) -> `reset_prefix_cache` (otherwise cached KV from old weights is reused) -> resume. A
-failed reload is followed by a reload of the last good file, because a half-loaded CPU engine dies on its next
-generate.
+Weight updates follow platform_notes.md: pause (weightsync.update_mode: wait, keep or abort) -> every worker loads
+the staged version from the generator's staging mapping (vllm_worker.py; `reload_weights` is the only way that works
+after CPU weight prepacking) -> `reset_prefix_cache` (otherwise cached KV from old weights is reused) -> resume. A
+failed load is followed by a reload of the last good version, because a half-loaded CPU engine dies on its next
+generate; the engine stays paused until that reload is done.
 """
 import asyncio
+import json
 import os
 import uuid
 
@@ -23,10 +25,11 @@ class VllmEngine:
         self.update_mode = update_mode
         self.trust_remote_code = trust_remote_code
         self.version = 0
-        self._good_dir = model_path  # the directory of the last weights that loaded
         self._engine = None
         self._loaded = asyncio.Event()
         self._loaded.set()
+        self._expected: dict = {}  # checkpoint name -> shape, what every version must match
+        self.broken: str | None = None  # set when even the fallback failed: sampling raises instead of waiting
 
     async def start(self) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -43,11 +46,15 @@ class VllmEngine:
             seed=self.seed,
             trust_remote_code=self.trust_remote_code,
             disable_log_stats=True,
+            worker_extension_cls="asyncrl.generator.engines.vllm_worker.StagedWeightsLoader",
         )
         self._engine = AsyncLLM.from_engine_args(args)
+        self._expected = checkpoint_shapes(self.model_path)
 
     async def sample(self, prompt_ids: list, sampling, n: int) -> list[Completion]:
         await self._loaded.wait()  # never start a request while weights are being replaced
+        if self.broken:
+            raise WeightLoadError(self.broken)
         return list(await asyncio.gather(*(self._one(prompt_ids, sampling) for _ in range(n))))
 
     async def _one(self, prompt_ids: list, sampling) -> Completion:
@@ -75,25 +82,80 @@ class VllmEngine:
                     "abort" if delta.finish_reason == "abort" else "length")
         return completion
 
-    async def load_weights(self, path: str, version: int) -> None:
-        """Pause, load the whole file, reset the prefix cache, resume. On failure reload the last good file."""
+    async def load_weights(self, staged, fallback=None) -> None:
+        """Pause, load the whole staged version, reset the prefix cache, resume. On failure reload `fallback` (the
+        last good staged version; None: the model's own files) before resuming, and raise WeightLoadError."""
+        problems = check_against_checkpoint(staged.message, self._expected)
+        if problems:  # caught before the engine is touched: vLLM cannot check fused parameters up front
+            raise WeightLoadError(f"v{staged.version} does not fit the model's checkpoint: {problems}; kept "
+                                  f"v{self.version}")
         self._loaded.clear()
         await self._engine.pause_generation(mode=self.update_mode, clear_cache=True)
         try:
-            await self._engine.collective_rpc("reload_weights", kwargs={"weights_path": os.path.dirname(path)})
-        except Exception as err:
-            await self._engine.collective_rpc("reload_weights", kwargs={"weights_path": self._good_dir})
+            try:
+                await self._load(staged)
+            except Exception as err:
+                try:
+                    await self._load(fallback)
+                except Exception as again:  # the engine would die on its next generate: say so, stay paused
+                    raise WeightLoadError(f"vLLM could not load v{staged.version} ({err}) nor reload its last good "
+                                          f"version ({again}); the engine cannot serve") from again
+                await self._engine.reset_prefix_cache()
+                raise WeightLoadError(f"vLLM could not load v{staged.version}: {err}; kept v{self.version}") from err
             await self._engine.reset_prefix_cache()
+            self.version = staged.version
+        except WeightLoadError as err:
+            if "cannot serve" in str(err):
+                self.broken = str(err)
+                self._loaded.set()  # waiting samplers wake up and raise
+                raise
             await self._engine.resume_generation()
             self._loaded.set()
-            raise WeightLoadError(f"vLLM could not load v{version} from {path}: {err}; kept v{self.version}") from err
-        await self._engine.reset_prefix_cache()
-        self.version = version
-        self._good_dir = os.path.dirname(path)
+            raise
         await self._engine.resume_generation()
         self._loaded.set()
+
+    async def _load(self, staged) -> None:
+        if staged is None:
+            await self._engine.collective_rpc("asyncrl_load_path", args=(self.model_path,))
+            return
+        message = {key: staged.message[key] for key in ("version", "names", "dtypes", "shapes", "buckets", "offsets",
+                                                        "bucket_sizes", "checksums", "fingerprint")}
+        await self._engine.collective_rpc("asyncrl_load_staged", args=(staged.ring_path, staged.slot, staged.version,
+                                                                        json.dumps(message)))
 
     async def close(self) -> None:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+
+
+def checkpoint_shapes(model_path: str) -> dict:
+    """name -> shape of the tensors in the model directory's safetensors files (headers only)."""
+    import glob
+
+    from safetensors import safe_open
+
+    shapes = {}
+    for path in glob.glob(os.path.join(model_path, "*.safetensors")):
+        with safe_open(path, framework="pt") as handle:
+            for name in handle.keys():
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes
+
+
+def check_against_checkpoint(message: dict, expected: dict) -> list[str]:
+    """What in a control message would fail vLLM's load midway (unknown names, wrong shapes) or leave it half
+    loaded without an error (missing names: vLLM keeps the old values of layers it got nothing for). A tied
+    lm_head, which checkpoints often omit, may be present."""
+    if not expected:
+        return []
+    missing = sorted(set(expected) - set(message["names"]))
+    problems = [f"missing tensor {name!r}" for name in missing[:3]]
+    for name, shape in zip(message["names"], message["shapes"]):
+        want = expected.get(name)
+        if want is None and name != "lm_head.weight":
+            problems.append(f"unknown tensor {name!r}")
+        elif want is not None and tuple(shape) != want:
+            problems.append(f"{name!r} has shape {tuple(shape)}, the checkpoint {want}")
+    return problems[:5]

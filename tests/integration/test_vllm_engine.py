@@ -9,7 +9,9 @@ import torch
 from asyncrl.buffer.group import Sampling
 from asyncrl.learner.logprobs import compute_logprobs
 from asyncrl.learner.model import load_model
-from asyncrl.weightsync.shm import ShmWeightPublisher, verify_published
+from asyncrl.generator.engines.base import WeightLoadError
+from asyncrl.weightsync.publisher import WeightPublisher
+from asyncrl.weightsync.receiver import WeightStage
 
 pytestmark = pytest.mark.vllm
 PROMPTS = [[31 % 19, 5, 7, 9, 3], [4, 6, 8, 2, 10, 11]]
@@ -67,9 +69,10 @@ def test_weight_update_changes_greedy_outputs_and_never_serves_stale_prefix_cach
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
-    publisher = ShmWeightPublisher(str(tmp_path / "w"), keep_versions=3, dtype="float32")
-    descriptor = publisher.publish(model.state_dict().items(), version=7)
-    run(vllm_engine.load_weights(verify_published(descriptor), 7))
+    publisher, stage = WeightPublisher(str(tmp_path / "ring"), 3, 1 << 20), WeightStage(str(tmp_path), "t")
+    staged = stage.stage(publish(publisher, model.state_dict(), 7))
+    run(vllm_engine.load_weights(staged))
+    stage.end_load(staged, ok=True)
     after = run(vllm_engine.sample(prompt, greedy, n=1))[0]
     assert set(after.versions) == {7}
     with torch.no_grad():
@@ -84,7 +87,69 @@ def test_weight_update_changes_greedy_outputs_and_never_serves_stale_prefix_cach
             assert np.max(np.abs(np.array(expected_logprobs) - np.array(completion.logprobs))) < 1e-4
     # put the original weights back for other tests
     original = load_model(demo_assets[0])
-    run(vllm_engine.load_weights(verify_published(publisher.publish(original.state_dict().items(), 8)), 8))
+    staged = stage.stage(publish(publisher, original.state_dict(), 8))
+    run(vllm_engine.load_weights(staged, stage.good))
+    stage.end_load(staged, ok=True)
+    stage.close()
+    publisher.close()
+
+
+def publish(publisher, state: dict, version: int) -> dict:
+    specs = [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in state.items()]
+    return publisher.publish(iter(state.items()), version, specs)
+
+
+def broken_version(demo_assets, seed: int) -> dict:
+    """The demo model's tensors, perturbed, with one tensor late in the load order of the wrong shape."""
+    state = dict(load_model(demo_assets[0]).state_dict())
+    torch.manual_seed(seed)
+    broken = {name: tensor + 0.5 * torch.randn_like(tensor) for name, tensor in state.items()}
+    broken[list(broken)[-2]] = torch.zeros(3, 5)
+    return broken
+
+
+def test_a_version_that_does_not_fit_the_checkpoint_is_refused_before_the_engine_is_touched(
+        vllm_engine, demo_assets, event_loop_runner, tmp_path):
+    run = event_loop_runner.run_until_complete
+    publisher, stage = WeightPublisher(str(tmp_path / "ring"), 3, 1 << 20), WeightStage(str(tmp_path), "t")
+    staged = stage.stage(publish(publisher, broken_version(demo_assets, 3), 12))
+    version = vllm_engine.version
+    with pytest.raises(WeightLoadError, match=r"does not fit the model's checkpoint.*shape \(3, 5\)"):
+        run(vllm_engine.load_weights(staged, stage.good))
+    stage.end_load(staged, ok=False)
+    state = dict(load_model(demo_assets[0]).state_dict())
+    state.pop(list(state)[3])
+    incomplete = stage.stage(publish(WeightPublisher(str(tmp_path / "r2"), 2, 1 << 20), state, 13))
+    with pytest.raises(WeightLoadError, match="missing tensor"):  # vLLM would keep old values silently
+        run(vllm_engine.load_weights(incomplete, stage.good))
+    assert vllm_engine.version == version
+    stage.close()
+    publisher.close()
+
+
+def test_a_load_failing_halfway_goes_back_to_the_last_good_version(vllm_engine, demo_assets, event_loop_runner,
+                                                                   tmp_path):
+    """Should a load still fail midway (the pre-check is switched off here, so vLLM meets the bad tensor after
+    replacing many others), a CPU engine left like that dies on its next generate. The engine reloads its last
+    good version before it resumes, and samples exactly as before."""
+    run = event_loop_runner.run_until_complete
+    greedy = Sampling(temperature=1e-4, max_tokens=6)
+    prompt = PROMPTS[1]
+    before = run(vllm_engine.sample(prompt, greedy, n=1))[0]
+    publisher, stage = WeightPublisher(str(tmp_path / "ring"), 3, 1 << 20), WeightStage(str(tmp_path), "t")
+    staged = stage.stage(publish(publisher, broken_version(demo_assets, 2), 11))
+    expected, vllm_engine._expected = vllm_engine._expected, {}
+    try:
+        with pytest.raises(WeightLoadError, match="v11") as failure:
+            run(vllm_engine.load_weights(staged, stage.good))
+    finally:
+        vllm_engine._expected = expected
+    assert "kept v" in str(failure.value), failure.value
+    stage.end_load(staged, ok=False)
+    after = run(vllm_engine.sample(prompt, greedy, n=1))[0]  # alive, and on the old weights
+    assert after.token_ids == before.token_ids and set(after.versions) == set(before.versions) != {11}
+    stage.close()
+    publisher.close()
 
 
 def test_temperature_zero_is_the_learner_models_greedy_decode(vllm_engine, demo_assets, event_loop_runner):

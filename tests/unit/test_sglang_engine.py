@@ -343,12 +343,39 @@ def test_load_weights_from_a_published_directory(tmp_path):
 
     async def main():
         await engine.start()
-        await engine.load_weights(os.path.join(directory, "model.safetensors"), 1)
+        await engine.load_from_disk(directory, 1)
         return await engine.sample([3], Sampling(temperature=1.0, max_tokens=3), n=1), engine._engine
 
     (completion,), fake = run(main())
     assert calls(fake) == ["pause_generation", "update_weights_from_disk", "flush_cache", "continue_generation"]
     assert fake.calls[1][1]["model_path"] == directory and completion.versions == [1, 1, 1]
+
+
+def test_load_weights_from_a_staged_version(tmp_path):
+    """The shared-memory path: a version published to the learner's ring and staged (verified) by the generator
+    goes in with update_weights_from_tensor, under the same pause discipline."""
+    from asyncrl.weightsync.publisher import WeightPublisher
+    from asyncrl.weightsync.receiver import WeightStage
+
+    engine, _, _ = build(tmp_path)
+    new = weights_without_eos(2)
+    publisher, stage = WeightPublisher(str(tmp_path / "ring"), 2, 1 << 16), WeightStage(str(tmp_path), "sg")
+    specs = [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in new.items()]
+    staged = stage.stage(publisher.publish(iter(new.items()), 4, specs))
+
+    async def main():
+        await engine.start()
+        await engine.load_weights(staged, None)
+        return await engine.sample([3], Sampling(temperature=1.0, max_tokens=3), n=1), engine._engine
+
+    try:
+        (completion,), fake = run(main())
+    finally:
+        stage.close()
+        publisher.close()
+    assert calls(fake) == ["pause_generation", "update_weights_from_tensor", "flush_cache", "continue_generation"]
+    assert all(torch.equal(fake.weights[name], tensor) for name, tensor in new.items())
+    assert completion.versions == [4, 4, 4]
 
 
 def test_server_args_map_the_engine_keywords_and_size_the_kv_pool_in_tokens(tmp_path):

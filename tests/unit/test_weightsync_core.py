@@ -1,0 +1,135 @@
+"""Weight sync's control plane and shared-memory data plane, in one process: the layout and its message, buckets
+reused across versions, the persistent ring's seqlock, the publisher, catch-up, and staging that never hands on a
+version it has not verified whole."""
+import os
+import threading
+
+import pytest
+import torch
+
+from asyncrl.weightsync.catchup import CatchupError, CatchupServer, fetch
+from asyncrl.weightsync.layout import ALIGN, LayoutError, from_message, plan_layout, to_message
+from asyncrl.weightsync.publisher import PublishError, WeightPublisher
+from asyncrl.weightsync.receiver import WeightStage, WeightSyncError
+from asyncrl.weightsync.shm_ring import RingError, ShmRing
+
+
+def model_tensors(seed: int, scale: float = 1.0) -> list:
+    torch.manual_seed(seed)
+    return [("embed.weight", torch.randn(50, 16) * scale), ("layer.0.w", torch.randn(16, 16)),
+            ("layer.0.b", torch.randn(3)), ("norm.weight", torch.randn(16).to(torch.bfloat16)),
+            ("lm_head.weight", torch.randn(50, 16))]
+
+
+def specs_of(tensors):
+    return [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in tensors]
+
+
+def test_layout_packs_aligned_buckets_and_survives_its_message():
+    tensors = model_tensors(0)
+    layout = plan_layout(specs_of(tensors), bucket_bytes=4096)
+    assert all(e.offset % ALIGN == 0 for e in layout.entries)
+    assert layout.bucket_sizes[0] <= 4096 and len(layout.bucket_sizes) == 3  # 3200, 1024+12+32, 3200 bytes
+    message = to_message(layout, 7, ["x"] * len(layout.bucket_sizes))
+    assert from_message(message) == layout and message["version"] == 7
+    big = plan_layout([("huge", "float32", (2000,))], bucket_bytes=1024)  # larger than a bucket: its own
+    assert big.bucket_sizes == (8000,)
+    broken = dict(message, offsets=[0, 0, 0, 0, 100000])
+    with pytest.raises(LayoutError, match="does not fit"):
+        from_message(broken)
+    with pytest.raises(LayoutError, match="checksums"):
+        from_message(dict(message, checksums=[]))
+
+
+def publish(publisher, tensors, version):
+    return publisher.publish(iter(tensors), version, specs_of(tensors))
+
+
+def test_publisher_writes_versions_in_place_and_staging_copies_them_verified(tmp_path):
+    publisher = WeightPublisher(str(tmp_path / "ring"), slots=3, bucket_bytes=4096)
+    stage = WeightStage(str(tmp_path), "gen")
+    try:
+        first = publish(publisher, model_tensors(1), 1)
+        ring_inode = os.stat(publisher.ring_path).st_ino
+        second = publish(publisher, model_tensors(2), 2)
+        assert os.stat(publisher.ring_path).st_ino == ring_inode  # the mapping is reused, not recreated
+        staged = stage.stage(second)
+        got = dict(staged.buckets.tensors())
+        for name, tensor in model_tensors(2):
+            assert torch.equal(got[name], tensor)
+        assert stage.paths_used["shm"] == 1 and staged.version == 2
+        stage.end_load(staged, ok=True)
+        assert stage.good.slot == staged.slot
+        again = stage.stage(first)  # an older version still in the ring, into another slot
+        assert again.slot != staged.slot
+        stage.end_load(again, ok=False)
+        assert stage.good is staged  # a failed load keeps the last good version pinned
+    finally:
+        stage.close()
+        publisher.close()
+
+
+def test_a_slot_overwritten_while_read_is_detected(tmp_path):
+    tensors = model_tensors(3)
+    layout = plan_layout(specs_of(tensors), 4096)
+    writer = ShmRing(str(tmp_path / "r"), layout, 2, create=True)
+    reader = ShmRing(str(tmp_path / "r"), layout, 2, create=False)
+    writer.begin_write(1)
+    writer.end_write(1, 5)
+    assert reader.find(5) == 1 and reader.find(4) is None
+    writer.begin_write(1)  # the learner reuses the slot
+    assert reader.find(5) is None  # odd sequence: not complete
+    with pytest.raises(RingError, match="no longer"):
+        reader.copy_out(5, writer.buckets(0))
+    other = plan_layout([("x", "float32", (3,))], 4096)
+    with pytest.raises(RingError, match="another layout|bytes"):
+        ShmRing(str(tmp_path / "r"), other, 2, create=False)
+    reader.close()
+    writer.close(unlink=True)
+
+
+def test_publish_refuses_missing_or_unknown_tensors(tmp_path):
+    publisher = WeightPublisher(str(tmp_path / "ring"), slots=2, bucket_bytes=4096)
+    tensors = model_tensors(4)
+    with pytest.raises(PublishError, match="never arrived"):
+        publisher.publish(iter(tensors[:-1]), 1, specs_of(tensors))
+    with pytest.raises(PublishError, match="not in the layout"):
+        publisher.publish(iter(tensors + [("extra", torch.zeros(2))]), 1, specs_of(tensors))
+    publisher.close()
+
+
+def test_catch_up_serves_the_newest_version_to_another_host(tmp_path):
+    server = CatchupServer("127.0.0.1", 0)
+    publisher = WeightPublisher(str(tmp_path / "ring"), slots=2, bucket_bytes=4096, catchup=server)
+    stage = WeightStage(str(tmp_path), "remote")
+    try:
+        publish(publisher, model_tensors(5), 1)
+        message = publish(publisher, model_tensors(6), 2)
+        remote = dict(message, shm={"path": str(tmp_path / "not-on-this-host"), "slots": 2})
+        staged = stage.stage(remote)
+        assert stage.paths_used == {"group": 0, "shm": 0, "catchup": 1}
+        assert torch.equal(dict(staged.buckets.tensors())["layer.0.w"], model_tensors(6)[1][1])
+        with pytest.raises(CatchupError, match="not held"):
+            fetch(server.address, 0, lambda m: staged.buckets, 5)
+    finally:
+        stage.close()
+        publisher.close()
+
+
+def test_staging_never_hands_on_bytes_that_fail_their_checksums(tmp_path):
+    publisher = WeightPublisher(str(tmp_path / "ring"), slots=2, bucket_bytes=4096)
+    stage = WeightStage(str(tmp_path), "gen")
+    try:
+        message = publish(publisher, model_tensors(7), 1)
+        publisher.ring.buckets(1).buffers[0][5] += 1  # corrupt the learner's copy after publishing
+        with pytest.raises(WeightSyncError, match="checksums"):
+            stage.stage(message)
+        assert stage.loading is None  # the slot was released
+    finally:
+        stage.close()
+        publisher.close()
+
+
+def test_catch_up_times_out_naming_the_server():
+    with pytest.raises(CatchupError, match="tcp://127.0.0.1:9 did not answer"):
+        fetch("tcp://127.0.0.1:9", 3, lambda m: None, timeout_s=0.3)

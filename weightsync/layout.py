@@ -1,0 +1,132 @@
+"""The control plane of weight sync: one message per version says where every tensor sits in a few flat buckets.
+
+Why flat buckets: the anchors' users' top complaint is weight sync bound by per-tensor control traffic (one RPC or
+one collective per parameter). Here a version is `len(buckets)` contiguous byte buffers, each moved whole by any
+data plane (shared memory, a broadcast group, the catch-up server), and one small message describes them all:
+version, names, dtypes, shapes, the bucket layout (bucket, byte offset per tensor) and one checksum per bucket.
+
+The layout depends only on the names, dtypes and shapes, so it is the same every version: both ends allocate their
+bucket buffers once and reuse them (on CPU, fresh allocations cost more than the copy; platform_notes.md), and a
+receiver can tell from `fingerprint` alone whether its buffers still fit.
+"""
+import hashlib
+import json
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+ALIGN = 64  # every tensor starts on a cache line, so a typed view of the bucket is always aligned
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
+          "int32": torch.int32, "uint8": torch.uint8, "bool": torch.bool, "float64": torch.float64}
+
+
+class LayoutError(ValueError):
+    """A control message that does not describe a loadable version (the message says what is wrong)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    dtype: str
+    shape: tuple
+    bucket: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    entries: tuple
+    bucket_sizes: tuple
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bucket_sizes)
+
+    @property
+    def fingerprint(self) -> str:
+        """Same value <=> same names, dtypes, shapes and placement: preallocated buffers can be reused."""
+        text = json.dumps([[e.name, e.dtype, list(e.shape), e.bucket, e.offset] for e in self.entries])
+        return hashlib.sha1(text.encode() + str(self.bucket_sizes).encode()).hexdigest()[:16]
+
+    def in_bucket(self, index: int) -> list:
+        return [entry for entry in self.entries if entry.bucket == index]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def plan_layout(specs: list, bucket_bytes: int) -> Layout:
+    """specs: (name, dtype name, shape) in publishing order. Consecutive tensors fill a bucket up to bucket_bytes;
+    a larger tensor gets a bucket of its own. Offsets are ALIGN-aligned."""
+    if bucket_bytes < ALIGN:
+        raise LayoutError(f"bucket size must be >= {ALIGN} bytes, got {bucket_bytes}")
+    entries, sizes, used = [], [], 0
+    for name, dtype, shape in specs:
+        if dtype not in DTYPES:
+            raise LayoutError(f"tensor {name!r} has dtype {dtype!r}, which weight sync does not carry")
+        numel = 1
+        for dim in shape:
+            numel *= int(dim)
+        nbytes = numel * DTYPES[dtype].itemsize
+        start = -(-used // ALIGN) * ALIGN
+        if not sizes or (start + nbytes > bucket_bytes and used > 0):
+            sizes.append(0)
+            start = 0
+        entries.append(Entry(name, dtype, tuple(int(d) for d in shape), len(sizes) - 1, start, nbytes))
+        used = start + nbytes
+        sizes[-1] = used
+    return Layout(tuple(entries), tuple(sizes))
+
+
+def layout_of(named_tensors: list, bucket_bytes: int) -> Layout:
+    return plan_layout([(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in named_tensors], bucket_bytes)
+
+
+def bucket_checksum(bucket: torch.Tensor) -> str:
+    """xxh3-64 of a bucket's bytes (about 10x faster than CRC32 here, so checking every version is cheap)."""
+    return xxhash.xxh3_64_hexdigest(memoryview(bucket.numpy()))
+
+
+def to_message(layout: Layout, version: int, checksums: list, **transport) -> dict:
+    """The control message for `version` (JSON-safe). `transport` adds where the bytes are (shm path and slot, the
+    broadcast group's address, the catch-up server's address)."""
+    return {"version": int(version), "names": [e.name for e in layout.entries],
+            "dtypes": [e.dtype for e in layout.entries], "shapes": [list(e.shape) for e in layout.entries],
+            "buckets": [e.bucket for e in layout.entries], "offsets": [e.offset for e in layout.entries],
+            "bucket_sizes": list(layout.bucket_sizes), "checksums": list(checksums),
+            "fingerprint": layout.fingerprint, "bytes": layout.total_bytes, **transport}
+
+
+def from_message(message: dict) -> Layout:
+    """The layout a control message describes, checked for consistency before anything is allocated or loaded."""
+    try:
+        names, dtypes, shapes = message["names"], message["dtypes"], message["shapes"]
+        buckets, offsets, sizes = message["buckets"], message["offsets"], message["bucket_sizes"]
+    except (KeyError, TypeError) as err:
+        raise LayoutError(f"weights v{message.get('version') if isinstance(message, dict) else '?'}: control "
+                          f"message lacks {err}") from None
+    if not len(names) == len(dtypes) == len(shapes) == len(buckets) == len(offsets):
+        raise LayoutError(f"weights v{message.get('version')}: names, dtypes, shapes, buckets and offsets differ in "
+                          f"length")
+    if len(message.get("checksums", [])) != len(sizes):
+        raise LayoutError(f"weights v{message.get('version')}: {len(sizes)} buckets but "
+                          f"{len(message.get('checksums', []))} checksums")
+    entries = []
+    for name, dtype, shape, bucket, offset in zip(names, dtypes, shapes, buckets, offsets):
+        if dtype not in DTYPES:
+            raise LayoutError(f"weights v{message.get('version')}: {name!r} has unknown dtype {dtype!r}")
+        numel = 1
+        for dim in shape:
+            numel *= int(dim)
+        nbytes = numel * DTYPES[dtype].itemsize
+        if not 0 <= bucket < len(sizes) or offset < 0 or offset + nbytes > sizes[bucket] or offset % ALIGN:
+            raise LayoutError(f"weights v{message.get('version')}: {name!r} at bucket {bucket} offset {offset} "
+                              f"({nbytes} bytes) does not fit the bucket sizes {sizes}")
+        entries.append(Entry(name, dtype, tuple(int(d) for d in shape), int(bucket), int(offset), nbytes))
+    layout = Layout(tuple(entries), tuple(int(size) for size in sizes))
+    if message.get("fingerprint") not in (None, layout.fingerprint):
+        raise LayoutError(f"weights v{message.get('version')}: the layout's fingerprint does not match its fields")
+    return layout

@@ -1,0 +1,155 @@
+"""The learner's side of weight sync: one call per version, whatever the data planes.
+
+`publish(named_tensors, version)` takes the full tensors as the FSDP gathers produce them (bucket by bucket, on
+rank 0), copies each into its place in the ring slot for this version (the persistent shared-memory mapping,
+shm_ring.py), and hands every completed bucket to a sender thread that checksums it and, when a broadcast group is
+attached, sends it on while the main thread gathers the next bucket. It returns the control message (layout.py),
+which the buffer announces to generators; a generator that missed the broadcast (it joined late, restarted, or
+lives on another host without the group) fetches the same bytes from the catch-up server (catchup.py), which
+serves them from the ring.
+
+Nothing a receiver does can block `publish`: shared memory has no reader handshake, the broadcast group has
+timeouts and drops dead members (its own module), and catch-up runs on its own thread.
+"""
+import logging
+import os
+import queue
+import threading
+import time
+
+from asyncrl.weightsync.layout import Layout, bucket_checksum, plan_layout, to_message
+from asyncrl.weightsync.shm_ring import ShmRing
+
+log = logging.getLogger(__name__)
+
+
+class PublishError(RuntimeError):
+    """A version could not be published (the message names the tensor or the peer)."""
+
+
+class WeightPublisher:
+    """`ring_path`: the persistent mapping (on tmpfs); `slots`: versions kept readable at once (>= 2);
+    `group`: an optional broadcast host with `send_bucket(version, index, bucket)`/`finish(version)` or
+    `send(version, buckets)`; `catchup`: an optional server that is told about each complete version."""
+
+    def __init__(self, ring_path: str, slots: int, bucket_bytes: int, group=None, catchup=None, host: str = ""):
+        self.ring_path = ring_path
+        self.slots = slots
+        self.bucket_bytes = bucket_bytes
+        self.group = group
+        self.catchup = catchup
+        self.host = host or os.uname().nodename
+        self.ring: ShmRing | None = None
+        self.layout: Layout | None = None
+        self.last_message: dict = {}
+        self.timings: dict = {}
+
+    def _ring_for(self, layout: Layout) -> ShmRing:
+        if self.ring is None or self.layout.fingerprint != layout.fingerprint:
+            if self.ring is not None:
+                self.ring.close(unlink=True)
+            os.makedirs(os.path.dirname(self.ring_path) or ".", exist_ok=True)
+            self.ring = ShmRing(self.ring_path, layout, self.slots, create=True)  # once per job, then reused
+            self.layout = layout
+            if self.catchup is not None:
+                self.catchup.attach(self.ring)
+        return self.ring
+
+    def publish(self, named_tensors, version: int, specs: list) -> dict:
+        """specs: (name, dtype name, shape) of every tensor in the order `named_tensors` yields them (known before
+        any gather, from the sharded state dict). Returns the control message for `version`."""
+        started = time.perf_counter()
+        layout = plan_layout(specs, self.bucket_bytes)
+        ring = self._ring_for(layout)
+        slot = version % self.slots
+        buckets = ring.buckets(slot)
+        remaining = [len(layout.in_bucket(index)) for index in range(len(layout.bucket_sizes))]
+        checksums = [None] * len(remaining)
+        sender = _BucketSender(self.group, version, buckets.buffers, checksums)
+        ring.begin_write(slot)
+        seen = set()
+        try:
+            for name, tensor in named_tensors:
+                try:
+                    entry = buckets.put(name, tensor)
+                except KeyError:
+                    raise PublishError(f"weights v{version}: tensor {name!r} is not in the layout (specs and "
+                                       f"tensors disagree)") from None
+                seen.add(name)
+                remaining[entry.bucket] -= 1
+                if remaining[entry.bucket] == 0:
+                    sender.put(entry.bucket)
+            missing = [entry.name for entry in layout.entries if entry.name not in seen]
+            if missing:
+                raise PublishError(f"weights v{version}: {len(missing)} tensors never arrived, e.g. {missing[:3]}")
+        finally:
+            sender.close()
+        sender.raise_error()
+        ring.end_write(slot, version)
+        message = to_message(layout, version, checksums, shm={"path": self.ring_path, "host": self.host,
+                                                              "slots": self.slots},
+                             published_at=time.time())
+        if self.group is not None:
+            message["group"] = self.group.describe()
+        if self.catchup is not None:
+            message["catchup"] = self.catchup.address
+            self.catchup.announce(message)
+        self.last_message = message
+        self.timings = {"publish_s": time.perf_counter() - started, "send_wait_s": sender.wait_s}
+        return message
+
+    def close(self) -> None:
+        if self.catchup is not None:
+            self.catchup.close()
+        if self.group is not None:
+            self.group.close()
+        if self.ring is not None:
+            self.ring.close(unlink=True)
+            self.ring = None
+
+
+class _BucketSender:
+    """Checksums (and broadcasts) completed buckets on a thread, so bucket k travels while k+1 is gathered. Both
+    xxhash and torch.distributed release the GIL."""
+
+    def __init__(self, group, version: int, buffers: list, checksums: list):
+        self.group, self.version, self.buffers, self.checksums = group, version, buffers, checksums
+        self.queue: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.wait_s = 0.0
+        self.thread = threading.Thread(target=self._run, name="asyncrl-weight-sender", daemon=True)
+        self.thread.start()
+
+    def put(self, index: int) -> None:
+        self.queue.put(index)
+
+    def _run(self) -> None:
+        while (index := self.queue.get()) is not None:
+            if self.error is not None:
+                continue
+            try:
+                self.checksums[index] = bucket_checksum(self.buffers[index])
+                if self.group is not None and hasattr(self.group, "send_bucket"):
+                    self.group.send_bucket(self.version, index, self.buffers[index])
+            except BaseException as err:  # reported by raise_error, after every bucket was consumed
+                self.error = err
+        if self.error is None and self.group is not None:
+            try:
+                if hasattr(self.group, "send_bucket"):
+                    self.group.finish(self.version)
+                else:
+                    self.group.send(self.version, self.buffers)
+            except BaseException as err:
+                self.error = err
+
+    def close(self) -> None:
+        started = time.perf_counter()
+        self.queue.put(None)
+        self.thread.join()
+        self.wait_s = time.perf_counter() - started
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            if isinstance(self.error, PublishError):
+                raise self.error
+            raise PublishError(f"weights v{self.version}: {self.error}") from self.error

@@ -1,0 +1,211 @@
+"""The generator's side of weight sync, up to the engine: bring an announced version into local staging, whole and
+verified, before any engine touches it.
+
+A generator keeps a staging ring of three slots (shm_ring.py): the version its engine runs (kept, so a failed load
+can go back to it), the version being loaded, and one free slot where the next version lands. A version gets there
+by the cheapest path that has it, each checked against the control message's per-bucket checksums:
+1. the broadcast group already delivered it into the free slot (dist_group.py, on a background thread);
+2. the learner's ring is on this host: copy it from the shared mapping (seqlock-checked);
+3. otherwise ask the learner's catch-up server for it (catchup.py).
+Only a `Staged` version — complete, checksummed, in a slot nobody writes to — is handed to an engine's receiver,
+which loads it all or goes back to its last good version (generator/engines/*).
+"""
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from asyncrl.weightsync.buckets import FlatBuckets
+from asyncrl.weightsync.catchup import CatchupError, fetch
+from asyncrl.weightsync.layout import Layout, LayoutError, bucket_checksum, from_message
+from asyncrl.weightsync.shm_ring import RingError, ShmRing
+
+log = logging.getLogger(__name__)
+STAGING_SLOTS = 3
+
+
+class WeightSyncError(RuntimeError):
+    """No path could deliver a complete, verified copy of a version (the message says what each path did)."""
+
+
+@dataclass
+class Staged:
+    """A complete, verified version in a staging slot; `ring_path` and `slot` let another process map it."""
+    version: int
+    message: dict
+    ring_path: str
+    slot: int
+    buckets: FlatBuckets
+
+
+def verify(buckets: FlatBuckets, message: dict) -> list[int]:
+    """Indexes of the buckets whose bytes do not match the control message's checksums."""
+    return [index for index, (buffer, expected) in enumerate(zip(buckets.buffers, message["checksums"]))
+            if bucket_checksum(buffer) != expected]
+
+
+class WeightStage:
+    def __init__(self, directory: str, name: str, catchup_timeout_s: float = 60.0):
+        self.name = name
+        self.path = os.path.join(directory, f"asyncrl-stage-{name}-{os.getpid()}")
+        self.catchup_timeout_s = catchup_timeout_s
+        self.ring: ShmRing | None = None
+        self.layout: Layout | None = None
+        self.good: Staged | None = None  # what the engine runs
+        self.loading: int | None = None  # the slot being staged or loaded
+        self.receiving: int | None = None  # the slot the broadcast receiver is writing
+        self._lock = threading.Lock()
+        self._learner_rings: dict[str, ShmRing] = {}
+        self.paths_used = {"group": 0, "shm": 0, "catchup": 0}
+        self.member = None  # dist_group.WeightGroupMember, joined when a control message names a group
+        self._member_address = None
+        self._received: tuple | None = None  # (version, buckets) taken from the member, not yet used
+
+    def _ring_for(self, layout: Layout) -> ShmRing:
+        if self.ring is None or self.layout.fingerprint != layout.fingerprint:
+            if self.ring is not None:
+                self.ring.close(unlink=True)
+            self.ring = ShmRing(self.path, layout, STAGING_SLOTS, create=True)
+            self.layout, self.good = layout, None  # the old slots hold another layout
+        return self.ring
+
+    def _reserve(self, layout: Layout, role: str) -> int:
+        """Pin a slot that neither the engine's version, the one being loaded, nor the broadcast receiver uses."""
+        with self._lock:
+            self._ring_for(layout)
+            pinned = {self.good.slot if self.good else None, self.loading, self.receiving}
+            free = sorted(set(range(STAGING_SLOTS)) - pinned)
+            if not free or getattr(self, role) is not None:
+                raise WeightSyncError(f"no free staging slot for {role} (good={self.good and self.good.slot}, "
+                                      f"loading={self.loading}, receiving={self.receiving})")
+            setattr(self, role, free[0])
+            return free[0]
+
+    def reserve_receiving(self, layout: Layout) -> FlatBuckets:
+        """For the broadcast receiver: a slot to receive the next version into, until `received` or `release`."""
+        slot = self._reserve(layout, "receiving")
+        self.ring.begin_write(slot)
+        return self.ring.buckets(slot)
+
+    def received(self, version: int, ok: bool) -> None:
+        with self._lock:
+            if self.receiving is not None:
+                self.ring.end_write(self.receiving, version if ok else -1)
+            self.receiving = None
+
+    def stage(self, message: dict) -> Staged:
+        """The announced version, complete and verified in a staging slot pinned until `end_load`, or
+        WeightSyncError naming what each path did."""
+        try:
+            layout = from_message(message)
+        except LayoutError as err:
+            raise WeightSyncError(str(err)) from None
+        version = message["version"]
+        with self._lock:
+            ring = self._ring_for(layout)
+            found = ring.find(version)
+            if found is not None and found not in (self.receiving, self.loading):
+                self.loading = found
+        if self.loading == found and found is not None:
+            if not verify(ring.buckets(found), message):  # delivered by the broadcast group
+                self.paths_used["group"] += 1
+                return Staged(version, message, self.path, found, ring.buckets(found))
+            self.end_load(None, ok=False)
+        slot = self._reserve(layout, "loading")
+        tried = []
+        for path, copy in (("group", self._from_group), ("shm", self._from_learner_ring),
+                           ("catchup", self._from_catchup)):
+            ring.begin_write(slot)
+            try:
+                if not copy(message, layout, ring.buckets(slot)):
+                    continue
+            except (RingError, CatchupError, OSError, RuntimeError) as err:
+                tried.append(f"{path}: {err}")
+                continue
+            finally:
+                ring.end_write(slot, -1)  # complete only once verified, below
+            bad = verify(ring.buckets(slot), message)
+            if bad:
+                tried.append(f"{path}: buckets {bad[:5]} fail their checksums")
+                continue
+            ring.begin_write(slot)
+            ring.end_write(slot, version)
+            self.paths_used[path] += 1
+            return Staged(version, message, self.path, slot, ring.buckets(slot))
+        self.end_load(None, ok=False)
+        raise WeightSyncError(f"weights v{version}: no complete copy could be staged ({'; '.join(tried) or 'no path'})")
+
+    def _from_group(self, message: dict, layout: Layout, dest: FlatBuckets) -> bool:
+        """What the broadcast group's background receiver delivered, if it is this version. The first message
+        naming a group joins it (later versions then arrive without asking)."""
+        group = message.get("group")
+        if not group:
+            return False
+        if self.member is None or self._member_address != group["address"]:
+            self._join(group, layout)
+            return False  # joining takes effect at the learner's next send
+        while (latest := self.member.take_latest()) is not None:
+            if self._received is not None:
+                self.member.release(self._received[1])
+            self._received = latest
+        if self._received is None or self._received[0] != message["version"]:
+            return False
+        version, buckets = self._received
+        self._received = None
+        try:
+            for source, target in zip(buckets, dest.buffers):
+                target.copy_(source)
+        finally:
+            self.member.release(buckets)
+        return True
+
+    def _join(self, group: dict, layout: Layout) -> None:
+        from asyncrl.weightsync.dist_group import WeightGroupMember
+
+        if self.member is not None:
+            self.member.close()
+        sizes = list(layout.bucket_sizes)
+        self.member = WeightGroupMember.connect(group["address"], self.name, self.catchup_timeout_s,
+                                                backend=group.get("backend", "gloo"))
+        self.member.start_receiving(lambda: [torch.empty(size, dtype=torch.uint8) for size in sizes])
+        self._member_address = group["address"]
+        log.info("weight sync: %s joined the broadcast group at %s", self.name, group["address"])
+
+    def _from_learner_ring(self, message: dict, layout: Layout, dest: FlatBuckets) -> bool:
+        shm = message.get("shm") or {}
+        if not shm.get("path") or not os.path.exists(shm["path"]):
+            return False  # another host: the catch-up path serves it
+        ring = self._learner_rings.get(shm["path"])
+        if ring is None or ring.layout.fingerprint != layout.fingerprint:
+            ring = ShmRing(shm["path"], layout, int(shm["slots"]), create=False)  # mapped once, then reused
+            self._learner_rings[shm["path"]] = ring
+        ring.copy_out(message["version"], dest)
+        return True
+
+    def _from_catchup(self, message: dict, layout: Layout, dest: FlatBuckets) -> bool:
+        if not message.get("catchup"):
+            return False
+        got, _ = fetch(message["catchup"], message["version"], lambda m: dest, self.catchup_timeout_s)
+        if got.get("fingerprint") != layout.fingerprint:
+            raise CatchupError(f"{message['catchup']} answered with another layout")
+        return True
+
+    def end_load(self, staged: Staged | None, ok: bool) -> None:
+        """After the engine's load (`stage` pinned the slot): on success the staged version becomes the one to fall
+        back to; either way the slot it replaced is free again."""
+        with self._lock:
+            self.loading = None
+            if ok:
+                self.good = staged
+
+    def close(self) -> None:
+        if self.member is not None:
+            self.member.close()
+            self.member = None
+        for ring in self._learner_rings.values():
+            ring.close()
+        if self.ring is not None:
+            self.ring.close(unlink=True)
+            self.ring = None
