@@ -28,6 +28,7 @@ class VllmEngine:
         self._engine = None
         self._loaded = asyncio.Event()
         self._loaded.set()
+        self.in_flight: dict = {}  # request id -> its Completion so far
         self._expected: dict = {}  # checkpoint name -> shape, what every version must match
         self.broken: str | None = None  # set when even the fallback failed: sampling raises instead of waiting
 
@@ -66,21 +67,32 @@ class VllmEngine:
             max_tokens=sampling.max_tokens, logprobs=0, output_kind=RequestOutputKind.DELTA,
         )
         completion = Completion()
-        async for output in self._engine.generate({"prompt_token_ids": list(prompt_ids)}, params,
-                                                  request_id=uuid.uuid4().hex):
-            delta = output.outputs[0]
-            version = self.version  # tokens delivered after a load carry the new version
-            # A greedy request (temperature 0, the ReMax baseline) may come back without logprobs: its tokens
-            # are kept with logprob 0, the log-probability of the point mass greedy decoding samples from.
-            logprobs = delta.logprobs or [None] * len(delta.token_ids)
-            for token, logprob_dict in zip(delta.token_ids, logprobs):
-                completion.token_ids.append(token)
-                completion.logprobs.append(logprob_dict[token].logprob if logprob_dict else 0.0)
-                completion.versions.append(version)
-            if delta.finish_reason is not None:
-                completion.finish_reason = "stop" if delta.finish_reason == "stop" else (
-                    "abort" if delta.finish_reason == "abort" else "length")
+        request_id = uuid.uuid4().hex
+        self.in_flight[request_id] = completion  # partial completions, readable while they grow
+        try:
+            async for output in self._engine.generate({"prompt_token_ids": list(prompt_ids)}, params,
+                                                      request_id=request_id):
+                self._take(output, completion)
+        finally:
+            self.in_flight.pop(request_id, None)
         return completion
+
+    def _take(self, output, completion: Completion) -> None:
+        """Append one streamed delta. Tokens are tagged with the engine's version when they reach us; that is the
+        version that generated them because the version only changes while generation is paused and after every
+        token generated before the pause has been consumed (load_weights)."""
+        delta = output.outputs[0]
+        version = self.version
+        # A greedy request (temperature 0, the ReMax baseline) may come back without logprobs: its tokens
+        # are kept with logprob 0, the log-probability of the point mass greedy decoding samples from.
+        logprobs = delta.logprobs or [None] * len(delta.token_ids)
+        for token, logprob_dict in zip(delta.token_ids, logprobs):
+            completion.token_ids.append(token)
+            completion.logprobs.append(logprob_dict[token].logprob if logprob_dict else 0.0)
+            completion.versions.append(version)
+        if delta.finish_reason is not None:
+            completion.finish_reason = "stop" if delta.finish_reason == "stop" else (
+                "abort" if delta.finish_reason == "abort" else "length")
 
     async def load_weights(self, staged, fallback=None) -> None:
         """Pause, load the whole staged version, reset the prefix cache, resume. On failure reload `fallback` (the
@@ -103,6 +115,7 @@ class VllmEngine:
                 await self._engine.reset_prefix_cache()
                 raise WeightLoadError(f"vLLM could not load v{staged.version}: {err}; kept v{self.version}") from err
             await self._engine.reset_prefix_cache()
+            await asyncio.sleep(0)  # any delta generated before the pause is consumed under the old version
             self.version = staged.version
         except WeightLoadError as err:
             if "cannot serve" in str(err):

@@ -165,3 +165,81 @@ def test_temperature_zero_is_the_learner_models_greedy_decode(vllm_engine, demo_
         for _ in range(len(first.token_ids)):
             ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
     assert ids[len(prompt):] == first.token_ids
+
+
+def test_keep_mode_continues_in_flight_requests_on_the_new_weights_and_tags_the_switch(
+        vllm_engine, demo_assets, event_loop_runner, tmp_path):
+    """PipelineRL-style in-flight update: a request running when v21 arrives is not restarted; its tokens before
+    the switch carry the old version and are exactly the old model's, and every token after it carries v21 and was
+    sampled from the new weights (its logprob is not the old model's)."""
+    run = event_loop_runner.run_until_complete
+    prompt = PROMPTS[0]
+    publisher, stage = WeightPublisher(str(tmp_path / "ring"), 3, 1 << 20), WeightStage(str(tmp_path), "k")
+    old_model = load_model(demo_assets[0]).eval()
+    old_version = vllm_engine.version
+    new_model = load_model(demo_assets[0]).eval()
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for param in new_model.parameters():
+            param.add_(torch.randn_like(param) * 0.05)
+    staged = stage.stage(publish(publisher, new_model.state_dict(), 21))
+    vllm_engine.update_mode = "keep"
+
+    async def update_mid_request():
+        # eight requests, so that some are still running when the update lands (a request may stop at EOS)
+        task = asyncio.ensure_future(vllm_engine.sample(prompt, Sampling(temperature=1.0, max_tokens=50), n=8))
+        while not any(len(c.token_ids) >= 5 for c in vllm_engine.in_flight.values()):
+            assert not task.done(), "every request finished before the update could land mid-way"
+            await asyncio.sleep(0.001)
+        await vllm_engine.load_weights(staged, stage.good)
+        return await task
+
+    try:
+        completions = run(update_mid_request())
+    finally:
+        vllm_engine.update_mode = "wait"
+    stage.end_load(staged, ok=True)
+    crossed = [c for c in completions if c.versions and c.versions[0] == old_version and c.versions[-1] == 21]
+    assert crossed, [c.versions for c in completions]
+    for completion in crossed:
+        switch = completion.versions.index(21)
+        assert set(completion.versions[:switch]) == {old_version} and set(completion.versions[switch:]) == {21}
+        with torch.no_grad():
+            old = np.array(learner_logprobs(old_model, prompt, completion.token_ids, 1.0))
+        sampled = np.array(completion.logprobs)
+        assert np.max(np.abs(old[:switch] - sampled[:switch])) < 1e-4  # before the switch: the old weights
+        assert np.min(np.abs(old[switch:] - sampled[switch:])) > 1e-5  # after it: never the old weights
+    original = stage.stage(publish(publisher, load_model(demo_assets[0]).state_dict(), 22))
+    run(vllm_engine.load_weights(original, stage.good))  # put the original weights back for other tests
+    stage.end_load(original, ok=True)
+    stage.close()
+    publisher.close()
+
+
+def test_abort_mode_ends_in_flight_requests_and_wait_mode_finishes_them_first(vllm_engine, demo_assets,
+                                                                              event_loop_runner, tmp_path):
+    run = event_loop_runner.run_until_complete
+    publisher, stage = WeightPublisher(str(tmp_path / "ring"), 3, 1 << 20), WeightStage(str(tmp_path), "a")
+    state = load_model(demo_assets[0]).state_dict()
+
+    async def update_mid_request(mode: str, version: int):
+        vllm_engine.update_mode = mode
+        staged = stage.stage(publish(publisher, state, version))
+        task = asyncio.ensure_future(vllm_engine.sample(PROMPTS[0], Sampling(temperature=1.0, max_tokens=50), n=8))
+        while not any(len(c.token_ids) >= 3 for c in vllm_engine.in_flight.values()):
+            assert not task.done(), "every request finished before the update could land mid-way"
+            await asyncio.sleep(0.001)
+        await vllm_engine.load_weights(staged, stage.good)
+        stage.end_load(staged, ok=True)
+        return await task
+
+    try:
+        aborted = run(update_mid_request("abort", 31))
+        finished = run(update_mid_request("wait", 32))
+    finally:
+        vllm_engine.update_mode = "wait"
+    assert any(c.finish_reason == "abort" for c in aborted) and all(31 not in c.versions for c in aborted)
+    # wait: every request in flight ran to its end on the old weights before the load
+    assert all(c.finish_reason in ("stop", "length") and 32 not in c.versions for c in finished)
+    stage.close()
+    publisher.close()
