@@ -44,3 +44,16 @@ def test_buffer_bench_runs_on_a_tiny_setting(tmp_path):
     assert set(result["paths"]) == {"zmq/4KB", "zmq/64KB", "redis/4KB", "redis/64KB"}
     for pair in result["paths"].values():
         assert pair["ratio"] > 0 and pair["backend"]["p99_ms"] >= pair["backend"]["p50_ms"] > 0
+
+
+@pytest.mark.slow
+def test_weightsync_bench_runs_on_a_tiny_setting(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.weightsync", "--mb", "8", "--versions", "2"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "weightsync" and 7 < result["mb"] < 9
+    assert result["publish"]["ratio"] > 0 and sum(result["publish"]["staged_by"].values()) == 2
+    assert set(result["fanout"]) >= {"1", "2", "4"} and result["fanout"]["1"]["x1"] == 1.0
+    assert result["stall"]["path"] == "shm"
+    assert result["stall"]["median_transfer_s"] > 0 and result["stall"]["median_stall_s"] > 0
