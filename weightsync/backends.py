@@ -25,8 +25,8 @@ class GroupSender:
     def describe(self) -> dict:
         return {"address": self.address, "backend": self.host.backend}
 
-    def send(self, version: int, buffers: list) -> None:
-        report = self.host.send(version, buffers, self.timeout_s)
+    def send(self, version: int, buffers: list, ready=None) -> None:
+        report = self.host.send(version, buffers, self.timeout_s, ready=ready)
         self.last_report = report
         if report.failed:
             log.warning("weight sync v%d: %d generators got it by broadcast; failed: %s (they catch up)", version,

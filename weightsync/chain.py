@@ -63,13 +63,19 @@ def wait_work(work, deadline: float, peer: str, what: str) -> None:
         raise PeerError(f"{what} with {peer}: {late} after waiting up to {remaining:.1f} s ({exc})") from exc
 
 
-def send_chain(group, buckets: list[torch.Tensor], deadline: float, first_peer: str) -> None:
-    """Rank 0: post every bucket to rank 1 at once (tag = bucket index), then wait for all of them."""
+def send_chain(group, buckets: list[torch.Tensor], deadline: float, first_peer: str, ready=None) -> None:
+    """Rank 0: post each bucket to rank 1 (tag = bucket index) as soon as `ready(k, deadline)` says it is complete
+    (None: all are), then wait for all of them. The publisher is still gathering later buckets meanwhile."""
     what = f"send of {len(buckets)} buckets to the first chain member"
-    try:
-        works = [group.send([bucket], 1, k) for k, bucket in enumerate(buckets)]
-    except Exception as exc:  # noqa: BLE001
-        raise PeerError(f"{what} {first_peer}: failed to start ({exc})") from exc
+    works = []
+    for k, bucket in enumerate(buckets):
+        if ready is not None and not ready(k, deadline):
+            raise PeerError(f"{what} {first_peer}: bucket {k} was never completed by the publisher (publish "
+                            f"aborted, or slower than the timeout)")
+        try:
+            works.append(group.send([bucket], 1, k))
+        except Exception as exc:  # noqa: BLE001
+            raise PeerError(f"{what} {first_peer}: failed to start ({exc})") from exc
     for k, work in enumerate(works):
         wait_work(work, deadline, first_peer, f"send of bucket {k}/{len(buckets)}")
 

@@ -110,8 +110,10 @@ class WeightGroupHost:
         self._generation = 0
         self._seq = 0
 
-    def send(self, version: int, buckets: list[torch.Tensor], timeout_s: float) -> SendReport:
-        """Move `buckets` (same sizes every version) to every live member; returns within about `timeout_s`."""
+    def send(self, version: int, buckets: list[torch.Tensor], timeout_s: float, ready=None) -> SendReport:
+        """Move `buckets` (same sizes every version) to every live member; returns within about `timeout_s`.
+        `ready(k, deadline) -> bool` (optional) blocks until bucket k is filled, so sending starts while the
+        caller is still filling later buckets; the membership handshake runs before the first bucket is needed."""
         start = time.monotonic()
         deadline = start + timeout_s
         report = SendReport(version, self._generation)
@@ -133,7 +135,7 @@ class WeightGroupHost:
                 report.seconds = time.monotonic() - start
                 return report
         if self._group is not None:
-            self._transfer(seq, buckets, deadline, report)
+            self._transfer(seq, buckets, deadline, report, ready)
         report.seconds = time.monotonic() - start
         return report
 
@@ -236,10 +238,11 @@ class WeightGroupHost:
             time.sleep(ACK_POLL_S)
         return []
 
-    def _transfer(self, seq: int, buckets: list[torch.Tensor], deadline: float, report: SendReport) -> None:
+    def _transfer(self, seq: int, buckets: list[torch.Tensor], deadline: float, report: SendReport,
+                  ready=None) -> None:
         chain = self._chain
         try:
-            send_chain(self._group, buckets, deadline, describe_member(self._members[chain[0]], 1))
+            send_chain(self._group, buckets, deadline, describe_member(self._members[chain[0]], 1), ready)
         except PeerError as exc:
             report.failed[self._members[chain[0]]["member_id"]] = str(exc)
         acks = {ticket: f"ws/ack/{seq}/{ticket}" for ticket in chain}

@@ -29,8 +29,8 @@ class PublishError(RuntimeError):
 
 class WeightPublisher:
     """`ring_path`: the persistent mapping (on tmpfs); `slots`: versions kept readable at once (>= 2);
-    `group`: an optional broadcast host with `send_bucket(version, index, bucket)`/`finish(version)` or
-    `send(version, buckets)`; `catchup`: an optional server that is told about each complete version."""
+    `group`: an optional broadcast group with `send(version, buckets, ready)` (backends.GroupSender), where
+    `ready(k, deadline)` waits for bucket k; `catchup`: an optional server told about each complete version."""
 
     def __init__(self, ring_path: str, slots: int, bucket_bytes: int, group=None, catchup=None, host: str = ""):
         self.ring_path = ring_path
@@ -67,7 +67,7 @@ class WeightPublisher:
         checksums = [None] * len(remaining)
         sender = _BucketSender(self.group, version, buckets.buffers, checksums)
         ring.begin_write(slot)
-        seen = set()
+        seen, complete = set(), False
         try:
             for name, tensor in named_tensors:
                 try:
@@ -82,8 +82,9 @@ class WeightPublisher:
             missing = [entry.name for entry in layout.entries if entry.name not in seen]
             if missing:
                 raise PublishError(f"weights v{version}: {len(missing)} tensors never arrived, e.g. {missing[:3]}")
+            complete = True
         finally:
-            sender.close()
+            sender.close(aborted=not complete)
         sender.raise_error()
         ring.end_write(slot, version)
         message = to_message(layout, version, checksums, shm={"path": self.ring_path, "host": self.host,
@@ -109,47 +110,61 @@ class WeightPublisher:
 
 
 class _BucketSender:
-    """Checksums (and broadcasts) completed buckets on a thread, so bucket k travels while k+1 is gathered. Both
-    xxhash and torch.distributed release the GIL."""
+    """Completed buckets go on while the next ones are gathered: a checksum thread hashes each one, and a group
+    thread (with a broadcast group) sends each one down the chain as soon as it is complete. xxhash and
+    torch.distributed release the GIL, so both overlap the main thread's gathers and copies."""
 
     def __init__(self, group, version: int, buffers: list, checksums: list):
         self.group, self.version, self.buffers, self.checksums = group, version, buffers, checksums
         self.queue: queue.Queue = queue.Queue()
+        self.copied = [threading.Event() for _ in buffers]
+        self.aborted = False
         self.error: BaseException | None = None
+        self.group_error: BaseException | None = None
         self.wait_s = 0.0
-        self.thread = threading.Thread(target=self._run, name="asyncrl-weight-sender", daemon=True)
-        self.thread.start()
+        self.threads = [threading.Thread(target=self._checksums, name="asyncrl-weight-checksums", daemon=True)]
+        if group is not None:
+            self.threads.append(threading.Thread(target=self._send, name="asyncrl-weight-sender", daemon=True))
+        for thread in self.threads:
+            thread.start()
 
     def put(self, index: int) -> None:
+        self.copied[index].set()
         self.queue.put(index)
 
-    def _run(self) -> None:
-        while (index := self.queue.get()) is not None:
-            if self.error is not None:
-                continue
-            try:
-                self.checksums[index] = bucket_checksum(self.buffers[index])
-                if self.group is not None and hasattr(self.group, "send_bucket"):
-                    self.group.send_bucket(self.version, index, self.buffers[index])
-            except BaseException as err:  # reported by raise_error, after every bucket was consumed
-                self.error = err
-        if self.error is None and self.group is not None:
-            try:
-                if hasattr(self.group, "send_bucket"):
-                    self.group.finish(self.version)
-                else:
-                    self.group.send(self.version, self.buffers)
-            except BaseException as err:
-                self.error = err
+    def _ready(self, index: int, deadline: float) -> bool:
+        """For the group's send: wait until bucket `index` is copied (False if the publish was aborted)."""
+        while not self.copied[index].wait(min(0.5, max(deadline - time.monotonic(), 0.0))):
+            if self.aborted or time.monotonic() >= deadline:
+                return False
+        return not self.aborted
 
-    def close(self) -> None:
+    def _checksums(self) -> None:
+        while (index := self.queue.get()) is not None:
+            if self.error is None:
+                try:
+                    self.checksums[index] = bucket_checksum(self.buffers[index])
+                except BaseException as err:  # reported by raise_error once every bucket was consumed
+                    self.error = err
+
+    def _send(self) -> None:
+        try:
+            self.group.send(self.version, self.buffers, ready=self._ready)
+        except BaseException as err:  # the version is still in the ring and the catch-up server: logged only
+            self.group_error = err
+
+    def close(self, aborted: bool = False) -> None:
         started = time.perf_counter()
+        if aborted:
+            self.aborted = True
         self.queue.put(None)
-        self.thread.join()
+        for thread in self.threads:
+            thread.join()
         self.wait_s = time.perf_counter() - started
+        if self.group_error is not None:
+            log.warning("weight sync v%d: the broadcast failed (%s); generators fetch it from the catch-up server",
+                        self.version, self.group_error)
 
     def raise_error(self) -> None:
         if self.error is not None:
-            if isinstance(self.error, PublishError):
-                raise self.error
             raise PublishError(f"weights v{self.version}: {self.error}") from self.error

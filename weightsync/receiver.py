@@ -177,11 +177,14 @@ class WeightStage:
         shm = message.get("shm") or {}
         if not shm.get("path") or not os.path.exists(shm["path"]):
             return False  # another host: the catch-up path serves it
-        ring = self._learner_rings.get(shm["path"])
-        if ring is None or ring.layout.fingerprint != layout.fingerprint:
-            ring = ShmRing(shm["path"], layout, int(shm["slots"]), create=False)  # mapped once, then reused
-            self._learner_rings[shm["path"]] = ring
-        ring.copy_out(message["version"], dest)
+        inode = os.stat(shm["path"]).st_ino  # a ring re-created under the same name is another file
+        cached = self._learner_rings.get(shm["path"])
+        if cached is None or cached[0] != inode or cached[1].layout.fingerprint != layout.fingerprint:
+            if cached is not None:
+                cached[1].close()
+            cached = (inode, ShmRing(shm["path"], layout, int(shm["slots"]), create=False))  # mapped once
+            self._learner_rings[shm["path"]] = cached
+        cached[1].copy_out(message["version"], dest)
         return True
 
     def _from_catchup(self, message: dict, layout: Layout, dest: FlatBuckets) -> bool:
@@ -204,7 +207,7 @@ class WeightStage:
         if self.member is not None:
             self.member.close()
             self.member = None
-        for ring in self._learner_rings.values():
+        for _, ring in self._learner_rings.values():
             ring.close()
         if self.ring is not None:
             self.ring.close(unlink=True)
