@@ -7,7 +7,8 @@ each generator is its own spawned process on this host.
    the receiver's ack) with backend=broadcast to one generator process whose `WeightStage` joined the group, beside
    a raw gloo `broadcast` of one preallocated flat buffer of the same bytes from this process to one spawned
    process. ratio = raw_s / publish_s (target >= 0.9). backend=shm (ring copy + checksums, no network) is shown
-   for context.
+   for context, and so is the unbucketed alternative: one async gloo broadcast per tensor, all posted at once
+   (`buckets_vs_per_tensor` > 1: the bucketed publish is faster than raw per-tensor sends).
 2. `fanout`: the broadcast publish to 1, 2 and 4 generator processes; x1 = seconds / seconds with one (target
    <= 1.5). On one small host every hop of the chain copies through loopback on the same cores, so the CPU count
    bounds this (bench/weightsync_fanout.py measures the raw chain and plain broadcast).
@@ -124,8 +125,9 @@ def run_engine_generator(directory: str, model_dir: str, inbox, outbox) -> None:
     asyncio.run(serve())
 
 
-def run_raw_receiver(address: str, nbytes: int, rounds: int) -> None:
-    """Rank 1 of the raw baseline: receive `rounds` broadcasts into one preallocated buffer."""
+def run_raw_receiver(address: str, nbytes: int, rounds: int, sizes: list | None = None) -> None:
+    """Rank 1 of the raw baseline: receive `rounds` broadcasts into one preallocated buffer (or, with `sizes`,
+    one preallocated tensor per model tensor, each its own async broadcast)."""
     import datetime
 
     import torch
@@ -135,10 +137,11 @@ def run_raw_receiver(address: str, nbytes: int, rounds: int) -> None:
     timeout = datetime.timedelta(seconds=REPLY_TIMEOUT_S)
     store = dist.TCPStore(host, int(port), None, False, timeout, wait_for_workers=False)
     group = dist.ProcessGroupGloo(store, 1, 2, timeout)
-    flat = torch.empty(nbytes, dtype=torch.uint8)
+    tensors = [torch.empty(size, dtype=torch.uint8) for size in (sizes or [nbytes])]
     for _ in range(rounds):
         group.barrier().wait()
-        group.broadcast(flat, 0).wait()
+        for work in [group.broadcast(tensor, 0) for tensor in tensors]:
+            work.wait()
         group.barrier().wait()
 
 
@@ -168,11 +171,12 @@ def stop_processes(procs: list, inboxes: list = ()) -> None:
 
 # --- the learner side ----------------------------------------------------------------------------------------
 
-def time_raw_broadcast(nbytes: int, versions: int) -> list[float]:
+def time_raw_broadcast(nbytes: int, versions: int, sizes: list | None = None) -> list[float]:
     """Seconds of a gloo broadcast of one preallocated flat buffer (barrier, broadcast, barrier, as in
     bench/weightsync_fanout.py) from this process to one spawned one, after the warm-up. Not that file's
     `time_broadcast`: it keeps the best of its repeats, with rank 0 in a child process; here the median, from the
-    process that publishes."""
+    process that publishes. With `sizes` (the model's tensor sizes in bytes): one async broadcast per tensor, all
+    posted at once, the unbucketed alternative platform_notes.md measured."""
     import datetime
 
     import torch
@@ -183,16 +187,17 @@ def time_raw_broadcast(nbytes: int, versions: int) -> list[float]:
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout, wait_for_workers=False)
     rounds = WARMUP_VERSIONS + versions
     proc = mp.get_context("spawn").Process(target=run_raw_receiver,
-                                           args=(f"127.0.0.1:{store.port}", nbytes, rounds))
+                                           args=(f"127.0.0.1:{store.port}", nbytes, rounds, sizes))
     proc.start()
     try:
         group = dist.ProcessGroupGloo(store, 0, 2, timeout)
-        flat = torch.full((nbytes,), 7, dtype=torch.uint8)
+        tensors = [torch.full((size,), 7, dtype=torch.uint8) for size in (sizes or [nbytes])]
         seconds = []
         for _ in range(rounds):
             group.barrier().wait()
             started = time.perf_counter()
-            group.broadcast(flat, 0).wait()
+            for work in [group.broadcast(tensor, 0) for tensor in tensors]:
+                work.wait()
             group.barrier().wait()
             seconds.append(time.perf_counter() - started)
         return seconds[WARMUP_VERSIONS:]
@@ -294,9 +299,10 @@ def time_stall(named: list, model_dir: str, versions: int, directory: str, bucke
 
 # --- report --------------------------------------------------------------------------------------------------
 
-def print_publish(nbytes: int, raw: list, broadcast: dict, shm: dict) -> dict:
+def print_publish(nbytes: int, raw: list, per_tensor: list, broadcast: dict, shm: dict) -> dict:
     raw_s = statistics.median(raw)
     rows = [("raw gloo broadcast (flat)", raw_s, None),
+            ("raw per-tensor async bcast", statistics.median(per_tensor), None),
             ("publish, broadcast, 1 gen", broadcast["median_s"], broadcast["median_send_wait_s"]),
             ("publish, shm only", shm["median_s"], shm["median_send_wait_s"])]
     print(f"\n1. full publish vs raw broadcast, {nbytes / 2**20:.0f} MiB, median of {len(raw)} "
@@ -310,7 +316,9 @@ def print_publish(nbytes: int, raw: list, broadcast: dict, shm: dict) -> dict:
             "raw_gbps": nbytes / 1e9 / raw_s, "publish_gbps": nbytes / 1e9 / broadcast["median_s"],
             "shm_gbps": nbytes / 1e9 / shm["median_s"], "ratio": raw_s / broadcast["median_s"],
             "publish_send_wait_s": broadcast["median_send_wait_s"], "shm_send_wait_s": shm["median_send_wait_s"],
-            "target": PUBLISH_TARGET, "staged_by": broadcast["staged_by"]}
+            "target": PUBLISH_TARGET, "staged_by": broadcast["staged_by"],
+            "per_tensor_async_s": statistics.median(per_tensor),
+            "buckets_vs_per_tensor": statistics.median(per_tensor) / broadcast["median_s"]}
 
 
 def print_fanout(nbytes: int, by_count: dict) -> dict:
@@ -349,13 +357,14 @@ def weightsync_bench(mb: float, versions: int, bucket_mb: float, receivers: list
               f"{nbytes / 2**20:.0f} MiB; buckets of {bucket_mb:g} MiB; {os.cpu_count()} CPUs; learner torch "
               f"threads {torch.get_num_threads()}")
         raw = time_raw_broadcast(nbytes, versions)
+        per_tensor = time_raw_broadcast(nbytes, versions, sizes=[t.numel() * 4 for _, t in named])
         shm = time_publish(named, "shm", 0, versions, shm_dir, bucket_mb)
         by_count = {count: time_publish(named, "broadcast", count, versions, shm_dir, bucket_mb)
                     for count in receivers}
         stall = time_stall(named, workdir, versions, shm_dir, bucket_mb)
         return {"bench": "weightsync", "mb": round(nbytes / 2**20, 1), "versions": versions, "bucket_mb": bucket_mb,
                 "torch_threads": torch.get_num_threads(),
-                "publish": print_publish(nbytes, raw, by_count[1], shm), "fanout": print_fanout(nbytes, by_count),
+                "publish": print_publish(nbytes, raw, per_tensor, by_count[1], shm), "fanout": print_fanout(nbytes, by_count),
                 "stall": print_stall(stall)}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
