@@ -3,9 +3,10 @@ nothing).
 
 For 4 KB and 64 KB groups, a producer process sends `--count` groups as fast as the path allows and this process
 consumes them; latency is from the producer stamping the message to the consumer holding it.
-- zmq backend: BufferClient "group" requests, 8 in flight -> ZmqBufferServer (validation, queue) -> take().
+- zmq backend: BufferClient "group" requests, as many in flight as a generator keeps by default
+  (generator.max_inflight_groups) -> ZmqBufferServer (validation, queue) -> take().
 - raw zmq: PUSH/PULL of the same encoded bytes.
-- redis backend: RedisBufferClient "group" requests, 8 in flight (pipelined idempotent Lua XADDs) ->
+- redis backend: RedisBufferClient "group" requests, as many in flight (pipelined idempotent Lua XADDs) ->
   RedisBufferServer (XREADGROUP, validation) -> take(), ack.
 - raw redis: pipelined XADD; XREADGROUP + XACK.
 Target: each backend at >= 0.8 of its raw transport in groups/s. Needs redis-server on PATH (a private one is
@@ -26,9 +27,10 @@ import numpy as np
 
 from asyncrl.buffer.codec import decode_group, encode_group
 from asyncrl.buffer.group import Group, Sample, Sampling
+from asyncrl.generator.config import GeneratorConfig
 
 VOCAB = 32000
-IN_FLIGHT = 8
+IN_FLIGHT = GeneratorConfig().max_inflight_groups  # requests a generator keeps in flight by default (16)
 STAMP = struct.Struct("<d")
 
 

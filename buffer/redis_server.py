@@ -25,6 +25,7 @@ from asyncrl.buffer.redis_stream import GroupStream
 
 log = logging.getLogger(__name__)
 NO_VERSION_LIMIT = 1 << 30
+TRIM_EVERY_S = 1.0
 ACKED_MEMORY = 200_000  # acked entry ids remembered (about 20 MB); far more than one checkpoint interval's groups
 
 
@@ -56,6 +57,7 @@ class RedisBufferServer:
         self._weights: dict = {}
         self._done = False
         self._next_reclaim = 0.0
+        self._next_trim = 0.0
         if hasattr(retry, "on_reconnect"):
             retry.on_reconnect(self._after_reconnect)
 
@@ -153,7 +155,10 @@ class RedisBufferServer:
             self._acked[entry_id] = None
         while len(self._acked) > ACKED_MEMORY:
             self._acked.popitem(last=False)
-        self.stream.trim()
+        now = time.monotonic()
+        if now >= self._next_trim:  # at most once a second: three round trips, and memory grows slowly
+            self._next_trim = now + TRIM_EVERY_S
+            self.stream.trim()
         return acked
 
     def set_weights(self, descriptor: dict) -> None:
