@@ -58,6 +58,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def tensor_bytes(name: str, dtype: str, shape, where: str) -> int:
+    if dtype not in DTYPES:
+        raise LayoutError(f"{where}tensor {name!r} has dtype {dtype!r}, which weight sync does not carry")
+    numel = 1
+    for dim in shape:
+        numel *= int(dim)
+    return numel * DTYPES[dtype].itemsize
+
+
 def plan_layout(specs: list, bucket_bytes: int) -> Layout:
     """specs: (name, dtype name, shape) in publishing order. Consecutive tensors fill a bucket up to bucket_bytes;
     a larger tensor gets a bucket of its own. Offsets are ALIGN-aligned."""
@@ -65,12 +74,7 @@ def plan_layout(specs: list, bucket_bytes: int) -> Layout:
         raise LayoutError(f"bucket size must be >= {ALIGN} bytes, got {bucket_bytes}")
     entries, sizes, used = [], [], 0
     for name, dtype, shape in specs:
-        if dtype not in DTYPES:
-            raise LayoutError(f"tensor {name!r} has dtype {dtype!r}, which weight sync does not carry")
-        numel = 1
-        for dim in shape:
-            numel *= int(dim)
-        nbytes = numel * DTYPES[dtype].itemsize
+        nbytes = tensor_bytes(name, dtype, shape, "")
         start = -(-used // ALIGN) * ALIGN
         if not sizes or (start + nbytes > bucket_bytes and used > 0):
             sizes.append(0)
@@ -116,12 +120,7 @@ def from_message(message: dict) -> Layout:
                           f"{len(message.get('checksums', []))} checksums")
     entries = []
     for name, dtype, shape, bucket, offset in zip(names, dtypes, shapes, buckets, offsets):
-        if dtype not in DTYPES:
-            raise LayoutError(f"weights v{message.get('version')}: {name!r} has unknown dtype {dtype!r}")
-        numel = 1
-        for dim in shape:
-            numel *= int(dim)
-        nbytes = numel * DTYPES[dtype].itemsize
+        nbytes = tensor_bytes(name, dtype, shape, f"weights v{message.get('version')}: ")
         if not 0 <= bucket < len(sizes) or offset < 0 or offset + nbytes > sizes[bucket] or offset % ALIGN:
             raise LayoutError(f"weights v{message.get('version')}: {name!r} at bucket {bucket} offset {offset} "
                               f"({nbytes} bytes) does not fit the bucket sizes {sizes}")
