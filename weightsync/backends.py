@@ -8,6 +8,7 @@ import torch
 
 from asyncrl.weightsync.catchup import CatchupServer
 from asyncrl.weightsync.publisher import WeightPublisher
+from asyncrl.weightsync.shm_ring import remove_stale
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,9 @@ class GroupSender:
 
 
 def make_publisher(ws, job: str) -> WeightPublisher:
+    removed = remove_stale(ws.shm_dir, f"asyncrl-{job}-", ".ring")
+    if removed:
+        log.info("weight sync: removed rings of learners that died without cleaning up: %s", removed)
     ring_path = os.path.join(ws.shm_dir, f"asyncrl-{job}-{os.getpid()}.ring")
     catchup = CatchupServer(ws.catchup_host, ws.catchup_port, advertise=ws.catchup_advertise)
     group = None

@@ -20,7 +20,7 @@ import torch
 from asyncrl.weightsync.buckets import FlatBuckets
 from asyncrl.weightsync.catchup import CatchupError, fetch
 from asyncrl.weightsync.layout import Layout, LayoutError, bucket_checksum, from_message
-from asyncrl.weightsync.shm_ring import RingError, ShmRing
+from asyncrl.weightsync.shm_ring import RingError, ShmRing, remove_stale
 
 log = logging.getLogger(__name__)
 STAGING_SLOTS = 3
@@ -49,6 +49,7 @@ def verify(buckets: FlatBuckets, message: dict) -> list[int]:
 class WeightStage:
     def __init__(self, directory: str, name: str, catchup_timeout_s: float = 60.0):
         self.name = name
+        remove_stale(directory, f"asyncrl-stage-{name}-")  # a previous life of this generator, killed with -9
         self.path = os.path.join(directory, f"asyncrl-stage-{name}-{os.getpid()}")
         self.catchup_timeout_s = catchup_timeout_s
         self.ring: ShmRing | None = None

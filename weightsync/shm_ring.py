@@ -126,3 +126,31 @@ class ShmRing:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
+
+
+def remove_stale(directory: str, prefix: str, suffix: str = "") -> list[str]:
+    """Delete `<prefix><pid><suffix>` files in `directory` whose process is gone. A learner or generator killed with
+    -9 cannot remove its mapping (a ring holds keep_versions copies of the model), so the next one started on the
+    host does. A pid reused by an unrelated process keeps its file: that errs on the side of keeping."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        if not (name.startswith(prefix) and name.endswith(suffix)):
+            continue
+        pid = name[len(prefix):len(name) - len(suffix)]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+            except (FileNotFoundError, IsADirectoryError, PermissionError):
+                pass
+        except PermissionError:  # alive, another user's
+            pass
+    return removed

@@ -133,3 +133,26 @@ def test_staging_never_hands_on_bytes_that_fail_their_checksums(tmp_path):
 def test_catch_up_times_out_naming_the_server():
     with pytest.raises(CatchupError, match="tcp://127.0.0.1:9 did not answer"):
         fetch("tcp://127.0.0.1:9", 3, lambda m: None, timeout_s=0.3)
+
+
+def test_mappings_of_dead_processes_are_removed_by_the_next_one(tmp_path):
+    """A learner or generator killed with -9 leaves its mapping in /dev/shm; the next one on the host removes it
+    (and only files of processes that are gone)."""
+    import subprocess
+    import sys
+
+    from asyncrl.weightsync.backends import make_publisher
+    from asyncrl.weightsync.config import WeightSyncConfig
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    for name in (f"asyncrl-job-{dead}.ring", f"asyncrl-stage-gen-{dead}", f"asyncrl-job-{os.getppid()}.ring",
+                 "asyncrl-other-1.ring"):
+        (tmp_path / name).write_bytes(b"x")
+    publisher = make_publisher(WeightSyncConfig(shm_dir=str(tmp_path)), "job")
+    stage = WeightStage(str(tmp_path), "gen")
+    left = sorted(os.listdir(tmp_path))
+    publisher.close()
+    stage.close()
+    assert f"asyncrl-job-{dead}.ring" not in left and f"asyncrl-stage-gen-{dead}" not in left
+    assert f"asyncrl-job-{os.getppid()}.ring" in left and "asyncrl-other-1.ring" in left  # alive, or another job
