@@ -71,10 +71,8 @@ class RedisBufferClient:
         except (redis.ConnectionError, redis.TimeoutError, RedisUnavailable) as err:
             raise LearnerUnavailable(f"Redis at {self.endpoint} did not take group {fields['group_id']}: {err}") \
                 from None
-        meta = {key.decode(): value.decode() for key, value in raw_meta.items()}
         # the group is in the stream even if the metadata is not (Redis restarted empty): the learner reads it
-        return {"ok": True, "accepted": True, "version": version, "done": meta.get("done") == "1",
-                "weights": json.loads(meta.get("weights") or "{}")}
+        return {**reply_fields(decoded(raw_meta), version), "accepted": True}
 
     def _send_batch(self, deliveries: list) -> tuple:
         return self.retry("group delivery", produce_batch, self.client, self.stream, deliveries)
@@ -82,7 +80,7 @@ class RedisBufferClient:
     def _handle(self, op: str, body, fields: dict, token: str) -> dict:
         pipe = self.client.pipeline(transaction=False)
         raw_meta, version = pipe.hgetall(self.keys["meta"]).get(self.keys["version"]).execute()
-        meta = {key.decode(): value.decode() for key, value in raw_meta.items()}
+        meta = decoded(raw_meta)
         return self._op(op, meta, self._reply(meta, op, int(version or 0)), int(version or 0), fields, token)
 
     @staticmethod
@@ -94,8 +92,7 @@ class RedisBufferClient:
             # mid-run, the metadata can only be missing because Redis restarted empty: the learner rewrites it as
             # soon as it reconnects, so this is waited out like the outage itself
             raise redis.ConnectionError("the job's metadata is gone from Redis; waiting for the learner to rewrite it")
-        return {"ok": True, "version": version, "weights": json.loads(meta.get("weights") or "{}"),
-                "done": meta.get("done") == "1"}
+        return reply_fields(meta, version)
 
     def _op(self, op: str, meta: dict, reply: dict, version: int, fields: dict, token: str) -> dict:
         if op == "hello":
@@ -126,3 +123,13 @@ class RedisBufferClient:
 
     def close(self) -> None:
         self.client.close()
+
+
+def decoded(raw_meta: dict) -> dict:
+    return {key.decode(): value.decode() for key, value in raw_meta.items()}
+
+
+def reply_fields(meta: dict, version: int) -> dict:
+    """The fields every reply carries (as the zmq learner's), from the run metadata the learner keeps in Redis."""
+    return {"ok": True, "version": version, "weights": json.loads(meta.get("weights") or "{}"),
+            "done": meta.get("done") == "1"}
