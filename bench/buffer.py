@@ -10,7 +10,12 @@ consumes them; latency is from the producer stamping the message to the consumer
   RedisBufferServer (XREADGROUP, validation) -> take(), ack.
 - raw redis: pipelined XADD; XREADGROUP + XACK.
 Target: each backend at >= 0.8 of its raw transport in groups/s. Needs redis-server on PATH (a private one is
-started on a free port). Usage: python -m asyncrl.bench.buffer [--count N] [--paths all|zmq|redis]
+started on a free port).
+
+Each pair runs `--repeats` times, raw and backend alternating, and the table shows the median run of each side and
+the median of the per-pair ratios: on a shared 2-core machine one pair can land anywhere from 0.5 to 1.1 (a
+scheduling accident stalls a whole run), so a single pair measures luck. Usage:
+python -m asyncrl.bench.buffer [--count N] [--repeats R] [--paths all|zmq|redis]
 """
 import argparse
 import json
@@ -229,7 +234,9 @@ def run_redis_backend(url: str, size: int, count: int) -> dict:
 
     client = connect(RedisOptions(url))
     job = f"bench{uuid.uuid4().hex[:8]}"
-    server = RedisBufferServer(client, url, job, RedisCoordinator(client, job, 1 << 20, 1 << 20), vocab_size=VOCAB,
+    coordinator = RedisCoordinator(client, job, 1 << 20, 1 << 20)
+    coordinator.set_version(0, allow_backwards=True)  # as the learner does at start (make_learner_buffer)
+    server = RedisBufferServer(client, url, job, coordinator, vocab_size=VOCAB,
                                config_hash="b", max_message_bytes=1 << 24, run_info={}).start()
     proc = mp.get_context("spawn").Process(target=produce_redis_backend, args=(url, job, size, count))
     proc.start()
@@ -246,6 +253,19 @@ def run_redis_backend(url: str, size: int, count: int) -> dict:
     finally:
         proc.join()
         reset_job(client, job)
+
+
+def repeated(repeats: int, raw, backend) -> dict:
+    """`repeats` alternating raw/backend runs: the median run of each side (by groups/s), the median ratio of the
+    pairs, and every pair's ratio."""
+    runs = [(raw(), backend()) for _ in range(repeats)]
+    ratios = sorted(b["groups_per_s"] / r["groups_per_s"] for r, b in runs)
+
+    def median_run(side: int) -> dict:
+        return sorted((pair[side] for pair in runs), key=lambda run: run["groups_per_s"])[len(runs) // 2]
+
+    return {"raw": median_run(0), "backend": median_run(1), "ratio": float(np.median(ratios)),
+            "pair_ratios": [round(r, 3) for r in ratios]}
 
 
 def start_redis(directory: str) -> tuple[subprocess.Popen, str]:
@@ -270,7 +290,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--count", type=int, default=2000, help="groups per 4 KB run (64 KB runs send a quarter)")
     parser.add_argument("--paths", choices=("all", "zmq", "redis"), default="all",
                         help="which transports to run (zmq alone needs no redis-server)")
+    parser.add_argument("--repeats", type=int, default=5, help="raw/backend pairs per path and size (median shown)")
     args = parser.parse_args(argv)
+    if args.count < 2 or args.repeats < 1:
+        parser.error("--count must be >= 2 and --repeats >= 1")
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         redis_proc, url = start_redis(tmp) if args.paths != "zmq" else (None, None)
@@ -278,23 +301,23 @@ def main(argv=None) -> dict:
             for size, count in ((4096, args.count), (65536, max(10, args.count // 4))):
                 label = f"{size // 1024}KB"
                 if args.paths != "redis":
-                    rows[f"zmq/{label}"] = {"raw": run_raw_zmq(size, count), "backend": run_zmq_backend(size, count)}
+                    rows[f"zmq/{label}"] = repeated(args.repeats, lambda: run_raw_zmq(size, count),
+                                                    lambda: run_zmq_backend(size, count))
                 if args.paths != "zmq":
-                    rows[f"redis/{label}"] = {"raw": run_raw_redis(url, size, count),
-                                              "backend": run_redis_backend(url, size, count)}
+                    rows[f"redis/{label}"] = repeated(args.repeats, lambda: run_raw_redis(url, size, count),
+                                                      lambda: run_redis_backend(url, size, count))
         finally:
             if redis_proc is not None:
                 redis_proc.terminate()
                 redis_proc.wait()
     print(f"{'path':<12} {'side':<8} {'groups/s':>10} {'MB/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'vs raw':>7}")
     for name, pair in rows.items():
-        pair["ratio"] = pair["backend"]["groups_per_s"] / pair["raw"]["groups_per_s"]
         for side in ("raw", "backend"):
             r = pair[side]
             ratio = f"{pair['ratio']:.2f}" if side == "backend" else ""
             print(f"{name:<12} {side:<8} {r['groups_per_s']:>10.0f} {r['mb_per_s']:>8.1f} {r['p50_ms']:>8.2f} "
                   f"{r['p99_ms']:>8.2f} {ratio:>7}")
-    result = {"bench": "buffer", "count": args.count, "paths": rows}
+    result = {"bench": "buffer", "count": args.count, "repeats": args.repeats, "paths": rows}
     print(json.dumps(result))
     return result
 

@@ -100,7 +100,7 @@ class RedisBufferServer:
                 # tells): rebuild and keep reading what generators send from now on.
                 self.retry("rebuilding the lost stream", self._after_reconnect)
                 continue
-            version = self.coordinator.version if entries else 0  # one read per batch, not per group
+            version = self._version() if entries else 0
             for entry_id, payload in entries:
                 if entry_id in self.held:  # re-read after a reconnect: already ours
                     self.redelivered += 1
@@ -112,6 +112,12 @@ class RedisBufferServer:
         entry_id, group = self._ready.popleft()
         self.taken_entries.append(entry_id)
         return group
+
+    def _version(self) -> int:
+        """The learner's version: the one it set itself (the learner is the version's only writer, so no round
+        trip), else Redis's (one read per batch, not per group)."""
+        published = getattr(self.coordinator, "published", None)
+        return self.coordinator.version if published is None else published
 
     def _reclaim_due(self) -> list:
         """Entries a dead learner consumer (a previous incarnation under another name) left pending."""
