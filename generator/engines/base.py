@@ -6,7 +6,8 @@ They share this interface:
   await load_weights(staged, fallback); await close(); attribute `version`.
 `staged` is a complete, verified version in the generator's staging mapping (weightsync/receiver.py); `fallback` is
 the last good one (None: the model's own files). A load either completes or goes back to `fallback` and raises
-WeightLoadError; no engine ever samples from partly loaded weights.
+WeightLoadError; if going back fails too, it raises EngineBroken and never samples again. No engine ever samples
+from partly loaded weights.
 """
 from dataclasses import dataclass, field
 
@@ -21,6 +22,11 @@ class Completion:
 
 class WeightLoadError(RuntimeError):
     """Loading new weights failed; the engine is back on its last good version."""
+
+
+class EngineBroken(WeightLoadError):
+    """A load failed and so did the reload of the last good version: the engine holds weights nobody can vouch
+    for, so it stays paused and every later sample raises this. Only a restart brings it back."""
 
 
 def make_engine(name: str, **kwargs):

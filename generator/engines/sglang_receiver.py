@@ -50,7 +50,7 @@ import asyncio
 import contextlib
 import logging
 
-from asyncrl.generator.engines.base import WeightLoadError
+from asyncrl.generator.engines.base import EngineBroken, WeightLoadError
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class SglangWeightReceiver:
         while not self._admit.is_set():
             await self._admit.wait()
         if self.broken:
-            raise WeightLoadError(self.broken)
+            raise EngineBroken(self.broken)
         self._inflight += 1
         self._idle.clear()
         try:
@@ -196,13 +196,13 @@ class SglangWeightReceiver:
             await self._resume()
         except Exception as err:
             self._mark_broken(f"v{version} loaded but generation could not resume ({err})")
-            raise WeightLoadError(f"sglang v{version}: {self.broken}") from err
+            raise EngineBroken(f"sglang v{version}: {self.broken}") from err
 
     # --- steps --------------------------------------------------------------------------------------------
 
     def _check_usable(self, version: int) -> None:
         if self.broken:
-            raise WeightLoadError(f"sglang v{version} not loaded: {self.broken}")
+            raise EngineBroken(f"sglang v{version} not loaded: {self.broken}")
 
     async def _ensure_group(self, group: dict, version: int) -> None:
         """Join once per generation, leaving the old group first; we pause nothing here."""
@@ -305,7 +305,7 @@ class SglangWeightReceiver:
         except Exception as rollback_err:
             self._mark_broken(f"v{version} failed ({cause}) and the rollback to v{self.good_version} from "
                               f"{self.good_path} failed too ({rollback_err})")
-            raise WeightLoadError(f"sglang could not load v{version}: {self.broken}") from err
+            raise EngineBroken(f"sglang could not load v{version}: {self.broken}") from err
         self._admit.set()
         raise WeightLoadError(f"sglang could not load v{version} ({cause}); reloaded v{self.good_version} "
                               f"from {self.good_path}") from err

@@ -11,7 +11,7 @@ import json
 import os
 import uuid
 
-from asyncrl.generator.engines.base import Completion, WeightLoadError
+from asyncrl.generator.engines.base import Completion, EngineBroken, WeightLoadError
 
 
 class VllmEngine:
@@ -55,7 +55,7 @@ class VllmEngine:
     async def sample(self, prompt_ids: list, sampling, n: int) -> list[Completion]:
         await self._loaded.wait()  # never start a request while weights are being replaced
         if self.broken:
-            raise WeightLoadError(self.broken)
+            raise EngineBroken(self.broken)
         return list(await asyncio.gather(*(self._one(prompt_ids, sampling) for _ in range(n))))
 
     async def _one(self, prompt_ids: list, sampling) -> Completion:
@@ -96,36 +96,46 @@ class VllmEngine:
 
     async def load_weights(self, staged, fallback=None) -> None:
         """Pause, load the whole staged version, reset the prefix cache, resume. On failure reload `fallback` (the
-        last good staged version; None: the model's own files) before resuming, and raise WeightLoadError."""
+        last good staged version; None: the model's own files) before resuming, and raise WeightLoadError. If that
+        fails too, or the pause or a cache reset fails, raise EngineBroken and never sample again."""
         problems = check_against_checkpoint(staged.message, self._expected)
         if problems:  # caught before the engine is touched: vLLM cannot check fused parameters up front
             raise WeightLoadError(f"v{staged.version} does not fit the model's checkpoint: {problems}; kept "
                                   f"v{self.version}")
         self._loaded.clear()
-        await self._engine.pause_generation(mode=self.update_mode, clear_cache=True)
         try:
+            await self._engine.pause_generation(mode=self.update_mode, clear_cache=True)
             try:
                 await self._load(staged)
             except Exception as err:
                 try:
                     await self._load(fallback)
                 except Exception as again:  # the engine would die on its next generate: say so, stay paused
-                    raise WeightLoadError(f"vLLM could not load v{staged.version} ({err}) nor reload its last good "
-                                          f"version ({again}); the engine cannot serve") from again
+                    raise EngineBroken(f"vLLM could not load v{staged.version} ({err}) nor reload its last good "
+                                       f"version ({again}); the engine cannot serve") from again
                 await self._engine.reset_prefix_cache()
                 raise WeightLoadError(f"vLLM could not load v{staged.version}: {err}; kept v{self.version}") from err
             await self._engine.reset_prefix_cache()
             await asyncio.sleep(0)  # any delta generated before the pause is consumed under the old version
             self.version = staged.version
-        except WeightLoadError as err:
-            if "cannot serve" in str(err):
-                self.broken = str(err)
-                self._loaded.set()  # waiting samplers wake up and raise
-                raise
+        except EngineBroken as err:
+            self._break(str(err))
+            raise
+        except WeightLoadError:
             await self._engine.resume_generation()
             self._loaded.set()
             raise
+        except Exception as err:  # the pause or a cache reset failed: nobody knows what the engine holds now
+            broken = EngineBroken(f"vLLM failed around the load of v{staged.version} ({type(err).__name__}: "
+                                  f"{err}); the engine cannot serve")
+            self._break(str(broken))
+            raise broken from err
         await self._engine.resume_generation()
+        self._loaded.set()
+
+    def _break(self, reason: str) -> None:
+        """Stay paused for good: samplers waiting for the load wake up and raise, and so does every later one."""
+        self.broken = reason
         self._loaded.set()
 
     async def _load(self, staged) -> None:

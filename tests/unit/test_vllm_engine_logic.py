@@ -1,0 +1,105 @@
+"""VllmEngine's load/fallback state machine against a stand-in for AsyncLLM's control calls.
+
+The real engine's paths (a refused version, a halfway failure reloaded from the last good one) run in
+tests/integration/test_vllm_engine.py; what cannot be provoked there is the reload failing as well, or the cache
+reset failing, which must leave the engine paused for good and make every later sample raise EngineBroken rather
+than hang or sample from partial weights.
+"""
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from asyncrl.buffer.group import Sampling
+from asyncrl.generator.engines.base import EngineBroken, WeightLoadError
+from asyncrl.generator.engines.vllm_engine import VllmEngine
+
+MESSAGE_KEYS = ("version", "names", "dtypes", "shapes", "buckets", "offsets", "bucket_sizes", "checksums",
+                "fingerprint")
+
+
+class Controls:
+    """AsyncLLM's pause/resume/reset/collective_rpc, recording the calls; `fail` names calls that raise."""
+
+    def __init__(self, fail=()):
+        self.fail = set(fail)
+        self.calls: list[str] = []
+
+    async def _call(self, name: str):
+        self.calls.append(name)
+        if name in self.fail:
+            raise RuntimeError(f"{name} failed")
+
+    async def pause_generation(self, mode, clear_cache):
+        await self._call("pause")
+
+    async def resume_generation(self):
+        await self._call("resume")
+
+    async def reset_prefix_cache(self):
+        await self._call("reset")
+
+    async def collective_rpc(self, method, args):
+        await self._call("load_path" if method == "asyncrl_load_path" else f"load_v{args[2]}")
+
+
+def staged(version: int):
+    return SimpleNamespace(version=version, ring_path="/dev/shm/none", slot=0,
+                           message={key: version if key == "version" else [] for key in MESSAGE_KEYS})
+
+
+def engine_with(controls: Controls) -> VllmEngine:
+    engine = VllmEngine("/no/model", "float32", 64, 0.1, 0)
+    engine._engine = controls
+    return engine
+
+
+def sample(engine: VllmEngine):
+    return asyncio.run(engine.sample([1, 2], Sampling(temperature=1.0), 1))
+
+
+def test_a_good_load_pauses_loads_resets_then_resumes():
+    controls = Controls()
+    engine = engine_with(controls)
+    asyncio.run(engine.load_weights(staged(3), staged(2)))
+    assert controls.calls == ["pause", "load_v3", "reset", "resume"] and engine.version == 3
+    assert engine.broken is None and engine._loaded.is_set()
+
+
+def test_a_failed_load_goes_back_to_the_last_good_version_and_resumes():
+    controls = Controls(fail={"load_v3"})
+    engine = engine_with(controls)
+    with pytest.raises(WeightLoadError, match="could not load v3.*kept v0") as failure:
+        asyncio.run(engine.load_weights(staged(3), staged(2)))
+    assert not isinstance(failure.value, EngineBroken)
+    assert controls.calls == ["pause", "load_v3", "load_v2", "reset", "resume"]
+    assert engine.version == 0 and engine.broken is None and engine._loaded.is_set()
+
+
+def test_a_failed_reload_leaves_the_engine_paused_and_every_later_sample_raises():
+    controls = Controls(fail={"load_v3", "load_path"})
+    engine = engine_with(controls)
+    with pytest.raises(EngineBroken, match="could not load v3 .* nor reload its last good version .*cannot serve"):
+        asyncio.run(engine.load_weights(staged(3), None))  # no staged fallback: the model's own files
+    assert controls.calls == ["pause", "load_v3", "load_path"]  # never resumed
+    assert engine._loaded.is_set()  # samplers waiting for the load wake up ...
+    with pytest.raises(EngineBroken, match="nor reload"):  # ... and raise instead of sampling
+        sample(engine)
+
+
+def test_a_failed_cache_reset_counts_as_broken_not_as_a_hang():
+    controls = Controls(fail={"reset"})
+    engine = engine_with(controls)
+    with pytest.raises(EngineBroken, match="around the load of v3 .*reset failed"):
+        asyncio.run(engine.load_weights(staged(3), staged(2)))
+    assert "resume" not in controls.calls and engine.version == 0
+    with pytest.raises(EngineBroken):
+        sample(engine)
+
+
+def test_a_failed_pause_does_not_leave_samplers_waiting():
+    controls = Controls(fail={"pause"})
+    engine = engine_with(controls)
+    with pytest.raises(EngineBroken, match="pause failed"):
+        asyncio.run(engine.load_weights(staged(3), staged(2)))
+    assert engine._loaded.is_set()
