@@ -10,7 +10,7 @@ Every admission is one Lua script, so the read-check-increment cannot interleave
 3. up to `want` leases are granted, named `<prefix>:<i>`, and the count is remembered under `grant:<prefix>` until the
    leases expire, so a request resent after its reply was lost (a Redis restart) is answered the same and never
    counted twice; `started` would otherwise leak capacity that no lease could ever give back.
-Delivering a group releases its lease in the same script that adds it to the stream (redis_stream.PRODUCE). A
+Delivering a group releases its lease in the same transaction that adds it to the stream (redis_stream.RELEASE). A
 group delivered after its lease expired is counted as started again there, so `started` stays exact.
 """
 import time

@@ -1,11 +1,11 @@
 """A generator's concurrent group deliveries, sent to Redis as one pipeline.
 
 Why: a generator keeps several groups in flight (generator.max_inflight_groups). Sent one by one, each delivery
-costs a network round trip (the idempotent PRODUCE script, plus the run metadata every reply carries) and a hop to
-a worker thread; on a remote Redis the round trip, not Redis, is the limit. Here deliveries made while a pipeline is
-out wait for the next one, which carries all of them and one metadata read, in one worker-thread hop. A pipeline
-is not a transaction: each PRODUCE is atomic on its own and keyed on its group id, so a failed pipeline is simply
-sent again (redis_reconnect.py).
+costs a network round trip (its XADD and DELIVER, plus the run metadata every reply carries) and a hop to a worker
+thread; on a remote Redis the round trip, not Redis, is the limit. Here deliveries made while a batch is out wait
+for the next one, which carries all of them and one metadata read in one MULTI, one round trip and one
+worker-thread hop. A failed batch is simply sent again (redis_reconnect.py): each group's first attempt is the one
+that counts (redis_stream.py's protocol), and a later one only deletes its own entry.
 """
 import asyncio
 
@@ -13,15 +13,15 @@ from asyncrl.buffer.redis_stream import GroupStream
 
 
 def produce_batch(client, stream: GroupStream, deliveries: list) -> tuple:
-    """deliveries: (group_id, payload, lease_id). Returns (raw meta hash, version, [entry id or None per delivery])
-    from one round trip."""
-    pipe = client.pipeline(transaction=False)
+    """deliveries: (group_id, payload, lease_id). Returns (raw meta hash, version, [entry id, or None for a group
+    delivered before, per delivery])."""
+    pipe = client.pipeline(transaction=True)
     pipe.hgetall(stream.keys["meta"])
     pipe.get(stream.keys["version"])
     for group_id, payload, lease_id in deliveries:
-        stream.produce(group_id, payload, lease_id, client=pipe)
-    meta, version, *entries = pipe.execute()
-    return meta, int(version or 0), entries
+        stream.add(pipe, group_id, payload, lease_id)
+    meta, version, *replies = pipe.execute()
+    return meta, int(version or 0), stream.settle(replies)
 
 
 class DeliveryBatcher:

@@ -17,6 +17,7 @@ import time
 from collections import Counter, OrderedDict, deque
 
 import redis
+import xxhash
 
 from asyncrl.buffer.codec import CodecError, decode_group
 from asyncrl.buffer.redis_conn import redacted
@@ -54,6 +55,7 @@ class RedisBufferServer:
         self.held: set = set()  # entry ids read (ready or taken) and not yet acked
         self._acked: OrderedDict = OrderedDict()  # recently acked entry ids, oldest first
         self.redelivered = 0  # entries delivered again that this learner already held or acked (skipped)
+        self.duplicates = 0  # entries a producer's resend added for a group another entry already carries (skipped)
         self._weights: dict = {}
         self._done = False
         self._next_reclaim = 0.0
@@ -101,14 +103,18 @@ class RedisBufferServer:
                 self.retry("rebuilding the lost stream", self._after_reconnect)
                 continue
             version = self._version() if entries else 0
-            for entry_id, payload in entries:
+            decoded = []
+            for entry_id, payload, token in entries:
                 if entry_id in self.held:  # re-read after a reconnect: already ours
                     self.redelivered += 1
                 elif entry_id in self._acked:  # its ack was lost with Redis's last writes: ack again, skip
                     self.redelivered += 1
                     self.stream.ack([entry_id])
                 else:
-                    self._accept(entry_id, payload, version)
+                    group = self._decode(entry_id, payload)
+                    if group is not None:
+                        decoded.append((entry_id, token, group))
+            self._accept_canonical(decoded, version)
         entry_id, group = self._ready.popleft()
         self.taken_entries.append(entry_id)
         return group
@@ -128,16 +134,32 @@ class RedisBufferServer:
         self.stream.touch(list(self.held))  # ours, however long training and the checkpoint take
         return self.stream.reclaim(self.reclaim_idle_ms, held=frozenset(self.held))
 
-    def _accept(self, entry_id: bytes, payload: bytes, version: int) -> None:
+    def _decode(self, entry_id: bytes, payload: bytes):
+        """The entry's group, or None after moving a malformed one to the dead-letter stream. Its admission is
+        given back once, keyed on the payload's digest: a resent copy of the same bytes gives nothing back again."""
         try:
-            group = decode_group(payload, vocab_size=self.vocab_size, max_version=NO_VERSION_LIMIT,
-                                 max_message_bytes=self.max_message_bytes)
+            return decode_group(payload, vocab_size=self.vocab_size, max_version=NO_VERSION_LIMIT,
+                                max_message_bytes=self.max_message_bytes)
         except CodecError as err:
             self.stream.dead_letter(entry_id, payload, f"{err.reason}: {err}")
-            self.coordinator.give_back(1, token=entry_id.decode())
+            self.coordinator.give_back(1, token="dead:" + xxhash.xxh3_64_hexdigest(payload))
             self.rejected[err.reason] += 1
             log.warning("buffer: group entry %s is malformed (%s); moved to the dead-letter stream", entry_id, err)
-            return
+            return None
+
+    def _accept_canonical(self, decoded: list, version: int) -> None:
+        """Keep each (entry id, token, group) that carries its group (redis_stream.py, step 2); a duplicate left by
+        a producer's resend is acked and never trained."""
+        canonical = self.stream.canonical([(group.group_id, token) for _, token, group in decoded])
+        duplicates = [entry_id for (entry_id, _, _), ok in zip(decoded, canonical) if not ok]
+        if duplicates:
+            self.stream.ack(duplicates)
+            self.duplicates += len(duplicates)
+        for (entry_id, _, group), ok in zip(decoded, canonical):
+            if ok:
+                self._accept(entry_id, group, version)
+
+    def _accept(self, entry_id: bytes, group, version: int) -> None:
         newest = max((int(s.versions.max()) for s in group.samples if len(s.versions)), default=-1)
         if newest > version:
             # sampled with weights newer than this learner has: a version lost when the learner went back to its

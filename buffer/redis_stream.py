@@ -4,10 +4,17 @@ Keys share the hash tag `{job}` (one cluster slot): `asyncrl:{job}:groups` (the 
 `asyncrl:{job}:seen:<group_id>` (idempotence marks, expiring), `asyncrl:{job}:dead` (the dead-letter stream).
 
 Delivery protocol (at-least-once delivery + idempotent training = each admitted group trained exactly once):
-1. A producer adds a group with `produce`: a Lua script sets the group's `seen` mark NX and only then XADDs, so a
-   resend after a lost reply adds nothing. The same script releases the producer's admission lease (coordinator).
+1. A producer adds a batch of groups in one MULTI/EXEC. Per group: a plain XADD of the payload with a fresh attempt
+   token, then DELIVER, a small script that marks the group id as delivered by this token (`seen:<group_id>`) and
+   releases the group's admission lease, unless the mark already exists. The mark, the entry and the release are
+   written together or not at all. A resend after a lost reply adds a second entry, finds the first attempt's
+   mark, releases nothing, and deletes its entry (XDEL). Why the payload is not checked and added inside one
+   script: a Lua argument costs Redis time linear in its size, about 2 us per KB measured here (140 us of Redis's
+   single thread for a 64 KB group even in a script that ignores it, against 20 us for a plain XADD).
 2. The learner reads new entries with XREADGROUP (`>`); after a restart it first re-reads the entries still pending
-   for its consumer name (`0`), and entries pending for a consumer that died are taken over with XAUTOCLAIM.
+   for its consumer name (`0`), and entries pending for a consumer that died are taken over with XAUTOCLAIM. An
+   entry is the group's only if the group's mark holds the entry's token (`canonical`, one MGET per read); a
+   duplicate a resend left (its producer died, or lost the reply, before the XDEL) is acked and never trained.
 3. The learner trains, and XACKs an entry only after a checkpoint covering the optimizer step that used it is on
    disk. A crash before that leaves the entry pending, so it is delivered again and retrained from the restored
    checkpoint, whose weights never saw it.
@@ -19,6 +26,8 @@ Trimming removes only entries older than the oldest pending one (or, with none p
 delivered id): every removed entry was delivered and acked, so nothing unconsumed is ever deleted.
 """
 import logging
+import uuid
+from typing import NamedTuple
 
 import redis
 
@@ -28,17 +37,19 @@ log = logging.getLogger(__name__)
 GROUP = "learner"
 PAYLOAD = b"g"
 
-PRODUCE = """
--- KEYS[1] stream, KEYS[2] seen mark, KEYS[3] leases, KEYS[4] started; ARGV[1] payload, ARGV[2] mark ttl (s),
--- ARGV[3] lease id ('' for none)
-if not redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[2]) then
-  return false
+TOKEN = b"a"
+DELIVER = """
+-- KEYS[1] the group's mark, KEYS[2] leases, KEYS[3] started; ARGV[1] this attempt's token, ARGV[2] mark ttl (s),
+-- ARGV[3] lease id ('' for none). Returns the first attempt's token if the group was delivered before, else false.
+local first = redis.call('GET', KEYS[1])
+if first then
+  return first
 end
-local id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[1])
-if ARGV[3] ~= '' and redis.call('ZREM', KEYS[3], ARGV[3]) == 0 then
-  redis.call('INCR', KEYS[4])  -- its lease had expired and been given back: it counts as started again
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+if ARGV[3] ~= '' and redis.call('ZREM', KEYS[2], ARGV[3]) == 0 then
+  redis.call('INCR', KEYS[3])  -- its lease had expired and been given back: it counts as started again
 end
-return id
+return false
 """
 
 
@@ -46,6 +57,13 @@ def job_keys(job: str) -> dict:
     prefix = f"asyncrl:{{{job}}}:"
     return {name: prefix + name for name in ("groups", "dead", "version", "started", "leases", "meta")} | {
         "seen": prefix + "seen:", "grant": prefix + "grant:", "given": prefix + "given:"}
+
+
+class Entry(NamedTuple):
+    """A stream entry as read: its id, the encoded group, and the delivery attempt's token (step 1)."""
+    entry_id: bytes
+    payload: bytes
+    token: bytes | None
 
 
 class GroupStream:
@@ -61,7 +79,7 @@ class GroupStream:
         self.consumer = consumer
         self.mark_ttl_s = mark_ttl_s
         self.max_deliveries = max_deliveries
-        self._produce = client.register_script(PRODUCE)
+        self._deliver = client.register_script(DELIVER)
         self._pending_cursor = b"0"  # where re-reading this consumer's pending entries continues; None when done
 
     def ensure_group(self) -> bool:
@@ -84,17 +102,42 @@ class GroupStream:
         entries may have been delivered to us without our seeing them (the reader skips those it already holds)."""
         self._pending_cursor = b"0"
 
-    def produce(self, group_id: str, payload: bytes, lease_id: str = "", client=None) -> bytes | None:
-        """XADD unless this group_id was added before; returns the entry id, or None for a duplicate. With a
-        pipeline as `client` it is only queued there (the caller executes, and retries, the pipeline)."""
-        keys = [self.keys["groups"], self.keys["seen"] + group_id, self.keys["leases"], self.keys["started"]]
-        args = [payload, self.mark_ttl_s, lease_id]
-        if client is not None:
-            return self._produce(keys=keys, args=args, client=client)
-        return self.retry("produce (XADD)", self._produce, keys=keys, args=args)
+    def produce(self, group_id: str, payload: bytes, lease_id: str = "") -> bytes | None:
+        """Add one group unless this group id was added before; returns the entry id, or None for a duplicate.
+        (A generator adds its deliveries in batches: redis_produce.produce_batch.)"""
+        def once():
+            pipe = self.client.pipeline(transaction=True)
+            self.add(pipe, group_id, payload, lease_id)
+            return self.settle(pipe.execute())[0]
 
-    def read(self, count: int, block_ms: int) -> list[tuple[bytes, bytes]]:
-        """Up to `count` (entry id, payload): first whatever is still pending for this consumer from before a
+        return self.retry("produce (XADD)", once)
+
+    def add(self, pipe, group_id: str, payload: bytes, lease_id: str = "") -> None:
+        """Queue one delivery (step 1 of the protocol) on a MULTI pipeline: two replies, for `settle`."""
+        token = uuid.uuid4().hex
+        pipe.xadd(self.keys["groups"], {PAYLOAD: payload, TOKEN: token})
+        self._deliver(keys=[self.keys["seen"] + group_id, self.keys["leases"], self.keys["started"]],
+                      args=[token, self.mark_ttl_s, lease_id], client=pipe)
+
+    def settle(self, replies: list) -> list:
+        """From the replies of the `add`s, in order: each entry id, or None where the group was delivered before,
+        whose duplicate entry is deleted here. Runs inside the caller's retry; retries nothing itself."""
+        results = [None if first else entry_id for entry_id, first in zip(replies[::2], replies[1::2])]
+        duplicates = [entry_id for entry_id, first in zip(replies[::2], replies[1::2]) if first]
+        if duplicates:
+            self.client.xdel(self.keys["groups"], *duplicates)
+        return results
+
+    def canonical(self, entries: list) -> list[bool]:
+        """entries: (group id, token). True for each entry that carries its group: the group's mark holds its
+        token (or is gone: expired after mark_ttl_s, when no resend can still be in flight)."""
+        if not entries:
+            return []
+        marks = self.retry("MGET marks", self.client.mget, [self.keys["seen"] + group_id for group_id, _ in entries])
+        return [mark is None or mark == token for (_, token), mark in zip(entries, marks)]
+
+    def read(self, count: int, block_ms: int) -> list["Entry"]:
+        """Up to `count` entries: first whatever is still pending for this consumer from before a
         restart, then new entries (blocking up to block_ms)."""
         while self._pending_cursor is not None:
             reply = self._xreadgroup(self._pending_cursor, count, None)
@@ -113,13 +156,13 @@ class GroupStream:
         return self.retry("XREADGROUP", self.client.xreadgroup, GROUP, self.consumer, {self.keys["groups"]: cursor},
                           count=count, block=block_ms)
 
-    def _with_payloads(self, entries: list) -> list[tuple[bytes, bytes]]:
+    def _with_payloads(self, entries: list) -> list["Entry"]:
         out = []
         for entry_id, fields in entries:
             if not fields:  # pending but already trimmed away: nothing left to train
                 self.ack([entry_id])
                 continue
-            out.append((entry_id, fields.get(PAYLOAD, b"")))
+            out.append(Entry(entry_id, fields.get(PAYLOAD, b""), fields.get(TOKEN)))
         return out
 
     def ack(self, entry_ids: list) -> int:
@@ -143,7 +186,7 @@ class GroupStream:
             self.retry("XCLAIM JUSTID", self.client.xclaim, self.keys["groups"], GROUP, self.consumer, 0,
                        entry_ids[start:start + 1000], justid=True)
 
-    def reclaim(self, min_idle_ms: int, count: int = 100, held: frozenset = frozenset()) -> list[tuple[bytes, bytes]]:
+    def reclaim(self, min_idle_ms: int, count: int = 100, held: frozenset = frozenset()) -> list["Entry"]:
         """Entries pending for any consumer idle longer than min_idle_ms, now owned by this one, except those in
         `held` (this consumer is still working on them). Those delivered max_deliveries times already go to the
         dead-letter stream instead."""
@@ -159,7 +202,7 @@ class GroupStream:
             if counts.get(entry_id, 0) > self.max_deliveries:
                 self.dead_letter(entry_id, payload, f"delivered {counts[entry_id]} times without being acked")
                 continue
-            out.append((entry_id, payload))
+            out.append(Entry(entry_id, payload, (fields or {}).get(TOKEN)))
         return out
 
     def delivery_counts(self, entry_ids: list) -> dict:

@@ -82,9 +82,9 @@ def test_unacked_entries_come_back_to_a_restarted_consumer_first(client, job):
     stream.ack([got[0][0]])  # trained and covered by a checkpoint
     restarted = stream_for(client, job)  # same consumer name after a kill -9
     again = restarted.read(10, block_ms=100)
-    assert [payload for _, payload in again] == [b"p1", b"p2"]  # pending first, the acked one never again
+    assert [entry.payload for entry in again] == [b"p1", b"p2"]  # pending first, the acked one never again
     fresh = restarted.read(10, block_ms=100)
-    assert [payload for _, payload in fresh] == [b"p3", b"p4"]
+    assert [entry.payload for entry in fresh] == [b"p3", b"p4"]
     assert restarted.read(10, block_ms=50) == []
 
 
@@ -95,8 +95,8 @@ def test_dead_consumers_entries_are_reclaimed_and_poison_goes_to_dead_letters(cl
     assert len(dead.read(3, block_ms=100)) == 3  # then it dies holding them
     alive = stream_for(client, job, consumer="learner-new", max_deliveries=2)
     claimed = alive.reclaim(min_idle_ms=0)
-    assert [payload for _, payload in claimed] == [b"p0", b"p1", b"p2"]
-    alive.dead_letter(claimed[0][0], claimed[0][1], "codec: not msgpack")
+    assert [entry.payload for entry in claimed] == [b"p0", b"p1", b"p2"]
+    alive.dead_letter(claimed[0].entry_id, claimed[0].payload, "codec: not msgpack")
     assert alive.reclaim(min_idle_ms=0) == []  # a 3rd delivery (> max_deliveries=2): dead letters instead
     letters = alive.dead_letters()
     assert letters[0][b"reason"] == b"codec: not msgpack" and letters[0][b"payload"] == b"p0"
@@ -109,15 +109,15 @@ def test_trimming_never_deletes_unconsumed_entries(client, job):
     stream = stream_for(client, job)
     ids = [stream.produce(f"g{index}", b"x") for index in range(10)]
     got = stream.read(10, block_ms=100)
-    stream.ack([entry_id for entry_id, _ in got[:6]])
+    stream.ack([entry.entry_id for entry in got[:6]])
     assert stream.trim() == 6 and stream.length() == 4  # the 4 pending stay
     for index in range(10, 13):
         stream.produce(f"g{index}", b"x")  # never read yet
-    stream.ack([entry_id for entry_id, _ in got[6:]])
+    stream.ack([entry.entry_id for entry in got[6:]])
     stream.trim()
     remaining = [entry_id for entry_id, _ in client.xrange(stream.keys["groups"])]
     assert ids[-1] in remaining and len(remaining) == 4  # the last delivered one plus the 3 unread
-    assert [payload for _, payload in stream.read(10, block_ms=100)] == [b"x"] * 3
+    assert [entry.payload for entry in stream.read(10, block_ms=100)] == [b"x"] * 3
 
 
 def test_a_blocking_read_longer_than_redis_py_default_timeout_waits_quietly(client, job):
@@ -176,7 +176,7 @@ def test_groups_survive_a_kill_9_of_redis_with_appendfsync_always(tmp_path, job)
         server.start()  # same port, same directory: the AOF is replayed
         assert stream.length() == 20 and stream.pending_count() == 5  # every produce and the delivery state
         assert stream.produce("g3", b"again") is None  # idempotence marks survive too
-        assert [p for _, p in stream_for(client, job).read(100, block_ms=100)][:5] == [b"p0", b"p1", b"p2", b"p3",
+        assert [entry.payload for entry in stream_for(client, job).read(100, block_ms=100)][:5] == [b"p0", b"p1", b"p2", b"p3",
                                                                                         b"p4"]
     finally:
         server.kill()

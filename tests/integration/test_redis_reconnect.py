@@ -17,6 +17,7 @@ from asyncrl.buffer.group import Group, Sample, Sampling
 from asyncrl.buffer.redis_client import RedisBufferClient
 from asyncrl.buffer.redis_conn import RedisOptions, RedisSetupError, configure_durability, connect
 from asyncrl.buffer.redis_coordinator import RedisCoordinator
+from asyncrl.buffer.redis_produce import produce_batch
 from asyncrl.buffer.redis_reconnect import Reconnecting
 from asyncrl.buffer.redis_server import RedisBufferServer
 from asyncrl.buffer.redis_stream import GROUP, GroupStream
@@ -174,6 +175,36 @@ def test_resent_admission_and_give_back_count_once(redis_server):
     assert coordinator.started == 2
 
 
+def added_but_reply_lost(stream: GroupStream, group_id: str, lease: str) -> bytes:
+    """A delivery whose MULTI (XADD + DELIVER) ran but whose reply never came back: nothing was settled."""
+    pipe = stream.client.pipeline(transaction=True)
+    stream.add(pipe, group_id, encode_group(a_group(group_id)), lease)
+    return pipe.execute()[0]
+
+
+def test_a_resent_delivery_is_trained_once_and_counts_once(redis_server):
+    job = "dup" + uuid.uuid4().hex[:8]
+    server, _ = learner_side(redis_server.url, job)
+    stream, coordinator = GroupStream(server.client, job), server.coordinator
+    leases, _ = coordinator.try_admit("gen", want=2)
+    # the reply was lost, the batch resent: the resend finds the first attempt's mark and deletes its own entry
+    first = added_but_reply_lost(stream, "g1", leases[0])
+    length = stream.length()
+    assert produce_batch(server.client, stream, [("g1", encode_group(a_group("g1")), leases[0])])[2] == [None]
+    assert stream.length() == length
+    # both attempts' replies were lost (so nobody deleted the second entry): the learner skips it
+    second_first = added_but_reply_lost(stream, "g2", leases[1])
+    duplicate = added_but_reply_lost(stream, "g2", leases[1])
+    assert stream.length() == length + 2
+    taken = [server.take(1.0), server.take(1.0)]
+    assert [group.group_id for group in taken] == ["g1", "g2"] and server.take(0.2) is None
+    assert server.duplicates == 1 and server.held == {first, second_first} and duplicate not in server.held
+    # each lease was released once, however often its group was sent: 2 admitted, none outstanding
+    assert coordinator.started == 2 and coordinator.leases() == 0
+    server.ack(server.taken_entries)
+    assert stream.pending_count() == 0  # the skipped duplicate was acked too
+
+
 def test_a_live_learners_held_entries_are_never_reclaimed(redis_server):
     """Entries awaiting a checkpoint are pending, and idle, for as long as the checkpoint interval: XAUTOCLAIM
     must not hand them back to the same learner (trained twice) nor dead-letter them for too many deliveries."""
@@ -197,7 +228,7 @@ def test_a_dead_learner_incarnations_entries_are_still_reclaimed(redis_server):
     server, _ = learner_side(redis_server.url, job, reclaim_idle_s=0.2)
     old = GroupStream(connect(RedisOptions(redis_server.url)), job, consumer="learner-old")
     old.produce("orphan", encode_group(a_group("orphan")))
-    assert [entry for entry, _ in old.read(10, block_ms=100)]  # delivered to a consumer that then died
+    assert [entry.entry_id for entry in old.read(10, block_ms=100)]  # delivered to a consumer that then died
     time.sleep(0.3)
     assert server.take(3.0).group_id == "orphan"
 
