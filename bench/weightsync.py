@@ -15,6 +15,9 @@ each generator is its own spawned process on this host.
 3. `stall`: a generator process with the `hf` engine, per update: transfer = `stage.stage(message)` (bytes into
    local staging, checksummed; the engine keeps sampling meanwhile) and stall = `engine.load_weights(...)` (the
    engine holds its lock, so it cannot sample). It uses the shm path: the learner's ring is on this host.
+4. `cast`: the same fp32 weights published as bfloat16 (weightsync.dtype=bfloat16, the usual engine dtype), shm
+   backend: cast by the ring copy itself (what the learner does) beside a `.to(bfloat16)` per tensor before the
+   copy (what it did before), alternating in this process. speedup = to_then_copy_s / cast_in_copy_s.
 
 Every figure is the median of `--versions` versions after a warm-up of `keep_versions` versions (one per ring
 slot): a slot's first write pays its page faults, which a running job paid long ago; the broadcast warm-up also
@@ -264,6 +267,29 @@ def wait_for_members(publisher, count: int, timeout_s: float = 60.0) -> None:
         time.sleep(0.01)
 
 
+def time_cast(named: list, versions: int, directory: str, bucket_mb: float) -> dict:
+    """Seconds of an shm publish of fp32 `named` as bfloat16: cast in the ring copy vs cast first, alternating."""
+    import torch
+
+    from asyncrl.weightsync.publisher import WeightPublisher
+
+    specs = [(name, "bfloat16", tuple(tensor.shape)) for name, tensor in named]
+    publisher = WeightPublisher(os.path.join(directory, "bench-cast"), WARMUP_VERSIONS, int(bucket_mb * 2**20))
+    seconds = {"cast_in_copy": [], "to_then_copy": []}
+    try:
+        for version in range(1, WARMUP_VERSIONS + versions + 1):
+            for mode, times in seconds.items():
+                tensors = iter(next_version(named, version)) if mode == "cast_in_copy" else (
+                    (name, tensor.to(torch.bfloat16)) for name, tensor in next_version(named, version))
+                started = time.perf_counter()
+                publisher.publish(tensors, version, specs)
+                if version > WARMUP_VERSIONS:
+                    times.append(time.perf_counter() - started)
+    finally:
+        publisher.close()
+    return {mode: statistics.median(times) for mode, times in seconds.items()}
+
+
 def time_stall(named: list, model_dir: str, versions: int, directory: str, bucket_mb: float) -> dict:
     """Per timed version, transfer and stall seconds of an hf-engine generator process; shm backend."""
     import torch.multiprocessing as mp
@@ -344,6 +370,16 @@ def print_stall(stall: dict) -> dict:
     return {key: stall[key] for key in ("path", "median_transfer_s", "median_stall_s", "stall_over_transfer")}
 
 
+def print_cast(nbytes: int, cast: dict) -> dict:
+    speedup = cast["to_then_copy"] / cast["cast_in_copy"]
+    print(f"\n4. fp32 weights published as bfloat16 ({nbytes / 2**21:.0f} MiB published), shm publish, median")
+    print(f"{'cast':<34} {'seconds':>8}")
+    print(f"{'in the ring copy (the learner)':<34} {cast['cast_in_copy']:>8.3f}")
+    print(f"{'.to(bfloat16) first, then copy':<34} {cast['to_then_copy']:>8.3f}")
+    print(f"speedup {speedup:.2f}")
+    return {"cast_in_copy_s": cast["cast_in_copy"], "to_then_copy_s": cast["to_then_copy"], "speedup": speedup}
+
+
 def weightsync_bench(mb: float, versions: int, bucket_mb: float, receivers: list[int]) -> dict:
     import torch
 
@@ -362,10 +398,11 @@ def weightsync_bench(mb: float, versions: int, bucket_mb: float, receivers: list
         by_count = {count: time_publish(named, "broadcast", count, versions, shm_dir, bucket_mb)
                     for count in receivers}
         stall = time_stall(named, workdir, versions, shm_dir, bucket_mb)
+        cast = time_cast(named, versions, shm_dir, bucket_mb)
         return {"bench": "weightsync", "mb": round(nbytes / 2**20, 1), "versions": versions, "bucket_mb": bucket_mb,
                 "torch_threads": torch.get_num_threads(),
                 "publish": print_publish(nbytes, raw, per_tensor, by_count[1], shm), "fanout": print_fanout(nbytes, by_count),
-                "stall": print_stall(stall)}
+                "stall": print_stall(stall), "cast": print_cast(nbytes, cast)}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(shm_dir, ignore_errors=True)

@@ -29,7 +29,6 @@ from asyncrl.learner.train_step import StepSettings, train_step
 from asyncrl.telemetry.mlflow_logger import MetricsLogger, create_or_attach_run, resolve_tracking_uri
 from asyncrl.telemetry.progress import ProgressDisplay
 from asyncrl.weightsync.backends import make_publisher
-from asyncrl.weightsync.layout import DTYPES as WEIGHT_DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -214,10 +213,10 @@ class AckLedger:
 
 
 def publish_weights(model, parallel: ParallelState, host, version: int, cfg) -> None:
-    """Gather the full weights bucket by bucket on every rank; rank 0 casts once and publishes `version`."""
+    """Gather the full weights bucket by bucket on every rank; rank 0 publishes `version` (the publisher casts to
+    weightsync.dtype as it copies each tensor into its ring)."""
     bucket_bytes = int(cfg.learner.publish_bucket_mb * 2**20)
-    dtype = WEIGHT_DTYPES[cfg.weightsync.dtype]
-    weights = iter_full_weights(model, parallel, dtype, bucket_bytes)
+    weights = iter_full_weights(model, parallel, None, bucket_bytes)
     if host is None:
         for _ in weights:  # nothing is yielded here; iterating runs this rank's side of the gathers
             pass

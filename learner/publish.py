@@ -1,7 +1,7 @@
 """Full weights out of FSDP2 shards, bucket by bucket, for the weight publisher on rank 0.
 
-Every rank runs the same gathers (they are collectives); only rank 0 keeps what it gathers, casts it once to the
-engine's dtype and hands it to the publisher. A bucket bounds how much gathered-but-unsent weight exists at once
+Every rank runs the same gathers (they are collectives); only rank 0 keeps what it gathers and hands it to the
+publisher, which casts to the engine's dtype while copying into its ring (one pass, no intermediate tensor). A bucket bounds how much gathered-but-unsent weight exists at once
 on every rank: one bucket, not the model.
 """
 from typing import Iterator
@@ -27,14 +27,15 @@ def bucket_names(tensors: dict, bucket_bytes: int) -> list[list[str]]:
     return buckets
 
 
-def iter_full_weights(model, parallel: ParallelState, dtype: torch.dtype,
+def iter_full_weights(model, parallel: ParallelState, dtype: torch.dtype | None,
                       bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor in `dtype`) for every entry of the model's state dict, yielded on rank 0 only; the other
-    ranks run the gathers and yield nothing. Tied weights are gathered once and yielded under each name."""
+    """(name, full tensor in `dtype`, or as stored with None) for every entry of the model's state dict, yielded on
+    rank 0 only; the other ranks run the gathers and yield nothing. Tied weights are gathered once and yielded under
+    each name."""
     state = model.state_dict()
     if not parallel.distributed:
         for name, tensor in state.items():
-            yield name, tensor.detach().to(dtype)
+            yield name, tensor.detach() if dtype is None else tensor.detach().to(dtype)
         return
     last_name = {id(tensor): name for name, tensor in state.items()}  # a tied tensor's last entry
     gathered: dict[int, torch.Tensor] = {}
@@ -44,7 +45,10 @@ def iter_full_weights(model, parallel: ParallelState, dtype: torch.dtype,
             tensor = state[name]
             if id(tensor) not in gathered:
                 full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-                gathered[id(tensor)] = full.detach().to(dtype) if parallel.is_main else None
+                if parallel.is_main:
+                    gathered[id(tensor)] = full.detach() if dtype is None else full.detach().to(dtype)
+                else:
+                    gathered[id(tensor)] = None
             bucket.append((name, gathered[id(tensor)]))
         if parallel.is_main:
             yield from bucket

@@ -28,10 +28,13 @@ class FlatBuckets:
         return raw.view(DTYPES[entry.dtype]).view(entry.shape)
 
     def put(self, name: str, tensor: torch.Tensor) -> Entry:
-        """Copy `tensor` into its place (it must match the layout's dtype and shape)."""
+        """Copy `tensor` into its place. Its shape must match the layout's; a floating tensor of another dtype is
+        cast by the copy itself (fp32 master weights published as bf16 are read once and written once, with no
+        intermediate tensor to allocate)."""
         entry = self._by_name[name]
         target = self.view(entry)
-        if tensor.shape != target.shape or tensor.dtype != target.dtype:
+        castable = tensor.dtype.is_floating_point and target.dtype.is_floating_point
+        if tensor.shape != target.shape or (tensor.dtype != target.dtype and not castable):
             raise ValueError(f"{name}: got {tuple(tensor.shape)} {tensor.dtype}, the layout has {entry.shape} "
                              f"{entry.dtype}")
         target.copy_(tensor.detach())

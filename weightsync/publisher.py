@@ -75,6 +75,8 @@ class WeightPublisher:
                 except KeyError:
                     raise PublishError(f"weights v{version}: tensor {name!r} is not in the layout (specs and "
                                        f"tensors disagree)") from None
+                except ValueError as err:  # a shape, or a dtype no copy can cast, that the specs did not announce
+                    raise PublishError(f"weights v{version}: {err}") from None
                 seen.add(name)
                 remaining[entry.bucket] -= 1
                 if remaining[entry.bucket] == 0:

@@ -57,3 +57,4 @@ def test_weightsync_bench_runs_on_a_tiny_setting(tmp_path):
     assert set(result["fanout"]) >= {"1", "2", "4"} and result["fanout"]["1"]["x1"] == 1.0
     assert result["stall"]["path"] == "shm"
     assert result["stall"]["median_transfer_s"] > 0 and result["stall"]["median_stall_s"] > 0
+    assert result["cast"]["cast_in_copy_s"] > 0 and result["cast"]["to_then_copy_s"] > 0

@@ -88,6 +88,27 @@ def test_a_slot_overwritten_while_read_is_detected(tmp_path):
     writer.close(unlink=True)
 
 
+def test_fp32_weights_are_cast_to_the_published_dtype_by_the_ring_copy(tmp_path):
+    publisher = WeightPublisher(str(tmp_path / "ring"), slots=2, bucket_bytes=4096)
+    stage = WeightStage(str(tmp_path), "gen")
+    try:
+        tensors = model_tensors(5)
+        specs = [(name, "bfloat16", shape) for name, _, shape in specs_of(tensors)]
+        staged = stage.stage(publisher.publish(iter(tensors), 1, specs))
+        got = dict(staged.buckets.tensors())
+        for name, tensor in tensors:  # the same rounding as a separate .to(bfloat16)
+            assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], tensor.to(torch.bfloat16))
+        stage.end_load(staged, ok=True)
+        with pytest.raises(PublishError, match="layer.0.b"):  # a cast never hides a wrong shape
+            publisher.publish(iter([(n, t if n != "layer.0.b" else torch.zeros(4)) for n, t in tensors]), 2, specs)
+        ints = [("ids", torch.arange(4))]
+        with pytest.raises(PublishError, match="ids"):  # nor turns integers into floats
+            publisher.publish(iter(ints), 3, [("ids", "float32", (4,))])
+    finally:
+        stage.close()
+        publisher.close()
+
+
 def test_publish_refuses_missing_or_unknown_tensors(tmp_path):
     publisher = WeightPublisher(str(tmp_path / "ring"), slots=2, bucket_bytes=4096)
     tensors = model_tensors(4)
