@@ -60,7 +60,7 @@ class WeightStage:
         self._lock = threading.Lock()
         self._learner_rings: dict[str, ShmRing] = {}
         self.paths_used = {"group": 0, "shm": 0, "catchup": 0}
-        self.member = None  # dist_group.WeightGroupMember, joined when a control message names a group
+        self.member = None  # group_member.WeightGroupMember, joined when a control message names a group
         self._member_address = None
         self._received: tuple | None = None  # (version, buckets) taken from the member, not yet used
 
@@ -163,7 +163,7 @@ class WeightStage:
         return True
 
     def _join(self, group: dict, layout: Layout) -> None:
-        from asyncrl.weightsync.dist_group import WeightGroupMember
+        from asyncrl.weightsync.group_member import WeightGroupMember
 
         if self.member is not None:
             self.member.close()

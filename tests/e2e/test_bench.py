@@ -58,3 +58,14 @@ def test_weightsync_bench_runs_on_a_tiny_setting(tmp_path):
     assert result["stall"]["path"] == "shm"
     assert result["stall"]["median_transfer_s"] > 0 and result["stall"]["median_stall_s"] > 0
     assert result["cast"]["cast_in_copy_s"] > 0 and result["cast"]["to_then_copy_s"] > 0
+
+
+@pytest.mark.slow
+def test_weightsync_fanout_bench_runs_on_a_tiny_setting(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.weightsync_fanout", "--mb", "4", "--repeats", "1",
+                          "--receivers", "1,2"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "weightsync_fanout" and result["mb"] == 4
+    for mode in ("chain", "broadcast"):
+        assert set(result[mode]) == {"1", "2"} and all(seconds > 0 for seconds in result[mode].values())
