@@ -17,7 +17,6 @@ import time
 from collections import Counter, OrderedDict, deque
 
 import redis
-import xxhash
 
 from asyncrl.buffer.codec import CodecError, decode_group
 from asyncrl.buffer.redis_conn import redacted
@@ -135,14 +134,15 @@ class RedisBufferServer:
         return self.stream.reclaim(self.reclaim_idle_ms, held=frozenset(self.held))
 
     def _decode(self, entry_id: bytes, payload: bytes):
-        """The entry's group, or None after moving a malformed one to the dead-letter stream. Its admission is
-        given back once, keyed on the payload's digest: a resent copy of the same bytes gives nothing back again."""
+        """The entry's group, or None after moving a malformed one to the dead-letter stream and giving its
+        admission back (keyed on the entry, so a retried give-back counts once; keyed on the bytes, a generator
+        that sent the same garbage twice would leak one admission each time)."""
         try:
             return decode_group(payload, vocab_size=self.vocab_size, max_version=NO_VERSION_LIMIT,
                                 max_message_bytes=self.max_message_bytes)
         except CodecError as err:
             self.stream.dead_letter(entry_id, payload, f"{err.reason}: {err}")
-            self.coordinator.give_back(1, token="dead:" + xxhash.xxh3_64_hexdigest(payload))
+            self.coordinator.give_back(1, token=entry_id.decode())
             self.rejected[err.reason] += 1
             log.warning("buffer: group entry %s is malformed (%s); moved to the dead-letter stream", entry_id, err)
             return None

@@ -130,11 +130,12 @@ class GroupStream:
 
     def canonical(self, entries: list) -> list[bool]:
         """entries: (group id, token). True for each entry that carries its group: the group's mark holds its
-        token (or is gone: expired after mark_ttl_s, when no resend can still be in flight)."""
+        token, or is gone (expired after mark_ttl_s, when no resend can still be in flight), or the entry has no
+        token (added by a producer that deduplicated it before adding it, as asyncrl's did before tokens)."""
         if not entries:
             return []
         marks = self.retry("MGET marks", self.client.mget, [self.keys["seen"] + group_id for group_id, _ in entries])
-        return [mark is None or mark == token for (_, token), mark in zip(entries, marks)]
+        return [token is None or mark is None or mark == token for (_, token), mark in zip(entries, marks)]
 
     def read(self, count: int, block_ms: int) -> list["Entry"]:
         """Up to `count` entries: first whatever is still pending for this consumer from before a

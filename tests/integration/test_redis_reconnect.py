@@ -205,6 +205,18 @@ def test_a_resent_delivery_is_trained_once_and_counts_once(redis_server):
     assert stream.pending_count() == 0  # the skipped duplicate was acked too
 
 
+def test_every_malformed_group_gives_its_admission_back_even_with_identical_bytes(redis_server):
+    job = "bad" + uuid.uuid4().hex[:8]
+    server, _ = learner_side(redis_server.url, job)
+    stream, coordinator = GroupStream(server.client, job), server.coordinator
+    leases, _ = coordinator.try_admit("gen", want=2)
+    produce_batch(server.client, stream, [("bad1", b"garbage", leases[0]), ("bad2", b"garbage", leases[1])])
+    assert coordinator.started == 2
+    assert server.take(0.5) is None
+    assert server.rejected == {"malformed": 2} and len(stream.dead_letters()) == 2
+    assert coordinator.started == 0  # both admissions came back: a buggy generator cannot leak capacity
+
+
 def test_a_live_learners_held_entries_are_never_reclaimed(redis_server):
     """Entries awaiting a checkpoint are pending, and idle, for as long as the checkpoint interval: XAUTOCLAIM
     must not hand them back to the same learner (trained twice) nor dead-letter them for too many deliveries."""
