@@ -13,7 +13,7 @@ import numpy as np
 
 from asyncrl.buffer.codec import encode_group
 from asyncrl.buffer.group import Group, Sample, Sampling, new_group_id
-from asyncrl.generator.engines.base import WeightLoadError
+from asyncrl.generator.engines.base import EngineBroken, WeightLoadError
 from asyncrl.generator.rewards import RewardError, overlong_penalty, score
 from asyncrl.configs.sections import RewardConfig
 from asyncrl.weightsync.receiver import WeightSyncError
@@ -119,6 +119,8 @@ class RolloutLoop:
                 if staged is not None:
                     self.stage.end_load(staged, ok=False)
                 self.stats.weight_failures += 1
+                if isinstance(err, EngineBroken):  # no good weights left to sample from: stop, and say why
+                    raise
                 log.error("generator %s: %s; continuing on v%d", self.generator_id, err, self.engine.version)
             self.stats.weight_wait_s += time.monotonic() - started
 

@@ -1,11 +1,13 @@
-"""The generator's scoring of a group: ReMax's greedy baseline and DAPO's overlong shaping (logic only; the real
-engines are covered by tests/integration and the e2e runs)."""
+"""The generator's scoring of a group (ReMax's greedy baseline, DAPO's overlong shaping) and its reaction to failed
+weight loads (logic only; the real engines are covered by tests/integration and the e2e runs)."""
 import asyncio
+
+import pytest
 
 from asyncrl.configs.sections import RewardConfig
 from asyncrl.generator.config import RolloutConfig
 from asyncrl.generator.dataset import PromptRow
-from asyncrl.generator.engines.base import Completion
+from asyncrl.generator.engines.base import Completion, EngineBroken, WeightLoadError
 from asyncrl.generator.rollout import RolloutLoop
 
 
@@ -57,3 +59,50 @@ def test_overlong_shaping_is_added_to_the_reward_and_reported():
     # lengths 1..4 with max 4 and a buffer of 2: 0, 0, -0.5, -1
     assert [s.reward for s in group.samples] == [0.0, 0.0, -0.5, -1.0]
     assert [s.reward_info["overlong_penalty"] for s in group.samples] == [0.0, 0.0, -0.5, -1.0]
+
+
+class FakeStage:
+    """WeightStage's interface for the loop: every announced version stages fine; loads are recorded."""
+
+    good = None
+
+    def __init__(self):
+        self.ended = []
+
+    def stage(self, message):
+        return message["version"]
+
+    def end_load(self, staged, ok):
+        self.ended.append((staged, ok))
+
+
+class FailingEngine(ScriptedEngine):
+    def __init__(self, error):
+        super().__init__()
+        self.error = error
+
+    async def load_weights(self, staged, fallback):
+        raise self.error
+
+
+def loop_with(engine, stage):
+    loop = RolloutLoop(client=None, engine=engine, prompts=iter([]), reward_fn=reward_is_nine,
+                       tokenizer=DigitTokenizer(), rollout_cfg=RolloutConfig(), max_inflight_groups=1,
+                       generator_id="g", stage=stage)
+    loop.latest_weights = {"version": 4}
+    return loop
+
+
+def test_a_failed_load_is_counted_and_sampling_continues_on_the_old_version():
+    stage = FakeStage()
+    loop = loop_with(FailingEngine(WeightLoadError("v4 did not load; kept v3")), stage)
+    asyncio.run(loop.ensure_latest_weights())  # logged, not raised
+    assert loop.stats.weight_failures == 1 and stage.ended == [(4, False)]
+
+
+def test_a_broken_engine_stops_the_generator_with_the_reason():
+    stage = FakeStage()
+    loop = loop_with(FailingEngine(EngineBroken("v4 failed and so did the reload of v3")), stage)
+    with pytest.raises(EngineBroken, match="reload of v3"):
+        asyncio.run(loop.ensure_latest_weights())
+    assert loop.stats.weight_failures == 1 and stage.ended == [(4, False)]
