@@ -401,7 +401,8 @@ def weightsync_bench(mb: float, versions: int, bucket_mb: float, receivers: list
         cast = time_cast(named, versions, shm_dir, bucket_mb)
         return {"bench": "weightsync", "mb": round(nbytes / 2**20, 1), "versions": versions, "bucket_mb": bucket_mb,
                 "torch_threads": torch.get_num_threads(),
-                "publish": print_publish(nbytes, raw, per_tensor, by_count[1], shm), "fanout": print_fanout(nbytes, by_count),
+                "publish": print_publish(nbytes, raw, per_tensor, by_count[1], shm),
+                "fanout": print_fanout(nbytes, by_count),
                 "stall": print_stall(stall), "cast": print_cast(nbytes, cast)}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -121,7 +121,7 @@ class RedisBufferServer:
     def _version(self) -> int:
         """The learner's version: the one it set itself (the learner is the version's only writer, so no round
         trip), else Redis's (one read per batch, not per group)."""
-        published = getattr(self.coordinator, "published", None)
+        published = self.coordinator.published
         return self.coordinator.version if published is None else published
 
     def _reclaim_due(self) -> list:

@@ -122,8 +122,11 @@ class GroupStream:
     def settle(self, replies: list) -> list:
         """From the replies of the `add`s, in order: each entry id, or None where the group was delivered before,
         whose duplicate entry is deleted here. Runs inside the caller's retry; retries nothing itself."""
-        results = [None if first else entry_id for entry_id, first in zip(replies[::2], replies[1::2])]
-        duplicates = [entry_id for entry_id, first in zip(replies[::2], replies[1::2]) if first]
+        results, duplicates = [], []
+        for entry_id, first in zip(replies[::2], replies[1::2]):
+            results.append(None if first else entry_id)
+            if first:
+                duplicates.append(entry_id)
         if duplicates:
             self.client.xdel(self.keys["groups"], *duplicates)
         return results

@@ -128,9 +128,9 @@ class ZmqBufferServer:
         threads once per group, which preempt the validation on a busy host. Holding every reply until the
         whole drain was validated went wrong the other way: a generator with 16 groups in flight sat idle while
         all 16 were validated, then the server sat idle while it made the next 16 (bench/buffer.py, 4 KB groups,
-        median of 9: 0.56 of raw PUSH/PULL; releasing every 4, 0.77; every 2, 0.65). Replies go out before their groups are queued, so the learner
-        thread wakes just after the I/O thread. The server thread is the only one that adds to the queue, so
-        the room it counted when it said "accepted" is still there.
+        median of 9: 0.56 of raw PUSH/PULL; releasing every 4, 0.77; every 2, 0.65). Replies go out before their
+        groups are queued, so the learner thread wakes just after the I/O thread. The server thread is the only
+        one that adds to the queue, so the room it counted when it said "accepted" is still there.
         """
         accepted, replies = [], []
         for _ in range(DRAIN_MAX_REQUESTS):

@@ -1,8 +1,8 @@
 """Full weights out of FSDP2 shards, bucket by bucket, for the weight publisher on rank 0.
 
 Every rank runs the same gathers (they are collectives); only rank 0 keeps what it gathers and hands it to the
-publisher, which casts to the engine's dtype while copying into its ring (one pass, no intermediate tensor). A bucket bounds how much gathered-but-unsent weight exists at once
-on every rank: one bucket, not the model.
+publisher, which casts to the engine's dtype while copying into its ring (one pass, no intermediate tensor). A
+bucket bounds how much gathered-but-unsent weight exists at once on every rank: one bucket, not the model.
 """
 from typing import Iterator
 
@@ -35,7 +35,7 @@ def iter_full_weights(model, parallel: ParallelState, dtype: torch.dtype | None,
     state = model.state_dict()
     if not parallel.distributed:
         for name, tensor in state.items():
-            yield name, tensor.detach() if dtype is None else tensor.detach().to(dtype)
+            yield name, _in_dtype(tensor, dtype)
         return
     last_name = {id(tensor): name for name, tensor in state.items()}  # a tied tensor's last entry
     gathered: dict[int, torch.Tensor] = {}
@@ -45,16 +45,18 @@ def iter_full_weights(model, parallel: ParallelState, dtype: torch.dtype | None,
             tensor = state[name]
             if id(tensor) not in gathered:
                 full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-                if parallel.is_main:
-                    gathered[id(tensor)] = full.detach() if dtype is None else full.detach().to(dtype)
-                else:
-                    gathered[id(tensor)] = None
+                gathered[id(tensor)] = _in_dtype(full, dtype) if parallel.is_main else None
             bucket.append((name, gathered[id(tensor)]))
         if parallel.is_main:
             yield from bucket
         for name in names:  # the bucket goes before the next is gathered (a tied tensor stays until its last name)
             if last_name[id(state[name])] == name:
                 gathered.pop(id(state[name]))
+
+
+def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """Detached, and cast to `dtype` unless it is None (the publisher casts in its copy)."""
+    return tensor.detach() if dtype is None else tensor.detach().to(dtype)
 
 
 def weight_specs(model, dtype: str) -> list[tuple[str, str, tuple]]:

@@ -176,7 +176,7 @@ def test_groups_survive_a_kill_9_of_redis_with_appendfsync_always(tmp_path, job)
         server.start()  # same port, same directory: the AOF is replayed
         assert stream.length() == 20 and stream.pending_count() == 5  # every produce and the delivery state
         assert stream.produce("g3", b"again") is None  # idempotence marks survive too
-        assert [entry.payload for entry in stream_for(client, job).read(100, block_ms=100)][:5] == [b"p0", b"p1", b"p2", b"p3",
-                                                                                        b"p4"]
+        payloads = [entry.payload for entry in stream_for(client, job).read(100, block_ms=100)]
+        assert payloads[:5] == [b"p0", b"p1", b"p2", b"p3", b"p4"]
     finally:
         server.kill()
