@@ -1,13 +1,16 @@
 """Control messages between generators and the learner's embedded buffer (a msgpack map per frame).
 
-Requests (generator -> learner) carry `op`, `req` (request id) and `gen` (generator id):
-  hello {config_hash}        -> {version, weights, run_info}       # refused if config hashes differ
-  admit {want}               -> {granted, version, weights, done}
-  group + second frame bytes -> {accepted, reason, retry, version, weights, done}
+Requests (generator -> learner) carry `op`, `req` (request id), `gen` (generator id) and `wid` (the id of the
+weights control message the generator holds, "" for none):
+  hello {config_hash}        -> {version, weights_id, run_info}       # refused if config hashes differ
+  admit {want}               -> {granted, version, weights_id, done}
+  group + second frame bytes -> {accepted, reason, retry, version, weights_id, done}
   stats {metrics}            -> {}
   bye                        -> {}
-Every reply carries `req`, `ok`, and `error` when ok is false. Group payloads travel in their own frame so the
-codec's size limit applies to them alone.
+Every reply carries `req`, `ok`, `weights_id` (of the newest weights), `weights` (their control message) only when
+the request's `wid` differs, and `error` when ok is false. BufferClient keeps the newest message and puts it in
+every reply it returns, so callers always see `weights`. Group payloads travel in their own frame so the codec's
+size limit applies to them alone.
 """
 import msgpack
 

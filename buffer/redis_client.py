@@ -44,6 +44,7 @@ class RedisBufferClient:
         self.coordinator = RedisCoordinator(client, job, max_staleness, groups_per_step, lease_s)
         self.batcher = DeliveryBatcher(self._send_batch)
         self.leases: list[str] = []
+        self._weights: tuple[str, dict] = ("", {})  # (weights_id, control message): read again only when it changes
 
     async def request(self, op: str, body: bytes | None = None, timeout_s: float | None = None, **fields) -> dict:
         if op == "group":
@@ -67,32 +68,49 @@ class RedisBufferClient:
                     "error": "a group request needs its group_id (idempotence key)"}
         lease = self.leases.pop(0) if self.leases else ""
         try:
-            raw_meta, version, _ = await self.batcher.deliver((fields["group_id"], body, lease))
+            reply, _, _ = await self.batcher.deliver((fields["group_id"], body, lease))
         except (redis.ConnectionError, redis.TimeoutError, RedisUnavailable) as err:
             raise LearnerUnavailable(f"Redis at {self.endpoint} did not take group {fields['group_id']}: {err}") \
                 from None
         # the group is in the stream even if the metadata is not (Redis restarted empty): the learner reads it
-        return {**reply_fields(decoded(raw_meta), version), "accepted": True}
+        return {**reply, "accepted": True}
 
     def _send_batch(self, deliveries: list) -> tuple:
-        return self.retry("group delivery", produce_batch, self.client, self.stream, deliveries)
+        """(the reply fields, read once for the whole batch; version; each delivery's result)."""
+        raw_meta, version, results = self.retry("group delivery", produce_batch, self.client, self.stream, deliveries,
+                                               META_FIELDS)
+        meta = meta_of(raw_meta)
+        return reply_fields(meta, version, self.retry("weights", self._weights_for, meta["weights_id"])), version, \
+            results
 
     def _handle(self, op: str, body, fields: dict, token: str) -> dict:
         pipe = self.client.pipeline(transaction=False)
-        raw_meta, version = pipe.hgetall(self.keys["meta"]).get(self.keys["version"]).execute()
-        meta = decoded(raw_meta)
+        raw_meta, version = pipe.hmget(self.keys["meta"], *META_FIELDS).get(self.keys["version"]).execute()
+        meta = meta_of(raw_meta)
         return self._op(op, meta, self._reply(meta, op, int(version or 0)), int(version or 0), fields, token)
 
-    @staticmethod
-    def _reply(meta: dict, op: str, version: int) -> dict:
+    def _reply(self, meta: dict, op: str, version: int) -> dict:
         """The fields every reply carries, from the run metadata the learner keeps in Redis."""
-        if "config_hash" not in meta:
+        if meta["config_hash"] is None:
             if op == "hello":  # the caller waits for the learner to start, saying so
                 raise NotRegistered("no learner has registered this job yet")
             # mid-run, the metadata can only be missing because Redis restarted empty: the learner rewrites it as
             # soon as it reconnects, so this is waited out like the outage itself
             raise redis.ConnectionError("the job's metadata is gone from Redis; waiting for the learner to rewrite it")
-        return reply_fields(meta, version)
+        return reply_fields(meta, version, self._weights_for(meta["weights_id"]))
+
+    def _weights_for(self, weights_id: str | None) -> dict:
+        """The control message `weights_id` names, read from Redis only when it is not the one already held: it
+        lists every tensor (17 KB of JSON for a 0.5B model, over 1 MB for a large MoE), and reading and parsing it
+        with every request cost more than the request. A learner that writes no id (older) is read every time."""
+        held_id, held = self._weights
+        if weights_id is not None and weights_id == held_id:
+            return held
+        fresh_id, raw = self.client.hmget(self.keys["meta"], "weights_id", "weights")
+        descriptor = json.loads(raw or "{}")
+        if fresh_id is not None:
+            self._weights = (fresh_id.decode(), descriptor)
+        return descriptor
 
     def _op(self, op: str, meta: dict, reply: dict, version: int, fields: dict, token: str) -> dict:
         if op == "hello":
@@ -103,7 +121,7 @@ class RedisBufferClient:
                     f"same recipe and shared overrides")}
             self.client.hsetnx(self.keys["meta"] + ":joins", self.generator_id, json.dumps(
                 {"hello_version": version, "at": time.time()}))
-            return {**reply, "run_info": json.loads(meta["run_info"])}
+            return {**reply, "run_info": json.loads(self.client.hget(self.keys["meta"], "run_info") or "{}")}
         if op == "admit":
             granted = []
             if not reply["done"]:
@@ -125,11 +143,16 @@ class RedisBufferClient:
         self.client.close()
 
 
-def decoded(raw_meta: dict) -> dict:
-    return {key.decode(): value.decode() for key, value in raw_meta.items()}
+META_FIELDS = ("config_hash", "done", "weights_id")
+"""The run metadata read with every request: small fields only. The weights' control message is read apart, when
+its id changes (`RedisBufferClient._weights_for`)."""
 
 
-def reply_fields(meta: dict, version: int) -> dict:
+def meta_of(values: list) -> dict:
+    """META_FIELDS -> str, or None for a field Redis does not hold, from an HMGET reply."""
+    return {name: None if value is None else value.decode() for name, value in zip(META_FIELDS, values)}
+
+
+def reply_fields(meta: dict, version: int, weights: dict) -> dict:
     """The fields every reply carries (as the zmq learner's), from the run metadata the learner keeps in Redis."""
-    return {"ok": True, "version": version, "weights": json.loads(meta.get("weights") or "{}"),
-            "done": meta.get("done") == "1"}
+    return {"ok": True, "version": version, "weights": weights, "done": meta.get("done") == "1"}

@@ -12,11 +12,11 @@ import asyncio
 from asyncrl.buffer.redis_stream import GroupStream
 
 
-def produce_batch(client, stream: GroupStream, deliveries: list) -> tuple:
-    """deliveries: (group_id, payload, lease_id). Returns (raw meta hash, version, [entry id, or None for a group
-    delivered before, per delivery])."""
+def produce_batch(client, stream: GroupStream, deliveries: list, fields: tuple = ("done",)) -> tuple:
+    """deliveries: (group_id, payload, lease_id). Returns (the run metadata's `fields`, as HMGET returns them;
+    version; [entry id, or None for a group delivered before, per delivery])."""
     pipe = client.pipeline(transaction=True)
-    pipe.hgetall(stream.keys["meta"])
+    pipe.hmget(stream.keys["meta"], *fields)
     pipe.get(stream.keys["version"])
     for group_id, payload, lease_id in deliveries:
         stream.add(pipe, group_id, payload, lease_id)

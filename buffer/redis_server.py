@@ -14,6 +14,7 @@ with the server's last writes).
 import json
 import logging
 import time
+import uuid
 from collections import Counter, OrderedDict, deque
 
 import redis
@@ -56,6 +57,7 @@ class RedisBufferServer:
         self.redelivered = 0  # entries delivered again that this learner already held or acked (skipped)
         self.duplicates = 0  # entries a producer's resend added for a group another entry already carries (skipped)
         self._weights: dict = {}
+        self._weights_id = ""  # fresh per set_weights: generators re-read the control message only when it changes
         self._done = False
         self._next_reclaim = 0.0
         self._next_trim = 0.0
@@ -72,7 +74,7 @@ class RedisBufferServer:
         """Everything a generator needs, in one hash; idempotent, so it is simply rewritten after a reconnect."""
         (retry or self.retry)("run metadata", self.client.hset, self.keys["meta"], mapping={
             "config_hash": self.config_hash, "run_info": json.dumps(self.run_info),
-            "weights": json.dumps(self._weights), "done": "1" if self._done else "0"})
+            "weights": json.dumps(self._weights), "weights_id": self._weights_id, "done": "1" if self._done else "0"})
 
     def _after_reconnect(self) -> None:
         """Redis answered again: what it may have lost is restored, and entries it may have delivered to us in a
@@ -190,7 +192,7 @@ class RedisBufferServer:
         return acked
 
     def set_weights(self, descriptor: dict) -> None:
-        self._weights = dict(descriptor)
+        self._weights, self._weights_id = dict(descriptor), uuid.uuid4().hex[:16]
         self._write_meta()
 
     def set_done(self) -> None:

@@ -43,6 +43,8 @@ class BufferClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: deque = deque()  # (frames, copy, reply future) not yet handed to libzmq
         self._flush_scheduled = False
+        self.weights: dict = {}  # the newest weights control message heard of, and its id (see protocol.py)
+        self.weights_id = ""
 
     async def request(self, op: str, body: bytes | None = None, timeout_s: float | None = None, **fields) -> dict:
         loop = self._attach()
@@ -51,7 +53,7 @@ class BufferClient:
         reply = loop.create_future()
         self._pending[req] = reply
         timer = loop.call_later(timeout_s, _expire, reply)
-        frames = [pack({"op": op, "req": req, "gen": self.generator_id, **fields})]
+        frames = [pack({"op": op, "req": req, "gen": self.generator_id, "wid": self.weights_id, **fields})]
         if body is not None:
             frames.append(body)
         self._outbox.append((frames, body is None or len(body) < ZERO_COPY_MIN_BYTES, reply))
@@ -123,9 +125,17 @@ class BufferClient:
                 reply = unpack_reply(frames[-1])
             except Exception:
                 continue  # a reply we cannot read is dropped; the request times out with a clear error
+            self._note_weights(reply)
             future = self._pending.get(reply.get("req"))
             if future is not None and not future.done():
                 future.set_result(reply)
+
+    def _note_weights(self, reply: dict) -> None:
+        """Keep the control message a reply carries; give the kept one to a reply that carries only its id."""
+        if "weights" in reply:
+            self.weights, self.weights_id = reply["weights"], str(reply.get("weights_id", ""))
+        else:
+            reply["weights"] = self.weights
 
 
 def _expire(reply: asyncio.Future) -> None:

@@ -9,6 +9,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections import Counter
 
 import zmq
@@ -41,6 +42,7 @@ class ZmqBufferServer:
         self.last_seen: dict[str, float] = {}
         self.joins: dict[str, dict] = {}  # generator -> version at hello, min token version of its first group
         self._weights: dict = {}
+        self._weights_id = ""  # names one set_weights call; a generator that holds it is not sent the message again
         self._done = False
         self.told_done: set[str] = set()  # generators that received a reply saying the job is done
         self._stop = threading.Event()
@@ -71,8 +73,13 @@ class ZmqBufferServer:
             return None
 
     def set_weights(self, descriptor: dict) -> None:
-        """Announce published weights; generators learn of them in their next reply."""
-        self._weights = dict(descriptor)
+        """Announce published weights; generators learn of them in their next reply.
+
+        The control message lists every tensor (17 KB for a 0.5B model, over 1 MB for a large MoE), so a reply
+        carries it only to a generator whose request names another `weights_id` than the newest (`_handle`):
+        packing it into every reply cost more than validating the group it answered. The id is fresh per call,
+        not the version: a learner resumed from a checkpoint republishes a version number with other addresses."""
+        self._weights, self._weights_id = dict(descriptor), uuid.uuid4().hex[:16]
 
     def set_done(self) -> None:
         """The job is over: every further admit/group reply tells generators to stop."""
@@ -173,7 +180,9 @@ class ZmqBufferServer:
         gen = request["gen"]
         self.last_seen[gen] = time.monotonic()
         reply = {"req": request["req"], "ok": True, "version": self.coordinator.version,
-                 "weights": self._weights, "done": self._done}
+                 "weights_id": self._weights_id, "done": self._done}
+        if request.get("wid") != self._weights_id:  # a generator without it (or one that predates `wid`)
+            reply["weights"] = self._weights
         if self._done:
             self.told_done.add(gen)
         op = request["op"]

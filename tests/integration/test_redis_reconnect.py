@@ -259,3 +259,22 @@ def test_durability_is_configured_and_its_loss_window_stated(tmp_path, caplog):
             configure_durability(client, redis_proc.url, "sometimes")
     finally:
         redis_proc.kill()
+
+
+def test_the_weights_message_is_read_once_per_publish(redis_server):
+    """A generator reads the control message (every tensor's name and place) only when the learner publishes a new
+    one, not with every request; a new publish, even of the same version number, is read again."""
+    job = "wm" + uuid.uuid4().hex[:8]
+    server, _ = learner_side(redis_server.url, job)
+    client = generator_side(redis_server.url, job)
+    assert asyncio.run(client.request("hello", config_hash="h"))["weights"] == {}
+    server.set_weights({"version": 2, "names": ["w"] * 1000})
+    assert asyncio.run(client.request("admit", want=1))["weights"]["version"] == 2
+    server.client.hset(server.keys["meta"], "weights", '{"version": 99}')  # the same id: not read again
+    reply = asyncio.run(client.request("group", body=encode_group(a_group("g1")), group_id="g1"))
+    assert reply["accepted"] and reply["weights"]["version"] == 2
+    assert asyncio.run(client.request("admit", want=1))["weights"]["version"] == 2
+    server.set_weights({"version": 2, "names": ["w"], "shm": {"path": "/elsewhere"}})  # a resumed learner
+    reply = asyncio.run(client.request("group", body=encode_group(a_group("g2")), group_id="g2"))
+    assert reply["weights"]["shm"] == {"path": "/elsewhere"}
+    assert asyncio.run(client.request("admit", want=1))["weights"]["shm"] == {"path": "/elsewhere"}

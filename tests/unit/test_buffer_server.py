@@ -121,3 +121,35 @@ def test_finished_learner_keeps_serving_until_every_recent_generator_heard_done(
     assert unheard == ["late"] and waited >= 0.3
     assert reply["done"] and reply["granted"] == 0
     assert unheard_after == []  # everyone has heard: returns at once
+
+
+def test_the_weights_message_goes_to_each_generator_once_per_publish(server):
+    """The control message lists every tensor, so a reply carries it only to a generator that lacks it; the client
+    keeps it and hands it to every caller, and a new publish (even of the same version number) is sent again."""
+    context = zmq.Context()
+    raw = context.socket(zmq.DEALER)
+    raw.connect(server.endpoint)
+
+    def raw_reply(wid):
+        fields = {"op": "admit", "req": 1, "gen": "raw"} | ({} if wid is None else {"wid": wid})
+        raw.send_multipart([pack(fields)])
+        assert raw.poll(5000)
+        return msgpack.unpackb(raw.recv_multipart()[-1])
+
+    client = BufferClient(server.endpoint, "gen-w", timeout_s=5)
+    try:
+        assert request(client, "admit")["weights"] == {}  # nothing published yet
+        server.set_weights({"version": 1, "names": ["w"] * 1000})
+        first = raw_reply("")
+        assert first["weights"]["version"] == 1 and first["weights_id"]
+        assert "weights" not in raw_reply(first["weights_id"])  # holds it: only the id comes back
+        assert raw_reply(None)["weights"]["version"] == 1  # a client that sends no `wid` always gets it
+        assert [request(client, "admit")["weights"]["version"] for _ in range(3)] == [1, 1, 1]
+        assert client.weights_id == first["weights_id"]
+        server.set_weights({"version": 1, "names": ["w"], "shm": {"path": "/elsewhere"}})  # a resumed learner
+        assert request(client, "admit")["weights"]["shm"] == {"path": "/elsewhere"}
+        assert client.weights_id != first["weights_id"]
+    finally:
+        client.close()
+        raw.close(linger=0)
+        context.term()
