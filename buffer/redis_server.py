@@ -172,7 +172,8 @@ class RedisBufferServer:
             return
         self.received += 1
         self.held.add(entry_id)
-        self.joins.setdefault(group.generator_id, {"first_group_min_version": group.min_version()})
+        if group.generator_id not in self.joins:  # only its first group counts; skip the scan for the rest
+            self.joins[group.generator_id] = {"first_group_min_version": group.min_version()}
         self._ready.append((entry_id, group))
 
     def ack(self, entry_ids: list) -> int:
