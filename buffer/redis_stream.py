@@ -47,10 +47,16 @@ if first then
 end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
 if ARGV[3] ~= '' and redis.call('ZREM', KEYS[2], ARGV[3]) == 0 then
-  redis.call('INCR', KEYS[3])  -- its lease had expired and been given back: it counts as started again
+  -- its lease had expired and been given back: it counts as started again
+  redis.call('INCR', KEYS[3])
 end
 return false
 """
+DELIVER_BODY = "\n".join(line for line in DELIVER.splitlines() if line.strip() and not line.lstrip().startswith("--"))
+"""DELIVER as sent: EVAL with the body, not EVALSHA. A registered script on a pipeline makes redis-py ask SCRIPT
+EXISTS before every batch (one more round trip each), and an EVALSHA inside MULTI that meets NOSCRIPT (Redis
+restarted) fails alone while the XADD beside it is applied: a group entry without its mark. EVAL cannot miss; Redis
+hashes the short body (comments stripped) and reuses the compiled script."""
 
 
 def job_keys(job: str) -> dict:
@@ -79,7 +85,6 @@ class GroupStream:
         self.consumer = consumer
         self.mark_ttl_s = mark_ttl_s
         self.max_deliveries = max_deliveries
-        self._deliver = client.register_script(DELIVER)
         self._pending_cursor = b"0"  # where re-reading this consumer's pending entries continues; None when done
 
     def ensure_group(self) -> bool:
@@ -116,8 +121,8 @@ class GroupStream:
         """Queue one delivery (step 1 of the protocol) on a MULTI pipeline: two replies, for `settle`."""
         token = uuid.uuid4().hex
         pipe.xadd(self.keys["groups"], {PAYLOAD: payload, TOKEN: token})
-        self._deliver(keys=[self.keys["seen"] + group_id, self.keys["leases"], self.keys["started"]],
-                      args=[token, self.mark_ttl_s, lease_id], client=pipe)
+        pipe.eval(DELIVER_BODY, 3, self.keys["seen"] + group_id, self.keys["leases"], self.keys["started"], token,
+                  self.mark_ttl_s, lease_id)
 
     def settle(self, replies: list) -> list:
         """From the replies of the `add`s, in order: each entry id, or None where the group was delivered before,

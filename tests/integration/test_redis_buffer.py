@@ -11,6 +11,7 @@ import redis
 
 from asyncrl.buffer.redis_conn import RedisOptions, RedisSetupError, check_server, connect, redacted
 from asyncrl.buffer.redis_coordinator import RedisCoordinator
+from asyncrl.buffer.redis_produce import produce_batch
 from asyncrl.buffer.redis_stream import GroupStream
 from asyncrl.buffer.staleness import admission_capacity
 from tests.conftest import RedisServer, free_port
@@ -72,6 +73,19 @@ def test_produce_is_idempotent_on_group_id(client, job):
     assert stream.produce("g1", b"payload") is None  # a resend after a lost reply adds nothing
     stream.produce("g2", b"other")
     assert stream.length() == 2
+
+
+def test_a_batch_of_deliveries_is_one_round_trip(client, job):
+    """DELIVER goes as EVAL: a registered script on a pipeline would make redis-py ask SCRIPT EXISTS before every
+    batch, one more round trip each, which on a remote Redis costs more than the batch itself."""
+    stream = stream_for(client, job)
+    client.config_resetstat()
+    for batch in range(3):
+        produce_batch(client, stream, [(f"g{batch}-{i}", b"payload", "") for i in range(4)])
+    stats = client.info("commandstats")
+    assert not [name for name in stats if "script" in name], stats
+    assert stats["cmdstat_exec"]["calls"] == 3 and stats["cmdstat_eval"]["calls"] == 12
+    assert stream.length() == 12
 
 
 def test_unacked_entries_come_back_to_a_restarted_consumer_first(client, job):
