@@ -2,19 +2,25 @@
 nothing).
 
 For 4 KB and 64 KB groups, a producer process sends `--count` groups as fast as the path allows and this process
-consumes them; latency is from the producer stamping the message to the consumer holding it.
+consumes them; latency is from the producer stamping the message to the consumer holding it. The backends run with
+a weights control message announced, as in a real job (a 0.5B model's: 291 tensors, 17 KB).
 - zmq backend: BufferClient "group" requests, as many in flight as a generator keeps by default
   (generator.max_inflight_groups) -> ZmqBufferServer (validation, queue) -> take().
 - raw zmq: PUSH/PULL of the same encoded bytes.
-- redis backend: RedisBufferClient "group" requests, as many in flight (pipelined idempotent Lua XADDs) ->
-  RedisBufferServer (XREADGROUP, validation) -> take(), ack.
+- redis backend: RedisBufferClient "group" requests, as many in flight (batched into MULTIs of XADD + DELIVER) ->
+  RedisBufferServer (XREADGROUP, validation, the marks' MGET) -> take(), ack.
 - raw redis: pipelined XADD; XREADGROUP + XACK.
 Target: each backend at >= 0.8 of its raw transport in groups/s. Needs redis-server on PATH (a private one is
 started on a free port).
 
 Each pair runs `--repeats` times, raw and backend alternating, and the table shows the median run of each side and
 the median of the per-pair ratios: on a shared 2-core machine one pair can land anywhere from 0.5 to 1.1 (a
-scheduling accident stalls a whole run), so a single pair measures luck. Usage:
+scheduling accident stalls a whole run), so a single pair measures luck. Beside them, each side's CPU time per
+group (median over the runs): the consumer process's while it consumes (server thread, I/O threads and the taking
+thread together) and the producer's while it sends (its imports and start-up excluded). CPU per group moves less
+than groups/s with the machine's load (a few tens of percent here, against 2x), so it shows what a backend costs
+over its raw transport when the ratio is lost in noise.
+Usage:
 python -m asyncrl.bench.buffer [--count N] [--repeats R] [--paths all|zmq|redis]
 """
 import argparse
@@ -46,8 +52,29 @@ def make_payload(size_bytes: int) -> Group:
     samples = [Sample(completion_ids=rng.integers(0, VOCAB, tokens).astype(np.int32),
                       logprobs=-rng.random(tokens).astype(np.float32), versions=np.zeros(tokens, np.int32),
                       reward=1.0, finish_reason="stop") for _ in range(4)]
-    return Group(group_id=uuid.uuid4().hex, prompt_id="p", generator_id="bench", prompt_ids=np.arange(16, dtype=np.int32),
-                 samples=samples, sampling=Sampling(temperature=1.0), created_at=0.0)
+    return Group(group_id=uuid.uuid4().hex, prompt_id="p", generator_id="bench",
+                 prompt_ids=np.arange(16, dtype=np.int32), samples=samples, sampling=Sampling(temperature=1.0),
+                 created_at=0.0)
+
+
+def published_weights() -> dict:
+    """The weights control message a learner announces after publishing a Qwen2.5-0.5B-shaped model (291 tensors):
+    the backends run with it set, as in a real job, where every generator must learn of each new one."""
+    from asyncrl.weightsync.layout import plan_layout, to_message
+
+    hidden, inter, kv = 896, 4864, 128
+    layer = [("self_attn.q_proj.weight", (hidden, hidden)), ("self_attn.q_proj.bias", (hidden,)),
+             ("self_attn.k_proj.weight", (kv, hidden)), ("self_attn.k_proj.bias", (kv,)),
+             ("self_attn.v_proj.weight", (kv, hidden)), ("self_attn.v_proj.bias", (kv,)),
+             ("self_attn.o_proj.weight", (hidden, hidden)), ("mlp.gate_proj.weight", (inter, hidden)),
+             ("mlp.up_proj.weight", (inter, hidden)), ("mlp.down_proj.weight", (hidden, inter)),
+             ("input_layernorm.weight", (hidden,)), ("post_attention_layernorm.weight", (hidden,))]
+    specs = [("model.embed_tokens.weight", "bfloat16", (151936, hidden))]
+    specs += [(f"model.layers.{i}.{name}", "bfloat16", shape) for i in range(24) for name, shape in layer]
+    specs += [("model.norm.weight", "bfloat16", (hidden,)), ("lm_head.weight", "bfloat16", (151936, hidden))]
+    layout = plan_layout(specs, 64 << 20)
+    return to_message(layout, 1, ["0" * 16] * len(layout.bucket_sizes),
+                      shm={"path": "/dev/shm/asyncrl-bench", "host": "bench", "slots": 3}, published_at=time.time())
 
 
 def stamped(group: Group) -> bytes:
@@ -63,21 +90,23 @@ def free_port() -> int:
 
 
 # --- producers (separate processes) ---------------------------------------------------------------------------
-def produce_raw_zmq(port: int, size: int, count: int) -> None:
+def produce_raw_zmq(port: int, size: int, count: int, report) -> None:
     import zmq
 
     sock = zmq.Context().socket(zmq.PUSH)
     sock.connect(f"tcp://127.0.0.1:{port}")
     group = make_payload(size)
+    started = time.process_time()
     for _ in range(count):
         sock.send(STAMP.pack(time.time()) + encode_group(group))
     sock.close(linger=-1)
+    report.send(time.process_time() - started)
 
 
-def produce_zmq_backend(port: int, size: int, count: int) -> None:
+def produce_zmq_backend(port: int, size: int, count: int, report) -> None:
     import asyncio
 
-    from asyncrl.buffer.zmq_client import BufferClient
+    from asyncrl.buffer.zmq_client import BufferClient  # imported before the clock starts, as in every producer
 
     async def run():
         client = BufferClient(f"tcp://127.0.0.1:{port}", "bench", 30)
@@ -96,23 +125,27 @@ def produce_zmq_backend(port: int, size: int, count: int) -> None:
         await asyncio.gather(*(worker() for _ in range(IN_FLIGHT)))
         client.close()
 
+    started = time.process_time()
     asyncio.run(run())
+    report.send(time.process_time() - started)
 
 
-def produce_raw_redis(url: str, key: str, size: int, count: int) -> None:
+def produce_raw_redis(url: str, key: str, size: int, count: int, report) -> None:
     import redis
 
     client = redis.Redis.from_url(url)
     group = make_payload(size)
+    started = time.process_time()
     pipe = client.pipeline(transaction=False)
     for index in range(count):
         pipe.xadd(key, {"g": STAMP.pack(time.time()) + encode_group(group)})
         if index % 32 == 31:
             pipe.execute()
     pipe.execute()
+    report.send(time.process_time() - started)
 
 
-def produce_redis_backend(url: str, job: str, size: int, count: int) -> None:
+def produce_redis_backend(url: str, job: str, size: int, count: int, report) -> None:
     """The generator's real path: RedisBufferClient "group" requests, IN_FLIGHT at once (it pipelines them)."""
     import asyncio
 
@@ -133,13 +166,15 @@ def produce_redis_backend(url: str, job: str, size: int, count: int) -> None:
         await asyncio.gather(*(worker() for _ in range(IN_FLIGHT)))
         client.close()
 
+    started = time.process_time()
     asyncio.run(run())
+    report.send(time.process_time() - started)
 
 
 # --- consumers (this process) ---------------------------------------------------------------------------------
 def consume(take, count: int, stamp_of, timeout_s: float = 300) -> dict:
     latencies, nbytes = [], 0
-    started, deadline = None, time.monotonic() + timeout_s
+    started, cpu_started, deadline = None, 0.0, time.monotonic() + timeout_s
     while len(latencies) < count:
         if time.monotonic() > deadline:
             raise TimeoutError(f"only {len(latencies)}/{count} messages arrived")
@@ -148,19 +183,45 @@ def consume(take, count: int, stamp_of, timeout_s: float = 300) -> dict:
             continue
         now = time.time()
         if started is None:
-            started = time.monotonic()
+            started, cpu_started = time.monotonic(), time.process_time()
         sent, size = stamp_of(item)
         latencies.append(now - sent)
         nbytes += size
     elapsed = max(time.monotonic() - started, 1e-9)
     return {"groups_per_s": (count - 1) / elapsed, "mb_per_s": nbytes / 2**20 / elapsed,
-            "p50_ms": float(np.percentile(latencies, 50) * 1000), "p99_ms": float(np.percentile(latencies, 99) * 1000)}
+            "p50_ms": float(np.percentile(latencies, 50) * 1000), "p99_ms": float(np.percentile(latencies, 99) * 1000),
+            "consumer_cpu_us": (time.process_time() - cpu_started) / (count - 1) * 1e6}
+
+
+def start_producer(target, *args) -> tuple:
+    """The producer process and the pipe on which it reports the CPU seconds it spent sending."""
+    reader, writer = mp.Pipe(duplex=False)
+    proc = mp.get_context("spawn").Process(target=target, args=(*args, writer))
+    proc.start()
+    writer.close()
+    return proc, reader
+
+
+def finish(proc, reader, result: dict, count: int) -> dict:
+    """Wait for the producer; add its CPU per group. CPU per group, unlike groups/s, barely moves with what else the
+    machine runs, so it shows a backend's overhead when the throughput ratio is lost in noise."""
+    proc.join()
+    sent_cpu = reader.recv() if reader.poll(10) else float("nan")
+    reader.close()
+    return {**result, "producer_cpu_us": sent_cpu / count * 1e6}
 
 
 def raw_stamp_of(message: bytes) -> tuple[float, int]:
     """A raw message's send time and size, after the same validation the backends do."""
     decode_group(message[STAMP.size:], vocab_size=VOCAB, max_version=0, max_message_bytes=1 << 24)
-    return STAMP.unpack_from(message)[0], len(message)
+    return STAMP.unpack_from(message)[0], len(message) - STAMP.size
+
+
+def backend_stamp_of(size: int):
+    """A taken group's send time and encoded size: the bytes a raw message carries less its stamp, the same for
+    every group of a run (encoded once here, not per group in the consumer's timed loop)."""
+    nbytes = len(stamped(make_payload(size)))
+    return lambda group: (group.created_at, nbytes)
 
 
 def run_raw_zmq(size: int, count: int) -> dict:
@@ -169,8 +230,7 @@ def run_raw_zmq(size: int, count: int) -> dict:
     port = free_port()
     sock = zmq.Context().socket(zmq.PULL)
     sock.bind(f"tcp://127.0.0.1:{port}")
-    proc = mp.get_context("spawn").Process(target=produce_raw_zmq, args=(port, size, count))
-    proc.start()
+    proc, reader = start_producer(produce_raw_zmq, port, size, count)
 
     def take():
         if not sock.poll(1000):
@@ -178,7 +238,7 @@ def run_raw_zmq(size: int, count: int) -> dict:
         return sock.recv()
 
     try:
-        return consume(take, count, raw_stamp_of)
+        return finish(proc, reader, consume(take, count, raw_stamp_of), count)
     finally:
         proc.join()
         sock.close(linger=0)
@@ -191,10 +251,10 @@ def run_zmq_backend(size: int, count: int) -> dict:
     port = free_port()
     server = ZmqBufferServer("127.0.0.1", port, Coordinator(1 << 20, 1 << 20), vocab_size=VOCAB, config_hash="b",
                              max_message_bytes=1 << 24, queue_groups=256, run_info={}).start()
-    proc = mp.get_context("spawn").Process(target=produce_zmq_backend, args=(port, size, count))
-    proc.start()
+    server.set_weights(published_weights())
+    proc, reader = start_producer(produce_zmq_backend, port, size, count)
     try:
-        return consume(lambda: server.take(1.0), count, lambda group: (group.created_at, size))
+        return finish(proc, reader, consume(lambda: server.take(1.0), count, backend_stamp_of(size)), count)
     finally:
         proc.join()
         server.close()
@@ -206,8 +266,7 @@ def run_raw_redis(url: str, size: int, count: int) -> dict:
     client = redis.Redis.from_url(url, socket_timeout=30)
     key = f"bench:{uuid.uuid4().hex}"
     client.xgroup_create(key, "c", id="0", mkstream=True)
-    proc = mp.get_context("spawn").Process(target=produce_raw_redis, args=(url, key, size, count))
-    proc.start()
+    proc, reader = start_producer(produce_raw_redis, url, key, size, count)
     ready = []
 
     def take():
@@ -220,7 +279,7 @@ def run_raw_redis(url: str, size: int, count: int) -> dict:
         return ready.pop(0) if ready else None
 
     try:
-        return consume(take, count, raw_stamp_of)
+        return finish(proc, reader, consume(take, count, raw_stamp_of), count)
     finally:
         proc.join()
         client.delete(key)
@@ -238,8 +297,8 @@ def run_redis_backend(url: str, size: int, count: int) -> dict:
     coordinator.set_version(0, allow_backwards=True)  # as the learner does at start (make_learner_buffer)
     server = RedisBufferServer(client, url, job, coordinator, vocab_size=VOCAB,
                                config_hash="b", max_message_bytes=1 << 24, run_info={}).start()
-    proc = mp.get_context("spawn").Process(target=produce_redis_backend, args=(url, job, size, count))
-    proc.start()
+    server.set_weights(published_weights())
+    proc, reader = start_producer(produce_redis_backend, url, job, size, count)
 
     def take():
         group = server.take(1.0)
@@ -249,7 +308,7 @@ def run_redis_backend(url: str, size: int, count: int) -> dict:
         return group
 
     try:
-        return consume(take, count, lambda group: (group.created_at, size))
+        return finish(proc, reader, consume(take, count, backend_stamp_of(size)), count)
     finally:
         proc.join()
         reset_job(client, job)
@@ -264,8 +323,14 @@ def repeated(repeats: int, raw, backend) -> dict:
     def median_run(side: int) -> dict:
         return sorted((pair[side] for pair in runs), key=lambda run: run["groups_per_s"])[len(runs) // 2]
 
+    def median_cpu(side: int, key: str) -> float:
+        return float(np.median([pair[side][key] for pair in runs]))
+
     return {"raw": median_run(0), "backend": median_run(1), "ratio": float(np.median(ratios)),
-            "pair_ratios": [round(r, 3) for r in ratios]}
+            "pair_ratios": [round(r, 3) for r in ratios],
+            "cpu_us": {name: {"consumer": median_cpu(side, "consumer_cpu_us"),
+                              "producer": median_cpu(side, "producer_cpu_us")}
+                       for side, name in ((0, "raw"), (1, "backend"))}}
 
 
 def start_redis(directory: str) -> tuple[subprocess.Popen, str]:
@@ -310,13 +375,15 @@ def main(argv=None) -> dict:
             if redis_proc is not None:
                 redis_proc.terminate()
                 redis_proc.wait()
-    print(f"{'path':<12} {'side':<8} {'groups/s':>10} {'MB/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'vs raw':>7}")
+    print(f"{'path':<12} {'side':<8} {'groups/s':>10} {'MB/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'vs raw':>7} "
+          f"{'cpu us/group: consumer':>23} {'producer':>9}")
     for name, pair in rows.items():
         for side in ("raw", "backend"):
             r = pair[side]
             ratio = f"{pair['ratio']:.2f}" if side == "backend" else ""
             print(f"{name:<12} {side:<8} {r['groups_per_s']:>10.0f} {r['mb_per_s']:>8.1f} {r['p50_ms']:>8.2f} "
-                  f"{r['p99_ms']:>8.2f} {ratio:>7}")
+                  f"{r['p99_ms']:>8.2f} {ratio:>7} {pair['cpu_us'][side]['consumer']:>23.0f} "
+                  f"{pair['cpu_us'][side]['producer']:>9.0f}")
     result = {"bench": "buffer", "count": args.count, "repeats": args.repeats, "paths": rows}
     print(json.dumps(result))
     return result

@@ -44,6 +44,8 @@ def test_buffer_bench_runs_on_a_tiny_setting(tmp_path):
     assert set(result["paths"]) == {"zmq/4KB", "zmq/64KB", "redis/4KB", "redis/64KB"}
     for pair in result["paths"].values():
         assert pair["ratio"] > 0 and pair["backend"]["p99_ms"] >= pair["backend"]["p50_ms"] > 0
+        for side in ("raw", "backend"):
+            assert pair["cpu_us"][side]["consumer"] > 0 and pair["cpu_us"][side]["producer"] > 0
 
 
 @pytest.mark.slow
