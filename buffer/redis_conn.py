@@ -5,6 +5,7 @@ file options are explicit arguments. Blocking stream reads wait up to `block_ms`
 set above that: redis-py 8's default `socket_timeout=5` turns any longer `XREADGROUP BLOCK` into a TimeoutError.
 """
 import logging
+import os
 import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -55,6 +56,7 @@ def connect(options: RedisOptions):
     if urlsplit(options.url).scheme not in ("redis", "rediss", "unix"):
         raise RedisSetupError(f"buffer.redis_url {redacted(options.url)!r} must start with redis://, rediss:// "
                               f"(TLS) or unix://")
+    tls = _tls_files(options)
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
@@ -63,11 +65,47 @@ def connect(options: RedisOptions):
     # (redis_reconnect.py); so the client's own retries are off.
     kwargs = dict(socket_timeout=options.block_ms / 1000 + 10, socket_connect_timeout=options.connect_timeout_s,
                   health_check_interval=30, retry_on_timeout=False, retry=Retry(NoBackoff(), 0))
-    if options.url.startswith("rediss://"):
-        kwargs.update({key: value for key, value in (("ssl_ca_certs", options.tls_ca_file),
-                                                     ("ssl_certfile", options.tls_cert_file),
-                                                     ("ssl_keyfile", options.tls_key_file)) if value})
+    kwargs.update(tls)
     return redis.Redis.from_url(options.url, **kwargs)
+
+
+def _tls_files(options: RedisOptions) -> dict:
+    """redis-py's ssl_* arguments, after checking the TLS options make sense together: each file exists, the client
+    certificate and key come as a pair, and they are only given with a rediss:// URL (a redis:// URL would ignore
+    them and talk plain text)."""
+    given = {key: path for key, path in (("redis_tls_ca_file", options.tls_ca_file),
+                                         ("redis_tls_cert_file", options.tls_cert_file),
+                                         ("redis_tls_key_file", options.tls_key_file)) if path}
+    if given and not options.url.startswith("rediss://"):
+        raise RedisSetupError(f"buffer.{', buffer.'.join(given)} set, but buffer.redis_url {redacted(options.url)!r} "
+                              f"is not TLS; use rediss://")
+    for key, path in given.items():
+        if not os.path.isfile(path):
+            raise RedisSetupError(f"buffer.{key}={path!r}: no such file")
+    if bool(options.tls_cert_file) != bool(options.tls_key_file):
+        raise RedisSetupError("buffer.redis_tls_cert_file and buffer.redis_tls_key_file go together (the client "
+                              "certificate for mutual TLS, and its key)")
+    names = {"redis_tls_ca_file": "ssl_ca_certs", "redis_tls_cert_file": "ssl_certfile",
+             "redis_tls_key_file": "ssl_keyfile"}
+    return {names[key]: path for key, path in given.items()}
+
+
+def _unreachable_hint(url: str, err: Exception) -> str:
+    """What to check when a connection fails: TLS failures look like network ones in redis-py's message."""
+    text = str(err)
+    if url.startswith("rediss://"):
+        if "CERTIFICATE_VERIFY_FAILED" in text:
+            return ("the server's TLS certificate is not signed by a CA this machine trusts: give its CA in "
+                    "buffer.redis_tls_ca_file")
+        if "EOF" in text or "reset" in text or "CERTIFICATE_REQUIRED" in text:
+            return ("the server closed the TLS connection; if it requires client certificates (tls-auth-clients), "
+                    "give buffer.redis_tls_cert_file and buffer.redis_tls_key_file")
+        if "WRONG_VERSION_NUMBER" in text or "record layer" in text:
+            return "the server does not speak TLS on that port: use redis:// or its tls-port"
+        return "is redis-server running there, with TLS on that port?"
+    if "reset" in text:
+        return "is redis-server running there? If that port speaks TLS, use rediss://"
+    return "is redis-server running there?"
 
 
 def check_server(client, url: str) -> dict:
@@ -81,7 +119,11 @@ def check_server(client, url: str) -> dict:
         raise RedisSetupError(f"Redis at {where} refused the credentials ({err}); put user:password in "
                               f"buffer.redis_url") from None
     except redis.ConnectionError as err:
-        raise RedisSetupError(f"cannot reach Redis at {where}: {err} (is redis-server running there?)") from None
+        raise RedisSetupError(f"cannot reach Redis at {where}: {err} ({_unreachable_hint(url, err)})") from None
+    except redis.TimeoutError as err:  # e.g. a TLS hello to a plain-text port: that server waits for more bytes
+        hint = "does that port speak TLS? Use redis:// for a plain one" if url.startswith("rediss://") else \
+            "is the host reachable, and is redis-server listening there?"
+        raise RedisSetupError(f"Redis at {where} did not answer: {err} ({hint})") from None
     except redis.ResponseError as err:
         raise RedisSetupError(f"Redis at {where} answered PING with an error: {err} (NOAUTH: give a password in "
                               f"buffer.redis_url)") from None
