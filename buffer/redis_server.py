@@ -55,7 +55,6 @@ class RedisBufferServer:
         self.held: set = set()  # entry ids read (ready or taken) and not yet acked
         self._acked: OrderedDict = OrderedDict()  # recently acked entry ids, oldest first
         self.redelivered = 0  # entries delivered again that this learner already held or acked (skipped)
-        self.duplicates = 0  # entries a producer's resend added for a group another entry already carries (skipped)
         self._weights: dict = {}
         self._weights_id = ""  # fresh per set_weights: generators re-read the control message only when it changes
         self._done = False
@@ -104,8 +103,7 @@ class RedisBufferServer:
                 self.retry("rebuilding the lost stream", self._after_reconnect)
                 continue
             version = self._version() if entries else 0
-            decoded = []
-            for entry_id, payload, token in entries:
+            for entry_id, payload, _ in entries:
                 if entry_id in self.held:  # re-read after a reconnect: already ours
                     self.redelivered += 1
                 elif entry_id in self._acked:  # its ack was lost with Redis's last writes: ack again, skip
@@ -114,8 +112,7 @@ class RedisBufferServer:
                 else:
                     group = self._decode(entry_id, payload)
                     if group is not None:
-                        decoded.append((entry_id, token, group))
-            self._accept_canonical(decoded, version)
+                        self._accept(entry_id, group, version)
         entry_id, group = self._ready.popleft()
         self.taken_entries.append(entry_id)
         return group
@@ -148,18 +145,6 @@ class RedisBufferServer:
             self.rejected[err.reason] += 1
             log.warning("buffer: group entry %s is malformed (%s); moved to the dead-letter stream", entry_id, err)
             return None
-
-    def _accept_canonical(self, decoded: list, version: int) -> None:
-        """Keep each (entry id, token, group) that carries its group (redis_stream.py, step 2); a duplicate left by
-        a producer's resend is acked and never trained."""
-        canonical = self.stream.canonical([(group.group_id, token) for _, token, group in decoded])
-        duplicates = [entry_id for (entry_id, _, _), ok in zip(decoded, canonical) if not ok]
-        if duplicates:
-            self.stream.ack(duplicates)
-            self.duplicates += len(duplicates)
-        for (entry_id, _, group), ok in zip(decoded, canonical):
-            if ok:
-                self._accept(entry_id, group, version)
 
     def _accept(self, entry_id: bytes, group, version: int) -> None:
         newest = max((int(s.versions.max()) for s in group.samples if len(s.versions)), default=-1)
@@ -202,6 +187,11 @@ class RedisBufferServer:
 
     def wait_for_generators_to_hear_done(self, timeout_s: float) -> list[str]:
         return []  # the flag stays in Redis: a generator reads it whenever it next asks
+
+    @property
+    def duplicates(self) -> int:
+        """Resent deliveries dropped before any reader saw them (redis_stream.py, step 1), counted in Redis."""
+        return self.stream.duplicates()
 
     def queued(self) -> int:
         """Groups waiting: read but not taken, plus entries no consumer has read yet (the group's lag)."""

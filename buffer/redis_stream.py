@@ -1,20 +1,22 @@
 """The durable buffer: groups in one Redis Stream, consumed by the learner through a consumer group.
 
 Keys share the hash tag `{job}` (one cluster slot): `asyncrl:{job}:groups` (the stream),
-`asyncrl:{job}:seen:<group_id>` (idempotence marks, expiring), `asyncrl:{job}:dead` (the dead-letter stream).
+`asyncrl:{job}:seen:<group_id>` (idempotence marks, expiring), `asyncrl:{job}:dead` (the dead-letter stream),
+`asyncrl:{job}:duplicates` (how many resent deliveries were dropped).
 
 Delivery protocol (at-least-once delivery + idempotent training = each admitted group trained exactly once):
 1. A producer adds a batch of groups in one MULTI/EXEC. Per group: a plain XADD of the payload with a fresh attempt
    token, then DELIVER, a small script that marks the group id as delivered by this token (`seen:<group_id>`) and
    releases the group's admission lease, unless the mark already exists. The mark, the entry and the release are
-   written together or not at all. A resend after a lost reply adds a second entry, finds the first attempt's
-   mark, releases nothing, and deletes its entry (XDEL). Why the payload is not checked and added inside one
-   script: a Lua argument costs Redis time linear in its size, about 2 us per KB measured here (140 us of Redis's
-   single thread for a 64 KB group even in a script that ignores it, against 20 us for a plain XADD).
+   written together or not at all. A resend after a lost reply adds a second entry, and its DELIVER finds the
+   first attempt's mark, releases nothing, and deletes that second entry: the stream's last entry, added just
+   before in the same MULTI, which nothing can interleave (checked by its token). So no reader ever sees a
+   duplicate, and every entry in the stream is its group's only one. Why the payload is not checked and added
+   inside one script: a Lua argument costs Redis time linear in its size, about 2 us per KB measured here (140 us
+   of Redis's single thread for a 64 KB group even in a script that ignores it, against 20 us for a plain XADD);
+   only a duplicate, which is rare, reads its entry back into Lua.
 2. The learner reads new entries with XREADGROUP (`>`); after a restart it first re-reads the entries still pending
-   for its consumer name (`0`), and entries pending for a consumer that died are taken over with XAUTOCLAIM. An
-   entry is the group's only if the group's mark holds the entry's token (`canonical`, one MGET per read); a
-   duplicate a resend left (its producer died, or lost the reply, before the XDEL) is acked and never trained.
+   for its consumer name (`0`), and entries pending for a consumer that died are taken over with XAUTOCLAIM.
 3. The learner trains, and XACKs an entry only after a checkpoint covering the optimizer step that used it is on
    disk. A crash before that leaves the entry pending, so it is delivered again and retrained from the restored
    checkpoint, whose weights never saw it.
@@ -39,10 +41,18 @@ PAYLOAD = b"g"
 
 TOKEN = b"a"
 DELIVER = """
--- KEYS[1] the group's mark, KEYS[2] leases, KEYS[3] started; ARGV[1] this attempt's token, ARGV[2] mark ttl (s),
--- ARGV[3] lease id ('' for none). Returns the first attempt's token if the group was delivered before, else false.
+-- KEYS[1] the group's mark, KEYS[2] leases, KEYS[3] started, KEYS[4] the stream, KEYS[5] the duplicates count;
+-- ARGV[1] this attempt's token, ARGV[2] mark ttl (s), ARGV[3] lease id ('' for none). Runs right after this
+-- attempt's XADD in one MULTI. Returns the first attempt's token if the group was delivered before (and deletes
+-- this attempt's entry), else false.
 local first = redis.call('GET', KEYS[1])
 if first then
+  -- this attempt's entry (fields g, payload, a, token) is the stream's last one
+  local last = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)[1]
+  if last and last[2][4] == ARGV[1] then
+    redis.call('XDEL', KEYS[4], last[1])
+    redis.call('INCR', KEYS[5])
+  end
   return first
 end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
@@ -61,7 +71,8 @@ hashes the short body (comments stripped) and reuses the compiled script."""
 
 def job_keys(job: str) -> dict:
     prefix = f"asyncrl:{{{job}}}:"
-    return {name: prefix + name for name in ("groups", "dead", "version", "started", "leases", "meta")} | {
+    names = ("groups", "dead", "version", "started", "leases", "meta", "duplicates")
+    return {name: prefix + name for name in names} | {
         "seen": prefix + "seen:", "grant": prefix + "grant:", "given": prefix + "given:"}
 
 
@@ -121,29 +132,18 @@ class GroupStream:
         """Queue one delivery (step 1 of the protocol) on a MULTI pipeline: two replies, for `settle`."""
         token = uuid.uuid4().hex
         pipe.xadd(self.keys["groups"], {PAYLOAD: payload, TOKEN: token})
-        pipe.eval(DELIVER_BODY, 3, self.keys["seen"] + group_id, self.keys["leases"], self.keys["started"], token,
-                  self.mark_ttl_s, lease_id)
+        pipe.eval(DELIVER_BODY, 5, self.keys["seen"] + group_id, self.keys["leases"], self.keys["started"],
+                  self.keys["groups"], self.keys["duplicates"], token, self.mark_ttl_s, lease_id)
 
-    def settle(self, replies: list) -> list:
-        """From the replies of the `add`s, in order: each entry id, or None where the group was delivered before,
-        whose duplicate entry is deleted here. Runs inside the caller's retry; retries nothing itself."""
-        results, duplicates = [], []
-        for entry_id, first in zip(replies[::2], replies[1::2]):
-            results.append(None if first else entry_id)
-            if first:
-                duplicates.append(entry_id)
-        if duplicates:
-            self.client.xdel(self.keys["groups"], *duplicates)
-        return results
+    @staticmethod
+    def settle(replies: list) -> list:
+        """From the replies of the `add`s, in order: each entry id, or None where the group was delivered before
+        (DELIVER already deleted that attempt's entry)."""
+        return [None if first else entry_id for entry_id, first in zip(replies[::2], replies[1::2])]
 
-    def canonical(self, entries: list) -> list[bool]:
-        """entries: (group id, token). True for each entry that carries its group: the group's mark holds its
-        token, or is gone (expired after mark_ttl_s, when no resend can still be in flight), or the entry has no
-        token (added by a producer that deduplicated it before adding it, as asyncrl's did before tokens)."""
-        if not entries:
-            return []
-        marks = self.retry("MGET marks", self.client.mget, [self.keys["seen"] + group_id for group_id, _ in entries])
-        return [token is None or mark is None or mark == token for (_, token), mark in zip(entries, marks)]
+    def duplicates(self) -> int:
+        """Resent deliveries dropped so far (each found its group's first attempt already in the stream)."""
+        return int(self.retry("GET duplicates", self.client.get, self.keys["duplicates"]) or 0)
 
     def read(self, count: int, block_ms: int) -> list["Entry"]:
         """Up to `count` entries: first whatever is still pending for this consumer from before a
@@ -273,7 +273,7 @@ def _id_key(entry_id) -> tuple[int, int]:
 def reset_job(client, job: str) -> int:
     """Delete every key of `job` (a fresh start under a namespace an older run used); returns how many went."""
     keys = job_keys(job)
-    names = [keys[name] for name in ("groups", "dead", "version", "started", "leases", "meta")]
+    names = [keys[name] for name in ("groups", "dead", "version", "started", "leases", "meta", "duplicates")]
     names += [keys["meta"] + ":stats", keys["meta"] + ":joins"]
     removed = client.delete(*names)
     for marks in ("seen", "grant", "given"):

@@ -310,7 +310,7 @@ def run_one_step(cfg, model, optimizer, scheduler, host, parallel: ParallelState
         metrics["buffer/dropped/future_version"] = float(server.dropped_future)
         metrics["buffer/redis/outages"] = float(getattr(server.retry, "outages", 0))  # lost and reconnected
         metrics["buffer/redis/redelivered"] = float(server.redelivered)  # re-read after a reconnect, skipped
-        metrics["buffer/redis/duplicates"] = float(server.duplicates)  # a producer's resend added it twice, skipped
+        metrics["buffer/redis/duplicates"] = float(server.duplicates)  # resent deliveries dropped on arrival
     return metrics
 
 
