@@ -80,8 +80,8 @@ class RedisBufferClient:
         raw_meta, version, results = self.retry("group delivery", produce_batch, self.client, self.stream, deliveries,
                                                META_FIELDS)
         meta = meta_of(raw_meta)
-        return reply_fields(meta, version, self.retry("weights", self._weights_for, meta["weights_id"])), version, \
-            results
+        weights = self.retry("weights", self._weights_for, meta["weights_id"])
+        return reply_fields(meta, version, weights), version, results
 
     def _handle(self, op: str, body, fields: dict, token: str) -> dict:
         pipe = self.client.pipeline(transaction=False)

@@ -41,8 +41,9 @@ class ZmqBufferServer:
         self.generator_stats: dict[str, dict] = {}
         self.last_seen: dict[str, float] = {}
         self.joins: dict[str, dict] = {}  # generator -> version at hello, min token version of its first group
-        self._weights: dict = {}
-        self._weights_id = ""  # names one set_weights call; a generator that holds it is not sent the message again
+        # (id, control message) of the newest weights, replaced whole so the server thread never reads a new
+        # message under an old id; the id names one set_weights call, and a generator holding it is not sent it again
+        self._weights: tuple[str, dict] = ("", {})
         self._done = False
         self.told_done: set[str] = set()  # generators that received a reply saying the job is done
         self._stop = threading.Event()
@@ -79,7 +80,7 @@ class ZmqBufferServer:
         carries it only to a generator whose request names another `weights_id` than the newest (`_handle`):
         packing it into every reply cost more than validating the group it answered. The id is fresh per call,
         not the version: a learner resumed from a checkpoint republishes a version number with other addresses."""
-        self._weights, self._weights_id = dict(descriptor), uuid.uuid4().hex[:16]
+        self._weights = (uuid.uuid4().hex[:16], dict(descriptor))
 
     def set_done(self) -> None:
         """The job is over: every further admit/group reply tells generators to stop."""
@@ -179,10 +180,11 @@ class ZmqBufferServer:
             return {"req": -1, "ok": False, "error": str(err)}
         gen = request["gen"]
         self.last_seen[gen] = time.monotonic()
+        weights_id, weights = self._weights
         reply = {"req": request["req"], "ok": True, "version": self.coordinator.version,
-                 "weights_id": self._weights_id, "done": self._done}
-        if request.get("wid") != self._weights_id:  # a generator without it (or one that predates `wid`)
-            reply["weights"] = self._weights
+                 "weights_id": weights_id, "done": self._done}
+        if request.get("wid") != weights_id:  # a generator without it (or one that predates `wid`)
+            reply["weights"] = weights
         if self._done:
             self.told_done.add(gen)
         op = request["op"]
