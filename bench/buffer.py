@@ -5,10 +5,10 @@ For 4 KB and 64 KB groups, a producer process sends `--count` groups as fast as 
 consumes them; latency is from the producer stamping the message to the consumer holding it. The backends run with
 a weights control message announced, as in a real job (a 0.5B model's: 291 tensors, 17 KB).
 - zmq backend: BufferClient "group" requests, as many in flight as a generator keeps by default
-  (generator.max_inflight_groups) -> ZmqBufferServer (validation, queue) -> take().
+  (generator.max_inflight_groups) -> ZmqBufferServer (queue) -> take() (validation).
 - raw zmq: PUSH/PULL of the same encoded bytes.
 - redis backend: RedisBufferClient "group" requests, as many in flight (batched into MULTIs of XADD + DELIVER) ->
-  RedisBufferServer (XREADGROUP, validation, the marks' MGET) -> take(), ack.
+  RedisBufferServer (XREADGROUP, validation) -> take(), ack.
 - raw redis: pipelined XADD; XREADGROUP + XACK.
 Target: each backend at >= 0.8 of its raw transport in groups/s. Needs redis-server on PATH (a private one is
 started on a free port).

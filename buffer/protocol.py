@@ -8,7 +8,9 @@ weights control message the generator holds, "" for none):
   stats {metrics}            -> {}
   bye                        -> {}
 Every reply carries `req`, `ok`, `weights_id` (of the newest weights), `weights` (their control message) only when
-the request's `wid` differs, and `error` when ok is false. BufferClient keeps the newest message and puts it in
+the request's `wid` differs, `error` when ok is false, and `rejected` {count, last_error} when groups this generator
+sent earlier were found invalid since its last reply (the learner validates a group when it takes it, so "accepted"
+means queued; only an oversized group is refused in its own reply, with `reason`). BufferClient keeps the newest message and puts it in
 every reply it returns, so callers always see `weights`. Group payloads travel in their own frame so the codec's
 size limit applies to them alone.
 """

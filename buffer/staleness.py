@@ -65,11 +65,14 @@ class Coordinator:
             self._outstanding[generator_id] += granted
             return granted
 
-    def delivered(self, generator_id: str) -> None:
-        """A group from `generator_id` arrived (valid or not): it no longer holds that admission."""
+    def delivered(self, generator_id: str) -> bool:
+        """A group from `generator_id` arrived (valid or not): it no longer holds that admission. Returns whether
+        it held one (a group sent without asking, or after its admissions were reclaimed, did not)."""
         with self._lock:
-            if self._outstanding[generator_id] > 0:
+            if self._outstanding.get(generator_id, 0) > 0:
                 self._outstanding[generator_id] -= 1
+                return True
+            return False
 
     def give_back(self, count: int = 1, token: str = "") -> None:
         """Admitted groups that will never be trained (stale, rejected, aborted) free their capacity. `token` is

@@ -87,6 +87,10 @@ class RolloutLoop:
         if weights.get("version", -1) > self.latest_weights.get("version", -1):
             self.latest_weights = weights
         self.done = self.done or bool(reply.get("done"))
+        rejected = reply.get("rejected")
+        if isinstance(rejected, dict):  # groups the learner found invalid when it took them (zmq backend)
+            log.error("learner rejected %s of this generator's groups since its last reply; the last: %s",
+                      rejected.get("count"), rejected.get("last_error"))
 
     async def _worker(self) -> None:
         backoff = 0.01

@@ -35,26 +35,40 @@ def request(client, *args, **kwargs):
     return asyncio.run(client.request(*args, **kwargs))
 
 
-def test_bad_groups_are_rejected_counted_and_the_server_keeps_serving(server):
+def test_bad_groups_are_rejected_counted_given_back_and_their_generator_is_told():
+    """Groups are validated when the learner takes them: bad ones are skipped, counted by reason, their admissions
+    freed, and the generator hears of them in its next reply. Only an oversized group is refused at once."""
+    server = ZmqBufferServer("127.0.0.1", free_port(), Coordinator(1, 2), vocab_size=16, config_hash="h",
+                             max_message_bytes=4096, queue_groups=8, run_info={}).start()
     client = BufferClient(server.endpoint, "gen-a", timeout_s=5)
     wrong_schema = msgpack.unpackb(encode_group(group()), raw=False)
     wrong_schema["schema"] = 99
 
     async def scenario():
+        granted = (await client.request("admit", want=4))["granted"]
         replies = []
         for payload in (b"\x00garbage\xff", msgpack.packb(wrong_schema, use_bin_type=True),
                         encode_group(group(reward=float("nan"))), encode_group(group(token=999)),
-                        b"\x00" * 5000):
+                        b"\x00" * 5000, encode_group(group())):
             replies.append(await client.request("group", body=payload))
-        replies.append(await client.request("group", body=encode_group(group())))
-        return replies
+        taken = await asyncio.to_thread(server.take, 1.0)
+        return granted, replies, taken, await client.request("stats"), await client.request("stats")
 
-    replies = asyncio.run(scenario())
-    client.close()
-    assert [r["accepted"] for r in replies] == [False] * 5 + [True]
+    try:
+        granted, replies, taken, told, after = asyncio.run(scenario())
+    finally:
+        client.close()
+        server.close()
+    assert granted == 4
+    assert [r["accepted"] for r in replies] == [True] * 4 + [False, True]
+    assert replies[4]["reason"] == "too_large" and "max_message_bytes=4096" in replies[4]["error"]
+    assert taken.group_id == "abc"
     assert server.rejected == {"malformed": 1, "schema": 1, "bad_reward": 1, "token_out_of_range": 1,
                                "too_large": 1}
-    assert server.take(1.0).group_id == "abc"
+    assert told["rejected"]["count"] == 4 and "token_out_of_range" in told["rejected"]["last_error"]
+    assert "rejected" not in after  # told once
+    # the four admitted bad groups gave their capacity back; the oversized and the valid one held none to give
+    assert server.coordinator.started == 0 and server.received == 1
 
 
 def test_malformed_control_frames_do_not_stop_the_server(server):
@@ -153,3 +167,4 @@ def test_the_weights_message_goes_to_each_generator_once_per_publish(server):
         client.close()
         raw.close(linger=0)
         context.term()
+

@@ -106,3 +106,14 @@ def test_a_broken_engine_stops_the_generator_with_the_reason():
     with pytest.raises(EngineBroken, match="reload of v3"):
         asyncio.run(loop.ensure_latest_weights())
     assert loop.stats.weight_failures == 1 and stage.ended == [(4, False)]
+
+
+def test_rejections_the_learner_reports_are_logged_by_the_generator(caplog):
+    """The zmq learner validates a group when it takes it, so its verdict arrives in a later reply."""
+    loop = RolloutLoop(client=None, engine=ScriptedEngine(), prompts=iter([]), reward_fn=reward_is_nine,
+                       tokenizer=DigitTokenizer(), rollout_cfg=RolloutConfig(n=1, max_tokens=4), max_inflight_groups=1,
+                       generator_id="g", reward_shaping=RewardConfig())
+    loop.note_reply({"ok": True, "weights": {}})
+    assert not caplog.records
+    loop.note_reply({"ok": True, "weights": {}, "rejected": {"count": 3, "last_error": "reward: nan [bad_reward]"}})
+    assert "rejected 3 of this generator's groups" in caplog.text and "bad_reward" in caplog.text
