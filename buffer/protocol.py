@@ -5,6 +5,9 @@ weights control message the generator holds, "" for none):
   hello {config_hash}        -> {version, weights_id, run_info}       # refused if config hashes differ
   admit {want}               -> {granted, version, weights_id, done}
   group + second frame bytes -> {accepted, reason, retry, version, weights_id, done}
+  group {reqs} + one frame per group -> {version, weights_id, done, results: [{req, accepted, reason, retry}]}
+                             # several groups in one message (`reqs` lists their request ids, in frame order;
+                             # the header's other fields are the first request's); each result answers its `req`
   stats {metrics}            -> {}
   bye                        -> {}
 Every reply carries `req`, `ok`, `weights_id` (of the newest weights), `weights` (their control message) only when

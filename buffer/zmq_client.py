@@ -5,8 +5,8 @@ learner does not answer, the error names its endpoint, so a dead peer never hang
 
 Why not `zmq.asyncio`: it wraps every send and recv in its own future and re-polls the socket per call, which
 cost about 150 us of CPU per request here, more than encoding the group. This client uses a plain socket with
-non-blocking calls: requests made in one loop iteration are sent together by one callback, and one reader
-callback on the socket's fd drains every waiting reply at once. libzmq's fd is edge-triggered (a send can consume
+non-blocking calls: requests made in one loop iteration are sent together by one callback (consecutive groups in
+one message, see `_flush`), and one reader callback on the socket's fd drains every waiting reply at once. libzmq's fd is edge-triggered (a send can consume
 the edge of a reply that already arrived), so every flush ends with a drain; a drain stops at EAGAIN, so a
 spurious one costs a single failed recv.
 """
@@ -18,6 +18,8 @@ import zmq
 
 from asyncrl.buffer.protocol import pack, unpack_reply
 
+BATCH_MAX_GROUPS = 16
+"""Most groups sent in one message (protocol.py); one more than that starts another."""
 ZERO_COPY_MIN_BYTES = 65536
 """Bodies this large are handed to libzmq without a copy; below it the copy is cheaper than the bookkeeping."""
 SEND_RETRY_S = 0.001
@@ -41,7 +43,7 @@ class BufferClient:
         self._socket.connect(endpoint)
         self._fd = self._socket.getsockopt(zmq.FD)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._outbox: deque = deque()  # (frames, copy, reply future) not yet handed to libzmq
+        self._outbox: deque = deque()  # (op, req, fields, body, reply future) not yet handed to libzmq
         self._flush_scheduled = False
         self.weights: dict = {}  # the newest weights control message heard of, and its id (see protocol.py)
         self.weights_id = ""
@@ -53,10 +55,7 @@ class BufferClient:
         reply = loop.create_future()
         self._pending[req] = reply
         timer = loop.call_later(timeout_s, _expire, reply)
-        frames = [pack({"op": op, "req": req, "gen": self.generator_id, "wid": self.weights_id, **fields})]
-        if body is not None:
-            frames.append(body)
-        self._outbox.append((frames, body is None or len(body) < ZERO_COPY_MIN_BYTES, reply))
+        self._outbox.append((op, req, fields, body, reply))
         if not self._flush_scheduled:
             self._flush_scheduled = True
             loop.call_soon(self._flush)
@@ -97,21 +96,46 @@ class BufferClient:
 
         Requests issued in one loop iteration (several rollouts finishing at once) leave together, so libzmq's
         I/O thread is woken once and writes them in one TCP segment, and the server drains them in one pass.
-        A full pipe (high-water mark) keeps the rest queued and retries; a request whose timeout fired is
-        skipped.
+        Consecutive group requests go as one message with one reply (protocol.py): the learner's server thread
+        then parses one request and sends one reply for all of them, and that thread's Python runs under the
+        same GIL as the learner's, so every microsecond it spends per group is taken from training. A full pipe
+        (high-water mark) keeps the rest queued and retries; a request whose timeout fired is skipped.
         """
         self._flush_scheduled = False
         while self._outbox:
-            frames, copy, reply = self._outbox[0]
-            if not reply.done():
+            span, batch = self._next_message()
+            if batch:
                 try:
-                    self._socket.send_multipart(frames, zmq.NOBLOCK, copy=copy)
+                    self._socket.send_multipart(self._frames(batch), zmq.NOBLOCK,
+                                                copy=all(body is None or len(body) < ZERO_COPY_MIN_BYTES
+                                                         for _, _, _, body, _ in batch))
                 except zmq.Again:
                     self._flush_scheduled = True
                     self._loop.call_later(SEND_RETRY_S, self._flush)
                     break
-            self._outbox.popleft()
+            for _ in range(span):
+                self._outbox.popleft()
         self._drain_replies()  # a send may have consumed the fd's edge for a reply that is already waiting
+
+    def _next_message(self) -> tuple[int, list]:
+        """The requests that leave in the next message (the first live one, and up to BATCH_MAX_GROUPS
+        consecutive groups with it), and how many outbox entries that message covers (expired ones included)."""
+        batch, span = [], 0
+        for entry in self._outbox:
+            op, _, _, _, reply = entry
+            if batch and (op != "group" or batch[0][0] != "group" or len(batch) == BATCH_MAX_GROUPS):
+                break
+            span += 1
+            if not reply.done():
+                batch.append(entry)
+        return span, batch
+
+    def _frames(self, batch: list) -> list:
+        op, req, fields, body, _ = batch[0]
+        header = {"op": op, "req": req, "gen": self.generator_id, "wid": self.weights_id, **fields}
+        if len(batch) > 1:
+            header["reqs"] = [entry[1] for entry in batch]
+        return [pack(header)] + [entry[3] for entry in batch if entry[3] is not None]
 
     def _drain_replies(self) -> None:
         while True:
@@ -126,9 +150,18 @@ class BufferClient:
             except Exception:
                 continue  # a reply we cannot read is dropped; the request times out with a clear error
             self._note_weights(reply)
-            future = self._pending.get(reply.get("req"))
-            if future is not None and not future.done():
-                future.set_result(reply)
+            results = reply.pop("results", None)
+            if not isinstance(results, list):
+                self._resolve(reply.get("req"), reply)
+                continue
+            for result in results:  # one reply for a message of several groups: one result each
+                if isinstance(result, dict):
+                    self._resolve(result.get("req"), {**reply, **result})
+
+    def _resolve(self, req, reply: dict) -> None:
+        future = self._pending.get(req)
+        if future is not None and not future.done():
+            future.set_result(reply)
 
     def _note_weights(self, reply: dict) -> None:
         """Keep the control message a reply carries; give the kept one to a reply that carries only its id."""

@@ -175,7 +175,7 @@ class ZmqBufferServer:
                 log.exception("buffer: request failed")
                 reply = {"req": -1, "ok": False, "error": f"internal error: {err}"}
             replies.append((frames[0], pack(reply)))
-            if len(replies) >= RELEASE_EVERY:
+            if len(replies) >= RELEASE_EVERY or len(accepted) >= RELEASE_EVERY:
                 self._release(replies, accepted)
         self._release(replies, accepted)
 
@@ -222,7 +222,7 @@ class ZmqBufferServer:
             want = want if isinstance(want, int) and want > 0 else 1
             reply["granted"] = 0 if self._done else self.coordinator.try_admit(gen, want)
         elif op == "group":
-            reply.update(self._receive_group(gen, payload[1] if len(payload) > 1 else b"", accepted))
+            self._receive_groups(gen, request.get("reqs"), payload[1:], reply, accepted)
         elif op == "stats":
             if isinstance(request.get("metrics"), dict):
                 self.generator_stats[gen] = request["metrics"]
@@ -239,6 +239,19 @@ class ZmqBufferServer:
         reply["run_info"] = self.run_info
         self.joins.setdefault(request["gen"], {"hello_version": self.coordinator.version})
         return reply
+
+    def _receive_groups(self, gen: str, reqs, bodies: list, reply: dict, accepted: list) -> None:
+        """One group (no `reqs`: the reply is its result) or several, one result each in `results`."""
+        if reqs is None:
+            reply.update(self._receive_group(gen, bodies[0] if bodies else b"", accepted))
+        elif (isinstance(reqs, list) and len(reqs) == len(bodies) > 0
+              and all(isinstance(req, int) for req in reqs)):
+            reply["results"] = [{"req": req, **self._receive_group(gen, body, accepted)}
+                                for req, body in zip(reqs, bodies)]
+        else:
+            error = f"'reqs' must list one integer request id per group frame ({len(bodies)} frames)"
+            self._reject_request("malformed", f"from {gen}: {error}")
+            reply.update(ok=False, error=error)
 
     def _receive_group(self, gen: str, data: bytes, accepted: list) -> dict:
         """Queue the group's bytes for `take`, which validates them; only the size is checked here, so an

@@ -168,3 +168,65 @@ def test_the_weights_message_goes_to_each_generator_once_per_publish(server):
         raw.close(linger=0)
         context.term()
 
+
+def test_groups_sent_together_travel_in_one_message_and_each_caller_gets_its_own_result():
+    """The client puts consecutive group requests in one message with `reqs`; the reply's `results` are handed out
+    one per caller, each with the reply's common fields."""
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    port = free_port()
+    router.bind(f"tcp://127.0.0.1:{port}")
+    client = BufferClient(f"tcp://127.0.0.1:{port}", "gen-batch", timeout_s=5)
+
+    def serve_one():
+        assert router.poll(5000)
+        identity, header, *bodies = router.recv_multipart()
+        request = msgpack.unpackb(header)
+        results = [{"req": req, "accepted": index != 1, "retry": index == 1} for index, req in enumerate(request["reqs"])]
+        router.send_multipart([identity, pack({"req": request["req"], "ok": True, "version": 7, "weights_id": "",
+                                               "done": False, "results": results})])
+        return request, bodies
+
+    async def scenario():
+        server = asyncio.create_task(asyncio.to_thread(serve_one))
+        replies = await asyncio.gather(*(client.request("group", body=bytes([i]) * (i + 1), group_id=str(i))
+                                         for i in range(3)))
+        return replies, await server
+
+    try:
+        replies, (request, bodies) = asyncio.run(scenario())
+    finally:
+        client.close()
+        router.close(linger=0)
+        context.term()
+    assert request["op"] == "group" and len(request["reqs"]) == 3 and bodies == [b"\x00", b"\x01\x01", b"\x02" * 3]
+    assert [r["accepted"] for r in replies] == [True, False, True] and replies[1]["retry"]
+    assert all(r["version"] == 7 and r["req"] == req for r, req in zip(replies, request["reqs"]))
+
+
+def test_the_server_answers_each_group_of_a_batch_and_refuses_a_batch_it_cannot_match():
+    server = ZmqBufferServer("127.0.0.1", free_port(), Coordinator(1, 2), vocab_size=16, config_hash="h",
+                             max_message_bytes=4096, queue_groups=2, run_info={}).start()
+    context = zmq.Context()
+    raw = context.socket(zmq.DEALER)
+    raw.connect(server.endpoint)
+
+    def send(header, bodies):
+        raw.send_multipart([pack({"op": "group", "req": 1, "gen": "raw"} | header), *bodies])
+        assert raw.poll(5000)
+        return msgpack.unpackb(raw.recv_multipart()[-1])
+
+    try:
+        good = encode_group(group())
+        reply = send({"reqs": [1, 2, 3, 4]}, [good, b"\x00" * 5000, good, good])
+        mismatched = send({"reqs": [5, 6]}, [good])
+        taken = [server.take(1.0) for _ in range(2)]
+    finally:
+        raw.close(linger=0)
+        server.close()
+        context.term()
+    assert [(r["req"], r["accepted"]) for r in reply["results"]] == [(1, True), (2, False), (3, True), (4, False)]
+    assert reply["results"][1]["reason"] == "too_large" and reply["results"][3]["retry"]  # the queue holds 2
+    assert not mismatched["ok"] and "one integer request id per group frame" in mismatched["error"]
+    assert [g.group_id for g in taken] == ["abc", "abc"]
+    assert server.rejected == {"too_large": 1, "malformed": 1}
