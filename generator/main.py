@@ -77,10 +77,11 @@ async def run_generator_async(cfg, say=print) -> int:
             return 0  # the learner finished and went away while our last groups were in flight
         raise
     finally:
-        try:
-            await client.request("bye", timeout_s=1.0)
-        except Exception:
-            pass
+        if rollout is None or not rollout.done:  # after "done" the learner has stopped listening
+            try:
+                await client.request("bye", timeout_s=1.0)
+            except Exception:
+                pass
         if metrics_log is not None:
             metrics_log.close()
         if engine is not None:

@@ -68,17 +68,32 @@ class RolloutLoop:
         self.stats_every_s = stats_every_s
         self.stats = RolloutStats()
         self.latest_weights: dict = {}
-        self.done = False
+        self._heard_done = asyncio.Event()
         self._weights_lock = asyncio.Lock()
 
+    @property
+    def done(self) -> bool:
+        """The learner said the job is over."""
+        return self._heard_done.is_set()
+
     async def run(self) -> None:
-        workers = [asyncio.create_task(self._worker()) for _ in range(self.max_inflight_groups)]
+        """Sample until the learner says the job is done, or a worker fails (its error is raised).
+
+        On "done" the workers still waiting on the learner are cancelled rather than awaited: the learner stops
+        answering once every generator has heard it, so each would wait out its request timeout (30 s by
+        default) for a reply that never comes, and a supervisor stops a generator that takes that long."""
+        workers = {asyncio.create_task(self._worker()) for _ in range(self.max_inflight_groups)}
         reporter = asyncio.create_task(self._report())
+        heard_done = asyncio.create_task(self._heard_done.wait())
         try:
-            await asyncio.gather(*workers)
+            pending = set(workers)
+            while pending and not heard_done.done():
+                finished, pending = await asyncio.wait(pending | {heard_done}, return_when=asyncio.FIRST_COMPLETED)
+                pending.discard(heard_done)
+                for task in finished - {heard_done}:
+                    task.result()  # a worker's error ends the run
         finally:
-            reporter.cancel()
-            for task in workers:
+            for task in (reporter, heard_done, *workers):
                 task.cancel()
             await self._send_stats()
 
@@ -86,7 +101,8 @@ class RolloutLoop:
         weights = reply.get("weights") or {}
         if weights.get("version", -1) > self.latest_weights.get("version", -1):
             self.latest_weights = weights
-        self.done = self.done or bool(reply.get("done"))
+        if reply.get("done"):
+            self._heard_done.set()
         rejected = reply.get("rejected")
         if isinstance(rejected, dict):  # groups the learner found invalid when it took them (zmq backend)
             log.error("learner rejected %s of this generator's groups since its last reply; the last: %s",
@@ -193,10 +209,13 @@ class RolloutLoop:
             await self._send_stats()
 
     async def _send_stats(self) -> None:
+        """To the learner (not after "done": it has stopped listening, and the request would wait out its 5 s),
+        and to MLflow."""
         metrics = self.stats.snapshot(self.engine.version)
-        try:
-            await self.client.request("stats", metrics=metrics, timeout_s=5)
-        except Exception as err:
-            log.debug("could not send stats: %s", err)
+        if not self.done:
+            try:
+                await self.client.request("stats", metrics=metrics, timeout_s=5)
+            except Exception as err:
+                log.debug("could not send stats: %s", err)
         if self.on_stats is not None:
             self.on_stats(metrics)

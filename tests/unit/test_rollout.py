@@ -117,3 +117,32 @@ def test_rejections_the_learner_reports_are_logged_by_the_generator(caplog):
     assert not caplog.records
     loop.note_reply({"ok": True, "weights": {}, "rejected": {"count": 3, "last_error": "reward: nan [bad_reward]"}})
     assert "rejected 3 of this generator's groups" in caplog.text and "bad_reward" in caplog.text
+
+
+class ClosingLearner:
+    """Answers the first request with "done"; every later one hangs, as a learner that has stopped listening."""
+
+    def __init__(self):
+        self.ops = []
+
+    async def request(self, op, **fields):
+        self.ops.append(op)
+        if len(self.ops) == 1:
+            await asyncio.sleep(0.05)
+            return {"ok": True, "done": True, "granted": 0, "weights": {}}
+        await asyncio.sleep(3600)
+
+
+def test_on_done_the_generator_stops_at_once_instead_of_waiting_on_requests_the_learner_will_not_answer():
+    client = ClosingLearner()
+    loop = RolloutLoop(client=client, engine=ScriptedEngine(), prompts=iter([]), reward_fn=reward_is_nine,
+                       tokenizer=DigitTokenizer(), rollout_cfg=RolloutConfig(n=1, max_tokens=4), max_inflight_groups=4,
+                       generator_id="g", reward_shaping=RewardConfig(), stats_every_s=3600)
+
+    async def scenario():
+        started = asyncio.get_running_loop().time()
+        await asyncio.wait_for(loop.run(), timeout=10)
+        return asyncio.get_running_loop().time() - started
+
+    assert asyncio.run(scenario()) < 2 and loop.done
+    assert client.ops == ["admit"] * 4  # no stats request after "done": nobody would answer it
