@@ -37,7 +37,7 @@ class ZmqBufferServer:
         self.run_info = dict(run_info)
         self.peer_timeout_s = peer_timeout_s
         self.groups: queue.Queue = queue.Queue(maxsize=queue_groups)  # (generator, bytes, held an admission)
-        self.rejected = Counter()  # reason -> count
+        self.rejected = Counter()  # reason -> count; both threads add to it, under _rejections_lock
         self.received = 0  # valid groups taken
         self._unheard_rejections: dict[str, tuple[int, str]] = {}  # generator -> (count, last error) not yet told
         self._rejections_lock = threading.Lock()
@@ -271,15 +271,16 @@ class ZmqBufferServer:
         took would let generators run further ahead than the staleness bound allows."""
         if admitted:
             self.coordinator.give_back(1)
-        self.rejected[reason] += 1
         log.warning("buffer: rejected a group from %s (%s): %s", gen, reason, error)
-        if tell:
-            with self._rejections_lock:
+        with self._rejections_lock:
+            self.rejected[reason] += 1
+            if tell:
                 count, _ = self._unheard_rejections.get(gen, (0, ""))
                 self._unheard_rejections[gen] = (count + 1, error)
 
     def _reject_request(self, reason: str, detail: str) -> None:
-        self.rejected[reason] += 1
+        with self._rejections_lock:
+            self.rejected[reason] += 1
         log.warning("buffer: rejected a request (%s): %s", reason, detail)
 
     def _expire_peers(self) -> None:

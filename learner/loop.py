@@ -300,9 +300,10 @@ def run_one_step(cfg, model, optimizer, scheduler, host, parallel: ParallelState
     metrics["buffer/size"] = float(server.queued())
     metrics["buffer/received"] = float(server.received)
     metrics["buffer/consumed_total"] = float(consumed["groups"])
-    for reason, count in server.rejected.items():
+    # copies first (one C call each, so atomic): the zmq server's threads add keys to both while the learner reads
+    for reason, count in dict(server.rejected).items():
         metrics[f"buffer/rejected/{reason}"] = float(count)
-    generator_rates = [s.get("perf/generator/tokens_per_s", 0.0) for s in server.generator_stats.values()]
+    generator_rates = [s.get("perf/generator/tokens_per_s", 0.0) for s in list(server.generator_stats.values())]
     metrics["perf/generator/tokens_per_s"] = float(sum(generator_rates))
     if hasattr(server, "taken_entries"):  # Redis: these groups are acked once a checkpoint covers this step
         consumed.setdefault("unacked", []).extend(entry.decode() for entry in server.taken_entries)
