@@ -110,9 +110,9 @@ class RedisBufferServer:
                     self.redelivered += 1
                     self.stream.ack([entry_id])
                 else:
-                    group = self._decode(entry_id, payload)
+                    group = self._decode(entry_id, payload, version)
                     if group is not None:
-                        self._accept(entry_id, group, version)
+                        self._accept(entry_id, group)
         entry_id, group = self._ready.popleft()
         self.taken_entries.append(entry_id)
         return group
@@ -132,29 +132,40 @@ class RedisBufferServer:
         self.stream.touch(list(self.held))  # ours, however long training and the checkpoint take
         return self.stream.reclaim(self.reclaim_idle_ms, held=frozenset(self.held))
 
-    def _decode(self, entry_id: bytes, payload: bytes):
-        """The entry's group, or None after moving a malformed one to the dead-letter stream and giving its
-        admission back (keyed on the entry, so a retried give-back counts once; keyed on the bytes, a generator
-        that sent the same garbage twice would leak one admission each time)."""
+    def _decode(self, entry_id: bytes, payload: bytes, version: int):
+        """The entry's group, or None after dropping it: a malformed one goes to the dead-letter stream; one
+        sampled with weights newer than this learner has is acked. Either way its admission is given back (keyed on
+        the entry, so a retried give-back counts once; keyed on the bytes, a generator that sent the same garbage
+        twice would leak one admission each time).
+
+        Newer weights are a version lost when the learner went back to its checkpoint; no policy it trains can
+        correct for them. The codec checks versions against `version` in the pass it makes anyway, and only a
+        group it refuses for that is decoded again without the limit, to tell "newer" from malformed: a
+        separate pass over every group's versions cost about 10 us per group."""
         try:
-            return decode_group(payload, vocab_size=self.vocab_size, max_version=NO_VERSION_LIMIT,
+            return decode_group(payload, vocab_size=self.vocab_size, max_version=version,
                                 max_message_bytes=self.max_message_bytes)
         except CodecError as err:
+            if err.reason == "bad_version" and self._valid_without_version_limit(payload):
+                self.stream.ack([entry_id])
+                self.coordinator.give_back(1, token=entry_id.decode())
+                self.dropped_future += 1
+                return None
             self.stream.dead_letter(entry_id, payload, f"{err.reason}: {err}")
             self.coordinator.give_back(1, token=entry_id.decode())
             self.rejected[err.reason] += 1
             log.warning("buffer: group entry %s is malformed (%s); moved to the dead-letter stream", entry_id, err)
             return None
 
-    def _accept(self, entry_id: bytes, group, version: int) -> None:
-        newest = max((int(s.versions.max()) for s in group.samples if len(s.versions)), default=-1)
-        if newest > version:
-            # sampled with weights newer than this learner has: a version lost when the learner went back to its
-            # checkpoint. No policy it trains can correct for it, so it is dropped (acked) and its slot given back.
-            self.stream.ack([entry_id])
-            self.coordinator.give_back(1, token=entry_id.decode())
-            self.dropped_future += 1
-            return
+    def _valid_without_version_limit(self, payload: bytes) -> bool:
+        try:
+            decode_group(payload, vocab_size=self.vocab_size, max_version=NO_VERSION_LIMIT,
+                         max_message_bytes=self.max_message_bytes)
+        except CodecError:
+            return False
+        return True
+
+    def _accept(self, entry_id: bytes, group) -> None:
         self.received += 1
         self.held.add(entry_id)
         if group.generator_id not in self.joins:  # only its first group counts; skip the scan for the rest

@@ -283,3 +283,24 @@ def test_the_weights_message_is_read_once_per_publish(redis_server):
     reply = asyncio.run(client.request("group", body=encode_group(a_group("g2")), group_id="g2"))
     assert reply["weights"]["shm"] == {"path": "/elsewhere"}
     assert asyncio.run(client.request("admit", want=1))["weights"]["shm"] == {"path": "/elsewhere"}
+
+
+def test_a_group_from_weights_newer_than_the_learner_is_dropped_and_a_negative_version_is_dead_lettered(
+        redis_server):
+    """The codec checks versions against the learner's; a group it refuses for that is told apart from a malformed
+    one by decoding it again without the limit."""
+    job = uuid.uuid4().hex[:8]
+    server, _ = learner_side(redis_server.url, job)
+    server.coordinator.set_version(2, allow_backwards=True)
+    produce = GroupStream(server.client, job, "gen")
+    for group_id, version in (("ahead", 3), ("negative", -1), ("fine", 2)):
+        produce.produce(group_id, encode_group(a_group(group_id, version)))
+    try:
+        taken = server.take(5.0)
+        assert taken.group_id == "fine" and server.take(0.2) is None
+        assert server.dropped_future == 1 and server.rejected == {"bad_version": 1}
+        dead = server.stream.dead_letters()
+        assert len(dead) == 1 and dead[0][b"reason"].startswith(b"bad_version")
+        assert server.stream.pending_count() == 1  # "ahead" was acked, "negative" moved out; only "fine" is held
+    finally:
+        server.close()
