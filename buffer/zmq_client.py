@@ -6,9 +6,9 @@ learner does not answer, the error names its endpoint, so a dead peer never hang
 Why not `zmq.asyncio`: it wraps every send and recv in its own future and re-polls the socket per call, which
 cost about 150 us of CPU per request here, more than encoding the group. This client uses a plain socket with
 non-blocking calls: requests made in one loop iteration are sent together by one callback (consecutive groups in
-one message, see `_flush`), and one reader callback on the socket's fd drains every waiting reply at once. libzmq's fd is edge-triggered (a send can consume
-the edge of a reply that already arrived), so every flush ends with a drain; a drain stops at EAGAIN, so a
-spurious one costs a single failed recv.
+one message, see `_flush`), and one reader callback on the socket's fd drains every waiting reply at once.
+libzmq's fd is edge-triggered (a send can consume the edge of a reply that already arrived), so every flush ends
+with a drain; a drain stops at EAGAIN, so a spurious one costs a single failed recv.
 """
 import asyncio
 import itertools

@@ -182,7 +182,8 @@ def test_groups_sent_together_travel_in_one_message_and_each_caller_gets_its_own
         assert router.poll(5000)
         identity, header, *bodies = router.recv_multipart()
         request = msgpack.unpackb(header)
-        results = [{"req": req, "accepted": index != 1, "retry": index == 1} for index, req in enumerate(request["reqs"])]
+        results = [{"req": req, "accepted": index != 1, "retry": index == 1}
+                   for index, req in enumerate(request["reqs"])]
         router.send_multipart([identity, pack({"req": request["req"], "ok": True, "version": 7, "weights_id": "",
                                                "done": False, "results": results})])
         return request, bodies
