@@ -93,8 +93,11 @@ class RolloutLoop:
                 for task in finished - {heard_done}:
                     task.result()  # a worker's error ends the run
         finally:
-            for task in (reporter, heard_done, *workers):
+            tasks = (reporter, heard_done, *workers)
+            for task in tasks:
                 task.cancel()
+            # reaped here, so a worker that failed while another ended the run is not reported as never retrieved
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self._send_stats()
 
     def note_reply(self, reply: dict) -> None:
