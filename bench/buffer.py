@@ -14,8 +14,8 @@ Target: each backend at >= 0.8 of its raw transport in groups/s. Needs redis-ser
 started on a free port).
 
 Each pair runs `--repeats` times, raw and backend alternating, and the table shows the median run of each side and
-the median of the per-pair ratios: on a shared 2-core machine one pair can land anywhere from 0.5 to 1.4 (a
-scheduling accident stalls a whole run; over 27 pairs the quartiles sit near 0.75 and 1.0), so a single pair
+the median of the per-pair ratios: on a shared 2-core machine one pair can land anywhere from 0.5 to 1.8 (a
+scheduling accident stalls a whole run; over 27 pairs the quartiles sit near 0.75-0.8 and 1.0-1.05), so a single pair
 measures luck and 9 pairs still move the median by 0.2. Beside them, each side's CPU time per group (median over
 the runs): the consumer process's while it consumes (server thread, I/O threads and the taking thread together)
 and the producer's while it sends (its imports and start-up excluded). CPU per group moves less than groups/s with
