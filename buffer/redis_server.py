@@ -146,13 +146,12 @@ class RedisBufferServer:
             return decode_group(payload, vocab_size=self.vocab_size, max_version=version,
                                 max_message_bytes=self.max_message_bytes)
         except CodecError as err:
+            self.coordinator.give_back(1, token=entry_id.decode())  # before the entry goes: a resend counts once
             if err.reason == "bad_version" and self._valid_without_version_limit(payload):
                 self.stream.ack([entry_id])
-                self.coordinator.give_back(1, token=entry_id.decode())
                 self.dropped_future += 1
                 return None
             self.stream.dead_letter(entry_id, payload, f"{err.reason}: {err}")
-            self.coordinator.give_back(1, token=entry_id.decode())
             self.rejected[err.reason] += 1
             log.warning("buffer: group entry %s is malformed (%s); moved to the dead-letter stream", entry_id, err)
             return None

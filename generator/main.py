@@ -80,8 +80,8 @@ async def run_generator_async(cfg, say=print) -> int:
         if rollout is None or not rollout.done:  # after "done" the learner has stopped listening
             try:
                 await client.request("bye", timeout_s=1.0)
-            except Exception:
-                pass
+            except Exception as err:  # best effort: the learner reclaims our admissions when we fall silent
+                log.debug("generator %s: bye was not answered (%s)", generator_id, err)
         if metrics_log is not None:
             metrics_log.close()
         if engine is not None:
