@@ -1,14 +1,14 @@
 """Advantage estimators: token rewards of a batch of prompt groups in, one advantage per generated token out.
 
 Every estimator in ``ADVANTAGES`` reads the same ``AdvantageInputs`` and returns advantages [B, T], 0 off-mask,
-so any estimator pairs with any policy loss (DESIGN.md §5). Rows are sequences; the n completions of a prompt
+so any estimator pairs with any policy loss (docs/architecture.md §5). Rows are sequences; the n completions of a prompt
 sit in consecutive rows (B = num_groups * n). ``token_rewards`` carries the outcome reward on the last valid
 token of each row, minus any per-token KL penalty (``kl.apply_kl_penalty``), so:
 - outcome estimators (grpo, rloo, opo, gpg, reinforce_pp_baseline) use R_i = Σ_t m_t r_t, one number per
   completion, and broadcast their advantage over the completion's valid tokens;
 - token estimators (reinforce_pp, remax) use the return-to-go G_t = Σ_{s≥t} γ^(s-t) r_s of each token.
 
-Formulas and conventions follow verl ``verl/trainer/ppo/core_algos.py`` (reference/offpolicy_algorithms.md §1),
+Formulas and conventions follow verl ``verl/trainer/ppo/core_algos.py`` (docs/algorithms.md §1),
 because users compare curves against verl:
 - a group std is the unbiased one (N-1), and eps is added to the std, not the variance, so an all-equal group
   gives exactly 0 (0 / eps), never NaN;
@@ -206,7 +206,7 @@ def compute_gpg_advantages(inputs: AdvantageInputs, *, norm_by_std: bool = True,
     α = B / max(1, #{i in the batch: R_i ≠ 0}), B = all rows of the batch, as in verl
     ``verl/trainer/ppo/core_algos.py::compute_gpg_outcome_advantage`` (volcengine/verl@012be9d9:
     ``alpha = bsz / torch.count_nonzero(scores).clamp(min=1)``). It scales the step back up when most samples
-    carry no reward signal. The paper's own definition of α was not re-checked (reference §1.10).
+    carry no reward signal. The paper's own definition of α was not re-checked (docs/algorithms.md §1.10).
     """
     valid, rewards = _outcome_rewards(inputs)
     alpha = rewards.numel() / torch.count_nonzero(rewards).clamp(min=1).to(rewards.dtype)

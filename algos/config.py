@@ -1,83 +1,53 @@
 """Algorithm choices (stdlib only): advantage estimator, policy loss, off-policy correction, KL terms, aggregation.
 
-The names match the registries in `asyncrl.algos` (a unit test checks that they stay in sync). Loss and correction
-hyperparameters default to None, which means "the published default of the chosen loss/correction": the single
-source of those numbers is the keyword defaults of the functions in `asyncrl.algos`, so that a GSPO run does not
-silently inherit PPO's ε = 0.2 (GSPO's is 3e-4). Setting a hyperparameter that the chosen loss or correction does
-not read is an error, not a silent no-op.
+The loss and correction names, which config field reaches which keyword, and the properties the combination rules
+read all come from ``asyncrl.algos.registry`` (stdlib too, so the config loads, validates and prints without torch).
+Loss and correction hyperparameters default to None, which means "the published default of the chosen
+loss/correction": the single source of those numbers is the keyword defaults of the functions in ``asyncrl.algos``,
+so that a GSPO run does not silently inherit PPO's ε = 0.2 (GSPO's is 3e-4). Setting a hyperparameter that the
+chosen loss or correction does not read is an error, not a silent no-op.
 
-Combination rules (`COMBINATION_RULES`) are checked when the config loads; each rejected pair says why.
+Combination rules (``check_combination``) are checked when the config loads; each rejected pair says why.
 """
 from dataclasses import dataclass, fields
 from typing import Optional
 
+from asyncrl.algos.registry import ADVANTAGES, BYPASS, CORRECTIONS, LOSSES, NO_WEIGHT
+
 ADVANTAGE_NAMES = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg", "remax")
 GROUP_ADVANTAGES = ("rloo", "reinforce_pp_baseline", "opo", "gpg")
 """Estimators whose baseline is the rest of the group: they need rollout.n >= 2."""
-LOSS_NAMES = ("ppo", "gspo", "gspo_token", "cispo", "sapo", "gpg", "clip_cov", "kl_cov", "topr", "reinforce")
-RATIO_FREE_LOSSES = ("gpg", "topr", "reinforce")
-"""Losses with no trust-region ratio against π_prox (plain policy gradient, possibly IS-weighted)."""
-CORRECTION_NAMES = ("none", "decoupled", "bypass", "tis", "mis", "geo_rs", "k3_rs", "icepop", "m2po", "vtrace")
-BATCH_GLOBAL_CORRECTIONS = ("m2po", "vtrace")
-"""Corrections whose result for a token depends on other rows or positions: they need π_prox of the whole batch
-before the first update, so the learner runs the no-grad proximal pass for them."""
+LOSS_NAMES = tuple(LOSSES)
+CORRECTION_NAMES = tuple(CORRECTIONS)
 LOSS_AGG_NAMES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_NAMES = ("k1", "k2", "k3", "k3+")
 PROX_METHODS = ("recompute", "loglinear")
 
-LOSS_FIELDS = {
-    "ppo": {"clip_low": "clip_low", "clip_high": "clip_high", "dual_clip_c": "dual_clip_c"},
-    "gspo": {"clip_low": "clip_low", "clip_high": "clip_high"},
-    "gspo_token": {"clip_low": "clip_low", "clip_high": "clip_high"},
-    "cispo": {"clip_low": "clip_low", "clip_high": "clip_high"},
-    "sapo": {"tau_pos": "tau_pos", "tau_neg": "tau_neg"},
-    "gpg": {},
-    "clip_cov": {"clip_low": "clip_low", "clip_high": "clip_high", "cov_ratio": "cov_ratio",
-                 "cov_low": "cov_low", "cov_high": "cov_high"},
-    "kl_cov": {"cov_ratio": "cov_ratio", "kl_cov_coef": "kl_coef"},
-    "topr": {},
-    "reinforce": {},
-}
-"""Config field -> keyword of the loss function, per loss."""
-
-CORRECTION_FIELDS = {
-    "none": {},
-    "decoupled": {"is_cap": "cap", "is_mode": "mode"},
-    "bypass": {"is_cap": "cap"},
-    "tis": {"is_cap": "cap", "is_level": "level"},
-    "mis": {"is_cap": "cap", "is_level": "level"},
-    "geo_rs": {"rs_low": "low", "rs_high": "high"},
-    "k3_rs": {"k3_threshold": "threshold"},
-    "icepop": {"rs_low": "low", "rs_high": "high"},
-    "m2po": {"m2_threshold": "threshold"},
-    "vtrace": {"vtrace_clip_rho": "clip_rho", "vtrace_clip_pg_rho": "clip_pg_rho", "vtrace_clip_c": "clip_c"},
-}
-"""Config field -> keyword of the correction, per correction. `bypass` reads is_cap only for the plain-PG losses
-(reinforce, gpg), whose weight is then min(π_θ/μ, cap) (verl's bypass_pg_is)."""
-
 
 def check_combination(loss: str, correction: str, advantage: str, prox_logprobs: str) -> None:
     """Raise ValueError for a loss/correction pair that is invalid or corrects twice, with the reason."""
-    if loss == "topr" and correction not in ("none", "bypass"):
+    loss_spec, spec = LOSSES[loss], CORRECTIONS[correction]
+    if loss_spec.weights_against_behaviour and spec.kind not in (NO_WEIGHT, BYPASS):
         raise ValueError(
-            f"algo.loss=topr with algo.correction={correction} corrects twice: TOPR already weights negative "
-            "samples by min(1, π_θ/μ) against the behaviour policy; use algo.correction=none")
-    if correction == "vtrace" and loss != "reinforce":
+            f"algo.loss={loss} with algo.correction={correction} corrects twice: {loss} already weights its samples "
+            "against the behaviour policy (TOPR: negative samples by min(1, π_θ/μ)); use algo.correction=none")
+    if spec.only_losses is not None and loss not in spec.only_losses:
         raise ValueError(
-            f"algo.correction=vtrace needs algo.loss=reinforce: V-trace puts its truncated importance weights into "
-            f"the advantages, and {loss}'s own ratio would weight the same tokens a second time")
-    if correction == "vtrace" and advantage != "grpo":
+            f"algo.correction={correction} needs algo.loss={'/'.join(spec.only_losses)}: it puts its truncated "
+            f"importance weights into the advantages (V-trace), and {loss}'s own ratio would weight the same tokens "
+            "a second time")
+    if spec.kind == ADVANTAGES and advantage != "grpo":
         raise ValueError(
-            f"algo.correction=vtrace computes its own advantages from the rewards (algo.vtrace_values picks the "
+            f"algo.correction={correction} computes its own advantages from the rewards (algo.vtrace_values picks the "
             f"baseline), so algo.advantage={advantage} would be ignored; leave algo.advantage at its default")
-    if prox_logprobs == "loglinear" and correction == "bypass":
-        raise ValueError("algo.prox_logprobs=loglinear approximates π_prox, but algo.correction=bypass has no "
+    if prox_logprobs == "loglinear" and spec.kind == BYPASS:
+        raise ValueError(f"algo.prox_logprobs=loglinear approximates π_prox, but algo.correction={correction} has no "
                          "proximal policy (old := behaviour); drop one of them")
-    if prox_logprobs == "loglinear" and correction in BATCH_GLOBAL_CORRECTIONS:
+    if prox_logprobs == "loglinear" and spec.batch_global:
         raise ValueError(f"algo.correction={correction} needs the exact π_prox of the whole batch before the first "
                          "update; algo.prox_logprobs=loglinear exists to skip that pass; use recompute")
-    if prox_logprobs == "loglinear" and loss in RATIO_FREE_LOSSES and correction == "none":
-        raise ValueError(f"algo.loss={loss} with algo.correction=none never reads π_prox, so "
+    if prox_logprobs == "loglinear" and loss_spec.ratio_free and spec.kind == NO_WEIGHT:
+        raise ValueError(f"algo.loss={loss} with algo.correction={correction} never reads π_prox, so "
                          "algo.prox_logprobs=loglinear has nothing to approximate")
 
 
@@ -182,7 +152,7 @@ class AlgoConfig:
             raise ValueError("algo.loss_norm_constant must be set (> 0) when algo.loss_agg=seq-mean-token-sum-norm")
 
     def _check_hyperparameters_are_read(self) -> None:
-        used = set(LOSS_FIELDS[self.loss]) | set(CORRECTION_FIELDS[self.correction])
+        used = set(LOSSES[self.loss].fields) | set(CORRECTIONS[self.correction].fields)
         optional = {f.name for f in fields(self) if f.default is None and f.name != "loss_norm_constant"}
         for name in sorted(optional - used):
             if getattr(self, name) is not None:
@@ -227,9 +197,9 @@ class AlgoConfig:
     def loss_kwargs(self) -> dict:
         """Keyword arguments of the chosen loss: only the hyperparameters set, so the others keep their
         published defaults."""
-        return {kw: getattr(self, f) for f, kw in LOSS_FIELDS[self.loss].items() if getattr(self, f) is not None}
+        return {kw: getattr(self, f) for f, kw in LOSSES[self.loss].fields.items() if getattr(self, f) is not None}
 
     def correction_kwargs(self) -> dict:
         """Keyword arguments of the chosen correction (set hyperparameters only)."""
-        return {kw: getattr(self, f) for f, kw in CORRECTION_FIELDS[self.correction].items()
+        return {kw: getattr(self, f) for f, kw in CORRECTIONS[self.correction].fields.items()
                 if getattr(self, f) is not None}

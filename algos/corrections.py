@@ -1,8 +1,8 @@
 """Off-policy corrections: the detached per-token weight that multiplies any policy loss
-(reference/offpolicy_algorithms.md §2.2-2.6, DESIGN.md §5).
+(docs/algorithms.md §2.2-2.6, docs/architecture.md §5).
 
 A correction is chosen independently of the loss: it only produces ``is_weight`` [B, T] (or None), which every loss
-in ``losses.POLICY_LOSSES`` accepts. Keeping the two apart is what guarantees nothing is corrected twice. Every
+reads from its ``PolicyLossInputs``. Keeping the two apart is what guarantees nothing is corrected twice. Every
 weight here is a function of ρ_t = π_prox / π_behav = exp(ℓprox_t - ℓμ_t), where π_prox is the learner's step-start
 policy (recomputed, or A-3PO's ``approximate_prox_logprobs``) and μ the generator that sampled the token:
 
@@ -23,9 +23,10 @@ length-invariant, so long answers are not rejected just for being long. Truncati
 bounded weight; masking (mis, icepop, rs, m2po) drops the toxic tail entirely. Rejected tokens keep their place in
 ``loss_mask``, so the loss normaliser still counts them (AReaL/slime; §1.15).
 
-Numerics: log-ratios are taken in fp32 at least, -inf - -inf at padding never reaches arithmetic (``torch.where``),
-a NaN log-ratio on a valid token is treated as 0 (AReaL), and |log ρ_t| and |Σ_t log ρ_t| are clamped to 20 before
-exp. Every weight is computed under no_grad: a gradient through w would add a log π·∇w bias term (§4.5).
+Numerics: log ρ_t is ``log_ratio.masked_log_ratio`` (fp32 at least, -inf - -inf at padding never reaches
+arithmetic, a NaN on a valid token is treated as 0 as in AReaL, clamped to ±20), and |Σ_t log ρ_t| is clamped to the
+same ``LOG_RATIO_CLAMP`` before exp. Every weight is computed under no_grad: a gradient through w would add a
+log π·∇w bias term (§4.5).
 
 Metrics follow ``losses.py`` / ``metrics.combine_token_metrics``: ``offpolicy/tokens`` and ``offpolicy/seqs``
 counts, ``<name>_sum`` numerators with their means, ``/max`` and ``/min``. The ``offpolicy/is_weight/*`` statistics
@@ -33,17 +34,17 @@ describe the weight the correction computes BEFORE truncation or rejection (ρ_t
 for sequence-level ones, ρ_geo for geo_rs), so they show how off-policy the data really was. ``std`` and ``ess``
 (Kish ESS / N) describe one call; ``combine_token_metrics`` recomputes them from the combined ``mean`` and
 ``sq_mean``. V-trace is not a weight but an advantage estimator: ``algos/vtrace.py`` (re-exported here).
+``CORRECTION_WEIGHTS`` (name -> weight function) is built from ``registry.CORRECTIONS``, whose entries also say
+which corrections are batch-global (m2po: call it once on the whole step's batch, never per micro-batch).
 """
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
+from asyncrl.algos.log_ratio import LOG_RATIO_CLAMP, masked_log_ratio
+from asyncrl.algos.registry import CORRECTIONS, NO_WEIGHT, keyword_defaults
 from asyncrl.algos.vtrace import compute_vtrace, compute_vtrace_advantages  # noqa: F401  (V-trace lives there)
-
-LOG_RATIO_CLAMP = 20.0
-"""|log ρ| (token, and sequence sums) is clamped to this before exp, as for the PPO ratio: e^20 is finite in fp32
-and bf16, and so is its square e^40 used by the metrics."""
 
 EMPTY_MIN = float(torch.exp(torch.tensor(LOG_RATIO_CLAMP, dtype=torch.float64)))
 """``/min`` of a call with no valid token: the largest ratio the clamp allows, so it never wins the min across
@@ -55,12 +56,8 @@ LEVELS = ("token", "sequence")
 
 # Shared pieces ------------------------------------------------------------------------------------------------
 def _token_log_ratio(logprobs_prox: Tensor, logprobs_behav: Tensor, valid: Tensor) -> Tensor:
-    """log ρ_t [B, T], clamped, 0 off-mask, in fp32 at least (bf16 differences lose most of their digits)."""
-    dtype = torch.promote_types(torch.promote_types(logprobs_prox.dtype, logprobs_behav.dtype), torch.float32)
-    diff = logprobs_prox.detach().to(dtype) - logprobs_behav.detach().to(dtype)
-    diff = torch.where(valid, diff, torch.zeros_like(diff))
-    diff = torch.nan_to_num(diff, nan=0.0, posinf=LOG_RATIO_CLAMP, neginf=-LOG_RATIO_CLAMP)
-    return diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    """log ρ_t [B, T], detached: ``masked_log_ratio`` of the two policies (clamped, 0 off-mask, fp32 at least)."""
+    return masked_log_ratio(logprobs_prox.detach(), logprobs_behav.detach(), valid)
 
 
 def _sequence_log_ratio(log_ratio: Tensor, valid: Tensor, *, geometric: bool) -> Tensor:
@@ -144,11 +141,6 @@ def _check_bounds(low: float, high: float) -> None:
 
 
 # The corrections ----------------------------------------------------------------------------------------------
-def no_correction(logprobs_prox: Tensor, logprobs_behav: Tensor, loss_mask: Tensor) -> tuple[None, dict]:
-    """On-policy (or bypass) training: the loss ratio already compares against the right policy."""
-    return None, {}
-
-
 def decoupled_weight(
     logprobs_prox: Tensor, logprobs_behav: Tensor, loss_mask: Tensor, *, cap: float = 5.0, mode: str = "truncate"
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -287,69 +279,36 @@ def m2po_weight(
     return weight, metrics
 
 
-CORRECTIONS: dict[str, Callable[..., tuple[Tensor | None, dict[str, Tensor]]]] = {
-    "none": no_correction,
-    "decoupled": decoupled_weight,
-    "tis": tis_weight,
-    "mis": mis_weight,
-    "geo_rs": geo_rs_weight,
-    "k3_rs": k3_rs_weight,
-    "icepop": icepop_weight,
-    "m2po": m2po_weight,
-}
-
-CORRECTION_HYPERPARAMETERS: dict[str, dict[str, object]] = {
-    "none": {},
-    "decoupled": {"cap": 5.0, "mode": "truncate"},  # AReaL behave_imp_weight_cap
-    "tis": {"cap": 2.0, "level": "token"},  # verl rollout_is_threshold, slime --tis-clip
-    "mis": {"cap": 2.0, "level": "token"},
-    "geo_rs": {"low": 0.999, "high": 1.001},  # verl decoupled_geo_rs
-    "k3_rs": {"threshold": 0.01},  # verl decoupled_k3_rs
-    "icepop": {"low": 0.5, "high": 5.0},  # Ring-1T α, β
-    "m2po": {"threshold": 0.04},  # M2PO paper τ_M2, AReaL m2_threshold
-}
-"""name -> {keyword: published default}; the same defaults as the functions' keyword arguments (a test checks)."""
-
-BATCH_GLOBAL_CORRECTIONS = frozenset({"m2po"})
-"""Corrections whose weight for a token depends on other rows: call them once on the whole step's batch, never per
-micro-batch (M2PO's mask depends on the Δ² of every token of the batch)."""
+CORRECTION_WEIGHTS: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
+    name: globals()[spec.function] for name, spec in CORRECTIONS.items() if spec.function is not None}
+"""Correction name -> weight function, resolved from ``registry.CORRECTIONS`` (the entries that have one)."""
+NO_WEIGHT_CORRECTIONS = tuple(name for name, spec in CORRECTIONS.items() if spec.kind == NO_WEIGHT)
+"""Names ``compute_correction`` answers with no weight (``none``)."""
 
 
 def compute_correction(
     name: str, logprobs_prox: Tensor, logprobs_behav: Tensor, loss_mask: Tensor, **hyperparameters
 ) -> tuple[Tensor | None, dict[str, Tensor]]:
     """The detached weight [B, T] of correction ``name`` (0 off-mask and where rejected; None for ``none``), and its
-    metrics. ``hyperparameters`` are the correction's own keywords (``CORRECTION_HYPERPARAMETERS[name]``); unset ones
-    take the published default.
+    metrics. ``hyperparameters`` are the correction's own keywords (those of its function); unset ones take the
+    published default.
 
     ``logprobs_prox`` must be the pass frozen at the start of the step, not one recomputed per mini-batch (§4.6).
-    All corrections but those in ``BATCH_GLOBAL_CORRECTIONS`` act row by row, so calling them per micro-batch gives
-    the same weights as one call on the whole batch.
+    All corrections but the batch-global ones (``registry.CORRECTIONS[name].batch_global``) act row by row, so
+    calling them per micro-batch gives the same weights as one call on the whole batch.
     """
-    if name not in CORRECTIONS:
-        raise ValueError(f"unknown correction {name!r}; choose one of {tuple(CORRECTIONS)}")
-    unknown = set(hyperparameters) - set(CORRECTION_HYPERPARAMETERS[name])
+    if name in NO_WEIGHT_CORRECTIONS:
+        return None, {}
+    if name not in CORRECTION_WEIGHTS:
+        known = NO_WEIGHT_CORRECTIONS + tuple(CORRECTION_WEIGHTS)
+        raise ValueError(f"unknown correction {name!r}; choose one of {known}")
+    function = CORRECTION_WEIGHTS[name]
+    keywords = tuple(keyword_defaults(function))
+    unknown = set(hyperparameters) - set(keywords)
     if unknown:
-        raise ValueError(f"correction {name!r} takes {tuple(CORRECTION_HYPERPARAMETERS[name])}, "
-                         f"not {tuple(sorted(unknown))}")
+        raise ValueError(f"correction {name!r} takes {keywords}, not {tuple(sorted(unknown))}")
     with torch.no_grad():
-        return CORRECTIONS[name](logprobs_prox, logprobs_behav, loss_mask, **hyperparameters)
-
-
-def compute_is_weight(
-    logprobs_prox: Tensor,
-    logprobs_behav: Tensor,
-    loss_mask: Tensor,
-    *,
-    correction: str,
-    cap: float = 5.0,
-    mode: str = "truncate",
-) -> tuple[Tensor | None, dict[str, Tensor]]:
-    """Older entry point, kept as a thin wrapper while callers move to ``compute_correction``: ``cap`` and ``mode``
-    reach ``decoupled`` only; any other correction runs with its published defaults."""
-    if correction == "decoupled":
-        return compute_correction(correction, logprobs_prox, logprobs_behav, loss_mask, cap=cap, mode=mode)
-    return compute_correction(correction, logprobs_prox, logprobs_behav, loss_mask)
+        return function(logprobs_prox, logprobs_behav, loss_mask, **hyperparameters)
 
 
 # A-3PO ----------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""KL(π‖π_ref) estimators per token, the KL reward penalty and its coefficient controllers (reference §1.16).
+"""KL(π‖π_ref) estimators per token, the KL reward penalty and its coefficient controllers (docs/algorithms.md §1.16).
 
 With δ_t = ℓ_t - ℓref_t on tokens y_t sampled from π (Schulman, joschu.net/blog/kl-approx.html):
 - k1 = δ             unbiased value, but E∇k1 = 0: a reward penalty only, useless as a loss term;
@@ -6,17 +6,18 @@ With δ_t = ℓ_t - ℓref_t on tokens y_t sampled from π (Schulman, joschu.net
 - k3 = e^-δ - 1 + δ  ("low_var_kl") unbiased, ≥ 0 and low variance, but E∇k3 = ∇KL(π_ref‖π) (reverse KL);
 - k3+                value of k3, gradient of k2 (straight-through): an unbiased, non-negative value to log
                      AND the forward-KL gradient (verl ``kl_penalty`` with a trailing "+").
-Numerics as verl ``kl_penalty_forward``: δ is clamped to ±20 before exp and k3 to [-10, 10]; all arithmetic in
-fp32 at least. Pass ``loss_mask`` so that garbage at masked positions (-inf - -inf = NaN) is replaced by 0
-BEFORE any arithmetic: a NaN there would otherwise reach the gradient even through a later ``where``.
+Numerics as verl ``kl_penalty_forward``: in k3, δ is clamped to ±LOG_RATIO_CLAMP before exp and k3 to [-10, 10];
+k1 and k2 are not clamped (verl does not clamp them either). δ is ``log_ratio.masked_log_ratio`` without its clamp:
+fp32 at least, and with ``loss_mask`` the garbage at masked positions (-inf - -inf = NaN) is replaced by 0 BEFORE
+any arithmetic, since a NaN there would otherwise reach the gradient even through a later ``where``.
 """
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-LOG_RATIO_CLAMP = 20.0
-"""|δ| is clamped to this before exp (verl): e^20 is large but finite in fp32 and bf16."""
+from asyncrl.algos.log_ratio import LOG_RATIO_CLAMP, masked_log_ratio
+
 K3_CLAMP = 10.0
 """k3 is clamped to [-K3_CLAMP, K3_CLAMP] (verl): one token with an extreme ratio cannot dominate the penalty."""
 
@@ -63,14 +64,9 @@ def compute_kl(logprobs: Tensor, logprobs_ref: Tensor, kind: str, *, loss_mask: 
     """
     if kind not in KL_ESTIMATORS:
         raise ValueError(f"unknown KL estimator {kind!r}; choose one of {sorted(KL_ESTIMATORS)}")
-    dtype = torch.promote_types(logprobs.dtype, torch.float32)
-    log_ratio = logprobs.to(dtype) - logprobs_ref.detach().to(dtype)  # [B, T]
-    if loss_mask is None:
-        return KL_ESTIMATORS[kind](log_ratio)
-    valid = loss_mask.bool()
-    zeros = torch.zeros_like(log_ratio)
-    kl = KL_ESTIMATORS[kind](torch.where(valid, log_ratio, zeros))
-    return torch.where(valid, kl, zeros)
+    valid = torch.ones_like(logprobs, dtype=torch.bool) if loss_mask is None else loss_mask.bool()  # [B, T]
+    log_ratio = masked_log_ratio(logprobs, logprobs_ref.detach(), valid, clamp=False)  # [B, T]
+    return torch.where(valid, KL_ESTIMATORS[kind](log_ratio), 0.0)
 
 
 def apply_kl_penalty(token_rewards: Tensor, logprobs_behav: Tensor, logprobs_ref: Tensor, loss_mask: Tensor, *,

@@ -1,22 +1,38 @@
-"""Pieces shared by every policy loss (losses.py, losses_seq.py, losses_cov.py).
+"""Pieces shared by every policy loss (losses.py, losses_seq.py, losses_cov.py): their typed input, and the two ends
+every loss has in common.
 
-Each loss begins the same way: pick the valid tokens, form the log-ratio to the trust-region centre in fp32 or
-wider (bf16 differences of log-probs lose most of their digits, pitfall §4.5), and neutralise whatever sits at
-padding (-inf log-probs, NaN advantages) BEFORE any arithmetic. That is done with ``torch.where``, never by
-multiplying with the mask: 0 * NaN is NaN, and -inf - -inf = NaN would reach exp() and its backward. Each loss
-ends the same way: multiply by the detached correction weight and zero the padding. Keeping both ends here means
-a padding rule is fixed once for all ten losses. The PPO clipped surrogate lives here too because ppo, gspo,
+``PolicyLossInputs`` is what every loss receives (shapes in the field comments); each loss takes only its own
+hyperparameters as keywords. Each loss begins the same way (``prepare_policy_inputs``): pick the valid tokens, form
+the log-ratio to the trust-region centre with ``log_ratio.masked_log_ratio`` (fp32 or wider, padding neutralised
+before any arithmetic, clamped), and zero whatever sits at padding (-inf log-probs, NaN advantages) with
+``torch.where``, never by multiplying with the mask: 0 * NaN is NaN. Each loss ends the same way
+(``finish_policy_loss``): multiply by the detached correction weight and zero the padding. Keeping both ends here
+means a padding rule is fixed once for all ten losses. The PPO clipped surrogate lives here too because ppo, gspo,
 gspo_token and clip_cov share it.
 
 Metric helpers implement the convention documented in losses.py (``_sum`` / ``tokens`` / ``/max``).
 """
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-LOG_RATIO_CLAMP = 20.0
-"""|log ratio| is clamped to this before exp (verl, OpenRLHF): e^20 is large but finite in fp32 and bf16."""
+from asyncrl.algos.log_ratio import masked_log_ratio
+
+
+@dataclass(frozen=True)
+class PolicyLossInputs:
+    """The tensors every policy loss reads, all [B, T] and aligned on generated tokens. Masked positions may hold
+    anything (-inf log-probs, NaN advantages): the losses never let them reach arithmetic."""
+
+    logprobs: Tensor  # [B, T] ℓθ, the current pass; the only input with gradient
+    logprobs_centre: Tensor  # [B, T] trust-region centre: ℓprox, or ℓμ in bypass mode (detached by the loss)
+    advantages: Tensor  # [B, T] A, already broadcast per token (detached by the loss)
+    loss_mask: Tensor  # [B, T] 1 on generated tokens that train, 0 elsewhere (prompt, tool output, padding)
+    logprobs_behav: Tensor | None = None  # [B, T] ℓμ, the generator's logprobs; topr reads it
+    is_weight: Tensor | None = None  # [B, T] detached correction weight (0 where rejected), or None
+    generator: torch.Generator | None = None  # clip_cov's token sampling; None uses torch's global generator
 
 
 class PolicyInputs(NamedTuple):
@@ -25,32 +41,23 @@ class PolicyInputs(NamedTuple):
     valid: Tensor  # bool, loss_mask != 0
     tokens: Tensor  # valid-token count of this call, in the compute dtype
     logprobs: Tensor  # ℓθ upcast to >= fp32, 0 off-mask; the only input that carries gradient
-    log_ratio: Tensor  # ℓθ - ℓprox, 0 off-mask, clamped to ±LOG_RATIO_CLAMP; carries gradient
+    log_ratio: Tensor  # ℓθ - ℓcentre, 0 off-mask, clamped to ±LOG_RATIO_CLAMP; carries gradient
     ratio: Tensor  # r = exp(log_ratio), 1 off-mask
     advantages: Tensor  # A, detached, 0 off-mask
 
 
-def masked_log_ratio(logprobs: Tensor, logprobs_ref: Tensor, valid: Tensor) -> Tensor:
-    """ℓ - ℓref in fp32 or wider, 0 where ``valid`` is False, clamped to ±LOG_RATIO_CLAMP. [B, T] -> [B, T]."""
-    dtype = torch.promote_types(logprobs.dtype, torch.float32)
-    diff = logprobs.to(dtype) - logprobs_ref.to(dtype)
-    diff = torch.where(valid, diff, torch.zeros_like(diff))
-    return diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-
-
-def prepare_policy_inputs(logprobs: Tensor, logprobs_prox: Tensor, advantages: Tensor,
-                          loss_mask: Tensor) -> PolicyInputs:
-    """Padding-safe, upcast inputs of a policy loss; ``logprobs_prox`` and ``advantages`` are detached."""
-    valid = loss_mask.bool()  # [B, T]
-    log_ratio = masked_log_ratio(logprobs, logprobs_prox.detach(), valid)  # [B, T]
+def prepare_policy_inputs(inputs: PolicyLossInputs) -> PolicyInputs:
+    """Padding-safe, upcast inputs of a policy loss; the centre and the advantages are detached."""
+    valid = inputs.loss_mask.bool()  # [B, T]
+    log_ratio = masked_log_ratio(inputs.logprobs, inputs.logprobs_centre.detach(), valid)  # [B, T]
     zeros = torch.zeros_like(log_ratio)
     return PolicyInputs(
         valid=valid,
         tokens=valid.sum().to(log_ratio.dtype),
-        logprobs=torch.where(valid, logprobs.to(log_ratio.dtype), zeros),
+        logprobs=torch.where(valid, inputs.logprobs.to(log_ratio.dtype), zeros),
         log_ratio=log_ratio,
         ratio=torch.exp(log_ratio),
-        advantages=torch.where(valid, advantages.detach().to(log_ratio.dtype), zeros),
+        advantages=torch.where(valid, inputs.advantages.detach().to(log_ratio.dtype), zeros),
     )
 
 
@@ -83,6 +90,7 @@ def clipped_surrogate(ratio: Tensor, advantages: Tensor, clip_low: float,
 
 
 def check_clip_range(loss_name: str, clip_low: float | None, clip_high: float) -> None:
+    """Reject negative clip ranges, naming the loss (``clip_low`` None: no lower bound, cispo)."""
     if (clip_low is not None and clip_low < 0) or clip_high < 0:
         raise ValueError(f"{loss_name}: clip_low/clip_high must be >= 0, got {clip_low}/{clip_high}")
 

@@ -1,4 +1,4 @@
-"""Policy losses and their aggregation over tokens (reference/offpolicy_algorithms.md §1, §1.15, §2.2, §2.7).
+"""Policy losses and their aggregation over tokens (docs/algorithms.md §1, §1.15, §2.2, §2.7).
 
 A policy loss is a pure function: [B, T] tensors in, ``(per_token_loss [B, T], metrics)`` out. It does NOT
 reduce over tokens, because the right normaliser is a property of the whole optimizer step (all micro-batches
@@ -6,22 +6,24 @@ on all ranks), which one call cannot see. ``aggregate_loss`` does the reduction 
 summing it over micro-batches gives exactly the full-batch loss, whatever the micro-batch composition.
 
 Every loss has the signature
-    loss(logprobs, logprobs_prox, advantages, loss_mask, *, is_weight=None, logprobs_behav=None, **hyperparameters)
-with all tensors [B, T] and aligned on generated tokens:
-- ``logprobs``       ℓθ, current learner pass; the only input that receives gradient.
-- ``logprobs_prox``  ℓprox, the trust-region centre: the no-grad learner pass at the start of the step, or ℓμ in
-                     bypass mode. Losses without a ratio (gpg, reinforce, topr) only log metrics from it.
-- ``advantages``     A, already broadcast per token.
-- ``loss_mask``      1 on generated tokens that train, 0 elsewhere (prompt, tool output, padding).
-- ``is_weight``      optional detached correction weight from ``corrections`` (0 where rejected). It multiplies the
-                     per-token loss. Rejected tokens stay in ``loss_mask``, so the normaliser keeps the original
-                     token count (AReaL/slime; masking must not inflate the kept tokens' gradient).
-- ``logprobs_behav`` ℓμ, the generator's logprobs; read by topr only, accepted (and ignored) by the others so the
-                     learner can call every loss alike.
-Masked positions may hold anything (-inf logprobs, NaN advantages): ``loss_parts`` replaces them before any
-arithmetic, so neither the loss nor the gradient can pick up a NaN from them.
-Token-local losses live here; the sequence-ratio losses (gspo, gspo_token) in ``losses_seq``, the covariance
-losses (clip_cov, kl_cov), whose token selection looks at the whole call, in ``losses_cov``.
+    loss(inputs: PolicyLossInputs, *, <its own hyperparameters>) -> (per_token_loss, metrics)
+where ``loss_parts.PolicyLossInputs`` holds the tensors, all [B, T] and aligned on generated tokens:
+- ``logprobs``        ℓθ, current learner pass; the only input that receives gradient.
+- ``logprobs_centre`` the trust-region centre: ℓprox, the learner's policy at the start of the step, or ℓμ in
+                      bypass mode. Losses without a ratio (gpg, reinforce, topr) only log metrics from it.
+- ``advantages``      A, already broadcast per token.
+- ``loss_mask``       1 on generated tokens that train, 0 elsewhere (prompt, tool output, padding).
+- ``is_weight``       optional detached correction weight from ``corrections`` (0 where rejected). It multiplies the
+                      per-token loss. Rejected tokens stay in ``loss_mask``, so the normaliser keeps the original
+                      token count (AReaL/slime; masking must not inflate the kept tokens' gradient).
+- ``logprobs_behav``  ℓμ, the generator's logprobs; read by topr only.
+- ``generator``       the random generator of clip_cov's token sampling; read by clip_cov only.
+The keyword defaults of each function are the published values (sources in its docstring), and the only place
+they are written: ``registry.keyword_defaults`` reads them. Masked positions may hold anything (-inf logprobs,
+NaN advantages): ``loss_parts`` replaces them before any arithmetic, so neither the loss nor the gradient can pick
+up a NaN from them. Token-local losses live here; the sequence-ratio losses (gspo, gspo_token) in ``losses_seq``,
+the covariance losses (clip_cov, kl_cov), whose token selection looks at the whole call, in ``losses_cov``.
+``POLICY_LOSSES`` (name -> function) is built from ``registry.LOSSES``.
 
 Metric convention (shared with ``corrections.py``; ``metrics.combine_token_metrics`` implements it):
 - ``<area>/<name>``      mean over this call's valid tokens (handy for a single micro-batch);
@@ -33,35 +35,33 @@ To combine micro-batches or ranks: add every ``_sum`` and ``tokens`` (all-reduce
 detached 0-d tensors, so collecting them never forces a device sync. Every loss logs ``policy/ratio_mean`` and
 ``policy/ppo_kl``; ``policy/clip_frac_low`` / ``_high`` mean "the clipped branch is active" for the clipped losses.
 """
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
+from asyncrl.algos.log_ratio import masked_log_ratio
 from asyncrl.algos.loss_parts import (
-    LOG_RATIO_CLAMP,
+    PolicyLossInputs,
     add_token_metric,
     check_clip_range,
     clipped_surrogate,
     finish_policy_loss,
-    masked_log_ratio,
     prepare_policy_inputs,
     start_policy_metrics,
 )
 from asyncrl.algos.losses_cov import clip_cov_loss, kl_cov_loss
 from asyncrl.algos.losses_seq import gspo_loss, gspo_token_loss
+from asyncrl.algos.registry import LOSSES
 
-__all__ = ["LOG_RATIO_CLAMP", "LOSS_AGGREGATIONS", "LOSS_HYPERPARAMETERS", "POLICY_LOSSES", "aggregate_loss",
-           "cispo_loss", "clip_cov_loss", "gpg_loss", "gspo_loss", "gspo_token_loss", "kl_cov_loss",
-           "ppo_clip_loss", "reinforce_loss", "sapo_loss", "topr_loss"]
+__all__ = ["LOSS_AGGREGATIONS", "POLICY_LOSSES", "PolicyLossInputs", "aggregate_loss", "cispo_loss", "clip_cov_loss",
+           "gpg_loss", "gspo_loss", "gspo_token_loss", "kl_cov_loss", "ppo_clip_loss", "reinforce_loss", "sapo_loss",
+           "topr_loss"]
 
 
 def ppo_clip_loss(
-    logprobs: Tensor,
-    logprobs_prox: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
+    inputs: PolicyLossInputs,
     *,
-    is_weight: Tensor | None = None,
-    logprobs_behav: Tensor | None = None,
     clip_low: float = 0.2,
     clip_high: float = 0.28,
     dual_clip_c: float | None = None,
@@ -78,14 +78,14 @@ def ppo_clip_loss(
     check_clip_range("ppo", clip_low, clip_high)
     if dual_clip_c is not None and dual_clip_c <= 1.0:
         raise ValueError(f"dual_clip_c must be > 1, got {dual_clip_c}")
-    x = prepare_policy_inputs(logprobs, logprobs_prox, advantages, loss_mask)
+    x = prepare_policy_inputs(inputs)
     loss, clipped_low, clipped_high = clipped_surrogate(x.ratio, x.advantages, clip_low, clip_high)  # [B, T]
     is_dual_clipped = torch.zeros_like(x.valid)
     if dual_clip_c is not None:
         cap = -dual_clip_c * x.advantages  # [B, T], positive where A < 0
         is_dual_clipped = (x.advantages < 0) & (loss > cap)
         loss = torch.where(x.advantages < 0, torch.minimum(loss, cap), loss)
-    loss = finish_policy_loss(loss, x, is_weight)
+    loss = finish_policy_loss(loss, x, inputs.is_weight)
 
     with torch.no_grad():
         metrics = start_policy_metrics(x)
@@ -96,13 +96,8 @@ def ppo_clip_loss(
 
 
 def cispo_loss(
-    logprobs: Tensor,
-    logprobs_prox: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
+    inputs: PolicyLossInputs,
     *,
-    is_weight: Tensor | None = None,
-    logprobs_behav: Tensor | None = None,
     clip_low: float | None = None,
     clip_high: float = 3.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -117,10 +112,10 @@ def cispo_loss(
     ``policy/clip_frac_low`` / ``_high``: tokens whose weight was clipped, whatever the sign of A.
     """
     check_clip_range("cispo", clip_low, clip_high)
-    x = prepare_policy_inputs(logprobs, logprobs_prox, advantages, loss_mask)
+    x = prepare_policy_inputs(inputs)
     lower = None if clip_low is None else 1.0 - clip_low
     weight = x.ratio.detach().clamp(min=lower, max=1.0 + clip_high)  # [B, T]
-    loss = finish_policy_loss(-weight * x.advantages * x.logprobs, x, is_weight)
+    loss = finish_policy_loss(-weight * x.advantages * x.logprobs, x, inputs.is_weight)
 
     with torch.no_grad():
         metrics = start_policy_metrics(x)
@@ -132,13 +127,8 @@ def cispo_loss(
 
 
 def sapo_loss(
-    logprobs: Tensor,
-    logprobs_prox: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
+    inputs: PolicyLossInputs,
     *,
-    is_weight: Tensor | None = None,
-    logprobs_behav: Tensor | None = None,
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -152,10 +142,10 @@ def sapo_loss(
     """
     if tau_pos <= 0 or tau_neg <= 0:
         raise ValueError(f"sapo: tau_pos/tau_neg must be > 0, got {tau_pos}/{tau_neg}")
-    x = prepare_policy_inputs(logprobs, logprobs_prox, advantages, loss_mask)
+    x = prepare_policy_inputs(inputs)
     tau = torch.where(x.advantages > 0, torch.full_like(x.ratio, tau_pos), torch.full_like(x.ratio, tau_neg))
     gate_prob = torch.sigmoid(tau * (x.ratio - 1.0))  # [B, T]
-    loss = finish_policy_loss(-(4.0 / tau) * gate_prob * x.advantages, x, is_weight)
+    loss = finish_policy_loss(-(4.0 / tau) * gate_prob * x.advantages, x, inputs.is_weight)
 
     with torch.no_grad():
         metrics = start_policy_metrics(x)
@@ -164,53 +154,29 @@ def sapo_loss(
     return loss, metrics
 
 
-def reinforce_loss(
-    logprobs: Tensor,
-    logprobs_prox: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
-    *,
-    is_weight: Tensor | None = None,
-    logprobs_behav: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def reinforce_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     """REINFORCE: L_t = -sg(w_t) A_t ℓθ_t, w = ``is_weight`` or 1 (verl loss_type=reinforce, §2.2 bypass).
 
     No ratio and no trust region: all off-policy handling is the correction's weight (e.g. TIS: w = min(π_θ/μ, C)
-    in bypass mode). ``logprobs_prox`` only feeds the ratio metrics.
+    in bypass mode). ``logprobs_centre`` only feeds the ratio metrics.
     """
-    x = prepare_policy_inputs(logprobs, logprobs_prox, advantages, loss_mask)
-    loss = finish_policy_loss(-x.advantages * x.logprobs, x, is_weight)
+    x = prepare_policy_inputs(inputs)
+    loss = finish_policy_loss(-x.advantages * x.logprobs, x, inputs.is_weight)
     with torch.no_grad():
         metrics = start_policy_metrics(x)
     return loss, metrics
 
 
-def gpg_loss(
-    logprobs: Tensor,
-    logprobs_prox: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
-    *,
-    is_weight: Tensor | None = None,
-    logprobs_behav: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def gpg_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     """GPG (arXiv 2504.02546, §1.10): L_t = -w_t A_t ℓθ_t, plain policy gradient with no ratio, clip, KL or ref.
 
     The loss is REINFORCE's (verl ``compute_policy_loss_gpg`` is -A ℓθ); what makes GPG is its advantage (the
     ``gpg`` estimator's α = B / #{R ≠ 0} rescaling). A separate entry so that a config names the paper's recipe.
     """
-    return reinforce_loss(logprobs, logprobs_prox, advantages, loss_mask, is_weight=is_weight)
+    return reinforce_loss(inputs)
 
 
-def topr_loss(
-    logprobs: Tensor,
-    logprobs_prox: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
-    *,
-    is_weight: Tensor | None = None,
-    logprobs_behav: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def topr_loss(inputs: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     """TOPR, tapered off-policy REINFORCE (arXiv 2503.14286, §2.7): L_t = -sg(w_t) A_t ℓθ_t with
     w_t = 1 if A_t >= 0, else min(1, π_θ(y)/μ(y)) = exp(min(0, Σ_s (ℓθ_s - ℓμ_s))) over the token's sequence.
 
@@ -220,15 +186,15 @@ def topr_loss(
     sequence-constant advantages give the paper's per-sample rule. It already corrects for μ: use it with
     correction none (the config rejects double corrections). Needs ``logprobs_behav``.
     """
-    if logprobs_behav is None:
+    if inputs.logprobs_behav is None:
         raise ValueError("topr needs logprobs_behav: its weight on negative samples is min(1, π_θ(y)/μ(y))")
-    x = prepare_policy_inputs(logprobs, logprobs_prox, advantages, loss_mask)
+    x = prepare_policy_inputs(inputs)
     with torch.no_grad():
-        log_rho = masked_log_ratio(logprobs.detach(), logprobs_behav, x.valid)  # [B, T], ℓθ - ℓμ
+        log_rho = masked_log_ratio(inputs.logprobs.detach(), inputs.logprobs_behav, x.valid)  # [B, T], ℓθ - ℓμ
         seq_weight = torch.exp(log_rho.sum(dim=-1, keepdim=True).clamp(max=0.0))  # [B, 1], min(1, π_θ(y)/μ(y))
         negative = x.advantages < 0  # [B, T]
         weight = torch.where(negative, seq_weight.expand_as(log_rho), torch.ones_like(log_rho))
-    loss = finish_policy_loss(-weight * x.advantages * x.logprobs, x, is_weight)
+    loss = finish_policy_loss(-weight * x.advantages * x.logprobs, x, inputs.is_weight)
 
     with torch.no_grad():
         metrics = start_policy_metrics(x)
@@ -280,33 +246,8 @@ def aggregate_loss(
     raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {LOSS_AGGREGATIONS}")
 
 
-POLICY_LOSSES = {
-    "ppo": ppo_clip_loss,
-    "gspo": gspo_loss,
-    "gspo_token": gspo_token_loss,
-    "cispo": cispo_loss,
-    "sapo": sapo_loss,
-    "gpg": gpg_loss,
-    "clip_cov": clip_cov_loss,
-    "kl_cov": kl_cov_loss,
-    "topr": topr_loss,
-    "reinforce": reinforce_loss,
-}
-
-LOSS_HYPERPARAMETERS = {
-    "ppo": {"clip_low": 0.2, "clip_high": 0.28, "dual_clip_c": None},
-    "gspo": {"clip_low": 3e-4, "clip_high": 4e-4},
-    "gspo_token": {"clip_low": 3e-4, "clip_high": 4e-4},
-    "cispo": {"clip_low": None, "clip_high": 3.0},
-    "sapo": {"tau_pos": 1.0, "tau_neg": 1.05},
-    "gpg": {},
-    "clip_cov": {"clip_low": 1.0, "clip_high": 1.0, "cov_ratio": 2e-4, "cov_low": 1.0, "cov_high": 5.0},
-    "kl_cov": {"cov_ratio": 2e-3, "kl_coef": 1.0},
-    "topr": {},
-    "reinforce": {},
-}
-"""Loss name -> {hyperparameter keyword: published default}; exactly the keywords each function takes besides the
-common ones (``is_weight``, ``logprobs_behav``; clip_cov's ``generator`` is not a hyperparameter). Sources are in
-each function's docstring; a unit test keeps this table equal to the functions' defaults."""
+POLICY_LOSSES: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
+    name: globals()[spec.function] for name, spec in LOSSES.items()}
+"""Loss name -> function, resolved from ``registry.LOSSES`` (every loss is defined or imported above)."""
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")

@@ -1,5 +1,5 @@
 """Covariance-controlled losses: Clip-Cov and KL-Cov (Cui et al., "The Entropy Mechanism of RL for Reasoning
-LMs", arXiv 2505.22617; reference §1.11).
+LMs", arXiv 2505.22617; docs/algorithms.md §1.11).
 
 The paper shows that policy entropy falls in proportion to the covariance between a token's log-probability and
 its advantage: confident tokens (high ℓθ) with high advantage are the ones whose update collapses entropy. Both
@@ -22,6 +22,7 @@ from torch import Tensor
 
 from asyncrl.algos.loss_parts import (
     PolicyInputs,
+    PolicyLossInputs,
     add_max_metric,
     add_token_metric,
     check_clip_range,
@@ -33,39 +34,33 @@ from asyncrl.algos.loss_parts import (
 
 
 def clip_cov_loss(
-    logprobs: Tensor,
-    logprobs_prox: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
+    inputs: PolicyLossInputs,
     *,
-    is_weight: Tensor | None = None,
-    logprobs_behav: Tensor | None = None,
     clip_low: float = 1.0,
     clip_high: float = 1.0,
     cov_ratio: float = 2e-4,
     cov_low: float = 1.0,
     cov_high: float = 5.0,
-    generator: torch.Generator | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clip-Cov: PPO-clip, except that a random few high-covariance tokens get loss 0 (no gradient).
 
     L_t = 0 for the selected tokens, max(-r A, -clip(r, 1 - clip_low, 1 + clip_high) A) for the others.
     Defaults: cov_ratio 2e-4, cov_low 1, cov_high 5 (verl and the paper's Clip-Cov scripts, which also set
     clip_ratio_low = clip_ratio_high = 1, i.e. r clipped to [0, 2]: hence clip_low = clip_high = 1.0).
-    ``generator`` drives the uniform sampling (pass a seeded one for reproducible runs; None uses torch's global
-    generator). Selection is per call: see the module doc.
+    ``inputs.generator`` drives the uniform sampling (pass a seeded one for reproducible runs; None uses torch's
+    global generator). Selection is per call: see the module doc.
     """
     check_clip_range("clip_cov", clip_low, clip_high)
     _check_cov_ratio("clip_cov", cov_ratio)
     if not cov_low < cov_high:
         raise ValueError(f"clip_cov: cov_low must be < cov_high, got {cov_low}/{cov_high}")
-    x = prepare_policy_inputs(logprobs, logprobs_prox, advantages, loss_mask)
+    x = prepare_policy_inputs(inputs)
     loss, clipped_low, clipped_high = clipped_surrogate(x.ratio, x.advantages, clip_low, clip_high)  # [B, T]
     with torch.no_grad():
         cov = _token_covariance(x)  # [B, T]
         candidates = x.valid & ~(clipped_low | clipped_high) & (cov > cov_low) & (cov < cov_high)
-        selected = _sample_tokens(candidates, _selection_count(cov_ratio, x.tokens), generator)  # [B, T]
-    loss = finish_policy_loss(torch.where(selected, torch.zeros_like(loss), loss), x, is_weight)
+        selected = _sample_tokens(candidates, _selection_count(cov_ratio, x.tokens), inputs.generator)  # [B, T]
+    loss = finish_policy_loss(torch.where(selected, torch.zeros_like(loss), loss), x, inputs.is_weight)
 
     with torch.no_grad():
         metrics = _cov_metrics(x, cov, selected)
@@ -76,13 +71,8 @@ def clip_cov_loss(
 
 
 def kl_cov_loss(
-    logprobs: Tensor,
-    logprobs_prox: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
+    inputs: PolicyLossInputs,
     *,
-    is_weight: Tensor | None = None,
-    logprobs_behav: Tensor | None = None,
     cov_ratio: float = 2e-3,
     kl_coef: float = 1.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -96,7 +86,7 @@ def kl_cov_loss(
     _check_cov_ratio("kl_cov", cov_ratio)
     if kl_coef < 0:
         raise ValueError(f"kl_cov: kl_coef must be >= 0, got {kl_coef}")
-    x = prepare_policy_inputs(logprobs, logprobs_prox, advantages, loss_mask)
+    x = prepare_policy_inputs(inputs)
     with torch.no_grad():
         cov = _token_covariance(x)  # [B, T]
         count = _selection_count(cov_ratio, x.tokens)
@@ -106,7 +96,7 @@ def kl_cov_loss(
         selected = selected.view_as(x.valid)  # [B, T]
     penalty = kl_coef * x.log_ratio.abs()  # [B, T]; |·| has gradient 0 at ℓθ = ℓprox
     loss = -x.ratio * x.advantages + torch.where(selected, penalty, torch.zeros_like(penalty))
-    loss = finish_policy_loss(loss, x, is_weight)
+    loss = finish_policy_loss(loss, x, inputs.is_weight)
 
     with torch.no_grad():
         metrics = _cov_metrics(x, cov, selected)

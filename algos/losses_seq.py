@@ -1,4 +1,4 @@
-"""Sequence-ratio policy losses: GSPO and GSPO-token (Qwen, arXiv 2507.18071; reference §1.5).
+"""Sequence-ratio policy losses: GSPO and GSPO-token (Qwen, arXiv 2507.18071; docs/algorithms.md §1.5).
 
 GSPO replaces PPO's per-token ratio by the length-normalised sequence ratio
     s_i = (π_θ(y_i|x) / π_prox(y_i|x))^(1/|y_i|) = exp(mean_t (ℓθ_t - ℓprox_t)),
@@ -17,6 +17,7 @@ from torch import Tensor
 
 from asyncrl.algos.loss_parts import (
     PolicyInputs,
+    PolicyLossInputs,
     add_max_metric,
     add_token_metric,
     check_clip_range,
@@ -32,13 +33,8 @@ SEQ_LOG_RATIO_MAX = 10.0
 
 
 def gspo_loss(
-    logprobs: Tensor,
-    logprobs_prox: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
+    inputs: PolicyLossInputs,
     *,
-    is_weight: Tensor | None = None,
-    logprobs_behav: Tensor | None = None,
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -52,22 +48,17 @@ def gspo_loss(
     Defaults ε_low 3e-4, ε_high 4e-4: the GSPO paper's experiments (its GRPO baseline used 0.2/0.27).
     """
     check_clip_range("gspo", clip_low, clip_high)
-    x = prepare_policy_inputs(logprobs, logprobs_prox, advantages, loss_mask)
+    x = prepare_policy_inputs(inputs)
     seq_log_ratio = sequence_mean(x.log_ratio, x.valid).clamp(max=SEQ_LOG_RATIO_MAX)[:, None]  # [B, 1]
     seq_ratio = torch.exp(seq_log_ratio).expand_as(x.ratio)  # [B, T], s_i on every token of row i
     loss, clipped_low, clipped_high = clipped_surrogate(seq_ratio, x.advantages, clip_low, clip_high)
-    loss = finish_policy_loss(loss, x, is_weight)
+    loss = finish_policy_loss(loss, x, inputs.is_weight)
     return loss, _sequence_metrics(x, seq_log_ratio.detach(), clipped_low, clipped_high)
 
 
 def gspo_token_loss(
-    logprobs: Tensor,
-    logprobs_prox: Tensor,
-    advantages: Tensor,
-    loss_mask: Tensor,
+    inputs: PolicyLossInputs,
     *,
-    is_weight: Tensor | None = None,
-    logprobs_behav: Tensor | None = None,
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
 ) -> tuple[Tensor, dict[str, Tensor]]:
@@ -79,14 +70,14 @@ def gspo_token_loss(
     what verl's ``compute_policy_loss_gspo`` computes. Defaults ε_low 3e-4, ε_high 4e-4 (GSPO paper).
     """
     check_clip_range("gspo_token", clip_low, clip_high)
-    x = prepare_policy_inputs(logprobs, logprobs_prox, advantages, loss_mask)
+    x = prepare_policy_inputs(inputs)
     seq_log_ratio = sequence_mean(x.log_ratio.detach(), x.valid)[:, None]  # [B, 1]
     # ℓθ - sg(ℓθ) is exactly 0 in value and 1 in gradient; the clamp after the sum kills the gradient of a
     # sequence whose ratio exploded, as verl's does.
     token_log_ratio = (x.logprobs - x.logprobs.detach() + seq_log_ratio).clamp(max=SEQ_LOG_RATIO_MAX)  # [B, T]
     loss, clipped_low, clipped_high = clipped_surrogate(torch.exp(token_log_ratio), x.advantages, clip_low,
                                                         clip_high)
-    loss = finish_policy_loss(loss, x, is_weight)
+    loss = finish_policy_loss(loss, x, inputs.is_weight)
     return loss, _sequence_metrics(x, seq_log_ratio.clamp(max=SEQ_LOG_RATIO_MAX), clipped_low, clipped_high)
 
 

@@ -1,5 +1,5 @@
-"""Off-policyness and entropy metrics (reference/offpolicy_algorithms.md §3, pitfall §4.3), and the rule for
-combining per-micro-batch metrics.
+"""Off-policyness and entropy metrics (docs/algorithms.md §3, pitfall §4.3), and the rule for combining
+per-micro-batch metrics.
 
 ``compute_offpolicy_metrics`` measures how far the generator's distribution μ is from the learner's step-start
 policy π_prox on the tokens actually trained. It is the early-warning signal: K3 spikes and ESS drops precede
@@ -13,8 +13,7 @@ from collections.abc import Iterable, Mapping
 import torch
 from torch import Tensor
 
-LOG_RATIO_CLAMP = 20.0
-"""|log ρ| is clamped to this before exp, as in the losses, so ρ² stays finite."""
+from asyncrl.algos.log_ratio import LOG_RATIO_CLAMP, masked_log_ratio
 
 
 EMPTY_OFFPOLICY_METRICS = {
@@ -60,11 +59,10 @@ def compute_offpolicy_metrics(logprobs_prox: Tensor, logprobs_behav: Tensor, los
     valid = loss_mask.bool()  # [B, T]
     if not bool(valid.any()):
         return dict(EMPTY_OFFPOLICY_METRICS)
-    zeros = torch.zeros(valid.shape, dtype=torch.float64, device=valid.device)
-    # Select before subtracting: -inf - -inf at padding is NaN.
-    prox = torch.where(valid, logprobs_prox.double(), zeros)
-    behav = torch.where(valid, logprobs_behav.double(), zeros)
-    log_rho = torch.nan_to_num(prox - behav, nan=0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
+    # The perplexities read ℓ itself, in fp64 with the padding (-inf) selected away before any arithmetic.
+    prox = torch.where(valid, logprobs_prox.double(), 0.0)
+    behav = torch.where(valid, logprobs_behav.double(), 0.0)
+    log_rho = masked_log_ratio(logprobs_prox, logprobs_behav, valid, torch.float64)  # [B, T]
     token_log_rho = log_rho[valid]  # [N]
     rho = torch.exp(token_log_rho)
     rho_sq_mean = (rho * rho).mean()

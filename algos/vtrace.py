@@ -1,5 +1,5 @@
-"""V-trace (IMPALA, Espeholt et al. 2018, arXiv 1802.01561; reference/offpolicy_algorithms.md §2.1), written from
-the paper's equations, and its LLM wrapper.
+"""V-trace (IMPALA, Espeholt et al. 2018, arXiv 1802.01561; docs/algorithms.md §2.1), written from the paper's
+equations, and its LLM wrapper.
 
 With ρ_t = min(ρ̄, π_t/μ_t), c_t = min(c̄, π_t/μ_t) and δ_t = ρ_t (r_t + γ_t V_{t+1} - V_t):
     v_s = V_s + Σ_{t>=s} (Π_{i=s}^{t-1} γ_i c_i) δ_t,
@@ -15,9 +15,7 @@ divides by Π c, which is 0 as soon as one trace is cut).
 import torch
 from torch import Tensor
 
-LOG_RATIO_CLAMP = 20.0
-"""log π/μ is clamped above to this before exp (a +inf ratio would make 0·inf = NaN when unclipped); -inf stays
--inf, so a token μ could sample but π never would gets ρ = c = 0 and cuts the trace."""
+from asyncrl.algos.log_ratio import LOG_RATIO_CLAMP, masked_log_ratio
 
 
 @torch.no_grad()
@@ -37,6 +35,9 @@ def compute_vtrace(
     log_rhos [B, T] = log π(a_t|x_t) - log μ(a_t|x_t); discounts [B, T] = γ_t (0 where x_{t+1} is terminal);
     rewards [B, T] = r_t; values [B, T] = V(x_t); bootstrap_value [B] = V(x_T). A clip of None means no clipping.
     Returns (vs, pg_advantages): vs regresses the critic, pg_advantages multiplies ∇log π(a_s|x_s).
+    log_rhos is clamped ABOVE only, to LOG_RATIO_CLAMP (a +inf ratio would make 0·inf = NaN when unclipped): a -inf
+    here gives ρ = c = 0 exactly and cuts the trace. ``compute_vtrace_advantages`` passes log-ratios already clamped
+    to ±LOG_RATIO_CLAMP, where such a token gets ρ = e^-20 ≈ 2e-9, which cuts the trace just the same.
     """
     if not (log_rhos.shape == discounts.shape == rewards.shape == values.shape) or log_rhos.dim() != 2:
         raise ValueError("log_rhos, discounts, rewards and values must all be [B, T]")
@@ -90,12 +91,13 @@ def compute_vtrace_advantages(
     estimate (Π_{i=s}^{T-1} c_i) ρ_T R; ``values`` [B, T] is a baseline V(x_t) on the valid tokens.
     ``logprobs_target`` is π (the learner's, detached), ``logprobs_behav`` μ. The result is the whole IS-corrected
     advantage: pair it with a ratio-free loss (reinforce) and no other correction, or it corrects twice.
-    On-policy it reduces to A_t = R - V_t on every token (A = R without a critic).
+    On-policy it reduces to A_t = R - V_t on every token (A = R without a critic). log ρ is ``masked_log_ratio``:
+    -inf - -inf at padding never leaks, a NaN on a valid token counts as ρ = 1, and a token π would never sample
+    (ℓπ = -inf) gets ρ = e^-20.
     """
     valid = loss_mask.bool()  # [B, T]
-    dtype = torch.promote_types(torch.promote_types(logprobs_target.dtype, logprobs_behav.dtype), torch.float32)
-    log_rhos = logprobs_target.to(dtype) - logprobs_behav.to(dtype)
-    log_rhos = torch.where(valid, log_rhos, torch.zeros_like(log_rhos))  # -inf - -inf at padding never leaks
+    log_rhos = masked_log_ratio(logprobs_target, logprobs_behav, valid)  # [B, T]
+    dtype = log_rhos.dtype
     values = torch.zeros_like(log_rhos) if values is None else torch.where(valid, values.to(dtype), 0.0)
 
     order = _compact_valid_left(valid)  # step j of row b is position order[b, j]

@@ -1,31 +1,20 @@
-"""The loss of one micro-batch, assembled from `asyncrl.algos` and nothing else (DESIGN.md §5).
+"""The loss of one micro-batch, assembled from `asyncrl.algos` and nothing else (docs/architecture.md §5).
 
-Which policy is the trust-region centre, and which weight multiplies the loss, depends on the correction:
-
-| correction                  | centre of the loss ratio | is_weight                                     |
-|-----------------------------|--------------------------|-----------------------------------------------|
-| none                        | π_prox                   | none                                          |
-| bypass                      | μ (behaviour)            | none; reinforce/gpg: min(π_θ/μ, C), detached  |
-|                             |                          | (topr already weights by min(1, π_θ/μ))      |
-| decoupled, tis, mis, geo_rs,| π_prox                   | from ρ = π_prox/μ, per micro-batch            |
-| k3_rs, icepop               |                          |                                               |
-| m2po                        | π_prox                   | computed once on the whole batch              |
-| vtrace                      | π_prox (unused: reinforce)| none: the weights are inside the advantages  |
-
-π_prox is, by `choose_prox_source`: the detached current logprobs (`fused`: exact when the batch takes one optimizer step
-and no correction needs the whole batch first), the no-grad pass stored in the batch (`recompute`), or A-3PO's
-log-linear interpolation between μ and the current policy (`loglinear`).
+Every off-policy choice (where π_prox comes from, which policy centres the loss ratio, which detached weight
+multiplies the loss and where it is computed) is read from the run's `algos.plan.OffPolicyPlan`, whose module doc
+has the table per correction. This module only carries those answers out for one micro-batch.
 """
 from dataclasses import dataclass
 
 import torch
 
-from asyncrl.algos.corrections import CORRECTION_HYPERPARAMETERS, approximate_prox_logprobs, compute_correction
+from asyncrl.algos.corrections import CORRECTION_WEIGHTS, approximate_prox_logprobs, compute_correction
 from asyncrl.algos.kl import compute_kl
-from asyncrl.algos.losses import LOSS_HYPERPARAMETERS, POLICY_LOSSES, aggregate_loss
-
-BYPASS_PG_CAP = 2.0
-"""Default C of min(π_θ/μ, C) for reinforce/gpg in bypass mode (verl's bypass_pg_is preset uses 2.0)."""
+from asyncrl.algos.loss_parts import PolicyLossInputs
+from asyncrl.algos.losses import POLICY_LOSSES, aggregate_loss
+from asyncrl.algos.plan import (CENTRE_BEHAV, PROX_FUSED, PROX_RECOMPUTE, WEIGHT_BATCH, WEIGHT_CURRENT, WEIGHT_NONE,
+                                OffPolicyPlan)
+from asyncrl.algos.registry import keyword_defaults
 
 
 @dataclass
@@ -39,61 +28,58 @@ class StepCounts:
 def resolved_hyperparameters(algo) -> dict:
     """The loss's and correction's hyperparameters as they will be used (published defaults filled in), for the
     run's MLflow params: a null in the recipe should not hide which ε a run trained with."""
-    loss = {**LOSS_HYPERPARAMETERS[algo.loss], **algo.loss_kwargs()}
-    correction = {**CORRECTION_HYPERPARAMETERS.get(algo.correction, {}), **algo.correction_kwargs()}
-    if algo.correction == "bypass" and algo.loss in ("reinforce", "gpg"):
-        correction.setdefault("cap", BYPASS_PG_CAP)
+    plan = OffPolicyPlan.from_algo(algo)
+    loss = {**keyword_defaults(POLICY_LOSSES[plan.loss]), **plan.loss_kwargs}
+    own = CORRECTION_WEIGHTS.get(algo.correction)  # bypass, none and vtrace have no weight function of their own
+    correction = {**(keyword_defaults(own) if own else {}), **algo.correction_kwargs(), **plan.weight_kwargs}
     resolved = {f"algo.resolved.{algo.loss}.{k}": str(v) for k, v in loss.items()}
     resolved.update({f"algo.resolved.{algo.correction}.{k}": str(v) for k, v in correction.items()})
     return resolved
 
 
-def choose_prox_source(algo) -> str:
-    """`fused`, `recompute` or `loglinear`: where π_prox comes from for this config (see the module doc)."""
-    if algo.prox_logprobs == "loglinear":
-        return "loglinear"
-    if algo.ppo_minibatches > 1 or algo.correction in ("m2po", "vtrace"):
-        return "recompute"
-    return "fused"
-
-
-def resolve_prox(source: str, logprobs: torch.Tensor, micro, version: int) -> torch.Tensor:
-    """π_prox logprobs [b, l] for this micro-batch, detached."""
-    if source == "fused":
+def resolve_prox(plan: OffPolicyPlan, logprobs: torch.Tensor, micro, version: int) -> torch.Tensor:
+    """π_prox logprobs [b, l] for this micro-batch, detached, from the plan's source."""
+    if plan.prox_source == PROX_FUSED:
         return logprobs.detach()
-    if source == "recompute":
+    if plan.prox_source == PROX_RECOMPUTE:
         return micro.logprobs_prox
     return approximate_prox_logprobs(logprobs.detach(), micro.logprobs_behav, micro.versions, micro.loss_mask,
                                      learner_version=version)
 
 
-def micro_is_weight(algo, logprobs: torch.Tensor, prox: torch.Tensor, micro):
-    """The detached per-token weight for this micro-batch, or None (see the module table)."""
-    if micro.is_weight is not None:
-        return micro.is_weight
-    if algo.correction in ("none", "vtrace"):
+def micro_is_weight(plan: OffPolicyPlan, logprobs: torch.Tensor, prox: torch.Tensor, micro):
+    """The detached per-token weight [b, l] for this micro-batch, or None, as the plan says."""
+    if plan.weight_source == WEIGHT_NONE:
         return None
-    if algo.correction == "bypass":
-        if algo.loss not in ("reinforce", "gpg"):
-            return None  # the loss's own ratio (or TOPR's own weight) is already against μ: no second weight
-        cap = algo.is_cap if algo.is_cap is not None else BYPASS_PG_CAP
-        weight, _ = compute_correction("tis", logprobs.detach(), micro.logprobs_behav, micro.loss_mask, cap=cap)
-        return weight
-    weight, _ = compute_correction(algo.correction, prox, micro.logprobs_behav, micro.loss_mask,
-                                   **algo.correction_kwargs())
+    if plan.weight_source == WEIGHT_BATCH:
+        return micro.is_weight  # computed once on the whole batch by the train step
+    target = logprobs.detach() if plan.weight_source == WEIGHT_CURRENT else prox
+    weight, _ = compute_correction(plan.weight_correction, target, micro.logprobs_behav, micro.loss_mask,
+                                   **plan.weight_kwargs)
     return weight
 
 
-def compute_micro_loss(algo, logprobs: torch.Tensor, prox: torch.Tensor, micro, counts: StepCounts,
-                       kl_loss_coef: float, generator: torch.Generator | None = None):
+def policy_loss_inputs(plan: OffPolicyPlan, logprobs: torch.Tensor, prox: torch.Tensor, micro,
+                       generator: torch.Generator | None) -> PolicyLossInputs:
+    """The typed input of the plan's loss for this micro-batch."""
+    return PolicyLossInputs(
+        logprobs=logprobs,
+        logprobs_centre=micro.logprobs_behav if plan.centre == CENTRE_BEHAV else prox,
+        advantages=micro.advantages,
+        loss_mask=micro.loss_mask,
+        logprobs_behav=micro.logprobs_behav,
+        is_weight=micro_is_weight(plan, logprobs, prox, micro),
+        generator=generator,
+    )
+
+
+def compute_micro_loss(plan: OffPolicyPlan, algo, logprobs: torch.Tensor, prox: torch.Tensor, micro,
+                       counts: StepCounts, kl_loss_coef: float, generator: torch.Generator | None = None):
     """This micro-batch's share of the step loss (a scalar with grad), its policy-loss and KL-loss shares
-    (detached floats; summing them over micro-batches gives the step's values) and its token metrics."""
-    centre = micro.logprobs_behav if algo.correction == "bypass" else prox
-    weight = micro_is_weight(algo, logprobs, prox, micro)
-    extra = {"generator": generator} if algo.loss == "clip_cov" else {}
-    per_token, metrics = POLICY_LOSSES[algo.loss](
-        logprobs, centre, micro.advantages, micro.loss_mask, is_weight=weight,
-        logprobs_behav=micro.logprobs_behav, **algo.loss_kwargs(), **extra)
+    (detached floats; summing them over micro-batches gives the step's values) and its token metrics. ``algo``
+    supplies the aggregation and the KL estimator."""
+    inputs = policy_loss_inputs(plan, logprobs, prox, micro, generator)
+    per_token, metrics = POLICY_LOSSES[plan.loss](inputs, **plan.loss_kwargs)
     agg = dict(global_tokens=counts.tokens, global_seqs=counts.seqs, norm_constant=algo.loss_norm_constant)
     pg_loss = aggregate_loss(per_token, micro.loss_mask, algo.loss_agg, **agg)
     loss, kl_share, metrics = pg_loss, 0.0, dict(metrics)

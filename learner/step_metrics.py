@@ -2,25 +2,29 @@
 
 These are computed once per step on the whole batch (not per micro-batch), because several of them are
 per-sequence or batch-global (χ² per sequence, perplexity ratio, ESS, the staleness histogram). π_prox here is
-what the loss actually used, put back together from the micro-batches.
+what the loss actually used, put back together from the micro-batches. Which correction's statistics are reported
+is the plan's `batch_metrics_correction`.
 """
 import torch
 
 from asyncrl.algos.corrections import compute_correction
 from asyncrl.algos.metrics import compute_offpolicy_metrics, compute_staleness_metrics
+from asyncrl.algos.plan import OffPolicyPlan
 from asyncrl.learner.batch import Batch
 
 
-def collect_step_metrics(batch: Batch, groups: list, algo, settings, prox: torch.Tensor, entropy: torch.Tensor,
-                         correction_metrics: dict | None) -> dict:
+def collect_step_metrics(batch: Batch, groups: list, algo, plan: OffPolicyPlan, settings, prox: torch.Tensor,
+                         entropy: torch.Tensor, correction_metrics: dict | None) -> dict:
+    """Every batch-level metric of the step. ``correction_metrics``: those of a batch-global correction, already
+    computed on the whole batch (None: computed here, from ``prox``, when the plan has a correction weight)."""
     mask = batch.loss_mask
     valid = mask.bool()
     tokens = float(mask.sum())
     metrics = {**compute_offpolicy_metrics(prox, batch.logprobs_behav, mask),
                **compute_staleness_metrics(batch.versions, mask, settings.version, settings.max_staleness)}
-    if correction_metrics is None and algo.correction not in ("none", "bypass", "vtrace"):
-        _, correction_metrics = compute_correction(algo.correction, prox, batch.logprobs_behav, mask,
-                                                   **algo.correction_kwargs())
+    if correction_metrics is None and plan.batch_metrics_correction is not None:
+        _, correction_metrics = compute_correction(plan.batch_metrics_correction, prox, batch.logprobs_behav, mask,
+                                                   **plan.weight_kwargs)
     # `_sum` numerators exist to combine micro-batches; this call already saw the whole batch
     metrics.update({key: float(value) for key, value in (correction_metrics or {}).items()
                     if not key.endswith("_sum")})

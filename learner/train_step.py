@@ -1,12 +1,14 @@
-"""One learner step on one batch of groups, written as the algorithm reads (DESIGN.md §5).
+"""One learner step on one batch of groups, written as the algorithm reads (docs/architecture.md §5).
 
 build_batch -> compute_reference_logprobs (only with a KL term) -> penalise_rewards (KL in the reward) ->
 recompute_prox_logprobs (only when π_prox is needed before the first update) -> compute_advantages ->
-for each of algo.ppo_minibatches mini-batches: forward_backward every micro-batch, optimizer_step.
+compute_batch_weight (only for a batch-global correction) -> for each of algo.ppo_minibatches mini-batches:
+forward_backward every micro-batch, optimizer_step.
 
-With one optimizer step per batch and no batch-global correction, π_prox (the policy at the start of the step) is
-exactly the current pass before any update, so its logprobs are the detached current ones and the separate
-no-grad pass is skipped (`objective.choose_prox_source`). All the math comes from `asyncrl.algos`.
+Which of those optional phases run is the run's `OffPolicyPlan` (built once per step from `algo`): with one
+optimizer step per batch and no batch-global correction, π_prox (the policy at the start of the step) is exactly
+the current pass before any update, so its logprobs are the detached current ones and the separate no-grad pass
+is skipped (`plan.prox_source`). All the math comes from `asyncrl.algos`.
 """
 import time
 from dataclasses import dataclass
@@ -17,10 +19,11 @@ from asyncrl.algos.advantages import AdvantageInputs, compute_token_advantages
 from asyncrl.algos.corrections import compute_correction, compute_vtrace_advantages
 from asyncrl.algos.kl import apply_kl_penalty
 from asyncrl.algos.metrics import combine_token_metrics
+from asyncrl.algos.plan import PROX_RECOMPUTE, WEIGHT_BATCH, OffPolicyPlan
 from asyncrl.learner.batch import (Batch, build_batch, placeholder_microbatch, plan_microbatches, scatter_rows,
                                    split_minibatches)
 from asyncrl.learner.logprobs import compute_logprobs
-from asyncrl.learner.objective import StepCounts, choose_prox_source, compute_micro_loss, resolve_prox
+from asyncrl.learner.objective import StepCounts, compute_micro_loss, resolve_prox
 from asyncrl.learner.parallel import ParallelState, all_gather_objects, all_reduce_sum
 from asyncrl.learner.step_metrics import collect_step_metrics
 
@@ -88,10 +91,11 @@ def penalise_rewards(batch: Batch, algo, kl_controller) -> tuple[torch.Tensor, d
     return rewards, {"kl/reward_coef": coef, "kl/reward_token_kl": token_kl}
 
 
-def compute_advantages(batch: Batch, groups: list, token_rewards: torch.Tensor, algo) -> torch.Tensor:
+def compute_advantages(batch: Batch, groups: list, token_rewards: torch.Tensor, algo,
+                       plan: OffPolicyPlan) -> torch.Tensor:
     """[B, L-1] advantages, 0 off-mask. V-trace replaces the estimator (its weights live in the advantages)."""
     mask = batch.loss_mask
-    if algo.correction == "vtrace":
+    if plan.vtrace_advantages:
         seq_rewards = (token_rewards * mask).sum(-1).double()  # [B]
         values = None
         if algo.vtrace_values == "group_mean":
@@ -99,7 +103,7 @@ def compute_advantages(batch: Batch, groups: list, token_rewards: torch.Tensor, 
             group_mean = per_group.mean(-1, keepdim=True).expand_as(per_group).reshape(-1, 1)  # [B, 1]
             values = group_mean * mask.double()  # V(x_t) = the prompt's mean reward, at every t
         advantages = compute_vtrace_advantages(batch.logprobs_prox.double(), batch.logprobs_behav.double(),
-                                               mask, seq_rewards, values, **algo.correction_kwargs())
+                                               mask, seq_rewards, values, **plan.vtrace_kwargs)
         return advantages.float()
     baseline = None
     if algo.advantage == "remax":
@@ -110,14 +114,23 @@ def compute_advantages(batch: Batch, groups: list, token_rewards: torch.Tensor, 
                                     gamma=algo.gamma).float()
 
 
-def forward_backward(model, micro: Batch, algo, counts: StepCounts, prox_source: str, settings: StepSettings,
+def compute_batch_weight(batch: Batch, plan: OffPolicyPlan) -> tuple[torch.Tensor | None, dict | None]:
+    """The weight [B, L-1] of a batch-global correction (m2po: its mask depends on every token of the batch) and
+    its metrics, computed once from the recomputed π_prox; (None, None) when the plan has none."""
+    if plan.weight_source != WEIGHT_BATCH:
+        return None, None
+    return compute_correction(plan.weight_correction, batch.logprobs_prox, batch.logprobs_behav, batch.loss_mask,
+                              **plan.weight_kwargs)
+
+
+def forward_backward(model, micro: Batch, plan: OffPolicyPlan, algo, counts: StepCounts, settings: StepSettings,
                      generator: torch.Generator):
     """Current logprobs (with grad) at the sampling temperature, the loss, backward. Returns detached pieces.
     The loss is scaled by the world size because FSDP averages gradients over it (parallel.py)."""
     logprobs, entropy = settings.logprobs(model, micro, with_entropy=True)  # [b, l-1]
-    prox = resolve_prox(prox_source, logprobs, micro, settings.version)
-    loss, pg_share, kl_share, metrics = compute_micro_loss(algo, logprobs, prox, micro, counts, algo.kl_loss_coef,
-                                                           generator)
+    prox = resolve_prox(plan, logprobs, micro, settings.version)
+    loss, pg_share, kl_share, metrics = compute_micro_loss(plan, algo, logprobs, prox, micro, counts,
+                                                           algo.kl_loss_coef, generator)
     (loss * settings.parallel.loss_scale).backward()
     return pg_share, kl_share, metrics, prox.detach(), entropy
 
@@ -151,20 +164,17 @@ def gather_over_dp(parallel: ParallelState, pg_loss, kl_loss, token_metrics, pro
 
 def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSettings, ref_model=None,
                kl_controller=None) -> dict:
-    """Train on `groups` (one batch); returns the step's metrics (DESIGN.md §10 names)."""
+    """Train on `groups` (one batch); returns the step's metrics (docs/architecture.md §10 names)."""
     started = time.perf_counter()
+    plan = OffPolicyPlan.from_algo(algo)
     batch = build_batch(groups)
     if ref_model is not None:
         batch.logprobs_ref = compute_batch_logprobs(ref_model, batch, settings)
     token_rewards, kl_metrics = penalise_rewards(batch, algo, kl_controller)
-    prox_source = choose_prox_source(algo)
-    if prox_source == "recompute":
+    if plan.prox_source == PROX_RECOMPUTE:
         batch.logprobs_prox = compute_batch_logprobs(model, batch, settings)
-    batch.advantages = compute_advantages(batch, groups, token_rewards, algo)
-    correction_metrics = None
-    if algo.correction == "m2po":  # its mask depends on every token of the batch
-        batch.is_weight, correction_metrics = compute_correction("m2po", batch.logprobs_prox, batch.logprobs_behav,
-                                                                 batch.loss_mask, **algo.correction_kwargs())
+    batch.advantages = compute_advantages(batch, groups, token_rewards, algo, plan)
+    batch.is_weight, correction_metrics = compute_batch_weight(batch, plan)
     generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + settings.version)
     pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts, grad_norms = 0.0, 0.0, [], [], [], []
     for mini in split_minibatches(batch, algo.ppo_minibatches):
@@ -174,7 +184,7 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
                 placeholder_pass(model, mini, settings)
                 continue
             pg_share, kl_share, metrics, prox, entropy = forward_backward(
-                model, micro.to(settings.parallel.device), algo, counts, prox_source, settings, generator)
+                model, micro.to(settings.parallel.device), plan, algo, counts, settings, generator)
             pg_loss, kl_loss = pg_loss + pg_share, kl_loss + kl_share
             token_metrics.append({key: float(value) for key, value in metrics.items()})
             prox_parts.append((micro.rows, prox.cpu()))
@@ -184,8 +194,8 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
         settings.parallel, pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts)
     shape = tuple(batch.loss_mask.shape)
     metrics = collect_step_metrics(
-        batch, groups, algo, settings, prox=scatter_rows(shape, prox_parts), entropy=scatter_rows(shape, entropy_parts),
-        correction_metrics=correction_metrics)
+        batch, groups, algo, plan, settings, prox=scatter_rows(shape, prox_parts),
+        entropy=scatter_rows(shape, entropy_parts), correction_metrics=correction_metrics)
     metrics.update(combine_token_metrics(token_metrics))
     metrics.update(kl_metrics)
     minibatches = max(len(grad_norms), 1)

@@ -1,4 +1,4 @@
-"""Golden fp64 tests for asyncrl.algos.advantages (reference/offpolicy_algorithms.md §1.2-1.14, §5 T3, T15).
+"""Golden fp64 tests for asyncrl.algos.advantages (docs/algorithms.md §1.2-1.14, §5 T3, T15).
 
 Expected numbers are computed by hand in the comments; whitening is re-derived with the stdlib `statistics`
 module (sample variance, N - 1), independently of the code under test.

@@ -1,12 +1,12 @@
-"""Golden fp64 tests for asyncrl.algos (reference/offpolicy_algorithms.md §5: T1-T5, T7, T9, §3 metrics, T15)."""
+"""Golden fp64 tests for asyncrl.algos (docs/algorithms.md §5: T1-T5, T7, T9, §3 metrics, T15)."""
 import math
 
 import pytest
 import torch
 
 from asyncrl.algos.advantages import ADVANTAGES, compute_grpo_advantages
-from asyncrl.algos.corrections import CORRECTIONS, compute_is_weight
-from asyncrl.algos.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, aggregate_loss, ppo_clip_loss
+from asyncrl.algos.corrections import CORRECTION_WEIGHTS, compute_correction
+from asyncrl.algos.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, PolicyLossInputs, aggregate_loss, ppo_clip_loss
 from asyncrl.algos.metrics import combine_token_metrics, compute_entropy_from_logits, compute_offpolicy_metrics
 
 F64 = torch.float64
@@ -40,11 +40,11 @@ def test_identity_policies_give_minus_aggregated_advantage_and_reinforce_gradien
     z, tokens, mask, advantages, _ = make_batch()
     logprobs = token_logprobs(z, tokens)
     same = logprobs.detach()
-    is_weight, _ = compute_is_weight(same, same, mask, correction=correction)
+    is_weight, _ = compute_correction(correction, same, same, mask)
     if is_weight is not None:
         assert torch.equal(is_weight, mask)  # w == 1 exactly on valid tokens
-    loss_t, metrics = ppo_clip_loss(logprobs, same, advantages, mask, clip_high=0.28, dual_clip_c=3.0,
-                                    is_weight=is_weight)
+    loss_t, metrics = ppo_clip_loss(PolicyLossInputs(logprobs, same, advantages, mask, is_weight=is_weight),
+                                    clip_high=0.28, dual_clip_c=3.0)
     loss = aggregate_loss(loss_t, mask, mode, **counts(mask))
     torch.testing.assert_close(loss, aggregate_loss(-advantages, mask, mode, **counts(mask)), rtol=0, atol=1e-12)
     (grad,) = torch.autograd.grad(loss, z, retain_graph=True)
@@ -73,8 +73,8 @@ def test_identity_policies_give_minus_aggregated_advantage_and_reinforce_gradien
 def test_ppo_clip_table(adv, ratio, clip_high, dual_c, want_loss, grad_zero, want_flags):
     logprobs = torch.tensor([[math.log(ratio)]], dtype=F64, requires_grad=True)
     prox, mask = torch.zeros(1, 1, dtype=F64), torch.ones(1, 1, dtype=F64)
-    loss, metrics = ppo_clip_loss(logprobs, prox, torch.full((1, 1), adv, dtype=F64), mask, clip_low=0.2,
-                                  clip_high=clip_high, dual_clip_c=dual_c)
+    loss, metrics = ppo_clip_loss(PolicyLossInputs(logprobs, prox, torch.full((1, 1), adv, dtype=F64), mask),
+                                  clip_low=0.2, clip_high=clip_high, dual_clip_c=dual_c)
     assert loss.item() == pytest.approx(want_loss, abs=1e-12)
     (grad,) = torch.autograd.grad(loss.sum(), logprobs)
     want_grad = 0.0 if grad_zero else -adv * ratio  # dL/dℓθ = -A u on the unclipped branch
@@ -104,7 +104,8 @@ def test_grpo_singleton_group_keeps_the_raw_reward():
 def test_ppo_gradient_on_logits_is_minus_advantage_times_score():
     z = torch.tensor([0.3, -1.2, 2.0], dtype=F64, requires_grad=True)
     logprob = torch.log_softmax(z, -1)[0].reshape(1, 1)  # action a = 0
-    loss_t, _ = ppo_clip_loss(logprob, logprob.detach(), torch.full((1, 1), 2.0, dtype=F64), torch.ones(1, 1))
+    loss_t, _ = ppo_clip_loss(PolicyLossInputs(logprob, logprob.detach(), torch.full((1, 1), 2.0, dtype=F64),
+                                               torch.ones(1, 1)))
     (grad,) = torch.autograd.grad(aggregate_loss(loss_t, torch.ones(1, 1), "token-mean", global_tokens=1,
                                                  global_seqs=1), z)
     want = -2.0 * (torch.tensor([1.0, 0.0, 0.0], dtype=F64) - torch.softmax(z.detach(), -1))
@@ -145,10 +146,10 @@ def step_loss_and_grad(rows_per_rank, mode, is_weight_mode="truncate", cap=1.3):
     for micro_batches in rows_per_rank:
         for rows in micro_batches:
             idx = torch.tensor(rows)
-            w, _ = compute_is_weight(prox[idx], behav[idx], mask[idx], correction="decoupled", cap=cap,
-                                     mode=is_weight_mode)
-            loss_t, m = ppo_clip_loss(token_logprobs(z[idx], tokens[idx]), prox[idx], advantages[idx], mask[idx],
-                                      clip_high=0.28, dual_clip_c=3.0, is_weight=w)
+            w, _ = compute_correction("decoupled", prox[idx], behav[idx], mask[idx], cap=cap, mode=is_weight_mode)
+            inputs = PolicyLossInputs(token_logprobs(z[idx], tokens[idx]), prox[idx], advantages[idx], mask[idx],
+                                      is_weight=w)
+            loss_t, m = ppo_clip_loss(inputs, clip_high=0.28, dual_clip_c=3.0)
             loss = aggregate_loss(loss_t, mask[idx], mode, **totals)
             (loss * dp).backward()  # dp-scaled, because the data-parallel all-reduce averages
             loss_sum, metrics = loss_sum + loss.item(), metrics + [m]
@@ -176,7 +177,7 @@ def test_micro_batching_and_data_parallel_do_not_change_loss_or_gradient(mode, i
 def test_naive_per_micro_batch_mean_depends_on_micro_batching():
     z, tokens, mask, advantages, noise = make_batch()
     logprobs = token_logprobs(z, tokens)
-    loss_t, _ = ppo_clip_loss(logprobs, logprobs.detach() + noise, advantages, mask)
+    loss_t, _ = ppo_clip_loss(PolicyLossInputs(logprobs, logprobs.detach() + noise, advantages, mask))
     full = aggregate_loss(loss_t, mask, "token-mean", **counts(mask))
     naive = sum(aggregate_loss(loss_t[r], mask[r], "token-mean", **counts(mask[r])) for r in (slice(0, 3), slice(3, 8)))
     assert abs(naive.item() / 2 - full.item()) > 1e-3
@@ -186,11 +187,11 @@ def test_rejected_tokens_keep_their_place_in_the_token_count():
     z, tokens, mask, advantages, noise = make_batch()
     logprobs = token_logprobs(z, tokens)
     prox, behav = logprobs.detach(), logprobs.detach() + 2 * noise
-    w, m = compute_is_weight(prox, behav, mask, correction="decoupled", cap=1.1, mode="mask")
+    w, m = compute_correction("decoupled", prox, behav, mask, cap=1.1, mode="mask")
     assert 0.2 < float(m["offpolicy/masked_frac"]) < 0.6
-    loss_t, _ = ppo_clip_loss(logprobs, prox, advantages, mask, is_weight=w)
+    loss_t, _ = ppo_clip_loss(PolicyLossInputs(logprobs, prox, advantages, mask, is_weight=w))
     loss = aggregate_loss(loss_t, mask, "token-mean", **counts(mask))
-    plain, _ = ppo_clip_loss(logprobs, prox, advantages, mask)
+    plain, _ = ppo_clip_loss(PolicyLossInputs(logprobs, prox, advantages, mask))
     torch.testing.assert_close(loss, (w * plain).sum() / mask.sum(), rtol=0, atol=1e-12)
 
 
@@ -199,9 +200,9 @@ def test_decoupled_loss_equals_plain_ppo_when_the_proximal_and_behaviour_logprob
     z, tokens, mask, advantages, noise = make_batch()
     logprobs = token_logprobs(z, tokens)
     prox = logprobs.detach() + noise
-    w, _ = compute_is_weight(prox, prox.clone(), mask, correction="decoupled", cap=2.0, mode="mask")
-    decoupled, _ = ppo_clip_loss(logprobs, prox, advantages, mask, dual_clip_c=3.0, is_weight=w)
-    plain, _ = ppo_clip_loss(logprobs, prox, advantages, mask, dual_clip_c=3.0)
+    w, _ = compute_correction("decoupled", prox, prox.clone(), mask, cap=2.0, mode="mask")
+    decoupled, _ = ppo_clip_loss(PolicyLossInputs(logprobs, prox, advantages, mask, is_weight=w), dual_clip_c=3.0)
+    plain, _ = ppo_clip_loss(PolicyLossInputs(logprobs, prox, advantages, mask), dual_clip_c=3.0)
     assert torch.equal(decoupled, plain)
     g_dec, g_plain = (torch.autograd.grad(x.sum(), z, retain_graph=True)[0] for x in (decoupled, plain))
     assert torch.equal(g_dec, g_plain)
@@ -211,8 +212,8 @@ def test_constant_is_weight_scales_the_loss_and_gradient():
     z, tokens, mask, advantages, noise = make_batch()
     logprobs = token_logprobs(z, tokens)
     prox = logprobs.detach() + noise
-    plain, _ = ppo_clip_loss(logprobs, prox, advantages, mask)
-    scaled, _ = ppo_clip_loss(logprobs, prox, advantages, mask, is_weight=torch.full_like(mask, 2.5))
+    plain, _ = ppo_clip_loss(PolicyLossInputs(logprobs, prox, advantages, mask))
+    scaled, _ = ppo_clip_loss(PolicyLossInputs(logprobs, prox, advantages, mask, is_weight=torch.full_like(mask, 2.5)))
     torch.testing.assert_close(scaled, 2.5 * plain, rtol=0, atol=1e-12)
     g_plain, g_scaled = (torch.autograd.grad(x.sum(), z, retain_graph=True)[0] for x in (plain, scaled))
     torch.testing.assert_close(g_scaled, 2.5 * g_plain, rtol=0, atol=1e-12)
@@ -223,16 +224,16 @@ def test_no_gradient_reaches_proximal_or_behaviour_logprobs():
     logprobs = token_logprobs(z, tokens)
     prox = (logprobs.detach() + noise).requires_grad_()
     behav = (logprobs.detach() - noise).requires_grad_()
-    w, _ = compute_is_weight(prox, behav, mask, correction="decoupled")
-    loss_t, _ = ppo_clip_loss(logprobs, prox, advantages, mask, is_weight=w)
+    w, _ = compute_correction("decoupled", prox, behav, mask)
+    loss_t, _ = ppo_clip_loss(PolicyLossInputs(logprobs, prox, advantages, mask, is_weight=w))
     assert torch.autograd.grad(loss_t.sum(), [prox, behav], allow_unused=True) == (None, None)
 
 
 def test_decoupled_gradient_at_the_trust_region_centre_is_weighted_reinforce():
     z, tokens, mask, advantages, noise = make_batch()
     logprobs = token_logprobs(z, tokens)
-    w, _ = compute_is_weight(logprobs.detach(), logprobs.detach() + noise, mask, correction="decoupled")
-    loss_t, _ = ppo_clip_loss(logprobs, logprobs.detach(), advantages, mask, is_weight=w)
+    w, _ = compute_correction("decoupled", logprobs.detach(), logprobs.detach() + noise, mask)
+    loss_t, _ = ppo_clip_loss(PolicyLossInputs(logprobs, logprobs.detach(), advantages, mask, is_weight=w))
     (grad,) = torch.autograd.grad(loss_t.sum() / mask.sum(), z, retain_graph=True)
     (want,) = torch.autograd.grad(-(w * advantages * logprobs * mask).sum() / mask.sum(), z)
     torch.testing.assert_close(grad, want, rtol=0, atol=1e-12)
@@ -248,7 +249,7 @@ def test_is_weight_truncate_and_mask(mode, want, truncated, masked):
     behav = torch.tensor([[0.0] * 5 + [-math.inf]], dtype=F64)
     prox = torch.tensor([[math.log(r) for r in ratios] + [-math.inf]], dtype=F64)
     mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
-    w, m = compute_is_weight(prox, behav, mask, correction="decoupled", cap=2.0, mode=mode)
+    w, m = compute_correction("decoupled", prox, behav, mask, cap=2.0, mode=mode)
     torch.testing.assert_close(w, torch.tensor([want + [0.0]], dtype=F64), rtol=0, atol=1e-12)
     assert float(m["offpolicy/is_weight/max"]) == pytest.approx(10.0)  # before truncation
     assert float(m["offpolicy/is_weight/mean"]) == pytest.approx(sum(ratios) / 5)
@@ -258,16 +259,16 @@ def test_is_weight_truncate_and_mask(mode, want, truncated, masked):
 
 def test_no_correction_gives_no_weight_and_unknown_names_are_rejected():
     x = torch.zeros(1, 2)
-    assert compute_is_weight(x, x, x, correction="none") == (None, {})
+    assert compute_correction("none", x, x, x) == (None, {})
     with pytest.raises(ValueError, match="unknown correction"):
-        compute_is_weight(x, x, x, correction="no_such_correction")
+        compute_correction("no_such_correction", x, x, x)
     with pytest.raises(ValueError, match="mode"):
-        compute_is_weight(x, x, x, correction="decoupled", mode="clamp")
+        compute_correction("decoupled", x, x, x, mode="clamp")
 
 
 def test_registries_are_plain_dicts():
     assert "grpo" in ADVANTAGES and POLICY_LOSSES["ppo"] is ppo_clip_loss
-    assert set(CORRECTIONS) == {"none", "decoupled", "tis", "mis", "geo_rs", "k3_rs", "icepop", "m2po"}
+    assert set(CORRECTION_WEIGHTS) == {"decoupled", "tis", "mis", "geo_rs", "k3_rs", "icepop", "m2po"}
 
 
 # Metrics --------------------------------------------------------------------------------------------------
@@ -322,8 +323,8 @@ def test_masked_garbage_and_empty_batches_give_finite_loss_and_grads(mode, all_m
     prox = torch.where(valid, logprobs.detach() + noise, -math.inf)
     behav = torch.where(valid, prox - noise, -math.inf)
     advantages = torch.where(valid, advantages, math.nan)
-    w, wm = compute_is_weight(prox, behav, mask, correction="decoupled", mode="mask")
-    loss_t, lm = ppo_clip_loss(logprobs, prox, advantages, mask, dual_clip_c=3.0, is_weight=w)
+    w, wm = compute_correction("decoupled", prox, behav, mask, mode="mask")
+    loss_t, lm = ppo_clip_loss(PolicyLossInputs(logprobs, prox, advantages, mask, is_weight=w), dual_clip_c=3.0)
     loss = aggregate_loss(loss_t, mask, mode, **counts(mask))
     (grad,) = torch.autograd.grad(loss, z)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()

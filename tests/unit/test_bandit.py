@@ -15,6 +15,7 @@ from asyncrl.algos.advantages import AdvantageInputs, compute_token_advantages
 from asyncrl.algos.config import AlgoConfig
 from asyncrl.algos.corrections import compute_correction, compute_vtrace_advantages
 from asyncrl.algos.losses import POLICY_LOSSES
+from asyncrl.algos.plan import WEIGHT_BATCH, OffPolicyPlan
 from asyncrl.learner.objective import StepCounts, compute_micro_loss
 
 F64 = torch.float64
@@ -50,20 +51,22 @@ def sample_pulls(logits_behav, groups, n, gen):
 
 
 def bandit_step(logits, logits_behav, algo, gen, groups=8, n=8):
+    plan = OffPolicyPlan.from_algo(algo)
     arms, rewards, behav = sample_pulls(logits_behav, groups, n, gen)
     logprobs = torch.log_softmax(logits, -1)[arms][:, None]  # [B, 1], with grad
     behav = behav[:, None]
     mask = torch.ones_like(behav)
-    if algo.correction == "vtrace":
+    if plan.vtrace_advantages:
         advantages = compute_vtrace_advantages(logprobs.detach(), behav, mask, rewards - rewards.mean(), None)
     else:
         inputs = AdvantageInputs(token_rewards=rewards[:, None], loss_mask=mask, group_size=n)
         advantages = compute_token_advantages(algo.advantage, inputs)
     micro = OneTokenMicroBatch(behav, advantages)
-    if algo.correction == "m2po":
-        micro.is_weight, _ = compute_correction("m2po", logprobs.detach(), behav, mask, **algo.correction_kwargs())
+    if plan.weight_source == WEIGHT_BATCH:  # m2po: once on the whole batch, as the train step does
+        micro.is_weight, _ = compute_correction(plan.weight_correction, logprobs.detach(), behav, mask,
+                                                **plan.weight_kwargs)
     counts = StepCounts(tokens=float(mask.sum()), seqs=float(mask.shape[0]))
-    loss, *_ = compute_micro_loss(algo, logprobs, logprobs.detach(), micro, counts, 0.0,
+    loss, *_ = compute_micro_loss(plan, algo, logprobs, logprobs.detach(), micro, counts, 0.0,
                                   torch.Generator().manual_seed(0))
     return loss
 
@@ -108,7 +111,7 @@ def test_corrected_gradient_matches_the_exact_on_policy_gradient(correction, cor
     algo = AlgoConfig(loss="reinforce", correction=correction, **({"is_cap": 1e6} if corrected else {}))
     micro = OneTokenMicroBatch(behav[:, None], rewards[:, None].to(F64))
     counts = StepCounts(tokens=float(mask.sum()), seqs=float(mask.shape[0]))
-    loss, *_ = compute_micro_loss(algo, logprobs, logprobs.detach(), micro, counts, 0.0)
+    loss, *_ = compute_micro_loss(OffPolicyPlan.from_algo(algo), algo, logprobs, logprobs.detach(), micro, counts, 0.0)
     (grad,) = torch.autograd.grad(loss, theta)
     estimate = -grad
 

@@ -52,22 +52,6 @@ def test_yaml_round_trips(tmp_path):
     assert load_config(str(path)) == cfg
 
 
-def test_dry_run_prints_yaml_and_never_imports_torch():
-    code = (
-        "import sys; from asyncrl.launch.cli import main; rc = main(['run', '--dry-run', 'buffer.max_staleness=5']);"
-        "assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'; assert 'vllm' not in sys.modules"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert "max_staleness: 5" in out.stdout
-
-
-def test_cli_reports_bad_override_with_exit_code_2():
-    out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "learner", "--dry-run", "buffer.bogus=1"],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "buffer.bogus" in out.stderr
-
-
 @pytest.mark.parametrize("override, message", [
     (["algo.loss=topr", "algo.correction=tis"], "corrects twice"),
     (["algo.correction=vtrace", "algo.loss=ppo"], "needs algo.loss=reinforce"),
@@ -101,19 +85,46 @@ def test_shipped_recipes_load(recipe):
 
 
 def test_config_names_match_the_algos_registries():
+    from dataclasses import fields
+
     from asyncrl.algos import config
     from asyncrl.algos.advantages import ADVANTAGES
-    from asyncrl.algos.corrections import CORRECTION_HYPERPARAMETERS, CORRECTIONS
+    from asyncrl.algos.corrections import CORRECTION_WEIGHTS
     from asyncrl.algos.kl import KL_ESTIMATORS
-    from asyncrl.algos.losses import LOSS_AGGREGATIONS, LOSS_HYPERPARAMETERS, POLICY_LOSSES
+    from asyncrl.algos.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
+    from asyncrl.algos.registry import CORRECTIONS, LOSSES
 
     assert set(config.ADVANTAGE_NAMES) == set(ADVANTAGES)
-    assert set(config.LOSS_NAMES) == set(POLICY_LOSSES)
-    assert set(config.CORRECTION_NAMES) == set(CORRECTIONS) | {"bypass", "vtrace"}
+    assert config.LOSS_NAMES == tuple(LOSSES) and set(config.LOSS_NAMES) == set(POLICY_LOSSES)
+    assert config.CORRECTION_NAMES == tuple(CORRECTIONS)
+    assert set(CORRECTION_WEIGHTS) < set(config.CORRECTION_NAMES)
     assert set(config.KL_NAMES) == set(KL_ESTIMATORS)
     assert set(config.LOSS_AGG_NAMES) == set(LOSS_AGGREGATIONS)
-    for loss, mapping in config.LOSS_FIELDS.items():  # every config field reaches a real keyword
-        assert set(mapping.values()) <= set(LOSS_HYPERPARAMETERS[loss]), loss
-    for correction, mapping in config.CORRECTION_FIELDS.items():
-        if correction in CORRECTION_HYPERPARAMETERS:
-            assert set(mapping.values()) <= set(CORRECTION_HYPERPARAMETERS[correction]), correction
+    algo_fields = {f.name for f in fields(config.AlgoConfig)}
+    for registry in (LOSSES, CORRECTIONS):  # every registry field is a field users can set
+        for name, spec in registry.items():
+            assert set(spec.fields) <= algo_fields, name
+
+
+def test_dry_run_prints_yaml_and_never_imports_torch():
+    code = (
+        "import sys; from asyncrl.launch.cli import main; rc = main(['run', '--dry-run', 'buffer.max_staleness=5']);"
+        "assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'; assert 'vllm' not in sys.modules"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "max_staleness: 5" in out.stdout
+
+
+def test_cli_reports_bad_override_with_exit_code_2():
+    out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "learner", "--dry-run", "buffer.bogus=1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "buffer.bogus" in out.stderr
+
+
+def test_the_config_reads_the_registry_without_importing_torch():
+    code = ("import sys; from asyncrl.algos.config import AlgoConfig; from asyncrl.algos.plan import OffPolicyPlan; "
+            "OffPolicyPlan.from_algo(AlgoConfig(loss='reinforce', correction='bypass')); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr

@@ -1,15 +1,14 @@
 """Golden fp64 tests for off-policy corrections, A-3PO, V-trace and off-policy metrics
-(reference/offpolicy_algorithms.md §2, §3 and §5: T1, T7, T8, T10, T12, T15)."""
+(docs/algorithms.md §2, §3 and §5: T1, T7, T8, T10, T12, T15)."""
 import inspect
 import math
 
 import pytest
 import torch
 
+from asyncrl.algos import corrections
 from asyncrl.algos.corrections import (
-    BATCH_GLOBAL_CORRECTIONS,
-    CORRECTION_HYPERPARAMETERS,
-    CORRECTIONS,
+    CORRECTION_WEIGHTS,
     EMPTY_MIN,
     approximate_prox_logprobs,
     compute_correction,
@@ -20,11 +19,12 @@ from asyncrl.algos.metrics import (
     compute_offpolicy_metrics,
     compute_staleness_metrics,
 )
+from asyncrl.algos.registry import ADVANTAGES, BYPASS_PG_CORRECTION, CORRECTIONS, WEIGHT, keyword_defaults
 from asyncrl.algos.vtrace import compute_vtrace, compute_vtrace_advantages
 
 F64 = torch.float64
 NAN, INF = math.nan, math.inf
-WEIGHTED = sorted(set(CORRECTIONS) - {"none"})
+WEIGHTED = sorted(CORRECTION_WEIGHTS)
 
 
 def logprobs_with_ratios(log_rhos, seed=0):
@@ -61,13 +61,32 @@ def random_batch(seed=0, lengths=(3, 6, 0, 5, 1, 4), width=6, scale=0.3):
 
 
 # Registry -----------------------------------------------------------------------------------------------------
-def test_registry_defaults_are_the_functions_keyword_defaults():
-    assert set(CORRECTIONS) == {"none", "decoupled", "tis", "mis", "geo_rs", "k3_rs", "icepop", "m2po"}
-    assert BATCH_GLOBAL_CORRECTIONS == {"m2po"}
-    for name, fn in CORRECTIONS.items():
-        params = inspect.signature(fn).parameters.values()
-        defaults = {p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
-        assert defaults == CORRECTION_HYPERPARAMETERS[name], name
+def test_registry_builds_the_weight_functions_and_says_which_are_batch_global():
+    assert set(CORRECTION_WEIGHTS) == {"decoupled", "tis", "mis", "geo_rs", "k3_rs", "icepop", "m2po"}
+    assert {name for name, spec in CORRECTIONS.items() if spec.kind == WEIGHT} == set(CORRECTION_WEIGHTS)
+    assert {name for name, spec in CORRECTIONS.items() if spec.batch_global} == {"m2po", "vtrace"}
+
+
+@pytest.mark.parametrize("name", sorted(CORRECTIONS))
+def test_registry_entry_keywords_are_exactly_its_functions_keywords(name):
+    spec = CORRECTIONS[name]
+    if spec.function is not None:
+        function = getattr(corrections, spec.function)
+        assert CORRECTION_WEIGHTS[name] is function
+        assert list(inspect.signature(function).parameters)[:3] == ["logprobs_prox", "logprobs_behav", "loss_mask"]
+        assert set(keyword_defaults(function)) == set(spec.fields.values())
+    elif spec.kind == ADVANTAGES:  # vtrace: its hyperparameters are the advantage function's
+        assert set(keyword_defaults(compute_vtrace_advantages)) == set(spec.fields.values())
+    else:  # none has none; bypass's cap is that of the weight it gives the plain policy-gradient losses
+        assert set(spec.fields.values()) <= set(keyword_defaults(CORRECTION_WEIGHTS[BYPASS_PG_CORRECTION]))
+
+
+def test_published_defaults_are_the_functions_keyword_defaults():
+    defaults = {name: keyword_defaults(fn) for name, fn in CORRECTION_WEIGHTS.items()}
+    assert defaults == {
+        "decoupled": {"cap": 5.0, "mode": "truncate"}, "tis": {"cap": 2.0, "level": "token"},
+        "mis": {"cap": 2.0, "level": "token"}, "geo_rs": {"low": 0.999, "high": 1.001}, "k3_rs": {"threshold": 0.01},
+        "icepop": {"low": 0.5, "high": 5.0}, "m2po": {"threshold": 0.04}}
 
 
 def test_unknown_names_hyperparameters_and_invalid_values_are_rejected():
@@ -259,7 +278,7 @@ def test_m2po_is_batch_global():
 
 
 # Micro-batching, detach, NaN guards ------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", sorted(set(WEIGHTED) - BATCH_GLOBAL_CORRECTIONS))
+@pytest.mark.parametrize("name", [name for name in WEIGHTED if not CORRECTIONS[name].batch_global])
 def test_row_wise_corrections_do_not_depend_on_micro_batching(name):
     prox, behav, mask = random_batch(scale=0.05)
     hyper = {"level": "sequence"} if name in ("tis", "mis") else {}

@@ -1,4 +1,4 @@
-"""fp64 tests for asyncrl.algos.kl (reference/offpolicy_algorithms.md §1.16, §5 T11, T15).
+"""fp64 tests for asyncrl.algos.kl (docs/algorithms.md §1.16, §5 T11, T15).
 
 T11 is exact, not Monte Carlo: the whole vocabulary of a categorical policy is enumerated, so an expectation
 under π_θ is the sum Σ_y π_θ(y)·f(y), with π_θ(y) detached where the samples are held fixed.
@@ -102,6 +102,14 @@ def test_k3_clamps_the_log_ratio_and_the_result_like_verl():
     assert k3[0, :2].tolist() == [10.0, 10.0]
     assert k3[0, 2].item() == pytest.approx(math.exp(2) - 3, abs=1e-14)
     assert compute_kl(logprobs, logprobs_ref, "k1")[0, 0].item() == -30.0  # k1 is not clamped
+
+
+def test_k1_and_k2_are_not_clamped_with_a_mask_either():
+    logprobs, logprobs_ref = torch.tensor([[-40.0, -1.0]], dtype=F64), torch.tensor([[-10.0, -1.0]], dtype=F64)
+    mask = torch.ones(1, 2, dtype=F64)
+    assert compute_kl(logprobs, logprobs_ref, "k1", loss_mask=mask)[0].tolist() == [-30.0, 0.0]
+    assert compute_kl(logprobs, logprobs_ref, "k2", loss_mask=mask)[0].tolist() == [450.0, 0.0]
+    assert compute_kl(logprobs, logprobs_ref, "k3", loss_mask=mask)[0].tolist() == [10.0, 0.0]
 
 
 @pytest.mark.parametrize("kind", sorted(KL_ESTIMATORS))

@@ -1,5 +1,5 @@
-"""Golden fp64 tests for every policy loss of asyncrl.algos.losses (reference/offpolicy_algorithms.md §5: T1, T4,
-T6, T8, T15, plus a hand-computed case per loss away from identity). The PPO case table (T2), the aggregation
+"""Golden fp64 tests for every policy loss of asyncrl.algos.losses (docs/algorithms.md §5: T1, T4, T6, T8, T15,
+plus a hand-computed case per loss away from identity). The PPO case table (T2), the aggregation
 weights and the PPO micro-batch/data-parallel test (T5) are in test_algos.py."""
 import inspect
 import math
@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
+from asyncrl.algos import losses
 from asyncrl.algos.losses import (
     LOSS_AGGREGATIONS,
-    LOSS_HYPERPARAMETERS,
     POLICY_LOSSES,
+    PolicyLossInputs,
     aggregate_loss,
     cispo_loss,
     clip_cov_loss,
@@ -24,6 +25,7 @@ from asyncrl.algos.losses import (
     topr_loss,
 )
 from asyncrl.algos.metrics import combine_token_metrics
+from asyncrl.algos.registry import LOSSES, keyword_defaults
 
 F64 = torch.float64
 LENGTHS = [1, 6, 3, 0, 5, 4, 6, 2]  # unequal, and one sequence with no trainable token
@@ -51,12 +53,13 @@ def counts(mask):
     return dict(global_tokens=float(mask.sum()), global_seqs=float((mask.sum(-1) > 0).sum()), norm_constant=4.0)
 
 
-def call(name, logprobs, prox, advantages, mask, **kwargs):
-    """Any loss through the common signature: behaviour logprobs default to prox, clip_cov gets a seeded generator."""
-    kwargs.setdefault("logprobs_behav", prox)
-    if name == "clip_cov":
-        kwargs.setdefault("generator", torch.Generator().manual_seed(0))
-    return POLICY_LOSSES[name](logprobs, prox, advantages, mask, **kwargs)
+def call(name, logprobs, prox, advantages, mask, *, logprobs_behav=None, is_weight=None, **hyperparameters):
+    """Any loss through its typed input: behaviour logprobs default to prox, and a seeded generator (read by
+    clip_cov only) makes the call reproducible."""
+    inputs = PolicyLossInputs(logprobs, prox, advantages, mask, is_weight=is_weight,
+                              logprobs_behav=prox if logprobs_behav is None else logprobs_behav,
+                              generator=torch.Generator().manual_seed(0))
+    return POLICY_LOSSES[name](inputs, **hyperparameters)
 
 
 def grad_of(value, wrt):
@@ -74,33 +77,31 @@ def t(rows):
 
 # Registry ---------------------------------------------------------------------------------------------------
 def test_registry_holds_exactly_the_catalogue():
-    assert set(POLICY_LOSSES) == {"ppo", "gspo", "gspo_token", "cispo", "sapo", "gpg", "clip_cov", "kl_cov",
-                                  "topr", "reinforce"}
-    assert set(LOSS_HYPERPARAMETERS) == set(POLICY_LOSSES)
+    assert set(POLICY_LOSSES) == set(LOSSES) == {"ppo", "gspo", "gspo_token", "cispo", "sapo", "gpg", "clip_cov",
+                                                 "kl_cov", "topr", "reinforce"}
     assert POLICY_LOSSES["ppo"] is ppo_clip_loss and POLICY_LOSSES["gspo_token"] is gspo_token_loss
 
 
 @pytest.mark.parametrize("name", ALL_LOSSES)
-def test_hyperparameter_table_equals_the_function_signature(name):
-    params = inspect.signature(POLICY_LOSSES[name]).parameters
-    assert list(params)[:4] == ["logprobs", "logprobs_prox", "advantages", "loss_mask"]
-    keyword_only = {key: p.default for key, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    assert keyword_only.pop("is_weight") is None and keyword_only.pop("logprobs_behav") is None
-    if name == "clip_cov":
-        assert keyword_only.pop("generator") is None
-    assert keyword_only == LOSS_HYPERPARAMETERS[name]
+def test_registry_entry_names_a_loss_whose_keywords_are_exactly_its_hyperparameters(name):
+    spec = LOSSES[name]
+    function = getattr(losses, spec.function)
+    assert POLICY_LOSSES[name] is function
+    params = inspect.signature(function).parameters
+    assert list(params) == ["inputs", *keyword_defaults(function)]  # the typed input, then keywords only
+    assert set(keyword_defaults(function)) == set(spec.fields.values())
 
 
 def test_published_defaults():
-    assert LOSS_HYPERPARAMETERS["ppo"] == {"clip_low": 0.2, "clip_high": 0.28, "dual_clip_c": None}
-    assert LOSS_HYPERPARAMETERS["gspo"] == LOSS_HYPERPARAMETERS["gspo_token"] == {"clip_low": 3e-4,
-                                                                                  "clip_high": 4e-4}
-    assert LOSS_HYPERPARAMETERS["sapo"] == {"tau_pos": 1.0, "tau_neg": 1.05}
-    assert LOSS_HYPERPARAMETERS["cispo"]["clip_low"] is None
-    assert LOSS_HYPERPARAMETERS["clip_cov"] == {"clip_low": 1.0, "clip_high": 1.0, "cov_ratio": 2e-4,
-                                                "cov_low": 1.0, "cov_high": 5.0}
-    assert LOSS_HYPERPARAMETERS["kl_cov"] == {"cov_ratio": 2e-3, "kl_coef": 1.0}
-    assert LOSS_HYPERPARAMETERS["gpg"] == LOSS_HYPERPARAMETERS["topr"] == LOSS_HYPERPARAMETERS["reinforce"] == {}
+    defaults = {name: keyword_defaults(fn) for name, fn in POLICY_LOSSES.items()}
+    assert defaults["ppo"] == {"clip_low": 0.2, "clip_high": 0.28, "dual_clip_c": None}
+    assert defaults["gspo"] == defaults["gspo_token"] == {"clip_low": 3e-4, "clip_high": 4e-4}
+    assert defaults["sapo"] == {"tau_pos": 1.0, "tau_neg": 1.05}
+    assert defaults["cispo"]["clip_low"] is None
+    assert defaults["clip_cov"] == {"clip_low": 1.0, "clip_high": 1.0, "cov_ratio": 2e-4, "cov_low": 1.0,
+                                    "cov_high": 5.0}
+    assert defaults["kl_cov"] == {"cov_ratio": 2e-3, "kl_coef": 1.0}
+    assert defaults["gpg"] == defaults["topr"] == defaults["reinforce"] == {}
 
 
 # T1 ---------------------------------------------------------------------------------------------------------
@@ -150,8 +151,8 @@ def test_clip_cov_at_identity_is_reinforce_without_the_selected_tokens(mode):
     logprobs = token_logprobs(z, tokens)
     same = logprobs.detach()
     # A band that admits every token and cov_ratio 0.2: floor(0.2 * 27) = 5 tokens are dropped.
-    loss_t, metrics = clip_cov_loss(logprobs, same, advantages, mask, cov_ratio=0.2, cov_low=-1e9, cov_high=1e9,
-                                    generator=torch.Generator().manual_seed(3))
+    inputs = PolicyLossInputs(logprobs, same, advantages, mask, generator=torch.Generator().manual_seed(3))
+    loss_t, metrics = clip_cov_loss(inputs, cov_ratio=0.2, cov_low=-1e9, cov_high=1e9)
     kept = (mask.bool() & (loss_t != 0)).to(F64)  # A != 0 on every valid token, so loss 0 marks the selection
     assert float(metrics["policy/cov_selected_frac_sum"]) == 5 == float((mask - kept).sum())
     close(aggregate_loss(loss_t, mask, mode, **counts(mask)),
@@ -159,7 +160,8 @@ def test_clip_cov_at_identity_is_reinforce_without_the_selected_tokens(mode):
     want = aggregate_loss(-advantages * logprobs * kept, mask, mode, **counts(mask))
     close(grad_of(aggregate_loss(loss_t, mask, mode, **counts(mask)), z), grad_of(want, z))
     # With a band no covariance reaches, nothing is dropped: plain PPO, i.e. -A and the REINFORCE gradient.
-    plain_t, plain_metrics = clip_cov_loss(logprobs, same, advantages, mask, cov_low=1e8, cov_high=1e9)
+    plain_t, plain_metrics = clip_cov_loss(PolicyLossInputs(logprobs, same, advantages, mask), cov_low=1e8,
+                                           cov_high=1e9)
     plain = aggregate_loss(plain_t, mask, mode, **counts(mask))
     close(plain, aggregate_loss(-advantages, mask, mode, **counts(mask)))
     close(grad_of(plain, z), grad_of(aggregate_loss(-advantages * logprobs, mask, mode, **counts(mask)), z))
@@ -182,7 +184,7 @@ def test_reinforce_with_a_truncated_weight_never_differentiates_the_weight():
     logprobs = token_logprobs(z, tokens)
     behav = logprobs.detach() + noise
     live_weight = torch.clamp(torch.exp(logprobs - behav), max=1.2)  # min(ρ̃, C), still attached to the graph
-    loss_t, _ = reinforce_loss(logprobs, behav, advantages, mask, is_weight=live_weight)
+    loss_t, _ = reinforce_loss(PolicyLossInputs(logprobs, behav, advantages, mask, is_weight=live_weight))
     n = mask.sum()
     want = -(live_weight.detach() * advantages * logprobs * mask).sum() / n  # Σ sg(min(ρ̃, C)) A ∇ℓθ / N
     close(grad_of(loss_t.sum() / n, z), grad_of(want, z))
@@ -227,8 +229,8 @@ def test_gspo_token_gradient_equals_gspo_gradient_for_sequence_constant_advantag
     z, tokens, mask, advantages, noise = make_batch()
     logprobs = token_logprobs(z, tokens)
     prox = logprobs.detach() + 0.003 * noise  # |log s| ~ 1e-3: some sequences clipped, some not
-    seq, seq_metrics = gspo_loss(logprobs, prox, advantages, mask)
-    tok, _ = gspo_token_loss(logprobs, prox, advantages, mask)
+    seq, seq_metrics = gspo_loss(PolicyLossInputs(logprobs, prox, advantages, mask))
+    tok, _ = gspo_token_loss(PolicyLossInputs(logprobs, prox, advantages, mask))
     close(seq, tok)
     seq_loss = aggregate_loss(seq, mask, mode, **counts(mask))
     tok_loss = aggregate_loss(tok, mask, mode, **counts(mask))
@@ -243,14 +245,14 @@ def test_gspo_golden_sequence_ratio_and_clipping():
     logprobs = (prox + t([[0.1, -0.3]])).requires_grad_()
     mask = torch.ones(1, 2, dtype=F64)
     s = math.exp(-0.1)  # geometric mean of e^0.1 and e^-0.3
-    loss_t, metrics = gspo_loss(logprobs, prox, torch.ones(1, 2, dtype=F64), mask)
+    loss_t, metrics = gspo_loss(PolicyLossInputs(logprobs, prox, torch.ones(1, 2, dtype=F64), mask))
     close(loss_t, [[-s, -s]])  # A > 0, s < 1: unclipped
     close(grad_of(loss_t.sum(), logprobs), [[-s, -s]])  # each token: 2 copies of -s/2
-    loss_t, metrics = gspo_loss(logprobs, prox, -torch.ones(1, 2, dtype=F64), mask)
+    loss_t, metrics = gspo_loss(PolicyLossInputs(logprobs, prox, -torch.ones(1, 2, dtype=F64), mask))
     close(loss_t, [[1 - 3e-4, 1 - 3e-4]])  # A < 0, s < 1 - 3e-4: clipped, no gradient
     close(grad_of(loss_t.sum(), logprobs), [[0.0, 0.0]])
     assert float(metrics["policy/clip_frac_low"]) == 1.0
-    loss_t, _ = gspo_loss(logprobs, prox, -torch.ones(1, 2, dtype=F64), mask, clip_low=0.2)
+    loss_t, _ = gspo_loss(PolicyLossInputs(logprobs, prox, -torch.ones(1, 2, dtype=F64), mask), clip_low=0.2)
     close(loss_t, [[s, s]])  # a wide range leaves s unclipped
 
 
@@ -259,10 +261,10 @@ def test_gspo_token_gives_each_token_its_own_advantage_with_the_sequence_ratio()
     logprobs = (prox + t([[0.1, -0.3]])).requires_grad_()
     mask, advantages = torch.ones(1, 2, dtype=F64), t([[1.0, -1.0]])
     s = math.exp(-0.1)
-    tok, _ = gspo_token_loss(logprobs, prox, advantages, mask)
+    tok, _ = gspo_token_loss(PolicyLossInputs(logprobs, prox, advantages, mask))
     close(tok, [[-s, 1 - 3e-4]])  # token 1 (A < 0, s < 1 - ε_low) is clipped
     close(grad_of(tok.sum(), logprobs), [[-s, 0.0]])
-    seq, _ = gspo_loss(logprobs, prox, advantages, mask)
+    seq, _ = gspo_loss(PolicyLossInputs(logprobs, prox, advantages, mask))
     close(seq, [[-s, 1 - 3e-4]])
     close(grad_of(seq.sum(), logprobs), [[-s / 2, -s / 2]])  # token 0's loss moves the whole sequence
 
@@ -270,8 +272,8 @@ def test_gspo_token_gives_each_token_its_own_advantage_with_the_sequence_ratio()
 # Golden cases away from identity -----------------------------------------------------------------------------
 def test_ppo_default_clip_high_is_dapo_clip_higher():
     logprobs = torch.log(t([[1.25, 1.3]])).requires_grad_()
-    loss_t, metrics = ppo_clip_loss(logprobs, torch.zeros(1, 2, dtype=F64), torch.ones(1, 2, dtype=F64),
-                                    torch.ones(1, 2))
+    inputs = PolicyLossInputs(logprobs, torch.zeros(1, 2, dtype=F64), torch.ones(1, 2, dtype=F64), torch.ones(1, 2))
+    loss_t, metrics = ppo_clip_loss(inputs)
     close(loss_t, [[-1.25, -1.28]])
     close(grad_of(loss_t.sum(), logprobs), [[-1.25, 0.0]])
     assert float(metrics["policy/clip_frac_high"]) == 0.5
@@ -279,8 +281,8 @@ def test_ppo_default_clip_high_is_dapo_clip_higher():
 
 def test_ppo_dual_clip_caps_negative_advantages_only():
     logprobs = torch.log(t([[5.0, 5.0]])).requires_grad_()
-    loss_t, metrics = ppo_clip_loss(logprobs, torch.zeros(1, 2, dtype=F64), t([[1.0, -1.0]]), torch.ones(1, 2),
-                                    dual_clip_c=3.0)
+    loss_t, metrics = ppo_clip_loss(PolicyLossInputs(logprobs, torch.zeros(1, 2, dtype=F64), t([[1.0, -1.0]]),
+                                                     torch.ones(1, 2)), dual_clip_c=3.0)
     close(loss_t, [[-1.28, 3.0]])  # A > 0: ordinary clip; A < 0: -r A = 5 capped at -c A = 3
     close(grad_of(loss_t.sum(), logprobs), [[0.0, 0.0]])
     assert float(metrics["policy/dual_clip_frac"]) == 0.5
@@ -297,13 +299,13 @@ def test_cispo_clips_the_weight_but_keeps_every_gradient(kwargs, weights, frac_l
     prox = t([[-2.0, -1.0, -0.5, -3.0]])
     logprobs = (prox + torch.log(t([CISPO_RATIOS]))).requires_grad_()
     advantages, mask = t([CISPO_ADV]), torch.ones(1, 4)
-    loss_t, metrics = cispo_loss(logprobs, prox, advantages, mask, **kwargs)
+    loss_t, metrics = cispo_loss(PolicyLossInputs(logprobs, prox, advantages, mask), **kwargs)
     w, a = t([weights]), t([CISPO_ADV])
     close(loss_t, -w * a * logprobs.detach())
     close(grad_of(loss_t.sum(), logprobs), -w * a)  # nonzero on every token
     assert float(metrics["policy/clip_frac_low"]) == frac_low and float(metrics["policy/clip_frac_high"]) == frac_high
     # PPO on the same tokens: the clipped branch is active on tokens 0, 1, 3 and their gradient is exactly 0.
-    ppo_t, _ = ppo_clip_loss(logprobs, prox, advantages, mask, clip_low=0.2, clip_high=0.28)
+    ppo_t, _ = ppo_clip_loss(PolicyLossInputs(logprobs, prox, advantages, mask), clip_low=0.2, clip_high=0.28)
     close(grad_of(ppo_t.sum(), logprobs), [[0.0, 0.0, -1.1, 0.0]])
 
 
@@ -311,7 +313,7 @@ def test_sapo_soft_gate_with_separate_temperatures():
     ratios, adv = [1.0, 1.0, 1.2, 1.2, 0.7], [1.0, -1.0, 1.0, -1.0, -1.0]
     logprobs = torch.log(t([ratios])).requires_grad_()
     prox, mask = torch.zeros(1, 5, dtype=F64), torch.ones(1, 5)
-    loss_t, metrics = sapo_loss(logprobs, prox, t([adv]), mask)
+    loss_t, metrics = sapo_loss(PolicyLossInputs(logprobs, prox, t([adv]), mask))
     close(loss_t[0, :2], [-2.0, 2.0 / 1.05])  # at r = 1 the gate is 2/τ
     sig = lambda x: 1.0 / (1.0 + math.exp(-x))
     taus = [1.0, 1.05, 1.0, 1.05, 1.05]
@@ -319,7 +321,7 @@ def test_sapo_soft_gate_with_separate_temperatures():
     slope = [4 * sig(tau * (r - 1)) * (1 - sig(tau * (r - 1))) * r for r, tau in zip(ratios, taus)]
     close(grad_of(loss_t.sum(), logprobs)[0], [-s * a for s, a in zip(slope, adv)])
     assert float(metrics["policy/sapo_grad_scale"]) == pytest.approx(sum(slope) / 5, abs=1e-12)
-    hot, _ = sapo_loss(logprobs, prox, t([adv]), mask, tau_pos=2.0, tau_neg=3.0)
+    hot, _ = sapo_loss(PolicyLossInputs(logprobs, prox, t([adv]), mask), tau_pos=2.0, tau_neg=3.0)
     close(hot[0, :2], [-1.0, 2.0 / 3.0])
 
 
@@ -328,7 +330,7 @@ def test_plain_policy_gradient_ignores_the_ratio(loss_fn):
     logprobs = t([[-0.5, -2.0]]).requires_grad_()
     advantages, mask, w = t([[2.0, -1.0]]), torch.ones(1, 2), t([[0.5, 3.0]])
     for prox in (logprobs.detach(), logprobs.detach() + t([[1.0, -4.0]])):
-        loss_t, _ = loss_fn(logprobs, prox, advantages, mask, is_weight=w)
+        loss_t, _ = loss_fn(PolicyLossInputs(logprobs, prox, advantages, mask, is_weight=w))
         close(loss_t, [[0.5, -6.0]])  # -w A ℓθ
         close(grad_of(loss_t.sum(), logprobs), [[-1.0, 3.0]])
 
@@ -338,7 +340,7 @@ def test_topr_truncates_negative_samples_only_by_the_sequence_ratio():
     behav = logprobs.detach() - t([[-0.3, -0.4], [-0.3, -0.4], [0.2, 0.3]])  # ℓθ - ℓμ per token
     advantages, mask = t([[1.0, 1.0], [-1.0, -1.0], [-1.0, -1.0]]), torch.ones(3, 2)
     prox = logprobs.detach() + 1.0  # not read by the formula
-    loss_t, metrics = topr_loss(logprobs, prox, advantages, mask, logprobs_behav=behav)
+    loss_t, metrics = topr_loss(PolicyLossInputs(logprobs, prox, advantages, mask, logprobs_behav=behav))
     w = t([[1.0, 1.0], [math.exp(-0.7)] * 2, [1.0, 1.0]])  # positive: 1; negative: min(1, e^{Σ(ℓθ-ℓμ)})
     close(loss_t, -w * advantages * logprobs.detach())
     close(grad_of(loss_t.sum(), logprobs), -w * advantages)
@@ -346,7 +348,7 @@ def test_topr_truncates_negative_samples_only_by_the_sequence_ratio():
     assert float(metrics["policy/topr_truncated_frac"]) == pytest.approx(2 / 6)
     assert float(metrics["policy/topr_weight_mean"]) == pytest.approx((4 + 2 * math.exp(-0.7)) / 6)
     with pytest.raises(ValueError, match="logprobs_behav"):
-        topr_loss(logprobs, prox, advantages, mask)
+        topr_loss(PolicyLossInputs(logprobs, prox, advantages, mask))
 
 
 # Clip-Cov / KL-Cov: ℓθ - mean = [2, -2, 1, -1] and A - mean(A) chosen so that Cov_t is known exactly.
@@ -359,8 +361,8 @@ def test_clip_cov_zeroes_exactly_the_sampled_tokens_in_the_covariance_band():
     prox = logprobs.detach()
 
     def run(seed, **kwargs):
-        return clip_cov_loss(logprobs, prox, advantages, mask, generator=torch.Generator().manual_seed(seed),
-                             **kwargs)
+        inputs = PolicyLossInputs(logprobs, prox, advantages, mask, generator=torch.Generator().manual_seed(seed))
+        return clip_cov_loss(inputs, **kwargs)
 
     loss_t, metrics = run(0, cov_ratio=0.25)  # floor(0.25 * 4) = 1 of the 2 candidates (Cov 3 in (1, 5))
     dropped = int((loss_t[0, :2] == 0).nonzero()[0, 0])
@@ -377,8 +379,8 @@ def test_clip_cov_zeroes_exactly_the_sampled_tokens_in_the_covariance_band():
     # A token PPO already clipped is never a candidate: r_0 = e > 1 + 1 with A > 0, so of the 2 tokens asked for
     # only token 1 is dropped.
     prox_clipped = prox - t([[1.0, 0.0, 0.0, 0.0]])
-    loss_t, _ = clip_cov_loss(logprobs, prox_clipped, advantages, mask, cov_ratio=0.5,
-                              generator=torch.Generator().manual_seed(0))
+    inputs = PolicyLossInputs(logprobs, prox_clipped, advantages, mask, generator=torch.Generator().manual_seed(0))
+    loss_t, _ = clip_cov_loss(inputs, cov_ratio=0.5)
     close(loss_t, [[-2.0 * 1.5, 0.0, -0.5, 0.5]])
     close(grad_of(loss_t.sum(), logprobs), [[0.0, 0.0, -0.5, 0.5]])
 
@@ -388,8 +390,8 @@ def test_kl_cov_penalises_the_top_covariance_tokens_without_clipping(cov_ratio, 
     logprobs = t(COV_LOGPROBS).requires_grad_()
     advantages, mask = t([[1.5, -1.0, 0.5, -1.0]]), torch.ones(1, 4)  # Cov = [3, 2, 0.5, 1]
     delta = t([[0.1, -0.2, 0.3, 0.05]])  # ℓθ - ℓprox
-    loss_t, metrics = kl_cov_loss(logprobs, logprobs.detach() - delta, advantages, mask, cov_ratio=cov_ratio,
-                                  kl_coef=0.5)
+    loss_t, metrics = kl_cov_loss(PolicyLossInputs(logprobs, logprobs.detach() - delta, advantages, mask),
+                                  cov_ratio=cov_ratio, kl_coef=0.5)
     on = torch.zeros(1, 4, dtype=F64)
     on[0, selected] = 1.0
     close(loss_t, -advantages * delta.exp() + 0.5 * on * delta.abs())
@@ -403,8 +405,9 @@ def test_cov_selection_is_per_call():
     z, tokens, mask, advantages, noise = make_batch()
     logprobs = token_logprobs(z, tokens)
     prox = logprobs.detach() + noise
-    _, whole = kl_cov_loss(logprobs, prox, advantages, mask)  # floor(2e-3 * 27) -> 1 token
-    parts = [kl_cov_loss(logprobs[r], prox[r], advantages[r], mask[r])[1] for r in (slice(0, 2), slice(2, 8))]
+    _, whole = kl_cov_loss(PolicyLossInputs(logprobs, prox, advantages, mask))  # floor(2e-3 * 27) -> 1 token
+    parts = [kl_cov_loss(PolicyLossInputs(logprobs[r], prox[r], advantages[r], mask[r]))[1]
+             for r in (slice(0, 2), slice(2, 8))]
     assert float(whole["policy/cov_selected_frac_sum"]) == 1
     assert combine_token_metrics(parts)["policy/cov_selected_frac"] == pytest.approx(2 / 27)
 
@@ -494,4 +497,4 @@ def test_bf16_inputs_are_computed_in_fp32(name):
 def test_invalid_hyperparameters_are_rejected(loss_fn, kwargs, match):
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match=match):
-        loss_fn(x, x, x, torch.ones(1, 2), **kwargs)
+        loss_fn(PolicyLossInputs(x, x, x, torch.ones(1, 2)), **kwargs)

@@ -1,0 +1,99 @@
+"""The off-policy plan of a run (stdlib only): every choice the learner makes about π_prox and the correction,
+decided once from ``AlgoConfig`` and the registry, so that the objective, the train step and the step metrics ask
+the plan instead of branching on loss and correction names (docs/algorithms.md §2).
+
+| correction                   | π_prox    | centre of the loss ratio | weight                                        |
+|------------------------------|-----------|--------------------------|-----------------------------------------------|
+| none                         | fused     | π_prox                   | none                                          |
+| bypass                       | fused     | μ (behaviour)            | none; reinforce/gpg: min(π_θ/μ, C) on the     |
+|                              |           |                          | current pass (topr already weights by μ)      |
+| decoupled, tis, mis, geo_rs, | fused     | π_prox                   | from ρ = π_prox/μ, per micro-batch            |
+| k3_rs, icepop                |           |                          |                                               |
+| m2po (batch-global)          | recompute | π_prox                   | from ρ, once on the whole batch               |
+| vtrace (batch-global)        | recompute | π_prox (unused)          | none: the weights are inside the advantages   |
+
+The π_prox column is for one optimizer step per batch and ``algo.prox_logprobs=recompute``. The sources:
+``fused``, the detached current pass, which IS the step-start policy when the batch takes one optimizer step and no
+correction needs the whole batch first (it saves a forward pass); ``recompute``, the no-grad pass over the whole
+batch before the first update (needed by ``algo.ppo_minibatches > 1`` and by batch-global corrections);
+``loglinear``, A-3PO's interpolation between μ and the current pass (``algo.prox_logprobs=loglinear``).
+"""
+from dataclasses import dataclass, field
+
+from asyncrl.algos.registry import (
+    ADVANTAGES,
+    BYPASS,
+    BYPASS_PG_CAP,
+    BYPASS_PG_CORRECTION,
+    CORRECTIONS,
+    LOSSES,
+    WEIGHT,
+)
+
+PROX_FUSED, PROX_RECOMPUTE, PROX_LOGLINEAR = "fused", "recompute", "loglinear"
+CENTRE_PROX, CENTRE_BEHAV = "prox", "behav"
+WEIGHT_NONE = "none"
+"""No weight multiplies the loss."""
+WEIGHT_PER_MICRO = "per_micro"
+"""The correction's weight from ρ = π_prox/μ, computed for each micro-batch (row-wise corrections)."""
+WEIGHT_BATCH = "batch"
+"""The correction's weight computed once on the whole batch before the first update (batch-global, m2po)."""
+WEIGHT_CURRENT = "current"
+"""``BYPASS_PG_CORRECTION``'s weight from π_θ/μ on the current pass, per micro-batch (bypass with plain PG)."""
+
+
+@dataclass(frozen=True)
+class OffPolicyPlan:
+    loss: str
+    """The loss's name in ``losses.POLICY_LOSSES``."""
+    loss_kwargs: dict
+    """Its hyperparameters as set in the config (unset ones keep the function's published defaults)."""
+    prox_source: str
+    """Where π_prox comes from: PROX_FUSED, PROX_RECOMPUTE or PROX_LOGLINEAR (module doc)."""
+    centre: str
+    """Trust-region centre of the loss ratio: CENTRE_PROX (π_prox) or CENTRE_BEHAV (μ, bypass mode)."""
+    weight_source: str = WEIGHT_NONE
+    """Which detached weight multiplies the loss, and where it is computed: one of the WEIGHT_* constants."""
+    weight_correction: str | None = None
+    """Name of the correction whose weight function gives that weight (``corrections.CORRECTION_WEIGHTS``)."""
+    weight_kwargs: dict = field(default_factory=dict)
+    """Keywords of the weight function: the config's (plus BYPASS_PG_CAP as bypass's default cap)."""
+    vtrace_advantages: bool = False
+    """The advantages are V-trace's, computed from π_prox and μ on the whole batch, instead of the estimator's."""
+    vtrace_kwargs: dict = field(default_factory=dict)
+    """Keywords of ``compute_vtrace_advantages`` set in the config."""
+
+    @classmethod
+    def from_algo(cls, algo) -> "OffPolicyPlan":
+        """The plan of an ``AlgoConfig`` (already validated, so the pair is one the config accepts)."""
+        loss, correction = LOSSES[algo.loss], CORRECTIONS[algo.correction]
+        return cls(loss=algo.loss, loss_kwargs=algo.loss_kwargs(), prox_source=_prox_source(algo, correction),
+                   centre=CENTRE_BEHAV if correction.kind == BYPASS else CENTRE_PROX,
+                   vtrace_advantages=correction.kind == ADVANTAGES,
+                   vtrace_kwargs=algo.correction_kwargs() if correction.kind == ADVANTAGES else {},
+                   **_weight(algo, loss, correction))
+
+    @property
+    def batch_metrics_correction(self) -> str | None:
+        """The correction whose statistics the step metrics report on the whole batch (from π_prox), or None.
+        Bypass's weight on the current pass is left out: it measures θ against μ, not the data's staleness."""
+        return self.weight_correction if self.weight_source in (WEIGHT_PER_MICRO, WEIGHT_BATCH) else None
+
+
+def _prox_source(algo, correction) -> str:
+    if algo.prox_logprobs == PROX_LOGLINEAR:
+        return PROX_LOGLINEAR
+    if algo.ppo_minibatches > 1 or correction.batch_global:
+        return PROX_RECOMPUTE  # after the first optimizer step the current pass is no longer π_prox
+    return PROX_FUSED
+
+
+def _weight(algo, loss, correction) -> dict:
+    """The weight_* fields of the plan."""
+    if correction.kind == WEIGHT:
+        source = WEIGHT_BATCH if correction.batch_global else WEIGHT_PER_MICRO
+        return dict(weight_source=source, weight_correction=algo.correction, weight_kwargs=algo.correction_kwargs())
+    if correction.kind == BYPASS and loss.ratio_free and not loss.weights_against_behaviour:
+        kwargs = {"cap": BYPASS_PG_CAP, **algo.correction_kwargs()}  # bypass's only field is is_cap -> cap
+        return dict(weight_source=WEIGHT_CURRENT, weight_correction=BYPASS_PG_CORRECTION, weight_kwargs=kwargs)
+    return {}  # none, vtrace, and bypass with a loss whose own ratio (or weight) is already against μ
