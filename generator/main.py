@@ -8,7 +8,7 @@ from asyncrl.buffer.backends import make_generator_client
 from asyncrl.buffer.zmq_client import BufferClient, LearnerUnavailable
 from asyncrl.configs import shared_hash
 from asyncrl.generator.dataset import iterate_prompts, read_rows, tokenize_rows
-from asyncrl.generator.engines.base import EngineBroken, make_engine
+from asyncrl.generator.engines.base import EngineBroken, EngineUnsupported, make_engine
 from asyncrl.generator.rewards import load_reward_fn
 from asyncrl.generator.rollout import RolloutLoop
 from asyncrl.weightsync.receiver import WeightStage
@@ -106,4 +106,7 @@ def run_generator(cfg, say=print) -> int:
         return asyncio.run(run_generator_async(cfg, say))
     except EngineBroken as err:  # the engine holds weights nobody vouches for: only a fresh process can serve
         say(f"generator stopped: {err}; restart it (it joins on the current weights)")
+        return 1
+    except EngineUnsupported as err:  # refused before any engine was built: a restart is refused alike
+        say(f"generator stopped: {err}")
         return 1

@@ -29,6 +29,11 @@ class EngineBroken(WeightLoadError):
     for, so it stays paused and every later sample raises this. Only a restart brings it back."""
 
 
+class EngineUnsupported(RuntimeError):
+    """The installed engine library is a version this code was not tested against; the message says which versions
+    are known to work and what to install. Raised by `start()` before any engine is built."""
+
+
 def make_engine(name: str, **kwargs):
     """Engines are imported lazily: vLLM is heavy and may be absent (then use `hf`)."""
     if name == "vllm":

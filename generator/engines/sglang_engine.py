@@ -6,7 +6,11 @@ Written against SGLang 0.5.x (>= 0.5.6 for pause modes), from sgl-project/sglang
 unit tests use `tests/fakes/fake_sglang.py` and `tests/gpu/test_sglang_real.py` runs the real one.
 
 Simplifications and why:
-  * `sglang.Engine`'s control methods (`update_weights_from_distributed`, `flush_cache`, ...) call
+  * Weights come in one way: `load_weights(staged, fallback)` sends a version from the generator's staging to
+    `update_weights_from_tensor`, and a failed load goes back to `fallback` or to the model's own files
+    (sglang_receiver.py). SGLang's distributed and disk paths are not used for new versions: the GPU issue
+    rebuilds SGLang's weight path.
+  * `sglang.Engine`'s control methods (`update_weights_from_tensor`, `flush_cache`, ...) call
     `loop.run_until_complete`, which cannot run inside our event loop, and `pause_generation` /
     `continue_generation` exist only on its tokenizer manager (and as HTTP routes). `AsyncSglangEngine` awaits
     the tokenizer manager with the same request objects the Engine methods build -- the pattern verl's
@@ -105,17 +109,9 @@ class SglangEngine:
         return completion
 
     async def load_weights(self, staged, fallback=None) -> None:
-        """The staged path (shared memory, or anything the generator's WeightStage verified): sent to SGLang with
+        """A version the generator's WeightStage staged and verified, sent to SGLang with
         `update_weights_from_tensor`; a failure goes back to `fallback` (see sglang_receiver.py)."""
         await self.receiver.load_staged(staged, fallback)
-
-    async def load_from_disk(self, directory: str, version: int) -> None:
-        """A published HF directory (an exported checkpoint), with `update_weights_from_disk`."""
-        await self.receiver.load_from_disk(directory, version)
-
-    async def receive_weights(self, message: dict) -> None:
-        """The distributed path: one control message per version (see sglang_receiver.py)."""
-        await self.receiver.apply(message)
 
     async def close(self) -> None:
         if self._engine is not None:
@@ -167,32 +163,6 @@ class AsyncSglangEngine:
                              stream: bool = False):
         return await self.engine.async_generate(input_ids=input_ids, sampling_params=sampling_params,
                                                 return_logprob=return_logprob, stream=stream)
-
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str = "weight_update_group",
-                                        backend: str = "nccl"):
-        from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput
-
-        request = InitWeightsUpdateGroupReqInput(master_address=master_address, master_port=master_port,
-                                                 rank_offset=rank_offset, world_size=world_size,
-                                                 group_name=group_name, backend=backend)
-        return await self.tokenizer_manager.init_weights_update_group(request, None)
-
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group"):
-        from sglang.srt.managers.io_struct import DestroyWeightsUpdateGroupReqInput
-
-        request = DestroyWeightsUpdateGroupReqInput(group_name=group_name)
-        return await self.tokenizer_manager.destroy_weights_update_group(request, None)
-
-    async def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list,
-                                              group_name: str = "weight_update_group", flush_cache: bool = True,
-                                              weight_version: str | None = None, load_format: str | None = None):
-        from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
-
-        request = UpdateWeightsFromDistributedReqInput(
-            names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=flush_cache,
-            weight_version=weight_version, **({"load_format": load_format} if load_format else {}))
-        return await self.tokenizer_manager.update_weights_from_distributed(request, None)
 
     async def update_weights_from_tensor(self, named_tensors: list, load_format: str | None = None,
                                          flush_cache: bool = True, weight_version: str | None = None):

