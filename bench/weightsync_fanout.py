@@ -1,4 +1,4 @@
-"""Cost of publishing one weight version to 1, 2 and 4 generators: the chain relay of weightsync/dist_group.py
+"""Cost of publishing one weight version to 1, 2 and 4 generators: the chain relay of weightsync/group/protocol.py
 beside a plain gloo `broadcast` of one flat buffer of the same bytes from rank 0 (it reports; it asserts nothing).
 
 Each receiver is its own process on this host. Chain: the learner's `WeightGroupHost.send` of `--mb` MB in
@@ -32,7 +32,7 @@ def bucket_sizes(nbytes: int, bucket_bytes: int) -> list[int]:
 def run_chain_member(address: str, member_id: str, sizes: list[int], versions: int) -> None:
     import torch
 
-    from asyncrl.weightsync.group_member import WeightGroupMember
+    from asyncrl.weightsync.group.member import WeightGroupMember
 
     torch.set_num_threads(1)
     member = WeightGroupMember.connect(address, member_id, timeout_s=60)
@@ -47,7 +47,7 @@ def time_chain(nbytes: int, bucket_bytes: int, receivers: int, repeats: int) -> 
     import torch
     import torch.multiprocessing as mp
 
-    from asyncrl.weightsync.group_host import WeightGroupHost
+    from asyncrl.weightsync.group.host import WeightGroupHost
 
     sizes = bucket_sizes(nbytes, bucket_bytes)
     buckets = [torch.randint(0, 256, (size,), dtype=torch.uint8) for size in sizes]

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 
 from asyncrl.learner.checkpoint import (DCP_DIR, HF_DIR, CheckpointError, quiet_single_process_dcp,
                                         resolve_checkpoint)
-from asyncrl.learner.model import DTYPES
+from asyncrl.weightsync.dtypes import DTYPES, FLOAT_DTYPES
 
 MODEL_KEY = "model"  # save_checkpoint's top-level key for get_state_dict's model part
 
@@ -23,8 +23,8 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None) -
     model is built with AutoModelForCausalLM.from_config(config) and loaded from the DCP model state; tied
     embeddings come out right. dtype None keeps the config's torch dtype / fp32. Returns out_dir. A `checkpoint`
     that is a root of several step-* dirs means its latest one."""
-    if dtype is not None and dtype not in DTYPES:
-        raise ValueError(f"export dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise ValueError(f"export dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
     path = resolve_checkpoint(checkpoint)
     hf_dir = os.path.join(path, HF_DIR)
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):

@@ -3,7 +3,7 @@ import os
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from asyncrl.weightsync.dtypes import DTYPES
 
 
 class ModelLoadError(RuntimeError):

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from asyncrl.weightsync.dtypes import DTYPES
+
 log = logging.getLogger(__name__)
 
 
@@ -105,9 +107,6 @@ def build_parallel_state(sp_size: int, device: str = "cpu") -> ParallelState:
                          sp_group=mesh.get_group("sp"), fsdp_mesh=fsdp_mesh, device=device)
 
 
-MP_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def decoder_layers(model) -> list:
     """The transformer blocks of an HF causal LM (`model.model.layers` for Llama/Qwen/Gemma families)."""
     decoder = model.get_decoder()
@@ -133,7 +132,7 @@ def apply_fsdp(model, parallel: ParallelState, param_dtype: str = "float32", red
                                   "learner they already live there, so turn it off")
     # decoder_states returns out.hidden_states[-1], a view; nothing modifies it in place, which is what this warns of
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
-    policy = MixedPrecisionPolicy(param_dtype=MP_DTYPES[param_dtype], reduce_dtype=MP_DTYPES[reduce_dtype])
+    policy = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[reduce_dtype])
     offload = CPUOffloadPolicy(pin_memory=True) if cpu_offload else OffloadPolicy()
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=parallel.fsdp_mesh, mp_policy=policy, offload_policy=offload)

@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 
 class GroupSender:
     """The publisher's view of the broadcast group: one `send` per version, which never raises for a generator's
-    failure (group_host.SendReport names it; the generator catches up), and a `describe` for the control message."""
+    failure (group.host.SendReport names it; the generator catches up), and a `describe` for the control message."""
 
     def __init__(self, host, timeout_s: float, advertise: str):
         self.host = host
@@ -45,7 +45,7 @@ def make_publisher(ws, job: str) -> WeightPublisher:
     catchup = CatchupServer(ws.catchup_host, ws.catchup_port, advertise=ws.catchup_advertise)
     group = None
     if ws.backend == "broadcast":
-        from asyncrl.weightsync.group_host import WeightGroupHost
+        from asyncrl.weightsync.group.host import WeightGroupHost
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         host = WeightGroupHost(ws.catchup_host, ws.broadcast_port, backend=backend, store_timeout_s=ws.timeout_s)

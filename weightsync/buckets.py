@@ -6,7 +6,8 @@ faults), and a receiver reads tensors as views of the bytes it received, without
 """
 import torch
 
-from asyncrl.weightsync.layout import DTYPES, Entry, Layout
+from asyncrl.weightsync.dtypes import DTYPES
+from asyncrl.weightsync.layout import Entry, Layout
 
 
 class FlatBuckets:

@@ -6,7 +6,7 @@ data plane (shared memory, a broadcast group, the catch-up server), and one smal
 version, names, dtypes, shapes, the bucket layout (bucket, byte offset per tensor) and one checksum per bucket.
 
 The layout depends only on the names, dtypes and shapes, so it is the same every version: both ends allocate their
-bucket buffers once and reuse them (on CPU, fresh allocations cost more than the copy; platform_notes.md), and a
+bucket buffers once and reuse them (on CPU, fresh allocations cost more than the copy; docs/platform.md), and a
 receiver can tell from `fingerprint` alone whether its buffers still fit.
 """
 import hashlib
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from asyncrl.weightsync.dtypes import DTYPES
+
 ALIGN = 64  # every tensor starts on a cache line, so a typed view of the bucket is always aligned
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
-          "int32": torch.int32, "uint8": torch.uint8, "bool": torch.bool, "float64": torch.float64}
 
 
 class LayoutError(ValueError):
@@ -54,10 +54,6 @@ class Layout:
         return [entry for entry in self.entries if entry.bucket == index]
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def tensor_bytes(name: str, dtype: str, shape, where: str) -> int:
     if dtype not in DTYPES:
         raise LayoutError(f"{where}tensor {name!r} has dtype {dtype!r}, which weight sync does not carry")
@@ -83,10 +79,6 @@ def plan_layout(specs: list, bucket_bytes: int) -> Layout:
         used = start + nbytes
         sizes[-1] = used
     return Layout(tuple(entries), tuple(sizes))
-
-
-def layout_of(named_tensors: list, bucket_bytes: int) -> Layout:
-    return plan_layout([(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in named_tensors], bucket_bytes)
 
 
 def bucket_checksum(bucket: torch.Tensor) -> str:

@@ -4,7 +4,7 @@ verified, before any engine touches it.
 A generator keeps a staging ring of three slots (shm_ring.py): the version its engine runs (kept, so a failed load
 can go back to it), the version being loaded, and one free slot where the next version lands. A version gets there
 by the cheapest path that has it, each checked against the control message's per-bucket checksums:
-1. the broadcast group already delivered it into the free slot (dist_group.py, on a background thread);
+1. the broadcast group's background receiver already holds it (weightsync/group/member.py): copy it in;
 2. the learner's ring is on this host: copy it from the shared mapping (seqlock-checked);
 3. otherwise ask the learner's catch-up server for it (catchup.py).
 Only a `Staged` version — complete, checksummed, in a slot nobody writes to — is handed to an engine's receiver,
@@ -56,11 +56,10 @@ class WeightStage:
         self.layout: Layout | None = None
         self.good: Staged | None = None  # what the engine runs
         self.loading: int | None = None  # the slot being staged or loaded
-        self.receiving: int | None = None  # the slot the broadcast receiver is writing
         self._lock = threading.Lock()
         self._learner_rings: dict[str, ShmRing] = {}
         self.paths_used = {"group": 0, "shm": 0, "catchup": 0}
-        self.member = None  # group_member.WeightGroupMember, joined when a control message names a group
+        self.member = None  # group.member.WeightGroupMember, joined when a control message names a group
         self._member_address = None
         self._received: tuple | None = None  # (version, buckets) taken from the member, not yet used
 
@@ -72,29 +71,18 @@ class WeightStage:
             self.layout, self.good = layout, None  # the old slots hold another layout
         return self.ring
 
-    def _reserve(self, layout: Layout, role: str) -> int:
-        """Pin a slot that neither the engine's version, the one being loaded, nor the broadcast receiver uses."""
+    def _reserve_loading(self, layout: Layout) -> int:
+        """Pin a slot that neither the engine's version nor the one being loaded uses (the broadcast group's
+        background receiver writes into buffers of its own, copied in by `_from_group`)."""
         with self._lock:
             self._ring_for(layout)
-            pinned = {self.good.slot if self.good else None, self.loading, self.receiving}
+            pinned = {self.good.slot if self.good else None, self.loading}
             free = sorted(set(range(STAGING_SLOTS)) - pinned)
-            if not free or getattr(self, role) is not None:
-                raise WeightSyncError(f"no free staging slot for {role} (good={self.good and self.good.slot}, "
-                                      f"loading={self.loading}, receiving={self.receiving})")
-            setattr(self, role, free[0])
+            if not free or self.loading is not None:
+                raise WeightSyncError(f"no free staging slot (good={self.good and self.good.slot}, "
+                                      f"loading={self.loading})")
+            self.loading = free[0]
             return free[0]
-
-    def reserve_receiving(self, layout: Layout) -> FlatBuckets:
-        """For the broadcast receiver: a slot to receive the next version into, until `received` or `release`."""
-        slot = self._reserve(layout, "receiving")
-        self.ring.begin_write(slot)
-        return self.ring.buckets(slot)
-
-    def received(self, version: int, ok: bool) -> None:
-        with self._lock:
-            if self.receiving is not None:
-                self.ring.end_write(self.receiving, version if ok else -1)
-            self.receiving = None
 
     def stage(self, message: dict) -> Staged:
         """The announced version, complete and verified in a staging slot pinned until `end_load`, or
@@ -107,14 +95,13 @@ class WeightStage:
         with self._lock:
             ring = self._ring_for(layout)
             found = ring.find(version)
-            if found is not None and found not in (self.receiving, self.loading):
+            if found is not None and found != self.loading:
                 self.loading = found
         if self.loading == found and found is not None:
-            if not verify(ring.buckets(found), message):  # delivered by the broadcast group
-                self.paths_used["group"] += 1
+            if not verify(ring.buckets(found), message):  # staged before (a load of it failed, and is retried)
                 return Staged(version, message, self.path, found, ring.buckets(found))
             self.end_load(None, ok=False)
-        slot = self._reserve(layout, "loading")
+        slot = self._reserve_loading(layout)
         tried = []
         for path, copy in (("group", self._from_group), ("shm", self._from_learner_ring),
                            ("catchup", self._from_catchup)):
@@ -163,7 +150,7 @@ class WeightStage:
         return True
 
     def _join(self, group: dict, layout: Layout) -> None:
-        from asyncrl.weightsync.group_member import WeightGroupMember
+        from asyncrl.weightsync.group.member import WeightGroupMember
 
         if self.member is not None:
             self.member.close()

@@ -1,10 +1,11 @@
 """A persistent shared-memory mapping with a few version slots, written in place and read without locks.
 
 Why: recreating a file per version runs at about 1.3 GB/s here, while writing into an existing mapping runs at
-memory bandwidth (platform_notes.md). The learner keeps one ring for the job (`weightsync.keep_versions` slots) and
-writes version v into slot v % slots; receivers on its host map the same file once. Each generator keeps a ring of
-its own as staging (three slots: the loaded version, the one being loaded, and one free for the next arrival), which
-the vLLM worker process maps too, so a version reaches the engine without another copy.
+memory bandwidth (docs/platform.md, weight-transfer bandwidth). The learner keeps one ring for the job
+(`weightsync.keep_versions` slots) and writes version v into slot v % slots; receivers on its host map the same
+file once. Each generator keeps a ring of its own as staging (three slots: the loaded version, the one being
+loaded, and one free for the next arrival), which the vLLM worker process maps too, so a version reaches the
+engine without another copy.
 
 Every slot has a sequence counter (a seqlock): odd while it is being written, even once it holds a complete
 version. A reader records the counter and version before copying and checks them again afterwards; a slot the

@@ -28,8 +28,8 @@ import os
 
 from asyncrl.generator.engines.base import Completion
 from asyncrl.generator.engines.sglang_receiver import SglangWeightReceiver
+from asyncrl.weightsync.dtypes import DTYPES
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
@@ -139,7 +139,7 @@ def kv_cache_tokens(model_path: str, dtype: str, kv_cache_gib: float, trust_remo
     config = getattr(config, "text_config", None) or config
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    bytes_per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * DTYPE_BYTES[dtype]
+    bytes_per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * DTYPES[dtype].itemsize
     return max(int(kv_cache_gib * (1 << 30)) // bytes_per_token, 1)
 
 

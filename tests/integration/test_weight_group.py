@@ -14,10 +14,10 @@ import zlib
 import pytest
 import torch
 
-from asyncrl.weightsync.chain import PeerError
-from asyncrl.weightsync.dist_group import NoAnnouncement
-from asyncrl.weightsync.group_host import WeightGroupHost
-from asyncrl.weightsync.group_member import WeightGroupMember
+from asyncrl.weightsync.group.chain import PeerError
+from asyncrl.weightsync.group.protocol import NoAnnouncement
+from asyncrl.weightsync.group.host import WeightGroupHost
+from asyncrl.weightsync.group.member import WeightGroupMember
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SIZES = [1 << 20, 2 << 20, 1 << 20, 12_345]

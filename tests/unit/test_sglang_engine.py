@@ -14,7 +14,8 @@ from asyncrl.buffer.group import Sampling
 from asyncrl.generator.engines.base import EngineBroken, WeightLoadError, make_engine
 from asyncrl.generator.engines.sglang_engine import SglangEngine, kv_cache_tokens, new_tokens
 from asyncrl.weightsync.buckets import FlatBuckets
-from asyncrl.weightsync.layout import bucket_checksum, layout_of, to_message
+from asyncrl.weightsync.dtypes import dtype_name
+from asyncrl.weightsync.layout import bucket_checksum, plan_layout, to_message
 from asyncrl.weightsync.receiver import Staged
 from tests.fakes.fake_sglang import EOS, FakeSglangEngine, initial_weights, write_checkpoint
 
@@ -27,11 +28,20 @@ def weights_without_eos(seed: int) -> dict:
     return weights
 
 
+async def wait_until(condition, timeout_s: float = 10.0) -> None:
+    """A bounded wait on a condition (never a fixed sleep: the machine's speed varies too much)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        assert loop.time() < deadline, "the condition never held"
+        await asyncio.sleep(0.001)
+
+
 def staged_version(version: int, weights: dict, slot: int = 0) -> Staged:
     """`weights` as WeightStage hands a verified version to an engine: the real Staged, FlatBuckets and control
     message, with the buckets in process memory instead of a staging slot (the receiver reads only the buckets)."""
     named = list(weights.items())
-    layout = layout_of(named, 1 << 16)
+    layout = plan_layout([(name, dtype_name(tensor.dtype), tuple(tensor.shape)) for name, tensor in named], 1 << 16)
     buckets = FlatBuckets(layout)
     for name, tensor in named:
         buckets.put(name, tensor)
@@ -158,7 +168,7 @@ def test_failed_load_stays_paused_goes_back_to_the_model_files_and_never_serves_
         fake.fail_update_after = 1  # the embedding is written, the head is not: half-written weights
         stop = asyncio.Event()
         sampler = asyncio.create_task(sample_forever(stop))
-        await asyncio.sleep(0.02)
+        await wait_until(lambda: len(fake.tokens_served) >= 2)  # sampling is under way
         with pytest.raises(WeightLoadError, match="v1.*partially updated.*reloaded v0 from") as failure:
             await engine.load_weights(staged_version(1, new), None)
         after = await engine.sample([3], Sampling(temperature=1.0, max_tokens=4), n=1)
@@ -243,7 +253,7 @@ def test_wait_mode_lets_in_flight_requests_finish_before_pausing(tmp_path):
         await engine.start()
         engine._engine.step_delay_s = 0.005
         request = asyncio.create_task(engine.sample([3], Sampling(temperature=1.0, max_tokens=20), n=1))
-        await asyncio.sleep(0.02)
+        await wait_until(lambda: len(engine._engine.tokens_served) >= 2)  # the request is running
         await engine.load_weights(staged_version(1, new), None)
         return await request
 
@@ -259,7 +269,7 @@ def test_abort_mode_returns_in_flight_requests_as_aborted(tmp_path):
         await engine.start()
         engine._engine.step_delay_s = 0.005
         request = asyncio.create_task(engine.sample([3], Sampling(temperature=1.0, max_tokens=40), n=1))
-        await asyncio.sleep(0.03)
+        await wait_until(lambda: len(engine._engine.tokens_served) >= 3)  # the request is running
         await engine.load_weights(staged_version(1, new), None)
         return await request
 
@@ -277,7 +287,7 @@ def test_keep_mode_finishes_kept_requests_on_new_weights_and_flushes_after_them(
         fake = engine._engine
         fake.step_delay_s = 0.005
         request = asyncio.create_task(engine.sample([3], Sampling(temperature=1.0, max_tokens=30), n=1))
-        await asyncio.sleep(0.03)
+        await wait_until(lambda: len(fake.tokens_served) >= 3)  # the request is running
         await engine.load_weights(staged_version(1, new), None)
         assert request.done()  # admission reopened only after the kept request drained
         return await request, fake
@@ -301,7 +311,7 @@ def test_keep_mode_aborts_kept_requests_that_outlive_the_drain_then_flushes(tmp_
         fake = engine._engine
         fake.step_delay_s = 0.005
         request = asyncio.create_task(engine.sample([3], Sampling(temperature=1.0, max_tokens=400), n=1))
-        await asyncio.sleep(0.03)
+        await wait_until(lambda: len(fake.tokens_served) >= 3)  # the request is running
         await engine.load_weights(staged_version(1, new), None)
         after = await engine.sample([3], Sampling(temperature=1.0, max_tokens=2), n=1)
         return await request, after, fake

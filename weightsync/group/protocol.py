@@ -1,5 +1,5 @@
-"""torch.distributed data plane of weight sync: the learner (group_host.WeightGroupHost, rank 0) relays each
-version's buckets down a chain of generators (group_member.WeightGroupMember, ranks 1..N), see weightsync/chain.py.
+"""torch.distributed data plane of weight sync: the learner (host.WeightGroupHost, rank 0) relays each
+version's buckets down a chain of generators (member.WeightGroupMember, ranks 1..N), see chain.py.
 This module holds the protocol both sides follow, and what they share.
 
 Membership lives in the learner's TCPStore, and every key is under "ws/":

@@ -1,5 +1,5 @@
 """The learner's side of the weight group (rank 0): membership, generations and each version's send down the
-chain. The protocol, and its failure semantics, are in dist_group.py."""
+chain. The protocol, and its failure semantics, are in protocol.py."""
 import json
 import time
 from dataclasses import dataclass, field
@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from asyncrl.weightsync.chain import PeerError, abort_process_group, make_process_group, send_chain
-from asyncrl.weightsync.dist_group import ACK_POLL_S, KEEP_ANNOUNCEMENTS, describe_member, timedelta_s
+from asyncrl.weightsync.group.chain import PeerError, abort_process_group, make_process_group, send_chain
+from asyncrl.weightsync.group.protocol import ACK_POLL_S, KEEP_ANNOUNCEMENTS, describe_member, timedelta_s
 
 
 @dataclass

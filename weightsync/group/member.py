@@ -1,5 +1,5 @@
 """A generator's side of the weight group (rank >= 1): registration, heartbeat, and receiving each announced
-version from its upstream neighbour while relaying it downstream. The protocol is in dist_group.py."""
+version from its upstream neighbour while relaying it downstream. The protocol is in protocol.py."""
 import json
 import os
 import socket
@@ -10,8 +10,8 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from asyncrl.weightsync.chain import PeerError, abort_process_group, make_process_group, relay_chain
-from asyncrl.weightsync.dist_group import (ANNOUNCEMENT_POLL_S, KEEP_ANNOUNCEMENTS, NoAnnouncement, describe_member,
+from asyncrl.weightsync.group.chain import PeerError, abort_process_group, make_process_group, relay_chain
+from asyncrl.weightsync.group.protocol import (ANNOUNCEMENT_POLL_S, KEEP_ANNOUNCEMENTS, NoAnnouncement, describe_member,
                                            timedelta_s)
 
 
