@@ -4,10 +4,10 @@ nothing).
 For 4 KB and 64 KB groups, a producer process sends `--count` groups as fast as the path allows and this process
 consumes them; latency is from the producer stamping the message to the consumer holding it. The backends run with
 a weights control message announced, as in a real job (a 0.5B model's: 291 tensors, 17 KB).
-- zmq backend: BufferClient "group" requests, as many in flight as a generator keeps by default
+- zmq backend: ZmqBufferClient.send requests, as many in flight as a generator keeps by default
   (generator.max_inflight_groups) -> ZmqBufferServer (queue) -> take() (validation).
 - raw zmq: PUSH/PULL of the same encoded bytes.
-- redis backend: RedisBufferClient "group" requests, as many in flight (batched into MULTIs of XADD + DELIVER) ->
+- redis backend: RedisBufferClient.send requests, as many in flight (batched into MULTIs of XADD + DELIVER) ->
   RedisBufferServer (XREADGROUP, validation) -> take(), ack.
 - raw redis: pipelined XADD; XREADGROUP + XACK.
 Target: each backend at >= 0.8 of its raw transport in groups/s. Needs redis-server on PATH (a private one is
@@ -107,10 +107,10 @@ def produce_raw_zmq(port: int, size: int, count: int, report) -> None:
 def produce_zmq_backend(port: int, size: int, count: int, report) -> None:
     import asyncio
 
-    from asyncrl.buffer.zmq_client import BufferClient  # imported before the clock starts, as in every producer
+    from asyncrl.buffer.zmq.client import ZmqBufferClient  # imported before the clock starts, as in every producer
 
     async def run():
-        client = BufferClient(f"tcp://127.0.0.1:{port}", "bench", 30)
+        client = ZmqBufferClient(f"tcp://127.0.0.1:{port}", "bench", 30)
         left = [count]
 
         async def worker():  # a generator keeps several groups in flight (generator.max_inflight_groups)
@@ -118,8 +118,8 @@ def produce_zmq_backend(port: int, size: int, count: int, report) -> None:
             while left[0] > 0:
                 left[0] -= 1
                 while True:
-                    reply = await client.request("group", body=stamped(group), group_id=group.group_id)
-                    if reply.get("accepted"):
+                    payload = stamped(group)
+                    if (await client.send(group.group_id, payload)).accepted:
                         break
                     await asyncio.sleep(0.001)  # back-pressure: the queue is full
 
@@ -147,11 +147,11 @@ def produce_raw_redis(url: str, key: str, size: int, count: int, report) -> None
 
 
 def produce_redis_backend(url: str, job: str, size: int, count: int, report) -> None:
-    """The generator's real path: RedisBufferClient "group" requests, IN_FLIGHT at once (it pipelines them)."""
+    """The generator's real path: RedisBufferClient.send, IN_FLIGHT at once (it pipelines them)."""
     import asyncio
 
-    from asyncrl.buffer.redis_client import RedisBufferClient
-    from asyncrl.buffer.redis_conn import RedisOptions, connect
+    from asyncrl.buffer.redis.client import RedisBufferClient
+    from asyncrl.buffer.redis.conn import RedisOptions, connect
 
     async def run():
         client = RedisBufferClient(connect(RedisOptions(url)), url, job, "bench", 1 << 20, 1 << 20, lease_s=60)
@@ -161,8 +161,9 @@ def produce_redis_backend(url: str, job: str, size: int, count: int, report) -> 
             group = make_payload(size)
             while left[0] > 0:
                 left[0] -= 1
-                reply = await client.request("group", body=stamped(group), group_id=group.group_id)
-                assert reply["accepted"], reply
+                payload = stamped(group)
+                reply = await client.send(group.group_id, payload)
+                assert reply.accepted, reply
 
         await asyncio.gather(*(worker() for _ in range(IN_FLIGHT)))
         client.close()
@@ -247,12 +248,13 @@ def run_raw_zmq(size: int, count: int) -> dict:
 
 def run_zmq_backend(size: int, count: int) -> dict:
     from asyncrl.buffer.staleness import Coordinator
-    from asyncrl.buffer.zmq_server import ZmqBufferServer
+    from asyncrl.buffer.zmq.server import ZmqBufferServer
 
     port = free_port()
     server = ZmqBufferServer("127.0.0.1", port, Coordinator(1 << 20, 1 << 20), vocab_size=VOCAB, config_hash="b",
-                             max_message_bytes=1 << 24, queue_groups=256, run_info={}).start()
-    server.set_weights(published_weights())
+                             max_message_bytes=1 << 24, queue_groups=256, run_info={})
+    server.start()
+    server.announce_weights(published_weights())
     proc, reader = start_producer(produce_zmq_backend, port, size, count)
     try:
         return finish(proc, reader, consume(lambda: server.take(1.0), count, backend_stamp_of(size)), count)
@@ -287,25 +289,28 @@ def run_raw_redis(url: str, size: int, count: int) -> dict:
 
 
 def run_redis_backend(url: str, size: int, count: int) -> dict:
-    from asyncrl.buffer.redis_conn import RedisOptions, connect
-    from asyncrl.buffer.redis_coordinator import RedisCoordinator
-    from asyncrl.buffer.redis_server import RedisBufferServer
-    from asyncrl.buffer.redis_stream import reset_job
+    from asyncrl.buffer.redis.conn import RedisOptions, connect
+    from asyncrl.buffer.redis.coordinator import RedisCoordinator
+    from asyncrl.buffer.redis.server import RedisBufferServer
+    from asyncrl.buffer.redis.stream import reset_job
 
     client = connect(RedisOptions(url))
     job = f"bench{uuid.uuid4().hex[:8]}"
     coordinator = RedisCoordinator(client, job, 1 << 20, 1 << 20)
     coordinator.set_version(0, allow_backwards=True)  # as the learner does at start (make_learner_buffer)
     server = RedisBufferServer(client, url, job, coordinator, vocab_size=VOCAB,
-                               config_hash="b", max_message_bytes=1 << 24, run_info={}).start()
-    server.set_weights(published_weights())
+                               config_hash="b", max_message_bytes=1 << 24, run_info={})
+    server.start()
+    server.announce_weights(published_weights())
+    receipts = []
     proc, reader = start_producer(produce_redis_backend, url, job, size, count)
 
     def take():
         group = server.take(1.0)
-        if len(server.taken_entries) >= 64 or (group is None and server.taken_entries):
-            server.ack(server.taken_entries)  # the learner acks in batches (per checkpoint)
-            server.taken_entries.clear()
+        receipts.extend(server.take_receipts())
+        if len(receipts) >= 64 or (group is None and receipts):
+            server.on_checkpoint(list(receipts))  # the learner acks in batches (per checkpoint)
+            receipts.clear()
         return group
 
     try:

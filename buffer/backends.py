@@ -1,5 +1,7 @@
-"""Choosing the buffer backend (`buffer.backend`): the learner's buffer and coordinator, the generator's client."""
-from asyncrl.buffer.redis_conn import RedisOptions
+"""Choosing the buffer backend (`buffer.backend`): the learner's `LearnerBuffer` and a generator's `GeneratorBuffer`
+(buffer/interface.py). Backends are imported lazily, so a zmq job never imports redis-py and the reverse."""
+from asyncrl.buffer.interface import GeneratorBuffer, LearnerBuffer
+from asyncrl.buffer.redis.conn import RedisOptions
 
 
 def redis_options(buffer_cfg) -> RedisOptions:
@@ -12,26 +14,25 @@ def namespace(cfg) -> str:
 
 
 def make_learner_buffer(cfg, *, vocab_size: int, config_hash: str, run_info: dict, start_version: int,
-                        fresh: bool):
-    """(server, coordinator) for the learner. With Redis, a fresh start clears what an older run left under the
-    same namespace; a resumed one keeps the stream (its unacked groups are still owed training) and moves the
-    version back to the checkpoint's."""
+                        fresh: bool) -> LearnerBuffer:
+    """The learner's buffer (with its staleness coordinator inside). With Redis, a fresh start clears what an older
+    run left under the same namespace; a resumed one keeps the stream (its unacked groups are still owed training)
+    and moves the version back to the checkpoint's."""
     buffer = cfg.buffer
     if buffer.backend == "zmq":
         from asyncrl.buffer.staleness import Coordinator
-        from asyncrl.buffer.zmq_server import ZmqBufferServer
+        from asyncrl.buffer.zmq.server import ZmqBufferServer
 
         coordinator = Coordinator(buffer.max_staleness, buffer.groups_per_step)
         coordinator.set_version(start_version)
-        server = ZmqBufferServer(buffer.host, buffer.port, coordinator, vocab_size=vocab_size,
-                                 config_hash=config_hash, max_message_bytes=buffer.max_message_bytes,
-                                 queue_groups=buffer.queue_groups, run_info=run_info)
-        return server, coordinator
-    from asyncrl.buffer.redis_conn import check_server, configure_durability, connect
-    from asyncrl.buffer.redis_coordinator import RedisCoordinator
-    from asyncrl.buffer.redis_reconnect import Reconnecting
-    from asyncrl.buffer.redis_server import RedisBufferServer
-    from asyncrl.buffer.redis_stream import reset_job
+        return ZmqBufferServer(buffer.host, buffer.port, coordinator, vocab_size=vocab_size, config_hash=config_hash,
+                               max_message_bytes=buffer.max_message_bytes, queue_groups=buffer.queue_groups,
+                               run_info=run_info)
+    from asyncrl.buffer.redis.conn import check_server, configure_durability, connect
+    from asyncrl.buffer.redis.coordinator import RedisCoordinator
+    from asyncrl.buffer.redis.reconnect import Reconnecting
+    from asyncrl.buffer.redis.server import RedisBufferServer
+    from asyncrl.buffer.redis.stream import reset_job
 
     options = redis_options(buffer)
     client = connect(options)
@@ -44,21 +45,21 @@ def make_learner_buffer(cfg, *, vocab_size: int, config_hash: str, run_info: dic
     coordinator = RedisCoordinator(client, job, buffer.max_staleness, buffer.groups_per_step, buffer.lease_s,
                                    retry=retry)
     coordinator.set_version(start_version, allow_backwards=True)
-    server = RedisBufferServer(client, options.url, job, coordinator, vocab_size=vocab_size, config_hash=config_hash,
-                               max_message_bytes=buffer.max_message_bytes, run_info=run_info,
-                               reclaim_idle_s=buffer.reclaim_idle_s, retry=retry)
-    return server, coordinator
+    return RedisBufferServer(client, options.url, job, coordinator, vocab_size=vocab_size, config_hash=config_hash,
+                             max_message_bytes=buffer.max_message_bytes, run_info=run_info,
+                             reclaim_idle_s=buffer.reclaim_idle_s, retry=retry)
 
 
-def make_generator_client(cfg, generator_id: str):
+def make_generator_buffer(cfg, generator_id: str) -> GeneratorBuffer:
+    """A generator's connection to the learner's buffer."""
     buffer = cfg.buffer
     if buffer.backend == "zmq":
-        from asyncrl.buffer.zmq_client import BufferClient
+        from asyncrl.buffer.zmq.client import ZmqBufferClient
 
-        return BufferClient(f"tcp://{buffer.host}:{buffer.port}", generator_id, buffer.request_timeout_s)
-    from asyncrl.buffer.redis_client import RedisBufferClient
-    from asyncrl.buffer.redis_conn import connect
-    from asyncrl.buffer.redis_reconnect import Reconnecting
+        return ZmqBufferClient(f"tcp://{buffer.host}:{buffer.port}", generator_id, buffer.request_timeout_s)
+    from asyncrl.buffer.redis.client import RedisBufferClient
+    from asyncrl.buffer.redis.conn import connect
+    from asyncrl.buffer.redis.reconnect import Reconnecting
 
     options = redis_options(buffer)
     return RedisBufferClient(connect(options), options.url, namespace(cfg), generator_id, buffer.max_staleness,

@@ -44,6 +44,10 @@ class BufferConfig:
     AOF on with that fsync policy at startup. The README's Redis section says what each loses in a crash."""
     request_timeout_s: float = 30.0
     """How long a generator waits for one reply from the learner before it calls the learner dead, in seconds."""
+    done_grace_s: float = 20.0
+    """The end-of-job handshake (buffer/done.py), in s: after its last step the learner keeps answering until every
+    generator has heard "done", for at most this long, and `asyncrl run` then gives each generator this long to
+    exit on its own before stopping it."""
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -73,3 +77,5 @@ class BufferConfig:
                              f"{self.redis_appendfsync!r}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"buffer.request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.done_grace_s < 0:
+            raise ValueError(f"buffer.done_grace_s must be >= 0, got {self.done_grace_s}")

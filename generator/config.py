@@ -56,11 +56,15 @@ class GeneratorConfig:
     connect_timeout_s: float = 600.0
     """How long a generator waits for the learner to appear, in seconds (it may be started first)."""
     seed: int = 0
-    """Base seed for sampling; each generator offsets it by its id."""
+    """Base seed for sampling and prompt order; each generator offsets it by a stable hash of its generator_id, so
+    generators with fixed ids (as `asyncrl run` names them) sample the same in every run."""
     log_every_s: float = 5.0
     """Interval between this generator's metric reports, in seconds."""
 
     def __post_init__(self):
+        if "/" in self.generator_id:
+            raise ValueError(f"generator.generator_id names metrics and log files, so it cannot contain '/', got "
+                             f"{self.generator_id!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"generator.engine must be one of {ENGINES}, got {self.engine!r}")
         if self.update_mode not in UPDATE_MODES:

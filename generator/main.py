@@ -1,11 +1,14 @@
 """The generator process: connect to the learner, get the job's run info, start the engine, load the newest
-weights before sampling anything, then run the rollout loop until the learner says the job is done."""
+weights before sampling anything, then run the rollout loop until the learner says the job is done
+(buffer/done.py)."""
 import asyncio
+import hashlib
 import logging
 import os
 
-from asyncrl.buffer.backends import make_generator_client
-from asyncrl.buffer.zmq_client import BufferClient, LearnerUnavailable
+from asyncrl.buffer.backends import make_generator_buffer
+from asyncrl.buffer.done import BYE_TIMEOUT_S
+from asyncrl.buffer.interface import GeneratorBuffer, GeneratorRefused, HelloReply, LearnerUnavailable
 from asyncrl.configs import shared_hash
 from asyncrl.generator.dataset import iterate_prompts, read_rows, tokenize_rows
 from asyncrl.generator.engines.base import EngineBroken, EngineUnsupported, make_engine
@@ -14,20 +17,26 @@ from asyncrl.generator.rollout import RolloutLoop
 from asyncrl.weightsync.receiver import WeightStage
 
 log = logging.getLogger(__name__)
+HELLO_TIMEOUT_S = 2.0
+"""Each hello waits this long for an answer; they repeat until generator.connect_timeout_s."""
 
 
-class GeneratorRefused(RuntimeError):
-    """The learner refused this generator (for example, a different recipe)."""
+def sampling_seed(base: int, generator_id: str) -> int:
+    """The seed of this generator's sampling and prompt order: generator.seed offset by a stable hash of its id, so a
+    run whose generators have fixed ids (`asyncrl run` names them gen-0, gen-1, ...) samples the same again, and no
+    two generators of a job sample alike."""
+    digest = hashlib.sha256(generator_id.encode()).digest()
+    return base + int.from_bytes(digest[:4], "little") % 1_000_003
 
 
-async def wait_for_learner(client: BufferClient, config_hash: str, timeout_s: float, say) -> dict:
-    """Say hello until the learner answers; it may be started after the generator."""
+async def wait_for_learner(client: GeneratorBuffer, config_hash: str, timeout_s: float, say) -> HelloReply:
+    """Say hello until the learner answers; it may be started after the generator. GeneratorRefused propagates."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     announced = False
     while True:
         try:
-            reply = await client.request("hello", config_hash=config_hash, timeout_s=2.0)
+            return await client.hello(config_hash, timeout_s=HELLO_TIMEOUT_S)
         except LearnerUnavailable:
             if loop.time() > deadline:
                 raise LearnerUnavailable(f"no learner answered at {client.endpoint} within {timeout_s:.0f} s") from None
@@ -35,19 +44,16 @@ async def wait_for_learner(client: BufferClient, config_hash: str, timeout_s: fl
                 say(f"generator {client.generator_id}: waiting for the learner at {client.endpoint} ...")
                 announced = True
             await asyncio.sleep(0.5)  # Redis says "no learner yet" at once; do not spin
-            continue
-        if not reply.get("ok"):
-            raise GeneratorRefused(reply.get("error", "refused"))
-        return reply
 
 
 async def run_generator_async(cfg, say=print) -> int:
     generator_id = cfg.generator.generator_id or f"gen-{os.getpid()}"
-    client = make_generator_client(cfg, generator_id)
+    seed = sampling_seed(cfg.generator.seed, generator_id)
+    client = make_generator_buffer(cfg, generator_id)
     engine, metrics_log, rollout, stage = None, None, None, None
     try:
         hello = await wait_for_learner(client, shared_hash(cfg), cfg.generator.connect_timeout_s, say)
-        info = hello["run_info"]
+        info = hello.run_info
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(info["model_path"], trust_remote_code=cfg.model.trust_remote_code)
@@ -56,13 +62,13 @@ async def run_generator_async(cfg, say=print) -> int:
             log.warning("generator %s: skipped %d prompts longer than data.max_prompt_tokens", generator_id, skipped)
         engine = make_engine(cfg.generator.engine, model_path=info["model_path"], dtype=cfg.generator.dtype,
                              max_model_len=cfg.generator.max_model_len, kv_cache_gib=cfg.generator.kv_cache_gib,
-                             seed=cfg.generator.seed + os.getpid() % 1000, update_mode=cfg.generator.update_mode,
+                             seed=seed, update_mode=cfg.generator.update_mode,
                              trust_remote_code=cfg.model.trust_remote_code)
         await engine.start()
         stage = WeightStage(cfg.weightsync.shm_dir, generator_id, cfg.weightsync.timeout_s)
         metrics_log = _metrics_logger(info, generator_id)
         rollout = RolloutLoop(
-            client, engine, iterate_prompts(rows, cfg.data.shuffle, cfg.generator.seed + os.getpid()),
+            client, engine, iterate_prompts(rows, cfg.data.shuffle, seed),
             load_reward_fn(cfg.reward.path, cfg.reward.function), tokenizer, cfg.rollout,
             cfg.generator.max_inflight_groups, generator_id, reward_shaping=cfg.reward,
             on_stats=(lambda m: metrics_log.log(m, step=engine.version)) if metrics_log else None,
@@ -79,7 +85,7 @@ async def run_generator_async(cfg, say=print) -> int:
     finally:
         if rollout is None or not rollout.done:  # after "done" the learner has stopped listening
             try:
-                await client.request("bye", timeout_s=1.0)
+                await client.bye(timeout_s=BYE_TIMEOUT_S)
             except Exception as err:  # best effort: the learner reclaims our admissions when we fall silent
                 log.debug("generator %s: bye was not answered (%s)", generator_id, err)
         if metrics_log is not None:
@@ -108,5 +114,11 @@ def run_generator(cfg, say=print) -> int:
         say(f"generator stopped: {err}; restart it (it joins on the current weights)")
         return 1
     except EngineUnsupported as err:  # refused before any engine was built: a restart is refused alike
+        say(f"generator stopped: {err}")
+        return 1
+    except GeneratorRefused as err:  # e.g. started with another recipe than the learner
+        say(f"generator refused by the learner: {err}")
+        return 1
+    except LearnerUnavailable as err:  # the learner never came, or went away before the job was done
         say(f"generator stopped: {err}")
         return 1

@@ -1,9 +1,11 @@
 """The generator's rollout loop.
 
 Each of `max_inflight_groups` workers repeats: ask the learner for admission -> load the newest weights it has
-heard of (DESIGN.md §4: before sampling a new group) -> sample n completions -> score them -> send the group.
-It waits on: admission (polls with backoff while the learner says no), weight loads, and the learner's replies
-(each bounded by a timeout). It stops when the learner says the job is done, or fails when the learner is gone.
+heard of (docs/architecture.md §4: before sampling a new group) -> sample n completions -> score them -> send the
+group. It talks to the learner only through `interface.GeneratorBuffer` (either backend), whose typed replies it
+reads. It waits on: admission (polls with backoff while the learner says no), weight loads, and the learner's
+replies (each bounded by a timeout). It stops when the learner says the job is done (buffer/done.py), or fails when
+the learner is gone.
 """
 import asyncio
 import logging
@@ -12,13 +14,17 @@ import time
 import numpy as np
 
 from asyncrl.buffer.codec import encode_group
+from asyncrl.buffer.done import JobEnd
 from asyncrl.buffer.group import Group, Sample, Sampling, new_group_id
+from asyncrl.buffer.interface import Status
+from asyncrl.configs.sections import RewardConfig
 from asyncrl.generator.engines.base import EngineBroken, WeightLoadError
 from asyncrl.generator.rewards import RewardError, overlong_penalty, score
-from asyncrl.configs.sections import RewardConfig
 from asyncrl.weightsync.receiver import WeightSyncError
 
 log = logging.getLogger(__name__)
+STATS_TIMEOUT_S = 5.0
+"""A stats report is informational: waiting longer for its answer would only delay the next one."""
 
 
 class RolloutStats:
@@ -68,23 +74,23 @@ class RolloutLoop:
         self.stats_every_s = stats_every_s
         self.stats = RolloutStats()
         self.latest_weights: dict = {}
-        self._heard_done = asyncio.Event()
+        self.job_end = JobEnd()
         self._weights_lock = asyncio.Lock()
 
     @property
     def done(self) -> bool:
         """The learner said the job is over."""
-        return self._heard_done.is_set()
+        return self.job_end.heard
 
     async def run(self) -> None:
         """Sample until the learner says the job is done, or a worker fails (its error is raised).
 
-        On "done" the workers still waiting on the learner are cancelled rather than awaited: the learner stops
-        answering once every generator has heard it, so each would wait out its request timeout (30 s by
-        default) for a reply that never comes, and a supervisor stops a generator that takes that long."""
+        On "done" the workers still waiting on the learner are cancelled rather than awaited (buffer/done.py): the
+        learner stops answering once every generator has heard it, so each would wait out its request timeout
+        for a reply that never comes."""
         workers = {asyncio.create_task(self._worker()) for _ in range(self.max_inflight_groups)}
         reporter = asyncio.create_task(self._report())
-        heard_done = asyncio.create_task(self._heard_done.wait())
+        heard_done = asyncio.create_task(self.job_end.wait())
         try:
             pending = set(workers)
             while pending and not heard_done.done():
@@ -100,23 +106,22 @@ class RolloutLoop:
             await asyncio.gather(*tasks, return_exceptions=True)
             await self._send_stats()
 
-    def note_reply(self, reply: dict) -> None:
-        weights = reply.get("weights") or {}
-        if weights.get("version", -1) > self.latest_weights.get("version", -1):
-            self.latest_weights = weights
-        if reply.get("done"):
-            self._heard_done.set()
-        rejected = reply.get("rejected")
-        if isinstance(rejected, dict):  # groups the learner found invalid when it took them (zmq backend)
+    def note_reply(self, reply: Status) -> None:
+        """What every reply says: the newest weights, whether the job is over, groups rejected since."""
+        version = reply.weights.get("version", -1)
+        if isinstance(version, int) and version > self.latest_weights.get("version", -1):
+            self.latest_weights = reply.weights
+        self.job_end.hear(reply)
+        if reply.rejected is not None:  # groups the learner found invalid when it took them (zmq backend)
             log.error("learner rejected %s of this generator's groups since its last reply; the last: %s",
-                      rejected.get("count"), rejected.get("last_error"))
+                      reply.rejected.count, reply.rejected.last_error)
 
     async def _worker(self) -> None:
         backoff = 0.01
         while not self.done:
-            reply = await self.client.request("admit", want=1)
+            reply = await self.client.admit(1)
             self.note_reply(reply)
-            if not reply.get("granted"):
+            if not reply.granted:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 0.2)
                 continue
@@ -198,11 +203,11 @@ class RolloutLoop:
     async def _send(self, group: Group) -> None:
         payload = encode_group(group)
         while True:
-            reply = await self.client.request("group", body=payload, group_id=group.group_id)
+            reply = await self.client.send(group.group_id, payload)
             self.note_reply(reply)
-            if reply.get("accepted") or not reply.get("retry"):
-                if not reply.get("accepted"):
-                    log.error("learner rejected group %s: %s", group.group_id, reply.get("error"))
+            if reply.accepted or not reply.retry:
+                if not reply.accepted:
+                    log.error("learner rejected group %s: %s %s", group.group_id, reply.reason, reply.error)
                 return
             await asyncio.sleep(0.05)  # the learner's queue is full: keep the group and retry
 
@@ -212,12 +217,12 @@ class RolloutLoop:
             await self._send_stats()
 
     async def _send_stats(self) -> None:
-        """To the learner (not after "done": it has stopped listening, and the request would wait out its 5 s),
+        """To the learner (not after "done": it has stopped listening, and the request would wait out its timeout),
         and to MLflow."""
         metrics = self.stats.snapshot(self.engine.version)
         if not self.done:
             try:
-                await self.client.request("stats", metrics=metrics, timeout_s=5)
+                await self.client.report(metrics, timeout_s=STATS_TIMEOUT_S)
             except Exception as err:
                 log.debug("could not send stats: %s", err)
         if self.on_stats is not None:

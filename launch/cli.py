@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
             add_launch_arguments(cmd, resume=name == "learner")
         if name == "run":
             cmd.add_argument("--nproc", type=int, default=1, help="learner ranks (torchrun; default 1)")
+            cmd.add_argument("--generators", type=int, default=1,
+                             help="generator processes, named gen-0, gen-1, ... (default 1)")
     add_export_parser(sub)
     return parser
 
@@ -131,13 +133,26 @@ def job_dir_for(cfg) -> str:
     return path
 
 
-def resolve_model_and_data(cfg, say) -> tuple[str, list]:
-    """The demo's cached assets when demo.task is set and no model is given, else the configured paths."""
+def resolve_rl_inputs(cfg) -> tuple[str, list]:
+    """The model and prompt files of an RL job: the demo's cached assets (the SFT warm start and its prompts) when
+    demo.task is set and no model is given, else the configured paths."""
     if cfg.demo.task and cfg.model.path is None:
-        from asyncrl.launch.demo import prepare_demo
+        from asyncrl.launch.demo import prepare_demo, say_stderr
 
-        model_dir, files = prepare_demo(cfg.demo, cfg.job.seed, say)
+        model_dir, files = prepare_demo(cfg.demo, cfg.job.seed, say_stderr)
         return model_dir, cfg.data.train_files or files
+    return cfg.model.path, cfg.data.train_files
+
+
+def resolve_sft_inputs(cfg) -> tuple[str, list]:
+    """The model and data of an SFT job: the demo's base model and SFT data when demo.task is set and no model is
+    given, else the configured paths."""
+    if cfg.demo.task and cfg.model.path is None:
+        from asyncrl.launch.demo import demo_dir, prepare_demo, say_stderr
+
+        prepare_demo(cfg.demo, cfg.job.seed, say_stderr)
+        root = demo_dir(cfg.demo, cfg.job.seed)
+        return os.path.join(root, "base"), cfg.data.train_files or [os.path.join(root, "data", "sft.parquet")]
     return cfg.model.path, cfg.data.train_files
 
 
@@ -164,25 +179,33 @@ def leave_ranks(parallel) -> None:
         dist.barrier()
 
 
-def cmd_learner(cfg, args) -> int:
-    if args.nproc * args.nnodes > 1 and "LOCAL_RANK" not in os.environ:
-        return exec_torchrun(cfg, args, module="asyncrl.learner", command_name="learner")
+def close_ranks() -> None:
     import torch.distributed as dist
 
-    from asyncrl.launch.demo import say_stderr
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def locate_job(cfg, parallel, resolve) -> tuple:
+    """(model path, data files, job directory), decided on rank 0 (it builds the demo assets) and sent to all."""
+    from asyncrl.learner.parallel import broadcast_object
+
+    where = (*resolve(cfg), job_dir_for(cfg)) if parallel.is_main else None
+    return broadcast_object(where, parallel)
+
+
+def cmd_learner(cfg, args) -> int:
+    """Parse (done), join the ranks, build and run the learner, close."""
+    if args.nproc * args.nnodes > 1 and "LOCAL_RANK" not in os.environ:
+        return exec_torchrun(cfg, args, module="asyncrl.learner", command_name="learner")
     from asyncrl.learner.checkpoint import CheckpointError
     from asyncrl.learner.loop import run_learner
-    from asyncrl.learner.parallel import broadcast_object
 
     parallel = join_ranks(cfg, "learner")
     if isinstance(parallel, int):
         return parallel
     try:
-        where = None
-        if parallel.is_main:  # one rank builds the demo assets and names the job directory
-            model_path, files = resolve_model_and_data(cfg, say_stderr)
-            where = (model_path, files, job_dir_for(cfg))
-        model_path, files, job_dir = broadcast_object(where, parallel)
+        model_path, files, job_dir = locate_job(cfg, parallel, resolve_rl_inputs)
         try:
             summary = run_learner(cfg, model_path, files, job_dir, parallel)
         except CheckpointError as err:
@@ -193,8 +216,7 @@ def cmd_learner(cfg, args) -> int:
         leave_ranks(parallel)
         return 0
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_ranks()
 
 
 def cmd_generator(cfg, args) -> int:
@@ -208,66 +230,45 @@ def cmd_sft(cfg, args) -> int:
     """SFT on the learner's stack; with --nproc N, on N ranks (FSDP2, learner.sp_size for Ulysses)."""
     if args.nproc * args.nnodes > 1 and "LOCAL_RANK" not in os.environ:
         return exec_torchrun(cfg, args, module="asyncrl.launch.cli", command_name="sft")
-    import torch
-    import torch.distributed as dist
-
-    from asyncrl.launch.demo import demo_dir, prepare_demo, say_stderr
-    from asyncrl.learner.loop import build_policy
-    from asyncrl.learner.model import load_tokenizer
-    from asyncrl.learner.parallel import broadcast_object
-    from asyncrl.learner.publish import iter_full_weights
-    from asyncrl.learner.sft import run_sft
-    from asyncrl.learner.sft_data import SFTDataError, read_sft_examples
-    from asyncrl.learner.train_step import StepSettings
+    from asyncrl.launch.demo import say_stderr
+    from asyncrl.learner.sft_data import SFTDataError
+    from asyncrl.learner.sft_job import run_sft_job
 
     parallel = join_ranks(cfg, "sft")
     if isinstance(parallel, int):
         return parallel
     try:
-        where = None
-        if parallel.is_main:
-            model_path, files = cfg.model.path, cfg.data.train_files
-            if cfg.demo.task and model_path is None:
-                prepare_demo(cfg.demo, cfg.job.seed, say_stderr)
-                root = demo_dir(cfg.demo, cfg.job.seed)
-                model_path, files = os.path.join(root, "base"), files or [os.path.join(root, "data", "sft.parquet")]
-            where = (model_path, files, job_dir_for(cfg))
-        model_path, files, job_dir = broadcast_object(where, parallel)
-        torch.manual_seed(cfg.sft.seed)
-        tokenizer, model = load_tokenizer(model_path), build_policy(cfg, model_path, parallel)
+        model_path, files, job_dir = locate_job(cfg, parallel, resolve_sft_inputs)
+        say = say_stderr if parallel.is_main else (lambda message: None)
         try:
-            examples = read_sft_examples(files, tokenizer, cfg.sft.max_length or None, cfg.sft.truncation)
+            result = run_sft_job(cfg, model_path, files, job_dir, parallel, say)
         except (SFTDataError, FileNotFoundError) as err:
             print(f"asyncrl sft: {err}", file=sys.stderr)
             return 2
-        settings = StepSettings(version=0, max_staleness=0, max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch,
-                                chunk_tokens=cfg.learner.logprob_chunk_tokens, grad_clip=cfg.learner.grad_clip,
-                                packing=cfg.learner.packing, parallel=parallel)
-        say = say_stderr if parallel.is_main else (lambda message: None)
-        losses = run_sft(model, examples, cfg.sft.steps, cfg.sft.lr, cfg.sft.batch_size, cfg.sft.seed, settings,
-                         on_step=lambda s, n, l: say(f"sft step {s}/{n} loss {l:.4f}") if s % 10 == 0 or s == n
-                         else None)
-        out = os.path.join(job_dir, "model")
-        weights = dict(iter_full_weights(model, parallel, torch.float32, 256 << 20))
         if parallel.is_main:
-            model.save_pretrained(out, state_dict=weights)
-            tokenizer.save_pretrained(out)
-            print(f"sft: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}; model saved to {out}" if losses
-                  else f"sft: 0 steps; model saved to {out}")
+            losses = result.losses
+            print(f"sft: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}; model saved to "
+                  f"{result.out_dir}" if losses else f"sft: 0 steps; model saved to {result.out_dir}")
         leave_ranks(parallel)
         return 0
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        close_ranks()
 
 
 def cmd_run(cfg, args) -> int:
     from asyncrl.launch.supervisor import run_job
 
-    if args.nproc < 1:
-        print(f"asyncrl run: --nproc must be >= 1, got {args.nproc}", file=sys.stderr)
+    if args.nproc < 1 or args.generators < 1:
+        print(f"asyncrl run: --nproc and --generators must be >= 1, got {args.nproc} and {args.generators}",
+              file=sys.stderr)
         return 2
-    return run_job(cfg, args.config, args.overrides, learner_args=["--nproc", str(args.nproc)] if args.nproc > 1 else [])
+    if args.generators > 1 and cfg.generator.generator_id:
+        print(f"asyncrl run: --generators {args.generators} with "
+              f"generator.generator_id={cfg.generator.generator_id!r}: "
+              f"each generator needs its own id; leave it unset (they are named gen-0, gen-1, ...)", file=sys.stderr)
+        return 2
+    return run_job(cfg, args.config, args.overrides, generators=args.generators,
+                   learner_args=["--nproc", str(args.nproc)] if args.nproc > 1 else [])
 
 
 def cmd_export(args) -> int:

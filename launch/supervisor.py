@@ -1,9 +1,11 @@
-"""`asyncrl run`: one learner and one generator on this machine, supervised.
+"""`asyncrl run`: one learner and `--generators N` generators on this machine, supervised.
 
-It builds the demo assets first (so both children find them cached), starts the learner and the generator as
-child processes in their own process groups with logs in the job directory, and draws the learner's progress
-line. Ctrl-C stops both cleanly. When a child dies, it reports the exit code and the tail of its log, and stops the
-other. When the learner finishes, the generator gets a grace period to notice and exit.
+It builds the demo assets first (so every child finds them cached), starts the learner and the generators (named
+gen-0, gen-1, ...) as child processes in their own process groups with logs in the job directory, and draws the
+learner's progress line. Ctrl-C stops them all cleanly. When the learner dies, it reports the exit code and the tail
+of its log and stops the generators. A generator that dies is reported the same way; the learner carries on with
+the others, and once none is left the job stops. When the learner finishes, each generator gets
+`buffer.done_grace_s` to notice and exit (buffer/done.py).
 """
 import json
 import os
@@ -14,23 +16,25 @@ import time
 
 from asyncrl.telemetry.progress import format_line
 
-GRACE_S = 30.0
 TAIL_LINES = 25
+POLL_S = 0.5
 
 
-def run_job(cfg, recipe, overrides: list, learner_args: list = ()) -> int:
-    from asyncrl.launch.cli import job_dir_for, print_summary, resolve_model_and_data
+def run_job(cfg, recipe, overrides: list, generators: int = 1, learner_args: list = ()) -> int:
+    from asyncrl.launch.cli import job_dir_for, print_summary, resolve_rl_inputs
     from asyncrl.launch.demo import say_stderr
 
     job_dir = os.path.abspath(job_dir_for(cfg))
-    resolve_model_and_data(cfg, say_stderr)
+    resolve_rl_inputs(cfg)
     say_stderr(f"asyncrl run: job directory {job_dir}")
-    children = {"learner": start_child("learner", recipe, overrides, job_dir, list(learner_args)),
-                "generator": start_child("generator", recipe, overrides, job_dir)}
+    children = {"learner": start_child("learner", "learner", recipe, overrides, job_dir, list(learner_args))}
+    for name in generator_names(cfg.generator.generator_id, generators):
+        children[name] = start_child(name, "generator", recipe, [*overrides, f"generator.generator_id={name}"],
+                                     job_dir)
     try:
-        code = supervise(children, job_dir)
+        code = supervise(children, job_dir, cfg.buffer.done_grace_s)
     except KeyboardInterrupt:
-        say_stderr("\nasyncrl run: interrupted; stopping learner and generator")
+        say_stderr("\nasyncrl run: interrupted; stopping the learner and the generators")
         stop_all(children)
         return 130
     summary_path = os.path.join(job_dir, "summary.json")
@@ -41,43 +45,61 @@ def run_job(cfg, recipe, overrides: list, learner_args: list = ()) -> int:
     return code
 
 
-def start_child(name: str, recipe, overrides: list, job_dir: str, extra_args: list = ()) -> dict:
-    command = [sys.executable, "-m", "asyncrl.launch.cli", name, *extra_args,
+def generator_names(configured_id: str, count: int) -> list[str]:
+    """gen-0, gen-1, ...: fixed ids, so each generator's sampling seed is the same in every run (generator.seed);
+    one generator keeps the id the config gives it."""
+    if count == 1 and configured_id:
+        return [configured_id]
+    return [f"gen-{index}" for index in range(count)]
+
+
+def start_child(name: str, role: str, recipe, overrides: list, job_dir: str, extra_args: list = ()) -> dict:
+    """`role` (learner or generator) as a child in its own process group, logging to <job dir>/<name>.log."""
+    command = [sys.executable, "-m", "asyncrl.launch.cli", role, *extra_args,
                *(["--config", recipe] if recipe else []), *overrides, "telemetry.progress=false"]
     log_path = os.path.join(job_dir, f"{name}.log")
     env = {**os.environ, "ASYNCRL_JOB_DIR": job_dir, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)  # own process group: Ctrl-C reaches only us
-    return {"proc": proc, "log": log_path}
+    return {"name": name, "proc": proc, "log": log_path}
 
 
-def supervise(children: dict, job_dir: str) -> int:
-    """Waits for the learner to finish (0) or for either child to fail (its exit code)."""
+def supervise(children: dict, job_dir: str, grace_s: float) -> int:
+    """Waits for the learner to finish (0), the learner to fail, or the last generator to fail (its exit code)."""
     progress_path = os.path.join(job_dir, "progress.jsonl")
     tty = sys.stderr.isatty()
     last_line, last_print = "", 0.0
+    generators = {name: child for name, child in children.items() if name != "learner"}
+    failed: set = set()
     while True:
-        time.sleep(0.5)
+        time.sleep(POLL_S)
         line = latest_progress(progress_path)
         if line and line != last_line and (tty or time.monotonic() - last_print > 10):
             sys.stderr.write(("\r\033[K" + line) if tty else line + "\n")
             sys.stderr.flush()
             last_line, last_print = line, time.monotonic()
-        for name, child in children.items():
-            code = child["proc"].poll()
-            if code is None:
-                continue
-            if name == "learner" and code == 0:
-                if tty:
-                    sys.stderr.write("\n")
-                wait_or_stop(children["generator"], GRACE_S)
-                return 0
-            if name == "generator" and code == 0 and children["learner"]["proc"].poll() is None:
-                continue  # the generator saw "done" first; the learner is finishing up
-            report_failure(name, code, child["log"])
+        code = children["learner"]["proc"].poll()
+        if code == 0:
+            if tty:
+                sys.stderr.write("\n")
+            wait_or_stop(list(generators.values()), grace_s)
+            return 0
+        if code is not None:
+            report_failure(children["learner"], code)
             stop_all(children)
-            return code or 1
+            return code
+        for name, child in generators.items():
+            code = child["proc"].poll()
+            if code in (None, 0) or name in failed:  # 0: it heard "done" first; the learner is finishing up
+                continue
+            failed.add(name)
+            report_failure(child, code)
+            if len(failed) == len(generators):
+                say = "the last generator" if len(generators) > 1 else "the generator"
+                print(f"asyncrl run: {say} failed; stopping the learner", file=sys.stderr)
+                stop_all(children)
+                return code or 1
 
 
 def latest_progress(path: str) -> str:
@@ -90,21 +112,25 @@ def latest_progress(path: str) -> str:
     return format_line(record["step"], record["total"], record, record["elapsed_s"])
 
 
-def report_failure(name: str, code: int, log_path: str) -> None:
-    print(f"\nasyncrl run: the {name} exited with code {code}. Last lines of {log_path}:", file=sys.stderr)
+def report_failure(child: dict, code: int) -> None:
+    role = "learner" if child["name"] == "learner" else f"generator {child['name']}"
+    print(f"\nasyncrl run: the {role} exited with code {code}. Last lines of {child['log']}:", file=sys.stderr)
     try:
-        with open(log_path, errors="replace") as handle:
+        with open(child["log"], errors="replace") as handle:
             tail = handle.readlines()[-TAIL_LINES:]
     except OSError:
         tail = ["(log unreadable)\n"]
     sys.stderr.write("".join("  | " + line for line in tail))
 
 
-def wait_or_stop(child: dict, grace_s: float) -> None:
-    try:
-        child["proc"].wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        stop(child)
+def wait_or_stop(children: list, grace_s: float) -> None:
+    """Give every child until `grace_s` from now to exit, then stop the ones still running."""
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        try:
+            child["proc"].wait(timeout=max(deadline - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            stop(child)
 
 
 def stop(child: dict, timeout_s: float = 15.0) -> None:

@@ -8,7 +8,7 @@ The per-step passes (reference logprobs, proximal logprobs, batch-global correct
 optional [B, L-1] fields of the whole batch once; `select` slices every field, so each micro-batch carries its
 rows' share of them and `rows` says where they came from.
 """
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import numpy as np
@@ -53,9 +53,6 @@ class Batch:
             return self
         return Batch(**{spec.name: None if getattr(self, spec.name) is None else getattr(self, spec.name).to(device)
                         for spec in fields(self)})
-
-    def with_fields(self, **values) -> "Batch":
-        return replace(self, **values)
 
 
 def build_batch(groups: list) -> Batch:

@@ -6,7 +6,8 @@ Layout of one checkpoint, `root/step-{version:08d}/`:
     scheduler.pt       the LR scheduler's state_dict (rank 0; identical on every rank)
     rng-rank{r}.pt     rank r's RNG states: torch CPU, CUDA (if any), python `random`, numpy
     hf/                config.json, generation_config.json and tokenizer files, so `asyncrl export` needs nothing else
-    meta.json          version, consumed frontier, world size; written last
+    meta.json          the LearnerState (learner/state.py: version, consumed frontier, counters, receipts awaiting
+                       their ack, the KL coefficient), world size; written last
 
 Atomicity: everything is written under `root/.tmp-step-{version:08d}/` and renamed once meta.json is in it, so a
 kill -9 at any point leaves nothing `latest_checkpoint` would pick (it also requires meta.json). Stale temporary
@@ -25,9 +26,10 @@ import os
 import random
 import re
 import shutil
+import threading
 import time
 import warnings
-import threading
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -36,13 +38,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from asyncrl.learner.state import LearnerState
+
 CHECKPOINT_PREFIX = "step-"
 TMP_PREFIX = ".tmp-" + CHECKPOINT_PREFIX
 META_FILE = "meta.json"
 DCP_DIR = "dcp"
 HF_DIR = "hf"
 SCHEDULER_FILE = "scheduler.pt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""meta.json's layout. Format 1 (before LearnerState) is still read: its version and `consumed` dict become a state."""
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
             "chat_template.jinja", "chat_template.json")
@@ -70,12 +75,13 @@ _pending: _PendingSave | None = None
 _async_group = None  # (default group, a gloo group only background saves use), made on the first async save
 
 
-def save_checkpoint(root: str, model, optimizer, scheduler, version: int, consumed: dict, keep_last: int,
+def save_checkpoint(root: str, model, optimizer, scheduler, state: LearnerState, keep_last: int,
                     model_dir: str | None = None, async_save: bool = False) -> str:
-    """Writes root/step-{version:08d}/ and returns its path. Holds: the model and optimizer (DCP, via
+    """Writes root/step-{state.version:08d}/ and returns its path. Holds: the model and optimizer (DCP, via
     torch.distributed.checkpoint.state_dict.get_state_dict so FSDP2 DTensors are saved sharded), the LR scheduler
-    state, every rank's RNG state (torch CPU RNG, CUDA RNG if available, python `random`, numpy), the version, and
-    `consumed` (a JSON-able dict: the buffer's consumed frontier; opaque to this module). When model_dir is given,
+    state, every rank's RNG state (torch CPU RNG, CUDA RNG if available, python `random`, numpy), and the whole
+    LearnerState as it is at this call (a copy: the state may move on while a background save runs; rank 0's is the
+    one written, and every rank holds the same). When model_dir is given,
     config.json, generation_config.json and tokenizer files from it are copied into step-X/hf/ so export needs
     nothing else (without it, the model's own `config` is written there when it has one).
     Atomic: written under a temporary name and renamed, with meta.json written last, so a kill -9 mid-save leaves no
@@ -83,9 +89,9 @@ def save_checkpoint(root: str, model, optimizer, scheduler, version: int, consum
     deleting older ones (rank 0 deletes). With async_save=True, uses dcp.async_save; rank 0 renames and prunes as
     soon as the write completes, and the next save or wait_for_pending_save() waits for that."""
     global _pending
-    meta = {"format": FORMAT_VERSION, "version": int(version), "consumed": consumed, "world_size": _world_size(),
-            "time": time.time()}
-    json.dumps(meta)  # fail before writing anything if `consumed` is not JSON-able
+    version = state.version
+    meta = {"format": FORMAT_VERSION, "state": state.to_json(), "world_size": _world_size(), "time": time.time()}
+    json.dumps(meta)  # fail before writing anything if the state is not JSON-able
     if model_dir is not None and not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise CheckpointError(f"model_dir {model_dir} has no config.json")  # on every rank, so none waits alone
     wait_for_pending_save()
@@ -147,9 +153,9 @@ def _finalize_in_background(future, pending: _PendingSave) -> None:
         pending.finalized.set()
 
 
-def load_checkpoint(path: str, model, optimizer, scheduler) -> tuple[int, dict]:
+def load_checkpoint(path: str, model, optimizer, scheduler) -> LearnerState:
     """Loads everything save_checkpoint wrote into the given (already FSDP-wrapped if distributed) model/optimizer/
-    scheduler, restores this rank's RNG state, returns (version, consumed). Clear error naming the path if it is not
+    scheduler, restores this rank's RNG state, returns the LearnerState. Clear error naming the path if it is not
     a complete checkpoint, or if it was written with a different world size where that matters (RNG per rank)."""
     meta = read_meta(path)
     world, rank = _world_size(), _rank()
@@ -171,7 +177,7 @@ def load_checkpoint(path: str, model, optimizer, scheduler) -> tuple[int, dict]:
     scheduler.load_state_dict(torch.load(os.path.join(path, SCHEDULER_FILE), weights_only=True))
     restore_rng_state(torch.load(rng_file, weights_only=True))
     _barrier()
-    return meta["version"], meta["consumed"]
+    return read_state(path)
 
 
 def latest_checkpoint(root: str) -> str | None:
@@ -191,9 +197,24 @@ def read_meta(path: str) -> dict:
             meta = json.load(f)
     except (OSError, ValueError) as err:
         raise CheckpointError(f"checkpoint {path}: unreadable {META_FILE}: {err}") from err
-    if meta.get("format") != FORMAT_VERSION:
+    if meta.get("format") not in (1, FORMAT_VERSION):
         raise CheckpointError(f"checkpoint {path}: format {meta.get('format')!r}, expected {FORMAT_VERSION}")
     return meta
+
+
+def read_state(path: str) -> LearnerState:
+    """The LearnerState a complete checkpoint holds (format 1: its version and consumed frontier)."""
+    meta = read_meta(path)
+    if meta["format"] == 1:  # before LearnerState: a version and a `consumed` dict
+        consumed = meta.get("consumed") or {}
+        return LearnerState(version=int(meta["version"]), groups_consumed=int(consumed.get("groups", 0)),
+                            groups_by_generator=dict(consumed.get("by_generator", {})),
+                            dropped_total=Counter(consumed.get("dropped_total", {})),
+                            unacked=list(consumed.get("unacked", [])))
+    try:
+        return LearnerState.from_json(meta["state"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {path}: unreadable learner state in {META_FILE}: {err!r}") from None
 
 
 def resolve_checkpoint(path: str) -> str:

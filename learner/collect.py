@@ -1,4 +1,5 @@
-"""Taking a batch of groups from the buffer, with the staleness check of DESIGN.md §4 applied to every group.
+"""Taking a batch of groups from the buffer, with the staleness check of docs/architecture.md §4 applied to every
+group.
 
 Batch assembly also applies the filters that decide what a step may train on, each counted, never silent:
 - stale groups (staleness > η) are dropped;
@@ -62,20 +63,21 @@ def drop_reason(group, batch_filter: BatchFilter) -> str | None:
     return None
 
 
-def collect_batch(server, coordinator, groups_per_step: int, max_staleness: int, version: int,
-                  timeout_s: float, batch_filter: BatchFilter | None = None) -> Collected:
-    """Take groups until `groups_per_step` usable ones are in hand. Dropped groups are counted and given back."""
+def collect_batch(buffer, groups_per_step: int, max_staleness: int, version: int, timeout_s: float,
+                  batch_filter: BatchFilter | None = None) -> Collected:
+    """Take groups from `buffer` (an `interface.LearnerBuffer`) until `groups_per_step` usable ones are in hand.
+    Dropped groups are counted and given back."""
     started = time.monotonic()
     out = Collected(groups=[])
     while len(out.groups) < groups_per_step:
         remaining = timeout_s - (time.monotonic() - started)
         if remaining <= 0:
-            live = server.live_generators()
+            live = buffer.live_generators()
             raise BatchTimeout(
                 f"learner v{version}: only {len(out.groups)}/{groups_per_step} groups after {timeout_s:.0f} s "
                 f"(dropped so far: {dict(out.dropped) or 'none'}); generators seen recently: {live or 'none'} "
                 f"(start one with `asyncrl generator --config ...`)")
-        group = server.take(min(remaining, 1.0))
+        group = buffer.take(min(remaining, 1.0))
         if group is None:
             continue
         oldest = group.min_version()
@@ -90,7 +92,7 @@ def collect_batch(server, coordinator, groups_per_step: int, max_staleness: int,
                 log.warning("learner v%d: dropping group %s from %s (%s)", version, group.group_id,
                             group.generator_id, reason)
             out.dropped[reason] += 1
-            coordinator.give_back(1, token=group.group_id)
+            buffer.give_back(group)
             continue
         out.groups.append(group)
         out.staleness.append(group_staleness(version, oldest))

@@ -29,8 +29,6 @@ class LearnerConfig:
     packing: bool = False
     """Run each micro-batch's decoder as one packed row (no padding tokens; block-diagonal causal attention).
     Off by default: on CPU sdpa attends over the whole packed row, which costs more than it saves on short rows."""
-    done_grace_s: float = 20.0
-    """After the last step, how long the learner keeps answering so every generator hears "done", in s."""
     torch_threads: int = 0
     """torch intra-op threads; 0 keeps torch's default."""
     seed: int = 0
@@ -80,8 +78,6 @@ class LearnerConfig:
             raise ValueError(f"learner.logprob_chunk_tokens must be >= 1, got {self.logprob_chunk_tokens}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"learner.dtype must be float32 or bfloat16, got {self.dtype!r}")
-        if self.done_grace_s < 0:
-            raise ValueError(f"learner.done_grace_s must be >= 0, got {self.done_grace_s}")
         if self.wait_for_batch_timeout_s <= 0:
             raise ValueError(f"learner.wait_for_batch_timeout_s must be > 0, got {self.wait_for_batch_timeout_s}")
         if self.attn_implementation not in ("auto", "sdpa", "flash_attention_2", "eager"):

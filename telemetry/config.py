@@ -9,8 +9,6 @@ class TelemetryConfig:
     """MLflow tracking URI. None: $MLFLOW_TRACKING_URI if set, else sqlite:///mlflow.db in the working directory."""
     experiment: str = "asyncrl"
     """MLflow experiment that holds the job's run."""
-    system_metrics: bool = False
-    """Log CPU/memory/disk series with MLflow's system-metrics sampler (needs psutil)."""
     progress: bool = True
     """Show the live progress line."""
 

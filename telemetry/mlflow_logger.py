@@ -3,11 +3,11 @@
 The learner creates the run (or attaches to $MLFLOW_RUN_ID) and hands its id to generators. Everyone logs with
 `MlflowClient.log_batch` from a background thread: never the fluent `start_run`, whose exit hook would end the
 shared run. The queue is bounded; when it is full the oldest report is dropped and counted rather than blocking
-training.
+training: the newest report is the one a person watching the run needs (`DropOldestQueue`).
 """
+import collections
 import logging
 import os
-import queue
 import threading
 import time
 
@@ -33,6 +33,31 @@ def create_or_attach_run(tracking_uri: str, experiment: str, run_name: str) -> s
     return client.create_run(experiment_id, run_name=run_name).info.run_id
 
 
+class DropOldestQueue:
+    """A bounded FIFO whose `put` never blocks: when it is full, the oldest item makes room and is counted.
+    Any number of producers, one consumer."""
+
+    def __init__(self, maxsize: int):
+        self._items: collections.deque = collections.deque()
+        self._maxsize = maxsize
+        self._ready = threading.Condition()
+        self.dropped = 0
+
+    def put(self, item) -> None:
+        with self._ready:
+            if len(self._items) >= self._maxsize:
+                self._items.popleft()
+                self.dropped += 1
+            self._items.append(item)
+            self._ready.notify()
+
+    def get(self):
+        with self._ready:
+            while not self._items:
+                self._ready.wait()
+            return self._items.popleft()
+
+
 class MetricsLogger:
     """Consumes metric dicts from any thread; a daemon thread writes them in batches of <= 1000."""
 
@@ -42,17 +67,17 @@ class MetricsLogger:
         self.client = MlflowClient(tracking_uri)
         self.run_id = run_id
         self.prefix = prefix
-        self.dropped = 0
-        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._queue = DropOldestQueue(max_pending)
         self._thread = threading.Thread(target=self._drain, name="asyncrl-mlflow", daemon=True)
         self._thread.start()
 
+    @property
+    def dropped(self) -> int:
+        """Reports dropped because the queue was full (MLflow slower than the metrics)."""
+        return self._queue.dropped
+
     def log(self, metrics: dict, step: int) -> None:
-        item = (dict(metrics), step, int(time.time() * 1000))
-        try:
-            self._queue.put_nowait(item)
-        except queue.Full:
-            self.dropped += 1
+        self._queue.put((dict(metrics), step, int(time.time() * 1000)))
 
     def log_params(self, params: dict) -> None:
         from mlflow.entities import Param
@@ -88,7 +113,7 @@ class MetricsLogger:
 
     def close(self, status: str | None = None) -> None:
         """Flush everything queued, then optionally end the run (only its creator does that)."""
-        self._queue.put(None)
+        self._queue.put(None)  # the newest item: only a full queue drops it, and nothing logs after close
         self._thread.join(timeout=60)
         if status is not None:
             self.client.set_terminated(self.run_id, status=status)

@@ -29,6 +29,12 @@ class WeightSyncConfig:
     """backend=broadcast: port of the group's rendezvous store on the learner (0: any free port)."""
     timeout_s: float = 60.0
     """Longest any weight-sync wait may take (a fetch, a broadcast, a rendezvous) before it fails naming the peer."""
+    every_steps: int = 1
+    """Publish the weights every this many learner steps (and always after the last one). Between publishes the
+    fleet keeps sampling with the last published version and admission stays at it, so staleness still never
+    exceeds buffer.max_staleness; every_steps may be at most buffer.max_staleness + 1, or the fleet would run out of
+    admissions while the learner waits for a batch. Larger values trade freshness for fewer transfers (big models,
+    slow links)."""
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -44,3 +50,5 @@ class WeightSyncConfig:
                 raise ValueError(f"weightsync.{name} must be in [0, 65535], got {getattr(self, name)}")
         if self.timeout_s <= 0:
             raise ValueError(f"weightsync.timeout_s must be > 0, got {self.timeout_s}")
+        if self.every_steps < 1:
+            raise ValueError(f"weightsync.every_steps must be >= 1, got {self.every_steps}")

@@ -13,9 +13,10 @@ import uuid
 import pytest
 
 from asyncrl.buffer.codec import decode_group, encode_group
-from asyncrl.buffer.redis_client import RedisBufferClient
-from asyncrl.buffer.redis_conn import RedisOptions, connect
-from asyncrl.buffer.redis_stream import GROUP
+from asyncrl.buffer.interface import LearnerUnavailable
+from asyncrl.buffer.redis.client import RedisBufferClient
+from asyncrl.buffer.redis.conn import RedisOptions, connect
+from asyncrl.buffer.redis.stream import GROUP
 from tests.e2e.test_resume import (GROUPS_PER_STEP, VOCAB, child_pids, run_to_end, scripted_group, start_learner,
                                    tiny_model_dir, wait_until_gone)  # noqa: F401 (fixture)
 
@@ -32,27 +33,24 @@ class RedisScriptedGenerator(threading.Thread):
         self.produced: list[str] = []
         self.errors: list[str] = []
 
-    def ask(self, op, **fields):
-        return asyncio.run(self.client.request(op, **fields))
-
     def run(self):
         try:
             while not self.stop.is_set():
                 try:
-                    if self.ask("hello", config_hash=self.config_hash)["ok"]:
-                        break
-                except Exception:
+                    asyncio.run(self.client.hello(self.config_hash))
+                    break
+                except LearnerUnavailable:  # no learner has registered the job yet
                     time.sleep(0.1)
             while not self.stop.is_set():
-                reply = self.ask("admit", want=1)
-                if reply["done"]:
+                reply = asyncio.run(self.client.admit(1))
+                if reply.done:
                     return
-                if not reply["granted"]:
+                if not reply.granted:
                     time.sleep(0.02)
                     continue
-                group = scripted_group(reply["version"], len(self.produced), 0)
+                group = scripted_group(reply.version, len(self.produced), 0)
                 group.group_id = uuid.uuid4().hex
-                self.ask("group", body=encode_group(group), group_id=group.group_id)
+                asyncio.run(self.client.send(group.group_id, encode_group(group)))
                 self.produced.append(group.group_id)
                 time.sleep(self.pace_s)
         except Exception as err:
@@ -64,7 +62,7 @@ def scripted_overrides(model_dir, url: str, namespace: str, steps: int, checkpoi
     return [f"model.path={model_dir}", "demo.task=''", "buffer.backend=redis", f"buffer.redis_url={url}",
             f"buffer.redis_namespace={namespace}", f"learner.total_steps={steps}", "buffer.max_staleness=0",
             f"buffer.groups_per_step={GROUPS_PER_STEP}", "rollout.n=4", f"learner.checkpoint_every={checkpoint_every}",
-            "learner.torch_threads=1", "learner.done_grace_s=1", "telemetry.progress=false"]
+            "learner.torch_threads=1", "buffer.done_grace_s=1", "telemetry.progress=false"]
 
 
 def effective_timeline(path):
@@ -194,7 +192,7 @@ def test_two_rank_learner_and_a_generator_ride_out_a_kill_9_of_redis(tiny_model_
     redis-server is killed with -9 mid-run and restarted 2 s later. The learner and the generator (the Redis client
     a generator process builds from the recipe) reconnect and carry on: every step runs, no group is trained twice,
     none is lost, η holds."""
-    from asyncrl.buffer.backends import make_generator_client
+    from asyncrl.buffer.backends import make_generator_buffer
     from asyncrl.configs import load_config, shared_hash
     from tests.conftest import RedisServer
 
@@ -209,7 +207,7 @@ def test_two_rank_learner_and_a_generator_ride_out_a_kill_9_of_redis(tiny_model_
         "learner.sp_size=2", "buffer.redis_reconnect_s=60"]
     cfg = load_config(None, overrides)
     generator = RedisScriptedGenerator(redis_proc.url, namespace, shared_hash(cfg), 0.05)
-    generator.client = make_generator_client(cfg, "scripted")  # the client a generator process would use
+    generator.client = make_generator_buffer(cfg, "scripted")  # the client a generator process would use
     proc, log = start_learner(overrides, job_dir, tmp_path, 2)
     generator.start()
     groups_file = job_dir / "trained_groups.jsonl"

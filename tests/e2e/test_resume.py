@@ -18,7 +18,7 @@ import pytest
 
 from asyncrl.buffer.codec import encode_group
 from asyncrl.buffer.group import Group, Sample, Sampling
-from asyncrl.buffer.protocol import pack, unpack_reply
+from asyncrl.buffer.zmq.wire import pack, unpack_reply
 from tests.conftest import free_port
 
 VOCAB = 64
@@ -110,7 +110,10 @@ def learner_overrides(model_dir, port, steps):
     return [f"model.path={model_dir}", "demo.task=''", f"buffer.port={port}", f"learner.total_steps={steps}",
             "buffer.max_staleness=0", f"buffer.groups_per_step={GROUPS_PER_STEP}", f"rollout.n={N}",
             "learner.checkpoint_every=2", "learner.checkpoint_keep=2", "learner.torch_threads=1",
-            "learner.lr=1e-3", "learner.warmup_steps=0", "learner.done_grace_s=1", "telemetry.progress=false"]
+            "learner.lr=1e-3", "learner.warmup_steps=0", "buffer.done_grace_s=1", "telemetry.progress=false",
+            # a reward-KL coefficient the adaptive controller moves every step: the resumed run continues the same
+            # loss curve only if the checkpoint kept it (LearnerState.kl_coef)
+            "algo.kl_reward_coef=0.05", "algo.kl_controller=adaptive", "algo.kl_target=0.001", "algo.kl_horizon=40"]
 
 
 def start_learner(overrides, job_dir, tmp_path, nproc: int, extra=()):
@@ -119,13 +122,15 @@ def start_learner(overrides, job_dir, tmp_path, nproc: int, extra=()):
     log = open(os.path.join(job_dir, f"learner-{time.monotonic_ns()}.log"), "wb")
     command = [sys.executable, "-m", "asyncrl.launch.cli", "learner", *(["--nproc", str(nproc)] if nproc > 1 else []),
                *extra, *overrides]
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True), log
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            cwd=tmp_path), log  # MLflow writes run artifacts under the working directory
 
 
 def losses(job_dir):
+    """step -> (loss/pg, the reward-KL coefficient the step used)."""
     with open(os.path.join(job_dir, "progress.jsonl")) as handle:
         rows = [json.loads(line) for line in handle]
-    return {row["step"]: row["loss/pg"] for row in rows}
+    return {row["step"]: (row["loss/pg"], row["kl/reward_coef"]) for row in rows}
 
 
 def run_to_end(proc, log, timeout_s=300):
@@ -214,5 +219,6 @@ def test_kill_9_then_resume_continues_the_loss_curve_bit_identically(tiny_model_
     assert sorted(reference) == list(range(1, steps + 1))
     assert results["killed_start"] == 4 and results["reference_start"] == 0  # the version carries on
     assert all(before[step] == reference[step] for step in before)  # the first life trained the same
+    assert reference[6][1] != reference[1][1]  # the controller moved the coefficient
     for step in (5, 6):
         assert killed[step] == reference[step], (step, killed[step], reference[step])  # bit-identical

@@ -44,7 +44,7 @@ def inject_garbage(port):
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.connect(f"tcp://127.0.0.1:{port}")
-    from asyncrl.buffer.protocol import pack
+    from asyncrl.buffer.zmq.wire import pack
 
     for index, body in enumerate([b"\xc1\xc1garbage", b"\x00" * 32]):
         sock.send_multipart([pack({"op": "group", "req": index, "gen": "attacker"}), body])
@@ -94,7 +94,10 @@ def test_generators_started_before_and_after_the_learner_join_with_current_weigh
     # 40 steps leave the late joiner (model load on a busy 2-core machine) ample runway before the job ends
     overrides = common_overrides(demo_cache, port, steps=40) + ["generator.engine=hf"]
     procs = {"early": start("generator", overrides + ["generator.generator_id=early"], tmp_path, job_dir, "early.log")}
-    time.sleep(2)
+    deadline = time.time() + 120
+    while "waiting for the learner" not in (tmp_path / "early.log").read_text():  # it is up, and no learner is
+        assert procs["early"].poll() is None and time.time() < deadline, (tmp_path / "early.log").read_text()
+        time.sleep(0.1)
     procs["learner"] = start("learner", overrides, tmp_path, job_dir, "learner.log")
     try:
         deadline = time.time() + 240

@@ -1,5 +1,6 @@
 """`asyncrl run` as a supervisor: a crashing child is reported with its exit code and log tail, and Ctrl-C stops
 both children cleanly."""
+import json
 import os
 import signal
 import subprocess
@@ -39,7 +40,7 @@ def test_a_crashing_generator_is_reported_and_the_learner_is_stopped(tmp_path, d
                           f"reward.path={tmp_path}/missing_reward.py"], env=env, capture_output=True, text=True,
                          timeout=300, cwd=tmp_path)
     assert out.returncode != 0
-    assert "the generator exited with code 1" in out.stderr
+    assert "the generator gen-0 exited with code 1" in out.stderr
     assert "missing_reward.py" in out.stderr  # the tail of its log names the problem
     assert children_of(str(job_dir)) == []
 
@@ -63,3 +64,24 @@ def test_ctrl_c_stops_learner_and_generator(tmp_path, demo_assets, demo_cache):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "interrupted" in err
     assert children_of(str(job_dir)) == []
+
+
+@pytest.mark.slow
+def test_asyncrl_run_with_two_generators_trains_on_both_and_stops_them_all(tmp_path, demo_assets, demo_cache):
+    job_dir = tmp_path / "job"
+    env = {**os.environ, "ASYNCRL_JOB_DIR": str(job_dir), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/m.db"}
+    out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "run", "--generators", "2",
+                          *overrides(demo_cache, free_port()), "learner.total_steps=12"], env=env,
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((job_dir / "summary.json").read_text())
+    assert summary["steps"] == 12 and set(summary["generators"]) == {"gen-0", "gen-1"}
+    assert all("first_group_min_version" in record for record in summary["generators"].values())  # both delivered
+    assert (job_dir / "gen-0.log").is_file() and (job_dir / "gen-1.log").is_file()
+    assert children_of(str(job_dir)) == []
+
+
+def test_two_generators_cannot_share_one_configured_id():
+    out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "run", "--generators", "2",
+                          "generator.generator_id=mine"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "each generator needs its own id" in out.stderr

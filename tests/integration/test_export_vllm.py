@@ -7,12 +7,13 @@ import torch
 
 from asyncrl.buffer.group import Sampling
 from asyncrl.generator.dataset import read_rows, tokenize_rows
+from asyncrl.learner.build import build_optimizer
 from asyncrl.learner.checkpoint import save_checkpoint
 from asyncrl.learner.config import LearnerConfig
 from asyncrl.learner.export import export_checkpoint
 from asyncrl.learner.logprobs import compute_logprobs
-from asyncrl.learner.loop import build_optimizer
 from asyncrl.learner.model import load_model, load_tokenizer
+from asyncrl.learner.state import LearnerState
 
 pytestmark = pytest.mark.vllm
 MAX_TOKENS = 8
@@ -37,7 +38,8 @@ def exported(demo_assets, tmp_path_factory):
     optimizer.step()  # one step: the export must carry the trained weights, not the base model's
     scheduler.step()
     root = str(tmp_path_factory.mktemp("ckpt"))
-    save_checkpoint(root, model, optimizer, scheduler, 1, {"groups": 1}, keep_last=1, model_dir=model_dir)
+    save_checkpoint(root, model, optimizer, scheduler, LearnerState(version=1, groups_consumed=1), keep_last=1,
+                    model_dir=model_dir)
     out = export_checkpoint(root, str(tmp_path_factory.mktemp("export")))
     base = load_model(model_dir).state_dict()
     assert any(not torch.equal(base[k], v) for k, v in model.state_dict().items())

@@ -9,10 +9,10 @@ import uuid
 import pytest
 import redis
 
-from asyncrl.buffer.redis_conn import RedisOptions, RedisSetupError, check_server, connect, redacted
-from asyncrl.buffer.redis_coordinator import RedisCoordinator
-from asyncrl.buffer.redis_produce import produce_batch
-from asyncrl.buffer.redis_stream import GroupStream
+from asyncrl.buffer.redis.conn import RedisOptions, RedisSetupError, check_server, connect, redacted
+from asyncrl.buffer.redis.coordinator import RedisCoordinator
+from asyncrl.buffer.redis.produce import produce_batch
+from asyncrl.buffer.redis.stream import GroupStream
 from asyncrl.buffer.staleness import admission_capacity
 from tests.conftest import RedisServer, free_port
 

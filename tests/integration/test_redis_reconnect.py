@@ -14,14 +14,14 @@ import pytest
 
 from asyncrl.buffer.codec import encode_group
 from asyncrl.buffer.group import Group, Sample, Sampling
-from asyncrl.buffer.redis_client import RedisBufferClient
-from asyncrl.buffer.redis_conn import RedisOptions, RedisSetupError, configure_durability, connect
-from asyncrl.buffer.redis_coordinator import RedisCoordinator
-from asyncrl.buffer.redis_produce import produce_batch
-from asyncrl.buffer.redis_reconnect import Reconnecting
-from asyncrl.buffer.redis_server import RedisBufferServer
-from asyncrl.buffer.redis_stream import GROUP, GroupStream
-from asyncrl.buffer.zmq_client import LearnerUnavailable
+from asyncrl.buffer.interface import LearnerUnavailable
+from asyncrl.buffer.redis.client import RedisBufferClient
+from asyncrl.buffer.redis.conn import RedisOptions, RedisSetupError, configure_durability, connect
+from asyncrl.buffer.redis.coordinator import RedisCoordinator
+from asyncrl.buffer.redis.produce import produce_batch
+from asyncrl.buffer.redis.reconnect import Reconnecting
+from asyncrl.buffer.redis.server import RedisBufferServer
+from asyncrl.buffer.redis.stream import GROUP, GroupStream
 from tests.conftest import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -42,7 +42,8 @@ def learner_side(url: str, job: str, patience_s: float = 30.0, reclaim_idle_s: f
     coordinator.set_version(0, allow_backwards=True)
     server = RedisBufferServer(client, url, job, coordinator, vocab_size=VOCAB, config_hash="h",
                                max_message_bytes=1 << 20, run_info={"job": job}, reclaim_idle_s=reclaim_idle_s,
-                               retry=retry).start()
+                               retry=retry)
+    server.start()
     return server, retry
 
 
@@ -62,14 +63,14 @@ class Producer(threading.Thread):
 
     def run(self):
         async def produce():
-            assert (await self.client.request("hello", config_hash="h"))["ok"]
+            await self.client.hello("h")
             while len(self.sent) < self.count:
-                if not (await self.client.request("admit", want=1))["granted"]:
+                if not (await self.client.admit(1)).granted:
                     await asyncio.sleep(0.01)
                     continue
                 group_id = uuid.uuid4().hex
-                reply = await self.client.request("group", body=encode_group(a_group(group_id)), group_id=group_id)
-                assert reply["accepted"]
+                reply = await self.client.send(group_id, encode_group(a_group(group_id)))
+                assert reply.accepted
                 self.sent.append(group_id)
                 await asyncio.sleep(0.005)
 
@@ -80,8 +81,8 @@ class Producer(threading.Thread):
 
 
 def drain(server: RedisBufferServer, want: int, timeout_s: float, ack_every: int = 7, on_count=None) -> list[str]:
-    """Take groups as the learner does, acking in batches (as checkpoints would)."""
-    taken, deadline = [], time.monotonic() + timeout_s
+    """Take groups as the learner does, acknowledging in batches (as checkpoints would)."""
+    taken, receipts, deadline = [], [], time.monotonic() + timeout_s
     while len(taken) < want and time.monotonic() < deadline:
         group = server.take(0.5)
         if group is None:
@@ -89,11 +90,11 @@ def drain(server: RedisBufferServer, want: int, timeout_s: float, ack_every: int
         taken.append(group.group_id)
         if on_count is not None:
             on_count(len(taken))
-        if len(server.taken_entries) >= ack_every:
-            server.ack(server.taken_entries)
-            server.taken_entries.clear()
-    server.ack(server.taken_entries)
-    server.taken_entries.clear()
+        receipts += server.take_receipts()
+        if len(receipts) >= ack_every:
+            server.on_checkpoint(receipts)
+            receipts = []
+    server.on_checkpoint(receipts + server.take_receipts())
     return taken
 
 
@@ -130,17 +131,17 @@ def test_a_redis_that_comes_back_empty_is_rebuilt_and_the_loss_is_said(tmp_path,
     job = "em" + uuid.uuid4().hex[:8]
     try:
         server, retry = learner_side(redis_proc.url, job)
-        server.set_weights({"version": 3, "path": "/x"})
+        server.announce_weights({"version": 3, "path": "/x"})
         client = generator_side(redis_proc.url, job)
-        assert asyncio.run(client.request("hello", config_hash="h"))["ok"]
+        asyncio.run(client.hello("h"))
         redis_proc.kill(signal.SIGKILL)
         redis_proc.start()  # empty
         with caplog.at_level(logging.ERROR):
             assert server.take(0.5) is None  # reconnects, finds nothing, rebuilds
         assert "groups queued in it are lost" in caplog.text  # redis-py redialled silently: NOGROUP told
-        reply = asyncio.run(client.request("admit", want=1))
-        assert reply["granted"] == 1 and reply["weights"]["version"] == 3  # metadata rewritten by the learner
-        asyncio.run(client.request("group", body=encode_group(a_group("after")), group_id="after"))
+        reply = asyncio.run(client.admit(1))
+        assert reply.granted == 1 and reply.weights["version"] == 3  # metadata rewritten by the learner
+        asyncio.run(client.send("after", encode_group(a_group("after"))))
         assert server.take(5.0).group_id == "after"
     finally:
         redis_proc.kill()
@@ -156,7 +157,7 @@ def test_an_outage_longer_than_the_patience_is_an_error_naming_redis(tmp_path):
     with pytest.raises(RuntimeError, match=f"127.0.0.1:{redis_proc.port}.*redis_reconnect_s"):
         server.take(0.5)
     with pytest.raises(LearnerUnavailable, match="127.0.0.1"):
-        asyncio.run(client.request("admit", want=1))
+        asyncio.run(client.admit(1))
     assert time.monotonic() - started < 10
 
 
@@ -206,7 +207,7 @@ def test_a_resent_delivery_is_trained_once_and_counts_once(redis_server):
     assert first in server.held and second in server.held
     # each lease was released once, however often its group was sent: 3 admitted, none outstanding
     assert coordinator.started == 3 and coordinator.leases() == 0
-    server.ack(server.taken_entries)
+    server.on_checkpoint(server.take_receipts())
     assert stream.pending_count() == 0
 
 
@@ -246,8 +247,10 @@ def test_a_dead_learner_incarnations_entries_are_still_reclaimed(redis_server):
     old = GroupStream(connect(RedisOptions(redis_server.url)), job, consumer="learner-old")
     old.produce("orphan", encode_group(a_group("orphan")))
     assert [entry.entry_id for entry in old.read(10, block_ms=100)]  # delivered to a consumer that then died
-    time.sleep(0.3)
-    assert server.take(3.0).group_id == "orphan"
+    deadline = time.monotonic() + 10
+    while (taken := server.take(0.3)) is None:  # reclaimed once it has been idle for reclaim_idle_s
+        assert time.monotonic() < deadline, "the dead consumer's entry was never reclaimed"
+    assert taken.group_id == "orphan"
 
 
 def test_durability_is_configured_and_its_loss_window_stated(tmp_path, caplog):
@@ -272,17 +275,17 @@ def test_the_weights_message_is_read_once_per_publish(redis_server):
     job = "wm" + uuid.uuid4().hex[:8]
     server, _ = learner_side(redis_server.url, job)
     client = generator_side(redis_server.url, job)
-    assert asyncio.run(client.request("hello", config_hash="h"))["weights"] == {}
-    server.set_weights({"version": 2, "names": ["w"] * 1000})
-    assert asyncio.run(client.request("admit", want=1))["weights"]["version"] == 2
+    assert asyncio.run(client.hello("h")).weights == {}
+    server.announce_weights({"version": 2, "names": ["w"] * 1000})
+    assert asyncio.run(client.admit(1)).weights["version"] == 2
     server.client.hset(server.keys["meta"], "weights", '{"version": 99}')  # the same id: not read again
-    reply = asyncio.run(client.request("group", body=encode_group(a_group("g1")), group_id="g1"))
-    assert reply["accepted"] and reply["weights"]["version"] == 2
-    assert asyncio.run(client.request("admit", want=1))["weights"]["version"] == 2
-    server.set_weights({"version": 2, "names": ["w"], "shm": {"path": "/elsewhere"}})  # a resumed learner
-    reply = asyncio.run(client.request("group", body=encode_group(a_group("g2")), group_id="g2"))
-    assert reply["weights"]["shm"] == {"path": "/elsewhere"}
-    assert asyncio.run(client.request("admit", want=1))["weights"]["shm"] == {"path": "/elsewhere"}
+    reply = asyncio.run(client.send("g1", encode_group(a_group("g1"))))
+    assert reply.accepted and reply.weights["version"] == 2
+    assert asyncio.run(client.admit(1)).weights["version"] == 2
+    server.announce_weights({"version": 2, "names": ["w"], "shm": {"path": "/elsewhere"}})  # a resumed learner
+    reply = asyncio.run(client.send("g2", encode_group(a_group("g2"))))
+    assert reply.weights["shm"] == {"path": "/elsewhere"}
+    assert asyncio.run(client.admit(1)).weights["shm"] == {"path": "/elsewhere"}
 
 
 def test_a_group_from_weights_newer_than_the_learner_is_dropped_and_a_negative_version_is_dead_lettered(

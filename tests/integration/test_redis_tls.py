@@ -12,9 +12,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from asyncrl.buffer.redis_conn import RedisOptions, RedisSetupError, check_server, connect
-from asyncrl.buffer.redis_coordinator import RedisCoordinator
-from asyncrl.buffer.redis_stream import GroupStream
+from asyncrl.buffer.redis.conn import RedisOptions, RedisSetupError, check_server, connect
+from asyncrl.buffer.redis.coordinator import RedisCoordinator
+from asyncrl.buffer.redis.stream import GroupStream
 from tests.conftest import RedisServer, free_port
 
 pytestmark = pytest.mark.redis

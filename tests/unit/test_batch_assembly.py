@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from asyncrl.buffer.group import Group, Sample, Sampling
-from asyncrl.buffer.staleness import Coordinator
 from asyncrl.generator.rewards import overlong_penalty
 from asyncrl.learner.batch import build_batch
 from asyncrl.learner.collect import BatchFilter, BatchTimeout, collect_batch
@@ -25,10 +24,11 @@ def make_group(rewards, version=0, baseline=None, length=3):
 
 
 class QueueServer:
-    """The two methods of ZmqBufferServer that collect_batch uses, over a plain queue."""
+    """The three methods of a LearnerBuffer that collect_batch uses, over a plain queue; counts give-backs."""
 
     def __init__(self, groups):
         self.groups = queue.Queue()
+        self.given_back = []
         for group in groups:
             self.groups.put(group)
 
@@ -41,28 +41,21 @@ class QueueServer:
     def live_generators(self):
         return ["gen"]
 
-
-class CountingCoordinator(Coordinator):
-    def __init__(self):
-        super().__init__(max_staleness=1, groups_per_step=2)
-        self.given_back = 0
-
-    def give_back(self, count, token=""):
-        self.given_back += count
+    def give_back(self, group):
+        self.given_back.append(group.group_id)
 
 
 def test_dynamic_sampling_drops_zero_variance_groups_and_keeps_pulling():
     groups = [make_group([1, 1, 1]), make_group([0, 1, 0]), make_group([0, 0, 0]), make_group([1, 0, 1])]
-    coordinator = CountingCoordinator()
-    out = collect_batch(QueueServer(groups), coordinator, 2, 1, 0, timeout_s=5,
-                        batch_filter=BatchFilter(group_size=3, dynamic_sampling=True))
+    server = QueueServer(groups)
+    out = collect_batch(server, 2, 1, 0, timeout_s=5, batch_filter=BatchFilter(group_size=3, dynamic_sampling=True))
     assert [g.rewards() for g in out.groups] == [[0, 1, 0], [1, 0, 1]]
-    assert out.dropped["zero_variance"] == 2 and coordinator.given_back == 2
+    assert out.dropped["zero_variance"] == 2 and server.given_back == [groups[0].group_id, groups[2].group_id]
 
 
 def test_without_dynamic_sampling_zero_variance_groups_train():
-    out = collect_batch(QueueServer([make_group([1, 1, 1]), make_group([0, 0, 0])]), CountingCoordinator(), 2, 1, 0,
-                        timeout_s=5, batch_filter=BatchFilter(group_size=3))
+    out = collect_batch(QueueServer([make_group([1, 1, 1]), make_group([0, 0, 0])]), 2, 1, 0, timeout_s=5,
+                        batch_filter=BatchFilter(group_size=3))
     assert len(out.groups) == 2 and not out.dropped
 
 
@@ -70,7 +63,7 @@ def test_remax_groups_without_a_baseline_and_wrong_sizes_are_dropped_and_counted
     groups = [make_group([1, 0, 1], version=5), make_group([1, 0], version=5, baseline=0.5),
               make_group([1, 0, 1], version=4, baseline=0.5),
               make_group([0, 0, 1], version=3, baseline=1.0), make_group([1, 1, 0], version=5, baseline=0.0)]
-    out = collect_batch(QueueServer(groups), CountingCoordinator(), 2, 1, 5, timeout_s=5,
+    out = collect_batch(QueueServer(groups), 2, 1, 5, timeout_s=5,
                         batch_filter=BatchFilter(group_size=3, needs_baseline=True))
     assert dict(out.dropped) == {"no_baseline": 1, "group_size": 1, "stale": 1}
     assert [g.meta["baseline_reward"] for g in out.groups] == [0.5, 0.0]
@@ -78,7 +71,7 @@ def test_remax_groups_without_a_baseline_and_wrong_sizes_are_dropped_and_counted
 
 def test_batch_timeout_names_what_was_dropped():
     with pytest.raises(BatchTimeout, match="zero_variance"):
-        collect_batch(QueueServer([make_group([1, 1, 1])]), CountingCoordinator(), 2, 1, 0, timeout_s=0.3,
+        collect_batch(QueueServer([make_group([1, 1, 1])]), 2, 1, 0, timeout_s=0.3,
                       batch_filter=BatchFilter(group_size=3, dynamic_sampling=True))
 
 

@@ -9,10 +9,11 @@ import zmq
 
 from asyncrl.buffer.codec import encode_group
 from asyncrl.buffer.group import Group, Sample, Sampling
-from asyncrl.buffer.protocol import pack
+from asyncrl.buffer.zmq.wire import pack
 from asyncrl.buffer.staleness import Coordinator
-from asyncrl.buffer.zmq_client import BufferClient, LearnerUnavailable
-from asyncrl.buffer.zmq_server import ZmqBufferServer
+from asyncrl.buffer.interface import GeneratorRefused, LearnerUnavailable
+from asyncrl.buffer.zmq.client import ZmqBufferClient
+from asyncrl.buffer.zmq.server import ZmqBufferServer
 from tests.conftest import free_port
 
 
@@ -26,33 +27,35 @@ def group(reward=1.0, token=3, version=0):
 @pytest.fixture
 def server():
     srv = ZmqBufferServer("127.0.0.1", free_port(), Coordinator(1, 2), vocab_size=16, config_hash="h",
-                          max_message_bytes=4096, queue_groups=2, run_info={"k": "v"}).start()
+                          max_message_bytes=4096, queue_groups=2, run_info={"k": "v"})
+    srv.start()
     yield srv
     srv.close()
 
 
-def request(client, *args, **kwargs):
-    return asyncio.run(client.request(*args, **kwargs))
+def run(coroutine):
+    return asyncio.run(coroutine)
 
 
 def test_bad_groups_are_rejected_counted_given_back_and_their_generator_is_told():
     """Groups are validated when the learner takes them: bad ones are skipped, counted by reason, their admissions
     freed, and the generator hears of them in its next reply. Only an oversized group is refused at once."""
     server = ZmqBufferServer("127.0.0.1", free_port(), Coordinator(1, 2), vocab_size=16, config_hash="h",
-                             max_message_bytes=4096, queue_groups=8, run_info={}).start()
-    client = BufferClient(server.endpoint, "gen-a", timeout_s=5)
+                             max_message_bytes=4096, queue_groups=8, run_info={})
+    server.start()
+    client = ZmqBufferClient(server.endpoint, "gen-a", timeout_s=5)
     wrong_schema = msgpack.unpackb(encode_group(group()), raw=False)
     wrong_schema["schema"] = 99
 
     async def scenario():
-        granted = (await client.request("admit", want=4))["granted"]
+        granted = (await client.admit(4)).granted
         replies = []
-        for payload in (b"\x00garbage\xff", msgpack.packb(wrong_schema, use_bin_type=True),
-                        encode_group(group(reward=float("nan"))), encode_group(group(token=999)),
-                        b"\x00" * 5000, encode_group(group())):
-            replies.append(await client.request("group", body=payload))
+        for index, payload in enumerate((b"\x00garbage\xff", msgpack.packb(wrong_schema, use_bin_type=True),
+                                         encode_group(group(reward=float("nan"))), encode_group(group(token=999)),
+                                         b"\x00" * 5000, encode_group(group()))):
+            replies.append(await client.send(f"g{index}", payload))
         taken = await asyncio.to_thread(server.take, 1.0)
-        return granted, replies, taken, await client.request("stats"), await client.request("stats")
+        return granted, replies, taken, await client.report({}), await client.report({})
 
     try:
         granted, replies, taken, told, after = asyncio.run(scenario())
@@ -60,13 +63,17 @@ def test_bad_groups_are_rejected_counted_given_back_and_their_generator_is_told(
         client.close()
         server.close()
     assert granted == 4
-    assert [r["accepted"] for r in replies] == [True] * 4 + [False, True]
-    assert replies[4]["reason"] == "too_large" and "max_message_bytes=4096" in replies[4]["error"]
+    assert [r.accepted for r in replies] == [True] * 4 + [False, True]
+    assert replies[4].reason == "too_large" and "max_message_bytes=4096" in replies[4].error
+    assert not replies[4].retry
     assert taken.group_id == "abc"
     assert server.rejected == {"malformed": 1, "schema": 1, "bad_reward": 1, "token_out_of_range": 1,
                                "too_large": 1}
-    assert told["rejected"]["count"] == 4 and "token_out_of_range" in told["rejected"]["last_error"]
-    assert "rejected" not in after  # told once
+    assert {key: value for key, value in server.metrics().items() if key.startswith("buffer/rejected/")} == {
+        "buffer/rejected/malformed": 1.0, "buffer/rejected/schema": 1.0, "buffer/rejected/bad_reward": 1.0,
+        "buffer/rejected/token_out_of_range": 1.0, "buffer/rejected/too_large": 1.0}
+    assert told.rejected.count == 4 and "token_out_of_range" in told.rejected.last_error
+    assert after.rejected is None  # told once
     # the four admitted bad groups gave their capacity back; the oversized and the valid one held none to give
     assert server.coordinator.started == 0 and server.received == 1
 
@@ -81,60 +88,61 @@ def test_malformed_control_frames_do_not_stop_the_server(server):
         assert raw.poll(5000) and msgpack.unpackb(raw.recv_multipart()[-1])["ok"] is False
     raw.close(linger=0)
     context.term()
-    client = BufferClient(server.endpoint, "gen-b", timeout_s=5)
-    assert request(client, "hello", config_hash="h")["run_info"] == {"k": "v"}
+    client = ZmqBufferClient(server.endpoint, "gen-b", timeout_s=5)
+    assert run(client.hello("h")).run_info == {"k": "v"}
     client.close()
     assert server.rejected["malformed"] == 2
 
 
 def test_config_mismatch_is_refused_with_a_clear_message(server):
-    client = BufferClient(server.endpoint, "gen-c", timeout_s=5)
-    reply = request(client, "hello", config_hash="other")
+    client = ZmqBufferClient(server.endpoint, "gen-c", timeout_s=5)
+    with pytest.raises(GeneratorRefused, match="config mismatch.*gen-c"):
+        run(client.hello("other"))
     client.close()
-    assert not reply["ok"] and "config mismatch" in reply["error"] and "gen-c" in reply["error"]
 
 
 def test_admission_is_paced_and_a_full_queue_asks_to_retry(server):
-    client = BufferClient(server.endpoint, "gen-d", timeout_s=5)
+    client = ZmqBufferClient(server.endpoint, "gen-d", timeout_s=5)
 
     async def scenario():
-        first = await client.request("admit", want=10)
-        second = await client.request("admit", want=1)
-        sent = [await client.request("group", body=encode_group(group())) for _ in range(3)]
+        first = await client.admit(10)
+        second = await client.admit(1)
+        sent = [await client.send(str(index), encode_group(group())) for index in range(3)]
         return first, second, sent
 
     first, second, replies = asyncio.run(scenario())
     client.close()
-    assert first["granted"] == 4  # (η + v + 1) * B = (1 + 0 + 1) * 2
-    assert second["granted"] == 0
-    assert [r.get("accepted") for r in replies] == [True, True, False] and replies[2]["retry"]
+    assert first.granted == 4  # (η + v + 1) * B = (1 + 0 + 1) * 2
+    assert second.granted == 0
+    assert [r.accepted for r in replies] == [True, True, False] and replies[2].retry
 
 
 def test_a_dead_learner_is_named_in_the_error():
     port = free_port()
-    client = BufferClient(f"tcp://127.0.0.1:{port}", "gen-e", timeout_s=0.3)
+    client = ZmqBufferClient(f"tcp://127.0.0.1:{port}", "gen-e", timeout_s=0.3)
     with pytest.raises(LearnerUnavailable, match=str(port)):
-        request(client, "admit")
+        run(client.admit(1))
     client.close()
 
 
 def test_finished_learner_keeps_serving_until_every_recent_generator_heard_done(server):
-    client = BufferClient(server.endpoint, "late", timeout_s=5)
+    client = ZmqBufferClient(server.endpoint, "late", timeout_s=5)
 
     async def scenario():
-        await client.request("admit", want=1)
-        server.set_done()
+        await client.admit(1)
         started = time.monotonic()
-        unheard = await asyncio.to_thread(server.wait_for_generators_to_hear_done, 0.3)  # it has not polled since
+        unheard = await asyncio.to_thread(server.finish, 0.3)  # it has not polled since
         waited = time.monotonic() - started
-        reply = await client.request("admit", want=1)
-        return unheard, waited, reply, await asyncio.to_thread(server.wait_for_generators_to_hear_done, 5.0)
+        reply = await client.admit(1)
+        started = time.monotonic()
+        unheard_after = await asyncio.to_thread(server.finish, 5.0)
+        return unheard, waited, reply, unheard_after, time.monotonic() - started
 
-    unheard, waited, reply, unheard_after = asyncio.run(scenario())
+    unheard, waited, reply, unheard_after, waited_after = asyncio.run(scenario())
     client.close()
     assert unheard == ["late"] and waited >= 0.3
-    assert reply["done"] and reply["granted"] == 0
-    assert unheard_after == []  # everyone has heard: returns at once
+    assert reply.done and reply.granted == 0
+    assert unheard_after == [] and waited_after < 1.0  # everyone has heard: returns at once
 
 
 def test_the_weights_message_goes_to_each_generator_once_per_publish(server):
@@ -150,18 +158,18 @@ def test_the_weights_message_goes_to_each_generator_once_per_publish(server):
         assert raw.poll(5000)
         return msgpack.unpackb(raw.recv_multipart()[-1])
 
-    client = BufferClient(server.endpoint, "gen-w", timeout_s=5)
+    client = ZmqBufferClient(server.endpoint, "gen-w", timeout_s=5)
     try:
-        assert request(client, "admit")["weights"] == {}  # nothing published yet
-        server.set_weights({"version": 1, "names": ["w"] * 1000})
+        assert run(client.admit(1)).weights == {}  # nothing published yet
+        server.announce_weights({"version": 1, "names": ["w"] * 1000})
         first = raw_reply("")
         assert first["weights"]["version"] == 1 and first["weights_id"]
         assert "weights" not in raw_reply(first["weights_id"])  # holds it: only the id comes back
         assert raw_reply(None)["weights"]["version"] == 1  # a client that sends no `wid` always gets it
-        assert [request(client, "admit")["weights"]["version"] for _ in range(3)] == [1, 1, 1]
+        assert [run(client.admit(1)).weights["version"] for _ in range(3)] == [1, 1, 1]
         assert client.weights_id == first["weights_id"]
-        server.set_weights({"version": 1, "names": ["w"], "shm": {"path": "/elsewhere"}})  # a resumed learner
-        assert request(client, "admit")["weights"]["shm"] == {"path": "/elsewhere"}
+        server.announce_weights({"version": 1, "names": ["w"], "shm": {"path": "/elsewhere"}})  # a resumed learner
+        assert run(client.admit(1)).weights["shm"] == {"path": "/elsewhere"}
         assert client.weights_id != first["weights_id"]
     finally:
         client.close()
@@ -176,7 +184,7 @@ def test_groups_sent_together_travel_in_one_message_and_each_caller_gets_its_own
     router = context.socket(zmq.ROUTER)
     port = free_port()
     router.bind(f"tcp://127.0.0.1:{port}")
-    client = BufferClient(f"tcp://127.0.0.1:{port}", "gen-batch", timeout_s=5)
+    client = ZmqBufferClient(f"tcp://127.0.0.1:{port}", "gen-batch", timeout_s=5)
 
     def serve_one():
         assert router.poll(5000)
@@ -190,8 +198,7 @@ def test_groups_sent_together_travel_in_one_message_and_each_caller_gets_its_own
 
     async def scenario():
         server = asyncio.create_task(asyncio.to_thread(serve_one))
-        replies = await asyncio.gather(*(client.request("group", body=bytes([i]) * (i + 1), group_id=str(i))
-                                         for i in range(3)))
+        replies = await asyncio.gather(*(client.send(str(i), bytes([i]) * (i + 1)) for i in range(3)))
         return replies, await server
 
     try:
@@ -201,13 +208,14 @@ def test_groups_sent_together_travel_in_one_message_and_each_caller_gets_its_own
         router.close(linger=0)
         context.term()
     assert request["op"] == "group" and len(request["reqs"]) == 3 and bodies == [b"\x00", b"\x01\x01", b"\x02" * 3]
-    assert [r["accepted"] for r in replies] == [True, False, True] and replies[1]["retry"]
-    assert all(r["version"] == 7 and r["req"] == req for r, req in zip(replies, request["reqs"]))
+    assert [r.accepted for r in replies] == [True, False, True] and replies[1].retry
+    assert all(r.version == 7 for r in replies)
 
 
 def test_the_server_answers_each_group_of_a_batch_and_refuses_a_batch_it_cannot_match():
     server = ZmqBufferServer("127.0.0.1", free_port(), Coordinator(1, 2), vocab_size=16, config_hash="h",
-                             max_message_bytes=4096, queue_groups=2, run_info={}).start()
+                             max_message_bytes=4096, queue_groups=2, run_info={})
+    server.start()
     context = zmq.Context()
     raw = context.socket(zmq.DEALER)
     raw.connect(server.endpoint)

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from asyncrl.buffer.redis_produce import DeliveryBatcher
+from asyncrl.buffer.redis.produce import DeliveryBatcher
 
 
 class FakeSend:

@@ -3,7 +3,7 @@ before each resend, counts the outage, and gives up after its patience with a me
 import pytest
 import redis
 
-from asyncrl.buffer.redis_reconnect import Reconnecting, RedisUnavailable
+from asyncrl.buffer.redis.reconnect import Reconnecting, RedisUnavailable
 
 
 class FakeClock:

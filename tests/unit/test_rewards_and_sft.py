@@ -1,7 +1,5 @@
-import os
-import subprocess
-import sys
-
+"""Reward functions: user files, the built-in dispatch on data_source, non-finite rewards (`asyncrl sft` as a
+process: tests/integration/test_cli.py)."""
 import pytest
 
 from asyncrl.generator.rewards import RewardError, load_reward_fn, score
@@ -28,20 +26,3 @@ def test_builtin_reward_dispatches_on_data_source_and_names_unknown_ones():
 def test_non_finite_reward_is_an_error():
     with pytest.raises(RewardError, match="non-finite"):
         score(lambda *a: float("nan"), "s", "x", "y", None)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("launch", [[], ["--nproc", "2", "learner.sp_size=2", "learner.packing=true"]],
-                         ids=["one-process", "two-ranks-ulysses-packed"])
-def test_asyncrl_sft_trains_and_saves_a_model(tmp_path, demo_assets, demo_cache, launch):
-    env = {**os.environ, "ASYNCRL_JOB_DIR": str(tmp_path / "job")}
-    out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "sft", *launch, f"demo.cache_dir={demo_cache}",
-                          "demo.sft_steps=20", "demo.num_prompts=256", "sft.steps=10", "sft.batch_size=32"],
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    first, last = (float(x) for x in out.stdout.split("loss ")[1].split(";")[0].split(" -> "))
-    assert last < first
-    from transformers import AutoModelForCausalLM
-
-    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "job" / "model")  # full weights, not a shard
-    assert saved.get_output_embeddings().weight.shape[0] == saved.config.vocab_size

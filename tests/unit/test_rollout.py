@@ -4,6 +4,7 @@ import asyncio
 
 import pytest
 
+from asyncrl.buffer.interface import AdmitReply, Rejections, Status
 from asyncrl.configs.sections import RewardConfig
 from asyncrl.generator.config import RolloutConfig
 from asyncrl.generator.dataset import PromptRow
@@ -113,28 +114,47 @@ def test_rejections_the_learner_reports_are_logged_by_the_generator(caplog):
     loop = RolloutLoop(client=None, engine=ScriptedEngine(), prompts=iter([]), reward_fn=reward_is_nine,
                        tokenizer=DigitTokenizer(), rollout_cfg=RolloutConfig(n=1, max_tokens=4), max_inflight_groups=1,
                        generator_id="g", reward_shaping=RewardConfig())
-    loop.note_reply({"ok": True, "weights": {}})
+    loop.note_reply(Status())
     assert not caplog.records
-    loop.note_reply({"ok": True, "weights": {}, "rejected": {"count": 3, "last_error": "reward: nan [bad_reward]"}})
+    loop.note_reply(Status(rejected=Rejections(3, "reward: nan [bad_reward]")))
     assert "rejected 3 of this generator's groups" in caplog.text and "bad_reward" in caplog.text
 
 
+def test_a_reply_announcing_newer_weights_is_kept_and_an_older_one_is_not():
+    loop = RolloutLoop(client=None, engine=ScriptedEngine(), prompts=iter([]), reward_fn=reward_is_nine,
+                       tokenizer=DigitTokenizer(), rollout_cfg=RolloutConfig(n=1, max_tokens=4), max_inflight_groups=1,
+                       generator_id="g", reward_shaping=RewardConfig())
+    loop.note_reply(Status(version=4, weights={"version": 4, "names": ["w"]}))
+    loop.note_reply(Status(version=4, weights={"version": 3, "names": ["old"]}))
+    loop.note_reply(Status(version=4, weights={}))
+    assert loop.latest_weights == {"version": 4, "names": ["w"]} and not loop.done
+
+
 class ClosingLearner:
-    """Answers the first request with "done"; every later one hangs, as a learner that has stopped listening."""
+    """A GeneratorBuffer that answers the first admit with "done" once every worker has asked; every later request
+    hangs, as a learner that has stopped listening."""
 
-    def __init__(self):
+    def __init__(self, workers: int):
         self.ops = []
+        self.workers = workers
+        self.all_asked = asyncio.Event()
 
-    async def request(self, op, **fields):
-        self.ops.append(op)
+    async def admit(self, want=1):
+        self.ops.append("admit")
+        if len(self.ops) == self.workers:
+            self.all_asked.set()
         if len(self.ops) == 1:
-            await asyncio.sleep(0.05)
-            return {"ok": True, "done": True, "granted": 0, "weights": {}}
-        await asyncio.sleep(3600)
+            await self.all_asked.wait()
+            return AdmitReply(done=True, granted=0)
+        await asyncio.Event().wait()  # never answered
+
+    async def report(self, metrics, timeout_s=None):
+        self.ops.append("stats")
+        await asyncio.Event().wait()
 
 
 def test_on_done_the_generator_stops_at_once_instead_of_waiting_on_requests_the_learner_will_not_answer():
-    client = ClosingLearner()
+    client = ClosingLearner(workers=4)
     loop = RolloutLoop(client=client, engine=ScriptedEngine(), prompts=iter([]), reward_fn=reward_is_nine,
                        tokenizer=DigitTokenizer(), rollout_cfg=RolloutConfig(n=1, max_tokens=4), max_inflight_groups=4,
                        generator_id="g", reward_shaping=RewardConfig(), stats_every_s=3600)

@@ -62,7 +62,7 @@ def connect(options: RedisOptions):
 
     # redis-py 6+ silently resends any command 3 times on a connection error. asyncrl retries itself, per
     # operation it knows to be idempotent, and must see the outage to re-read what a lost reply delivered
-    # (redis_reconnect.py); so the client's own retries are off.
+    # (reconnect.py); so the client's own retries are off.
     kwargs = dict(socket_timeout=options.block_ms / 1000 + 10, socket_connect_timeout=options.connect_timeout_s,
                   health_check_interval=30, retry_on_timeout=False, retry=Retry(NoBackoff(), 0))
     kwargs.update(tls)

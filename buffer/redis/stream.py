@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import redis
 
-from asyncrl.buffer.redis_reconnect import direct
+from asyncrl.buffer.redis.reconnect import direct
 
 log = logging.getLogger(__name__)
 GROUP = "learner"

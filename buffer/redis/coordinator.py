@@ -1,5 +1,5 @@
-"""DESIGN.md §4's admission rule held in Redis, so generators on any machine share it (the zmq backend keeps the
-same rule in `staleness.Coordinator`, in the learner's memory).
+"""The admission rule of docs/architecture.md §4 held in Redis, so generators on any machine share it (the zmq
+backend keeps the same rule in `staleness.Coordinator`, in the learner's memory).
 
 State, under the job's hash tag: `version` (the learner's published version), `started` (admitted groups not given
 back), `leases` (a sorted set: one member per admitted group not yet delivered, scored by its expiry in ms).
@@ -16,8 +16,8 @@ group delivered after its lease expired is counted as started again there, so `s
 import time
 import uuid
 
-from asyncrl.buffer.redis_reconnect import direct
-from asyncrl.buffer.redis_stream import job_keys
+from asyncrl.buffer.redis.reconnect import direct
+from asyncrl.buffer.redis.stream import job_keys
 
 ADMIT = """
 -- KEYS[1] version, KEYS[2] started, KEYS[3] leases, KEYS[4] this request's grant record
@@ -120,10 +120,6 @@ class RedisCoordinator:
         """After a reconnect: a Redis that lost recent writes may hold an older version; put ours back."""
         if self.published is not None:
             self._set_version(keys=[self.keys["version"]], args=[self.published, "0"])
-
-    def reset_started(self, started: int) -> None:
-        """A learner restarting from a checkpoint states how many admitted groups are still owed training."""
-        self.retry("started", self.client.set, self.keys["started"], max(0, int(started)))
 
     @property
     def version(self) -> int:

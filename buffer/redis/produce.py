@@ -4,12 +4,12 @@ Why: a generator keeps several groups in flight (generator.max_inflight_groups).
 costs a network round trip (its XADD and DELIVER, plus the run metadata every reply carries) and a hop to a worker
 thread; on a remote Redis the round trip, not Redis, is the limit. Here deliveries made while a batch is out wait
 for the next one, which carries all of them and one metadata read in one MULTI, one round trip and one
-worker-thread hop. A failed batch is simply sent again (redis_reconnect.py): each group's first attempt is the one
-that counts (redis_stream.py's protocol), and a later one only deletes its own entry.
+worker-thread hop. A failed batch is simply sent again (reconnect.py): each group's first attempt is the one
+that counts (stream.py's protocol), and a later one only deletes its own entry.
 """
 import asyncio
 
-from asyncrl.buffer.redis_stream import GroupStream
+from asyncrl.buffer.redis.stream import GroupStream
 
 
 def produce_batch(client, stream: GroupStream, deliveries: list, fields: tuple = ("done",)) -> tuple:

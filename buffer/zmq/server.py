@@ -1,4 +1,4 @@
-"""The embedded ZeroMQ buffer, hosted in the learner process.
+"""The embedded ZeroMQ buffer, hosted in the learner process (`interface.LearnerBuffer`).
 
 A ROUTER socket served by one background thread. It consumes requests from generators (hello, admit, group,
 stats, bye) and puts each group's bytes on a bounded queue that the learner drains with `take`, which validates
@@ -16,8 +16,9 @@ from collections import Counter, deque
 import zmq
 
 from asyncrl.buffer.codec import CodecError, decode_group
-from asyncrl.buffer.protocol import ProtocolError, pack, unpack_request
+from asyncrl.buffer.done import wait_until_told
 from asyncrl.buffer.staleness import Coordinator
+from asyncrl.buffer.zmq.wire import ProtocolError, pack, unpack_request
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +71,8 @@ class ZmqBufferServer:
         self._thread = threading.Thread(target=self._serve, name="asyncrl-buffer", daemon=True)
 
     # --- learner side -------------------------------------------------------------------------------------
-    def start(self) -> "ZmqBufferServer":
+    def start(self) -> None:
         self._thread.start()
-        return self
 
     def take(self, timeout_s: float):
         """The next valid group, or None after `timeout_s`; invalid ones met on the way are rejected and counted.
@@ -107,33 +107,50 @@ class ZmqBufferServer:
                 join["first_group_min_version"] = group.min_version()
             return group
 
-    def set_weights(self, descriptor: dict) -> None:
+    def give_back(self, group) -> None:
+        """A taken group the learner will not train: its admission frees capacity."""
+        self.coordinator.give_back(1, token=group.group_id)
+
+    def announce_weights(self, message: dict) -> None:
         """Announce published weights; generators learn of them in their next reply.
 
         The control message lists every tensor (17 KB for a 0.5B model, over 1 MB for a large MoE), so a reply
         carries it only to a generator whose request names another `weights_id` than the newest (`_handle`):
         packing it into every reply cost more than validating the group it answered. The id is fresh per call,
         not the version: a learner resumed from a checkpoint republishes a version number with other addresses."""
-        self._weights = (uuid.uuid4().hex[:16], dict(descriptor))
+        self._weights = (uuid.uuid4().hex[:16], dict(message))
 
-    def set_done(self) -> None:
-        """The job is over: every further admit/group reply tells generators to stop."""
+    def set_version(self, version: int) -> None:
+        self.coordinator.set_version(version)
+
+    def take_receipts(self) -> list[str]:
+        """Nothing to acknowledge: groups queued in memory are lost with the learner (the Redis backend is durable)."""
+        return []
+
+    def on_checkpoint(self, receipts: list[str]) -> None:
+        """Nothing to forget (see take_receipts)."""
+
+    def finish(self, grace_s: float) -> list[str]:
+        """The job is over (buffer/done.py): every further reply says so; keep serving until every generator seen
+        in the last `grace_s` has been told, at most `grace_s`. Returns those never told (crashed, or still
+        loading their model)."""
         self._done = True
+        return wait_until_told(self._untold_since, grace_s)
 
-    def wait_for_generators_to_hear_done(self, timeout_s: float) -> list[str]:
-        """After `set_done`, keep serving until every generator seen in the last `timeout_s` has been told.
+    def _untold_since(self, since: float) -> list[str]:
+        return [gen for gen, seen in list(self.last_seen.items()) if gen not in self.told_done and seen > since]
 
-        A generator that joined late may still be loading its model when the learner finishes; if the socket
-        closed under it, it would wait out its request timeout and exit as if the learner had crashed. Waits at
-        most `timeout_s`; returns the generators that never heard (a crashed one, or one still loading).
-        """
-        started = time.monotonic()
-        while True:
-            waiting = [gen for gen, seen in list(self.last_seen.items())
-                       if gen not in self.told_done and started - seen < timeout_s]
-            if not waiting or time.monotonic() - started >= timeout_s:
-                return waiting
-            time.sleep(0.05)
+    def generators(self) -> dict:
+        return {gen: dict(record) for gen, record in list(self.joins.items())}
+
+    def metrics(self) -> dict:
+        """Copies first (one C call each, so atomic): the server thread adds keys while the learner reads."""
+        out = {"buffer/size": float(self.queued()), "buffer/received": float(self.received)}
+        for reason, count in dict(self.rejected).items():
+            out[f"buffer/rejected/{reason}"] = float(count)
+        rates = [stats.get("perf/generator/tokens_per_s", 0.0) for stats in list(self.generator_stats.values())]
+        out["perf/generator/tokens_per_s"] = float(sum(rate for rate in rates if isinstance(rate, (int, float))))
+        return out
 
     def close(self) -> None:
         self._stop.set()

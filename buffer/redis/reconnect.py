@@ -16,7 +16,7 @@ import time
 
 import redis
 
-from asyncrl.buffer.redis_conn import redacted
+from asyncrl.buffer.redis.conn import redacted
 
 log = logging.getLogger(__name__)
 RETRYABLE = (redis.ConnectionError, redis.TimeoutError)

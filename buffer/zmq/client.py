@@ -1,6 +1,7 @@
-"""The generator's side of the embedded buffer: an asyncio DEALER client with matched replies and timeouts.
+"""The generator's side of the embedded buffer (`interface.GeneratorBuffer`): an asyncio DEALER client with matched
+replies, timeouts and typed replies.
 
-Consumes: replies from the learner. Produces: requests. Every request waits at most `timeout_s`; when the
+Consumes: replies from the learner. Produces: requests (wire.py). Every request waits at most `timeout_s`; when the
 learner does not answer, the error names its endpoint, so a dead peer never hangs a generator.
 
 Why not `zmq.asyncio`: it wraps every send and recv in its own future and re-polls the socket per call, which
@@ -16,10 +17,12 @@ from collections import deque
 
 import zmq
 
-from asyncrl.buffer.protocol import pack, unpack_reply
+from asyncrl.buffer.interface import (AdmitReply, GeneratorRefused, HelloReply, LearnerUnavailable, SendReply,
+                                     Status)
+from asyncrl.buffer.zmq.wire import pack, status_fields, unpack_reply
 
 BATCH_MAX_GROUPS = 16
-"""Most groups sent in one message (protocol.py); one more than that starts another."""
+"""Most groups sent in one message (wire.py); one more than that starts another."""
 ZERO_COPY_MIN_BYTES = 1 << 20
 """Bodies this large are handed to libzmq without a copy; below it the copy is cheaper than the bookkeeping (a
 zero-copy frame is released through pyzmq's garbage-collector thread, under the GIL). At 64 KB, sending without a
@@ -28,11 +31,7 @@ SEND_RETRY_S = 0.001
 """How often a send that met a full pipe (the high-water mark) is retried, until the request times out."""
 
 
-class LearnerUnavailable(RuntimeError):
-    """The learner did not answer in time (not started yet, crashed, or unreachable)."""
-
-
-class BufferClient:
+class ZmqBufferClient:
     def __init__(self, endpoint: str, generator_id: str, timeout_s: float):
         self.endpoint = endpoint
         self.generator_id = generator_id
@@ -47,10 +46,36 @@ class BufferClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: deque = deque()  # (op, req, fields, body, reply future) not yet handed to libzmq
         self._flush_scheduled = False
-        self.weights: dict = {}  # the newest weights control message heard of, and its id (see protocol.py)
+        self.weights: dict = {}  # the newest weights control message heard of, and its id (see wire.py)
         self.weights_id = ""
 
-    async def request(self, op: str, body: bytes | None = None, timeout_s: float | None = None, **fields) -> dict:
+    # --- interface.GeneratorBuffer ------------------------------------------------------------------------------
+    async def hello(self, config_hash: str, timeout_s: float | None = None) -> HelloReply:
+        reply = await self._request("hello", timeout_s=timeout_s, config_hash=config_hash)
+        if not reply.get("ok"):
+            raise GeneratorRefused(str(reply.get("error", "refused")))
+        run_info = reply.get("run_info")
+        return HelloReply(**status_fields(reply), run_info=run_info if isinstance(run_info, dict) else {})
+
+    async def admit(self, want: int = 1) -> AdmitReply:
+        reply = await self._request("admit", want=want)
+        granted = reply.get("granted") if reply.get("ok") else 0
+        return AdmitReply(**status_fields(reply), granted=granted if isinstance(granted, int) else 0)
+
+    async def send(self, group_id: str, payload: bytes) -> SendReply:
+        reply = await self._request("group", body=payload, group_id=group_id)
+        accepted = reply.get("ok") is True and reply.get("accepted") is True
+        return SendReply(**status_fields(reply), accepted=accepted, retry=not accepted and reply.get("retry") is True,
+                         reason=str(reply.get("reason", "")), error=str(reply.get("error", "")))
+
+    async def report(self, metrics: dict, timeout_s: float | None = None) -> Status:
+        return Status(**status_fields(await self._request("stats", timeout_s=timeout_s, metrics=metrics)))
+
+    async def bye(self, timeout_s: float | None = None) -> None:
+        await self._request("bye", timeout_s=timeout_s)
+
+    async def _request(self, op: str, body: bytes | None = None, timeout_s: float | None = None, **fields) -> dict:
+        """Send one request and await its reply (a wire dict), at most `timeout_s` (else the client's)."""
         loop = self._attach()
         timeout_s = timeout_s or self.timeout_s
         req = next(self._ids)
@@ -98,7 +123,7 @@ class BufferClient:
 
         Requests issued in one loop iteration (several rollouts finishing at once) leave together, so libzmq's
         I/O thread is woken once and writes them in one TCP segment, and the server drains them in one pass.
-        Consecutive group requests go as one message with one reply (protocol.py): the learner's server thread
+        Consecutive group requests go as one message with one reply (wire.py): the learner's server thread
         then parses one request and sends one reply for all of them, and that thread's Python runs under the
         same GIL as the learner's, so every microsecond it spends per group is taken from training. A full pipe
         (high-water mark) keeps the rest queued and retries; a request whose timeout fired is skipped.

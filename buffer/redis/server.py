@@ -1,12 +1,12 @@
-"""The learner's side of the Redis backend, with the ZmqBufferServer interface the learner loop uses.
+"""The learner's side of the Redis backend (`interface.LearnerBuffer`, as the zmq server).
 
 Redis holds everything a generator on another machine needs (`asyncrl:{job}:meta`): the config hash, the run info
 (model, data, MLflow run), the newest weights' control message and the done flag; generators write their join
-records and statistics beside it. Groups arrive through the stream (redis_stream.py, whose docstring states the
-exactly-once protocol); admission is the Lua coordinator (redis_coordinator.py). Nothing here runs a thread: `take`
+records and statistics beside it. Groups arrive through the stream (stream.py, whose docstring states the
+exactly-once protocol); admission is the Lua coordinator (coordinator.py). Nothing here runs a thread: `take`
 reads the stream when the learner asks.
 
-Through a Redis restart (redis_reconnect.py) the server keeps two sets so no group is trained twice: `held`, the
+Through a Redis restart (reconnect.py) the server keeps two sets so no group is trained twice: `held`, the
 entries it has read and not yet acked (skipped when the pending list is re-read after a reconnect, and kept from
 XAUTOCLAIM by touching them), and the most recent acked ones (skipped and acked again, should an ack have been lost
 with the server's last writes).
@@ -20,9 +20,9 @@ from collections import Counter, OrderedDict, deque
 import redis
 
 from asyncrl.buffer.codec import CodecError, decode_group
-from asyncrl.buffer.redis_conn import redacted
-from asyncrl.buffer.redis_reconnect import direct
-from asyncrl.buffer.redis_stream import GroupStream
+from asyncrl.buffer.redis.conn import redacted
+from asyncrl.buffer.redis.reconnect import direct
+from asyncrl.buffer.redis.stream import GroupStream
 
 log = logging.getLogger(__name__)
 NO_VERSION_LIMIT = 1 << 30
@@ -64,10 +64,9 @@ class RedisBufferServer:
             retry.on_reconnect(self._after_reconnect)
 
     # --- learner side -------------------------------------------------------------------------------------
-    def start(self) -> "RedisBufferServer":
+    def start(self) -> None:
         self.stream.ensure_group()
         self._write_meta()
-        return self
 
     def _write_meta(self, retry=None) -> None:
         """Everything a generator needs, in one hash; idempotent, so it is simply rewritten after a reconnect."""
@@ -187,20 +186,50 @@ class RedisBufferServer:
             self.stream.trim()
         return acked
 
-    def set_weights(self, descriptor: dict) -> None:
-        self._weights, self._weights_id = dict(descriptor), uuid.uuid4().hex[:16]
+    def give_back(self, group) -> None:
+        """A taken group the learner will not train: its admission frees capacity (idempotent on its group id)."""
+        self.coordinator.give_back(1, token=group.group_id)
+
+    def announce_weights(self, message: dict) -> None:
+        self._weights, self._weights_id = dict(message), uuid.uuid4().hex[:16]
         self._write_meta()
 
-    def set_done(self) -> None:
+    def set_version(self, version: int) -> None:
+        self.coordinator.set_version(version)
+
+    def take_receipts(self) -> list[str]:
+        """The stream entries of the groups taken since the last call: acked once a checkpoint covers them."""
+        receipts = [entry.decode() for entry in self.taken_entries]
+        self.taken_entries.clear()
+        return receipts
+
+    def on_checkpoint(self, receipts: list[str]) -> None:
+        self.ack(receipts)
+
+    def finish(self, grace_s: float) -> list[str]:
+        """The done flag stays in Redis (buffer/done.py): a generator reads it whenever it next asks; nobody waits."""
         self._done = True
         self._write_meta()
+        return []
 
-    def wait_for_generators_to_hear_done(self, timeout_s: float) -> list[str]:
-        return []  # the flag stays in Redis: a generator reads it whenever it next asks
+    def generators(self) -> dict:
+        return {gen: dict(record) for gen, record in self.joins.items()}
+
+    def metrics(self) -> dict:
+        out = {"buffer/size": float(self.queued()), "buffer/received": float(self.received),
+               "buffer/dropped/future_version": float(self.dropped_future),
+               "buffer/redis/outages": float(getattr(self.retry, "outages", 0)),  # lost and reconnected
+               "buffer/redis/redelivered": float(self.redelivered),  # re-read after a reconnect, skipped
+               "buffer/redis/duplicates": float(self.duplicates)}  # resent deliveries dropped on arrival
+        for reason, count in self.rejected.items():
+            out[f"buffer/rejected/{reason}"] = float(count)
+        rates = [stats.get("perf/generator/tokens_per_s", 0.0) for stats in self.generator_stats.values()]
+        out["perf/generator/tokens_per_s"] = float(sum(rate for rate in rates if isinstance(rate, (int, float))))
+        return out
 
     @property
     def duplicates(self) -> int:
-        """Resent deliveries dropped before any reader saw them (redis_stream.py, step 1), counted in Redis."""
+        """Resent deliveries dropped before any reader saw them (stream.py, step 1), counted in Redis."""
         return self.stream.duplicates()
 
     def queued(self) -> int:

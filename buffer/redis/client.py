@@ -1,4 +1,4 @@
-"""The generator's side of the Redis backend, with BufferClient's `request(op, ...)` interface, so the rollout loop
+"""The generator's side of the Redis backend (`interface.GeneratorBuffer`, as the zmq client), so the rollout loop
 is the same for both backends.
 
 hello reads the run metadata the learner left in Redis (it answers "not ready" until a learner has started); admit
@@ -6,7 +6,7 @@ runs the Lua admission and keeps the granted leases; group adds the group to the
 the same script; stats and the join record go to hashes beside the metadata; bye releases unused leases. Redis
 calls are synchronous and short, so they run in a worker thread.
 
-A Redis that stops answering (restarted, network cut) is retried for buffer.redis_reconnect_s (redis_reconnect.py):
+A Redis that stops answering (restarted, network cut) is retried for buffer.redis_reconnect_s (reconnect.py):
 each request is idempotent, so it is resent whole. Its token is fixed before the first try: admission's lease
 prefix, so a resent admit is answered with the same grant; a group's lease, taken once, so a resent group neither
 loses its lease nor takes another. Past the patience the request raises LearnerUnavailable naming the server, and
@@ -20,12 +20,13 @@ import uuid
 
 import redis
 
-from asyncrl.buffer.redis_conn import redacted
-from asyncrl.buffer.redis_coordinator import RedisCoordinator
-from asyncrl.buffer.redis_produce import DeliveryBatcher, produce_batch
-from asyncrl.buffer.redis_reconnect import RedisUnavailable, direct
-from asyncrl.buffer.redis_stream import GroupStream
-from asyncrl.buffer.zmq_client import LearnerUnavailable
+from asyncrl.buffer.interface import (AdmitReply, GeneratorRefused, HelloReply, LearnerUnavailable, SendReply,
+                                     Status)
+from asyncrl.buffer.redis.conn import redacted
+from asyncrl.buffer.redis.coordinator import RedisCoordinator
+from asyncrl.buffer.redis.produce import DeliveryBatcher, produce_batch
+from asyncrl.buffer.redis.reconnect import RedisUnavailable, direct
+from asyncrl.buffer.redis.stream import GroupStream
 
 
 class NotRegistered(RuntimeError):
@@ -46,32 +47,51 @@ class RedisBufferClient:
         self.leases: list[str] = []
         self._weights: tuple[str, dict] = ("", {})  # (weights_id, control message): read again only when it changes
 
-    async def request(self, op: str, body: bytes | None = None, timeout_s: float | None = None, **fields) -> dict:
-        if op == "group":
-            return await self._deliver(body, fields)
+    # --- interface.GeneratorBuffer ------------------------------------------------------------------------------
+    async def hello(self, config_hash: str, timeout_s: float | None = None) -> HelloReply:
+        reply = await self._request("hello", timeout_s=timeout_s, config_hash=config_hash)
+        if not reply.get("ok"):
+            raise GeneratorRefused(reply.get("error", "refused"))
+        return HelloReply(**_status(reply), run_info=reply["run_info"])
+
+    async def admit(self, want: int = 1) -> AdmitReply:
+        reply = await self._request("admit", want=want)
+        return AdmitReply(**_status(reply), granted=reply["granted"])
+
+    async def send(self, group_id: str, payload: bytes) -> SendReply:
+        reply = await self._deliver(group_id, payload)
+        return SendReply(**_status(reply), accepted=reply["accepted"], error=reply.get("error", ""))
+
+    async def report(self, metrics: dict, timeout_s: float | None = None) -> Status:
+        return Status(**_status(await self._request("stats", timeout_s=timeout_s, metrics=metrics)))
+
+    async def bye(self, timeout_s: float | None = None) -> None:
+        await self._request("bye", timeout_s=timeout_s)
+
+    async def _request(self, op: str, timeout_s: float | None = None, **fields) -> dict:
+        """One control operation (hello, admit, stats, bye) in a worker thread, retried through an outage."""
         token = ""
         if op == "admit":
             token = f"{self.generator_id}:{uuid.uuid4().hex[:12]}"
         retry = self.retry.within(timeout_s) if timeout_s and hasattr(self.retry, "within") else self.retry
         try:
-            return await asyncio.to_thread(retry, op, self._handle, op, body, fields, token)
+            return await asyncio.to_thread(retry, op, self._handle, op, fields, token)
         except NotRegistered as err:
             raise LearnerUnavailable(f"Redis at {self.endpoint}: {err}") from None
         except (redis.ConnectionError, redis.TimeoutError, RedisUnavailable) as err:
             raise LearnerUnavailable(f"Redis at {self.endpoint} did not answer {op!r}: {err}") from None
 
-    async def _deliver(self, body: bytes, fields: dict) -> dict:
+    async def _deliver(self, group_id: str, body: bytes) -> dict:
         """A group goes out with the other in-flight deliveries: one round trip for all (a duplicate adds nothing).
         Its lease is taken once, so a resend neither loses it nor takes another."""
-        if not fields.get("group_id"):
-            return {"ok": False, "accepted": False, "retry": False,
+        if not group_id:
+            return {"ok": False, "accepted": False, "version": 0, "weights": {}, "done": False,
                     "error": "a group request needs its group_id (idempotence key)"}
         lease = self.leases.pop(0) if self.leases else ""
         try:
-            reply, _, _ = await self.batcher.deliver((fields["group_id"], body, lease))
+            reply, _, _ = await self.batcher.deliver((group_id, body, lease))
         except (redis.ConnectionError, redis.TimeoutError, RedisUnavailable) as err:
-            raise LearnerUnavailable(f"Redis at {self.endpoint} did not take group {fields['group_id']}: {err}") \
-                from None
+            raise LearnerUnavailable(f"Redis at {self.endpoint} did not take group {group_id}: {err}") from None
         # the group is in the stream even if the metadata is not (Redis restarted empty): the learner reads it
         return {**reply, "accepted": True}
 
@@ -83,7 +103,7 @@ class RedisBufferClient:
         weights = self.retry("weights", self._weights_for, meta["weights_id"])
         return reply_fields(meta, version, weights), version, results
 
-    def _handle(self, op: str, body, fields: dict, token: str) -> dict:
+    def _handle(self, op: str, fields: dict, token: str) -> dict:
         pipe = self.client.pipeline(transaction=False)
         raw_meta, version = pipe.hmget(self.keys["meta"], *META_FIELDS).get(self.keys["version"]).execute()
         meta = meta_of(raw_meta)
@@ -156,3 +176,9 @@ def meta_of(values: list) -> dict:
 def reply_fields(meta: dict, version: int, weights: dict) -> dict:
     """The fields every reply carries (as the zmq learner's), from the run metadata the learner keeps in Redis."""
     return {"ok": True, "version": version, "weights": weights, "done": meta.get("done") == "1"}
+
+
+def _status(reply: dict) -> dict:
+    """The `interface.Status` fields of a reply dict (Redis holds no rejections: bad entries are dead-lettered)."""
+    return {"version": int(reply.get("version", 0)), "weights": reply.get("weights") or {},
+            "done": bool(reply.get("done"))}

@@ -13,11 +13,13 @@ weights control message the generator holds, "" for none):
 Every reply carries `req`, `ok`, `weights_id` (of the newest weights), `weights` (their control message) only when
 the request's `wid` differs, `error` when ok is false, and `rejected` {count, last_error} when groups this generator
 sent earlier were found invalid since its last reply (the learner validates a group when it takes it, so "accepted"
-means queued; only an oversized group is refused in its own reply, with `reason`). BufferClient keeps the newest message and puts it in
-every reply it returns, so callers always see `weights`. Group payloads travel in their own frame so the codec's
-size limit applies to them alone.
+means queued; only an oversized group is refused in its own reply, with `reason`). ZmqBufferClient keeps the newest
+message, and turns every reply into the typed replies of buffer/interface.py (`status_fields`), so callers always
+see `weights`. Group payloads travel in their own frame so the codec's size limit applies to them alone.
 """
 import msgpack
+
+from asyncrl.buffer.interface import Rejections
 
 OPS = ("hello", "admit", "group", "stats", "bye")
 MAX_HEADER_BYTES = 1 << 20
@@ -50,3 +52,18 @@ def unpack_reply(frame: bytes) -> dict:
     if not isinstance(message, dict) or "req" not in message:
         raise ProtocolError("reply is not a map with 'req'")
     return message
+
+
+def status_fields(reply: dict) -> dict:
+    """The `interface.Status` fields of a reply: what every reply carries, with types checked (a field of the wrong
+    type reads as absent rather than reaching the rollout loop)."""
+    version = reply.get("version")
+    weights = reply.get("weights")
+    rejected = reply.get("rejected")
+    if isinstance(rejected, dict) and isinstance(rejected.get("count"), int):
+        rejected = Rejections(rejected["count"], str(rejected.get("last_error", "")))
+    else:
+        rejected = None
+    return {"version": version if isinstance(version, int) else 0,
+            "weights": weights if isinstance(weights, dict) else {},
+            "done": reply.get("done") is True, "rejected": rejected}

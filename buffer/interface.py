@@ -1,0 +1,146 @@
+"""The declared interfaces between a generator and the learner's buffer, whichever backend carries them.
+
+Two sides, one `typing.Protocol` each, implemented by both backends (`buffer/zmq/`, `buffer/redis/`):
+
+- `LearnerBuffer`, what the learner loop calls: start, take groups (validated), give back the admission of a group
+  it will not train, announce published weights and the new version, forget what a checkpoint covers, finish the
+  job (the "done" handshake of `buffer/done.py`), metrics, close.
+- `GeneratorBuffer`, what a generator calls: hello, admit, send, report, bye. Every call returns a typed reply (the
+  dataclasses below), never a dict to be read by key: a field a backend forgot is then a TypeError at its source,
+  not a silent `None` in the rollout loop.
+
+`buffer/backends.py` builds the right pair from `buffer.backend`. The exceptions both backends raise live here too,
+so callers never import one backend to catch the other's errors.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class LearnerUnavailable(RuntimeError):
+    """The learner (or, with Redis, the server holding its state) did not answer in time: not started yet, crashed,
+    or unreachable. The message names the endpoint."""
+
+
+class GeneratorRefused(RuntimeError):
+    """The learner refused this generator (for example, it was started with a different recipe)."""
+
+
+@dataclass
+class Rejections:
+    """Groups this generator sent earlier that the learner found invalid when it took them, since its last reply."""
+
+    count: int
+    last_error: str
+
+
+@dataclass
+class Status:
+    """What every reply carries: the learner's version, the newest weights' control message, and whether the job is
+    over."""
+
+    version: int = 0
+    """The learner's published version (optimizer steps done and published)."""
+    weights: dict = field(default_factory=dict)
+    """Control message of the newest published weights (weightsync/layout.py); {} before the first publish."""
+    done: bool = False
+    """The job is over: the generator stops (buffer/done.py)."""
+    rejected: Rejections | None = None
+    """Groups found invalid since the last reply (zmq: the learner validates a group when it takes it)."""
+
+
+@dataclass
+class HelloReply(Status):
+    run_info: dict = field(default_factory=dict)
+    """What the learner tells every generator: model_path, train_files, mlflow_run_id, tracking_uri, job_dir, job."""
+
+
+@dataclass
+class AdmitReply(Status):
+    granted: int = 0
+    """Groups this generator may start now (0: the staleness budget is used up; ask again later)."""
+
+
+@dataclass
+class SendReply(Status):
+    accepted: bool = False
+    """The group is queued (zmq) or in the stream (Redis). Validation may still reject it later (see `rejected`)."""
+    retry: bool = False
+    """Not accepted because the learner's queue is full: keep the group and send it again."""
+    reason: str = ""
+    """Why it was refused (e.g. too_large), when not accepted and not retried."""
+    error: str = ""
+
+
+class GeneratorBuffer(Protocol):
+    """A generator's connection to the learner's buffer. Coroutines run on the generator's event loop; each waits
+    at most the backend's request timeout (buffer.request_timeout_s, or `timeout_s` where given) and raises
+    LearnerUnavailable naming the endpoint when nobody answers."""
+
+    endpoint: str
+    generator_id: str
+
+    async def hello(self, config_hash: str, timeout_s: float | None = None) -> HelloReply:
+        """Join the job; raises GeneratorRefused when the learner's shared-config hash differs."""
+
+    async def admit(self, want: int = 1) -> AdmitReply:
+        """Ask to start up to `want` groups (the staleness budget, buffer/staleness.py)."""
+
+    async def send(self, group_id: str, payload: bytes) -> SendReply:
+        """Deliver one encoded group (buffer/codec.py); idempotent on group_id."""
+
+    async def report(self, metrics: dict, timeout_s: float | None = None) -> Status:
+        """This generator's statistics, for the learner's metrics."""
+
+    async def bye(self, timeout_s: float | None = None) -> None:
+        """Leaving before the job is done: admissions held and not delivered are given back at once."""
+
+    def close(self) -> None:
+        """Release sockets and connections (no request is sent)."""
+
+
+class LearnerBuffer(Protocol):
+    """The learner's side of the buffer. Called from the learner's thread only; a backend that serves generators
+    from a thread of its own (zmq) keeps that thread's state behind these calls."""
+
+    endpoint: str
+
+    def start(self) -> None:
+        """Begin serving generators."""
+
+    def take(self, timeout_s: float):
+        """The next valid `Group`, or None after `timeout_s`. Invalid groups met on the way are rejected, counted
+        under buffer/rejected/<reason> and logged; they never reach the caller."""
+
+    def give_back(self, group) -> None:
+        """A taken group that will never be trained (stale, filtered): its admission frees capacity."""
+
+    def announce_weights(self, message: dict) -> None:
+        """Tell generators about newly published weights (their control message)."""
+
+    def set_version(self, version: int) -> None:
+        """The learner's version, once the weights of `version` are published (never before: buffer/staleness.py)."""
+
+    def take_receipts(self) -> list[str]:
+        """Receipts of the groups `take` returned since the last call, to keep in the learner state until a
+        checkpoint covers them ([] for a backend with nothing to acknowledge)."""
+
+    def on_checkpoint(self, receipts: list[str]) -> None:
+        """A checkpoint covering these groups is on disk: the buffer may forget them (Redis acks them)."""
+
+    def finish(self, grace_s: float) -> list[str]:
+        """The job is over: tell every generator (buffer/done.py); returns those not told within `grace_s`."""
+
+    def live_generators(self) -> list[str]:
+        """Generators heard from recently (for error messages)."""
+
+    def generators(self) -> dict:
+        """generator id -> its join record (version at hello, oldest token version of its first group)."""
+
+    def metrics(self) -> dict:
+        """buffer/* metrics (buffer/size, buffer/received, buffer/rejected/<reason>, backend-specific ones) and
+        perf/generator/tokens_per_s summed over the generators' reports."""
+
+    def close(self) -> None:
+        """Stop serving and release everything."""

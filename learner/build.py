@@ -1,0 +1,95 @@
+"""Building the learner's pieces from the config: the policy (loaded, Ulysses, FSDP2), the optimizer and schedule,
+the per-step parts (reference model, KL controller, batch filter), and where to resume from. Free functions with
+explicit arguments, in the order run_learner (learner/loop.py) and the SFT job (learner/sft_job.py) call them."""
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from asyncrl.algos.kl import AdaptiveKLController, FixedKLController
+from asyncrl.learner.checkpoint import CheckpointError, latest_checkpoint, read_state, resolve_checkpoint
+from asyncrl.learner.collect import BatchFilter
+from asyncrl.learner.model import load_model
+from asyncrl.learner.parallel import ParallelState, apply_fsdp
+from asyncrl.learner.state import LearnerState
+from asyncrl.learner.ulysses import apply_ulysses
+
+log = logging.getLogger(__name__)
+
+
+def build_policy(cfg, model_path: str, parallel: ParallelState):
+    """The HF model on this rank: loaded, routed through Ulysses when sp_size > 1, then FSDP2-sharded."""
+    model = load_model(model_path, cfg.learner.dtype, cfg.model.trust_remote_code, cfg.learner.attn_implementation)
+    model.to(parallel.device)
+    if parallel.sp_size > 1:
+        apply_ulysses(model, parallel.sp_group, parallel.sp_size)
+    return apply_fsdp(model, parallel, param_dtype=cfg.learner.param_dtype or cfg.learner.dtype,
+                      reduce_dtype=cfg.learner.reduce_dtype, cpu_offload=cfg.learner.cpu_offload,
+                      activation_checkpointing=cfg.learner.activation_checkpointing)
+
+
+def build_optimizer(model, learner_cfg):
+    """AdamW with a linear warmup over learner.warmup_steps, then a constant learning rate."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learner_cfg.lr,
+                                  betas=(learner_cfg.adam_beta1, learner_cfg.adam_beta2),
+                                  weight_decay=learner_cfg.weight_decay)
+    warmup = max(learner_cfg.warmup_steps, 0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
+    return optimizer, scheduler
+
+
+@dataclass
+class StepParts:
+    """What every step uses besides the model and optimizer: the frozen reference model (None unless a KL
+    coefficient is > 0), the reward-KL controller and the batch filter."""
+
+    ref_model: object
+    kl_controller: object
+    batch_filter: BatchFilter
+
+    def restore(self, state: LearnerState) -> None:
+        """Put back what a checkpoint kept: the controller's coefficient (the adaptive one moves every step)."""
+        if state.kl_coef is not None:
+            self.kl_controller.value = float(state.kl_coef)
+
+
+def build_step_parts(cfg, model_path: str, parallel: ParallelState) -> StepParts:
+    """Loading the reference costs a second copy of the weights, so nothing loads it by default."""
+    algo = cfg.algo
+    ref_model = None
+    if algo.needs_reference_model():
+        ref_model = build_policy(cfg, model_path, parallel).eval()
+        ref_model.requires_grad_(False)
+        log.info("learner: loaded the reference model for the KL term from %s", model_path)
+    if algo.kl_controller == "adaptive":
+        controller = AdaptiveKLController(algo.kl_reward_coef, algo.kl_target, algo.kl_horizon)
+    else:
+        controller = FixedKLController(algo.kl_reward_coef)
+    batch_filter = BatchFilter(group_size=cfg.rollout.n, dynamic_sampling=algo.dynamic_sampling,
+                               needs_baseline=algo.advantage == "remax")
+    return StepParts(ref_model, controller, batch_filter)
+
+
+def checkpoint_root(cfg, job_dir: str) -> str:
+    """learner.checkpoint_dir, else the job directory's checkpoints/ (a fresh job directory never resumes by
+    accident; a fixed checkpoint_dir, or ASYNCRL_JOB_DIR reused, makes restarts pick up where they stopped)."""
+    return cfg.learner.checkpoint_dir or os.path.join(job_dir, "checkpoints")
+
+
+def find_resume_point(cfg, job_dir: str) -> str | None:
+    """The checkpoint to start from, per learner.resume ("auto", "never" or a path)."""
+    if cfg.learner.resume == "never":
+        return None
+    if cfg.learner.resume == "auto":
+        found = latest_checkpoint(checkpoint_root(cfg, job_dir))
+    else:
+        found = resolve_checkpoint(cfg.learner.resume)
+    if found is not None:
+        version = read_state(found).version
+        if version >= cfg.learner.total_steps:
+            raise CheckpointError(
+                f"checkpoint {found} is at version {version} >= learner.total_steps={cfg.learner.total_steps}: that "
+                f"job already finished. Raise learner.total_steps to train on, or set learner.resume=never (or "
+                f"another learner.checkpoint_dir) to start over")
+    return found

@@ -1,0 +1,115 @@
+"""What only rank 0 of the learner runs: the buffer (zmq server thread, or the Redis client), MLflow, the progress
+display and the weight publisher, and the step's rank-0 bookkeeping (metrics, the audit trail, the summary)."""
+import json
+import logging
+import os
+
+from asyncrl.buffer.backends import make_learner_buffer
+from asyncrl.configs import flatten, shared_hash, to_yaml
+from asyncrl.learner.objective import resolved_hyperparameters
+from asyncrl.learner.parallel import ParallelState
+from asyncrl.learner.state import LearnerState
+from asyncrl.telemetry.mlflow_logger import MetricsLogger, create_or_attach_run, resolve_tracking_uri
+from asyncrl.telemetry.progress import ProgressDisplay
+from asyncrl.weightsync.backends import make_publisher
+
+log = logging.getLogger(__name__)
+DROP_REASONS = ("stale", "zero_variance", "group_size", "no_baseline", "empty")
+"""Why collect_batch drops a group (learner/collect.py); each is logged every step, also when it is 0."""
+
+
+class LearnerHost:
+    def __init__(self, cfg, model, model_path: str, train_files: list, job_dir: str, parallel: ParallelState,
+                 state: LearnerState, resumed_from: str | None):
+        self.cfg = cfg
+        self.job_dir = job_dir
+        self.tracking_uri = resolve_tracking_uri(cfg.telemetry.tracking_uri)
+        self.run_id = create_or_attach_run(self.tracking_uri, cfg.telemetry.experiment, cfg.job.name)
+        self.metrics_log = MetricsLogger(self.tracking_uri, self.run_id)
+        self.metrics_log.log_params({**flatten(cfg), **resolved_hyperparameters(cfg.algo),
+                                     "learner.world_size": parallel.world_size, "learner.dp_size": parallel.dp_size})
+        self.metrics_log.log_text(to_yaml(cfg), "config/resolved.yaml")
+        self.publisher = make_publisher(cfg.weightsync, cfg.job.name)
+        run_info = {"model_path": os.path.abspath(model_path), "train_files": [os.path.abspath(f) for f in train_files],
+                    "mlflow_run_id": self.run_id, "tracking_uri": self.tracking_uri,
+                    "job_dir": os.path.abspath(job_dir), "job": cfg.job.name}
+        self.buffer = make_learner_buffer(cfg, vocab_size=model.get_input_embeddings().num_embeddings,
+                                          config_hash=shared_hash(cfg), run_info=run_info,
+                                          start_version=state.version, fresh=resumed_from is None)
+        self.groups_path = os.path.join(job_dir, "trained_groups.jsonl")
+        self.progress = ProgressDisplay(cfg.learner.total_steps, os.path.join(job_dir, "progress.jsonl"),
+                                        enabled=cfg.telemetry.progress)
+        self.rewards: list = []
+        self.rejected: dict = {}  # reason -> groups, as of the last step (for the summary)
+        if resumed_from is not None:
+            log.info("learner: resumed from %s at version %d", resumed_from, state.version)
+
+    def start(self) -> None:
+        self.buffer.start()
+        log.info("learner: buffer at %s, MLflow run %s in %s", self.buffer.endpoint, self.run_id, self.tracking_uri)
+
+    def publish(self, weights, version: int, specs: list) -> None:
+        """Publish `version` and announce it; only then may generators be admitted against it."""
+        self.buffer.announce_weights(self.publisher.publish(weights, version, specs))
+        self.buffer.set_version(version)
+
+    def after_step(self, state: LearnerState, groups: list, collected, metrics: dict) -> None:
+        """The step's audit trail, metrics, progress line."""
+        self.record_groups(state.version, [group.group_id for group in groups])
+        buffer_metrics = self.buffer.metrics()
+        metrics.update(buffer_metrics)
+        prefix = "buffer/rejected/"
+        self.rejected = {key[len(prefix):]: int(value) for key, value in buffer_metrics.items()
+                         if key.startswith(prefix)}
+        metrics["timing/learner/wait_for_batch_s"] = collected.wait_s
+        metrics["buffer/staleness/mean"] = sum(collected.staleness) / len(collected.staleness)
+        metrics["buffer/staleness/max"] = float(max(collected.staleness))
+        for reason in DROP_REASONS:
+            metrics[f"buffer/dropped/{reason}"] = float(collected.dropped[reason])  # this step
+            metrics[f"buffer/dropped_total/{reason}"] = float(state.dropped_total[reason])  # since the job started
+        metrics["buffer/dropped_stale"] = float(collected.dropped["stale"])
+        metrics["buffer/consumed_total"] = float(state.groups_consumed)
+        self.rewards.append(metrics["reward/mean"])
+        self.metrics_log.log(metrics, step=state.version)
+        self.progress.update(state.version, metrics)
+
+    def record_groups(self, step: int, group_ids: list) -> None:
+        """job_dir/trained_groups.jsonl: which groups each step trained on (an audit trail: with the Redis
+        backend every admitted group appears exactly once across restarts)."""
+        with open(self.groups_path, "a") as handle:
+            handle.write(json.dumps({"step": step, "groups": group_ids}) + "\n")
+
+    def close(self, status: str) -> None:
+        """The end-of-job handshake (buffer/done.py) when the job finished, then everything is released."""
+        try:
+            if status == "FINISHED":
+                untold = self.buffer.finish(self.cfg.buffer.done_grace_s)
+                if untold:
+                    log.warning("learner: generators %s did not poll within %.0f s of the end; they will time out",
+                                untold, self.cfg.buffer.done_grace_s)
+        finally:
+            self.buffer.close()
+            self.publisher.close()
+            self.progress.close()
+            self.metrics_log.close(status=status)
+
+    def summary(self, state: LearnerState, start_version: int) -> dict:
+        """job_dir/summary.json: the reward at the start and the end, what was rejected (as of the last step) and
+        dropped, who joined (held in memory: read after the buffer has closed)."""
+        rewards = self.rewards
+        window = max(1, len(rewards) // 10)
+        summary = {
+            "steps": len(rewards),
+            "start_version": start_version,
+            "reward_first": sum(rewards[:window]) / window if rewards else None,
+            "reward_last": sum(rewards[-window:]) / window if rewards else None,
+            "reward_window_steps": window,
+            "rejected": dict(self.rejected),
+            "dropped": dict(state.dropped_total),
+            "generators": self.buffer.generators(),
+            "mlflow_tracking_uri": self.tracking_uri,
+            "mlflow_run_id": self.run_id,
+        }
+        with open(os.path.join(self.job_dir, "summary.json"), "w") as handle:
+            json.dump(summary, handle, indent=2)
+        return summary

@@ -1,0 +1,46 @@
+"""The `asyncrl` command line as a user runs it: each test starts real processes (`python -m asyncrl.launch.cli ...`
+or a fresh interpreter), so an import or exit-code mistake shows up as it would in a shell."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def test_dry_run_prints_yaml_and_never_imports_torch():
+    code = (
+        "import sys; from asyncrl.launch.cli import main; rc = main(['run', '--dry-run', 'buffer.max_staleness=5']);"
+        "assert rc == 0; assert 'torch' not in sys.modules, 'torch imported'; assert 'vllm' not in sys.modules"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "max_staleness: 5" in out.stdout
+
+
+def test_cli_reports_bad_override_with_exit_code_2():
+    out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "learner", "--dry-run", "buffer.bogus=1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "buffer.bogus" in out.stderr
+
+
+def test_the_config_reads_the_registry_without_importing_torch():
+    code = ("import sys; from asyncrl.algos.config import AlgoConfig; from asyncrl.algos.plan import OffPolicyPlan; "
+            "OffPolicyPlan.from_algo(AlgoConfig(loss='reinforce', correction='bypass')); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", [[], ["--nproc", "2", "learner.sp_size=2", "learner.packing=true"]],
+                         ids=["one-process", "two-ranks-ulysses-packed"])
+def test_asyncrl_sft_trains_and_saves_a_model(tmp_path, demo_assets, demo_cache, launch):
+    env = {**os.environ, "ASYNCRL_JOB_DIR": str(tmp_path / "job")}
+    out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "sft", *launch, f"demo.cache_dir={demo_cache}",
+                          "demo.sft_steps=20", "demo.num_prompts=256", "sft.steps=10", "sft.batch_size=32"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, last = (float(x) for x in out.stdout.split("loss ")[1].split(";")[0].split(" -> "))
+    assert last < first
+    from transformers import AutoModelForCausalLM
+
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "job" / "model")  # full weights, not a shard
+    assert saved.get_output_embeddings().weight.shape[0] == saved.config.vocab_size

@@ -1,0 +1,111 @@
+"""The learner loop in process (learner/loop.py: LearnerState, the rank-0 host, publishing) against a scripted
+generator that speaks the real zmq protocol from a thread: with weightsync.every_steps=k the weights are published
+every k steps and after the last one, admission stays at the published version, and no group trains staler
+than η."""
+import asyncio
+import json
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from asyncrl.buffer.codec import encode_group
+from asyncrl.buffer.group import Group, Sample, Sampling
+from asyncrl.buffer.interface import LearnerUnavailable
+from asyncrl.buffer.zmq.client import ZmqBufferClient
+from tests.conftest import free_port
+
+VOCAB = 64
+
+
+def scripted_group(version: int, rng) -> Group:
+    samples = [Sample(completion_ids=rng.integers(2, VOCAB, 4).astype(np.int32), logprobs=np.full(4, -1.0, np.float32),
+                      versions=np.full(4, version, np.int32), reward=float(rng.integers(0, 2)), finish_reason="stop")
+               for _ in range(2)]
+    return Group(group_id=uuid.uuid4().hex, prompt_id="p", generator_id="scripted",
+                 prompt_ids=rng.integers(2, VOCAB, 3).astype(np.int32), samples=samples,
+                 sampling=Sampling(temperature=1.0), created_at=time.time())
+
+
+class ScriptedGenerator(threading.Thread):
+    """Samples every admitted group with the newest weights it has heard of, as a real generator does."""
+
+    def __init__(self, endpoint: str, config_hash: str):
+        super().__init__(daemon=True)
+        self.endpoint, self.config_hash = endpoint, config_hash
+        self.versions_heard: list[int] = []
+        self.errors: list[str] = []
+
+    def run(self):
+        try:
+            asyncio.run(self.generate())
+        except Exception as err:  # surfaced by the test
+            self.errors.append(repr(err))
+
+    async def generate(self):
+        client = ZmqBufferClient(self.endpoint, "scripted", timeout_s=10)
+        rng = np.random.default_rng(0)
+        try:
+            while True:
+                try:
+                    reply = await client.hello(self.config_hash, timeout_s=1.0)
+                    break
+                except LearnerUnavailable:
+                    continue  # the learner is still starting
+            while True:
+                self.hear(reply)
+                if reply.done:
+                    return
+                reply = await client.admit(1)
+                self.hear(reply)
+                if not reply.granted:
+                    await asyncio.sleep(0.01)
+                    continue
+                reply = await client.send(*self.group(rng))
+        finally:
+            client.close()
+
+    def hear(self, reply) -> None:
+        version = reply.weights.get("version")
+        if version is not None and (not self.versions_heard or version != self.versions_heard[-1]):
+            self.versions_heard.append(version)
+
+    def group(self, rng) -> tuple:
+        group = scripted_group(self.versions_heard[-1], rng)
+        return group.group_id, encode_group(group)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from asyncrl.learner.model import build_qwen2
+
+    path = str(tmp_path_factory.mktemp("tiny-model"))
+    model = build_qwen2(vocab_size=VOCAB, hidden_size=32, num_layers=1, eos_token_id=1, pad_token_id=0, seed=0)
+    model.save_pretrained(path)
+    return path
+
+
+def test_weights_are_published_every_k_steps_and_after_the_last_and_staleness_stays_within_eta(
+        tiny_model_dir, tmp_path, monkeypatch):
+    from asyncrl.configs import load_config, shared_hash
+    from asyncrl.learner.loop import run_learner
+
+    monkeypatch.chdir(tmp_path)  # MLflow writes run artifacts under the working directory
+    port = free_port()
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "demo.task=''", f"buffer.port={port}",
+                             "learner.total_steps=5", "weightsync.every_steps=2", "buffer.max_staleness=1",
+                             "buffer.groups_per_step=2", "rollout.n=2", "learner.checkpoint_every=0",
+                             "buffer.done_grace_s=5", "telemetry.progress=false", f"weightsync.shm_dir={tmp_path}",
+                             f"telemetry.tracking_uri=sqlite:///{tmp_path}/mlflow.db"])
+    generator = ScriptedGenerator(f"tcp://127.0.0.1:{port}", shared_hash(cfg))
+    generator.start()
+    summary = run_learner(cfg, tiny_model_dir, [], str(tmp_path))
+    generator.join(timeout=30)
+    assert not generator.errors, generator.errors
+    assert summary["steps"] == 5
+    rows = [json.loads(line) for line in open(tmp_path / "progress.jsonl")]
+    assert [row["step"] for row in rows if "timing/weightsync/publish_s" in row] == [2, 4, 5]
+    assert generator.versions_heard == [0, 2, 4, 5]  # it sampled with each published version, nothing else
+    assert max(row["buffer/staleness/max"] for row in rows) <= 1

@@ -1,0 +1,35 @@
+"""Small contracts the docs state: the MLflow queue drops the oldest report when full, a generator's sampling seed
+follows its id, and the learner publishes every weightsync.every_steps versions and always the last."""
+import threading
+
+from asyncrl.generator.main import sampling_seed
+from asyncrl.learner.loop import should_publish
+from asyncrl.telemetry.mlflow_logger import DropOldestQueue
+
+
+def test_a_full_metrics_queue_drops_the_oldest_report_and_counts_it():
+    queue = DropOldestQueue(maxsize=2)
+    for item in ("a", "b", "c", "d"):
+        queue.put(item)
+    assert queue.dropped == 2 and [queue.get(), queue.get()] == ["c", "d"]
+
+
+def test_a_waiting_consumer_gets_the_next_report():
+    queue = DropOldestQueue(maxsize=2)
+    got = []
+    consumer = threading.Thread(target=lambda: got.append(queue.get()))
+    consumer.start()
+    queue.put("x")
+    consumer.join(timeout=5)
+    assert got == ["x"] and queue.dropped == 0
+
+
+def test_the_sampling_seed_follows_the_generator_id_not_the_process():
+    assert sampling_seed(7, "gen-0") == sampling_seed(7, "gen-0")
+    assert sampling_seed(7, "gen-0") != sampling_seed(7, "gen-1")
+    assert sampling_seed(8, "gen-0") == sampling_seed(7, "gen-0") + 1
+
+
+def test_weights_are_published_every_k_versions_and_always_the_last():
+    assert [v for v in range(1, 8) if should_publish(v, 3, total_steps=7)] == [3, 6, 7]
+    assert [v for v in range(1, 5) if should_publish(v, 1, total_steps=4)] == [1, 2, 3, 4]
