@@ -179,7 +179,7 @@ def time_raw_broadcast(nbytes: int, versions: int, sizes: list | None = None) ->
     bench/weightsync_fanout.py) from this process to one spawned one, after the warm-up. Not that file's
     `time_broadcast`: it keeps the best of its repeats, with rank 0 in a child process; here the median, from the
     process that publishes. With `sizes` (the model's tensor sizes in bytes): one async broadcast per tensor, all
-    posted at once, the unbucketed alternative platform_notes.md measured."""
+    posted at once, the unbucketed alternative docs/platform.md measured."""
     import datetime
 
     import torch

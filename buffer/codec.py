@@ -1,4 +1,4 @@
-"""msgpack wire codec for `Group` (DESIGN.md section 3).
+"""msgpack wire codec for `Group` (docs/architecture.md §3).
 
 Groups arrive from generators we do not fully trust (other hosts, other versions, bugs), so `decode_group`
 checks everything before the learner sees it and turns every failure, whatever the input bytes, into one
@@ -41,7 +41,7 @@ class CodecError(ValueError):
 
 
 def encode_group(group: Group) -> bytes:
-    """One msgpack map with exactly the DESIGN.md section 3 keys, always written as SCHEMA_VERSION.
+    """One msgpack map with exactly the keys of docs/architecture.md §3, always written as SCHEMA_VERSION.
 
     Arrays are cast to their wire dtype with `same_kind` casting, so int64 token ids are fine but float
     token ids raise TypeError (a producer bug, not wire input).

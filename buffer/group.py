@@ -2,7 +2,7 @@
 
 GRPO-style advantages need every sample of a prompt at once, so the buffer never splits a group. These are
 plain data holders (no torch, so generators and the buffer stay light); the wire format and all validation
-live in `asyncrl.buffer.codec` (DESIGN.md section 3).
+live in `asyncrl.buffer.codec` (docs/architecture.md §3).
 
 Arrays are numpy with fixed dtypes: token ids and versions are int32, logprobs float32, loss_mask uint8.
 The dataclasses use identity equality (`eq=False`) because field-wise `==` on numpy arrays is ambiguous.

@@ -1,4 +1,4 @@
-"""The one definition of versions, staleness and admission (DESIGN.md §4).
+"""The one definition of versions, staleness and admission (docs/architecture.md §4).
 
 - The learner's version v is the number of optimizer steps it has completed *and published*.
 - A group's staleness, when the learner takes it, is v - min(versions of its tokens).

@@ -1,7 +1,7 @@
 """Runs inside vLLM's worker process (AsyncEngineArgs.worker_extension_cls): loads a staged version straight from
 the generator's staging mapping.
 
-Why a worker extension: on CPU the only working reload is `model_runner.reload_weights(...)` (platform_notes.md),
+Why a worker extension: on CPU the only working reload is `model_runner.reload_weights(...)` (docs/platform.md),
 and tensors passed through `collective_rpc` arrive as lists; paths and small strings travel fine. So the generator
 passes the staging ring's path, the slot and the control message, and the worker maps the ring once and hands
 vLLM typed views of the slot's bytes (no file, no copy before vLLM's own). The slot's seqlock is checked after the
@@ -43,7 +43,7 @@ class StagedWeightsLoader:
         vLLM's in-place reload (0.32, model_loader/reload/layerwise.py) moves every layer to the meta device, buffers
         each layer's weights until the layer is complete, then processes and copies them into the kernel tensors.
         A failure midway leaves layers on meta with stale buffers, and those buffers are replayed by the next
-        reload, so even reloading the last good version fails (the "dead on next generate" of platform_notes.md).
+        reload, so even reloading the last good version fails (the "dead on next generate" of docs/platform.md).
         Dropping the buffers and finalizing puts every unfinished layer's kernel tensors back; the caller then
         reloads a good version over the now-consistent model.
         """

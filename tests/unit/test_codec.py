@@ -1,4 +1,4 @@
-"""Wire codec for Group (DESIGN.md section 3): round trips, one test per reject reason, and fuzzing.
+"""Wire codec for Group (docs/architecture.md §3): round trips, one test per reject reason, and fuzzing.
 
 The fuzz tests pin the promise the learner relies on: for ANY bytes, `decode_group` returns a Group or raises
 CodecError, never anything else.
