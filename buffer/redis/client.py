@@ -73,7 +73,7 @@ class RedisBufferClient:
         token = ""
         if op == "admit":
             token = f"{self.generator_id}:{uuid.uuid4().hex[:12]}"
-        retry = self.retry.within(timeout_s) if timeout_s and hasattr(self.retry, "within") else self.retry
+        retry = self.retry.within(timeout_s) if timeout_s else self.retry
         try:
             return await asyncio.to_thread(retry, op, self._handle, op, fields, token)
         except NotRegistered as err:

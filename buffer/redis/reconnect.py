@@ -81,6 +81,22 @@ class Reconnecting:
             return result
 
 
-def direct(what: str, operation, *args, **kwargs):
-    """No retrying: for tools and tests that want the first error."""
-    return operation(*args, **kwargs)
+class NoRetry:
+    """Runs each operation once (the `Reconnecting` interface without the retrying): for tools and tests that want
+    the first error, and for calls made from inside a retry (a reconnect listener)."""
+
+    outages = 0
+    """Never reconnects, so never counts an outage."""
+
+    def __call__(self, what: str, operation, *args, **kwargs):
+        return operation(*args, **kwargs)
+
+    def on_reconnect(self, callback) -> None:
+        """Nothing reconnects here, so a listener would never run."""
+
+    def within(self, patience_s: float) -> "NoRetry":
+        return self
+
+
+direct = NoRetry()
+"""The policy of a caller that wants no retrying."""

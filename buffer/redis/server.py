@@ -60,8 +60,7 @@ class RedisBufferServer:
         self._done = False
         self._next_reclaim = 0.0
         self._next_trim = 0.0
-        if hasattr(retry, "on_reconnect"):
-            retry.on_reconnect(self._after_reconnect)
+        retry.on_reconnect(self._after_reconnect)
 
     # --- learner side -------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -218,7 +217,7 @@ class RedisBufferServer:
     def metrics(self) -> dict:
         out = {"buffer/size": float(self.queued()), "buffer/received": float(self.received),
                "buffer/dropped/future_version": float(self.dropped_future),
-               "buffer/redis/outages": float(getattr(self.retry, "outages", 0)),  # lost and reconnected
+               "buffer/redis/outages": float(self.retry.outages),  # lost and reconnected
                "buffer/redis/redelivered": float(self.redelivered),  # re-read after a reconnect, skipped
                "buffer/redis/duplicates": float(self.duplicates)}  # resent deliveries dropped on arrival
         for reason, count in self.rejected.items():
