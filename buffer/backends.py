@@ -1,6 +1,7 @@
 """Choosing the buffer backend (`buffer.backend`): the learner's `LearnerBuffer` and a generator's `GeneratorBuffer`
 (buffer/interface.py). Backends are imported lazily, so a zmq job never imports redis-py and the reverse."""
 from asyncrl.buffer.interface import GeneratorBuffer, LearnerBuffer
+from asyncrl.buffer.plausibility import JobLimits
 from asyncrl.buffer.redis.conn import RedisOptions
 
 
@@ -13,12 +14,22 @@ def namespace(cfg) -> str:
     return cfg.buffer.redis_namespace or cfg.job.name
 
 
-def make_learner_buffer(cfg, *, vocab_size: int, config_hash: str, run_info: dict, start_version: int,
-                        fresh: bool) -> LearnerBuffer:
-    """The learner's buffer (with its staleness coordinator inside). With Redis, a fresh start clears what an older
-    run left under the same namespace; a resumed one keeps the stream (its unacked groups are still owed training)
-    and moves the version back to the checkpoint's."""
+def job_limits(cfg, max_positions: int) -> JobLimits:
+    """What every group of this job fits: the recipe's sampling, sizes and lengths, and the model's positions."""
+    rollout = cfg.rollout
+    return JobLimits(group_size=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
+                     top_k=rollout.top_k, max_tokens=rollout.max_tokens,
+                     max_prompt_tokens=cfg.data.max_prompt_tokens, max_positions=max_positions)
+
+
+def make_learner_buffer(cfg, *, vocab_size: int, max_positions: int, config_hash: str, shared_config: dict,
+                        run_info: dict, start_version: int, fresh: bool) -> LearnerBuffer:
+    """The learner's buffer (with its staleness coordinator inside), checking every group against the job's limits.
+    With Redis, a fresh start clears what an older run left under the same namespace; a resumed one keeps the
+    stream (its unacked groups are still owed training) and moves the version back to the checkpoint's.
+    `shared_config` (the learner's shared sections) lets a refused generator say which keys differ."""
     buffer = cfg.buffer
+    limits = job_limits(cfg, max_positions)
     if buffer.backend == "zmq":
         from asyncrl.buffer.staleness import Coordinator
         from asyncrl.buffer.zmq.server import ZmqBufferServer
@@ -27,7 +38,8 @@ def make_learner_buffer(cfg, *, vocab_size: int, config_hash: str, run_info: dic
         coordinator.set_version(start_version)
         return ZmqBufferServer(buffer.host, buffer.port, coordinator, vocab_size=vocab_size, config_hash=config_hash,
                                max_message_bytes=buffer.max_message_bytes, queue_groups=buffer.queue_groups,
-                               run_info=run_info)
+                               queue_bytes=int(buffer.queue_mb * 2**20), run_info=run_info, limits=limits,
+                               shared_config=shared_config)
     from asyncrl.buffer.redis.conn import check_server, configure_durability, connect
     from asyncrl.buffer.redis.coordinator import RedisCoordinator
     from asyncrl.buffer.redis.reconnect import Reconnecting
@@ -47,7 +59,8 @@ def make_learner_buffer(cfg, *, vocab_size: int, config_hash: str, run_info: dic
     coordinator.set_version(start_version, allow_backwards=True)
     return RedisBufferServer(client, options.url, job, coordinator, vocab_size=vocab_size, config_hash=config_hash,
                              max_message_bytes=buffer.max_message_bytes, run_info=run_info,
-                             reclaim_idle_s=buffer.reclaim_idle_s, retry=retry)
+                             reclaim_idle_s=buffer.reclaim_idle_s, retry=retry, limits=limits,
+                             shared_config=shared_config, stats_ttl_s=buffer.lease_s)
 
 
 def make_generator_buffer(cfg, generator_id: str) -> GeneratorBuffer:
@@ -56,7 +69,8 @@ def make_generator_buffer(cfg, generator_id: str) -> GeneratorBuffer:
     if buffer.backend == "zmq":
         from asyncrl.buffer.zmq.client import ZmqBufferClient
 
-        return ZmqBufferClient(f"tcp://{buffer.host}:{buffer.port}", generator_id, buffer.request_timeout_s)
+        return ZmqBufferClient(f"tcp://{buffer.host}:{buffer.port}", generator_id, buffer.request_timeout_s,
+                               max_message_bytes=buffer.max_message_bytes)
     from asyncrl.buffer.redis.client import RedisBufferClient
     from asyncrl.buffer.redis.conn import connect
     from asyncrl.buffer.redis.reconnect import Reconnecting
@@ -64,4 +78,5 @@ def make_generator_buffer(cfg, generator_id: str) -> GeneratorBuffer:
     options = redis_options(buffer)
     return RedisBufferClient(connect(options), options.url, namespace(cfg), generator_id, buffer.max_staleness,
                              buffer.groups_per_step, buffer.lease_s,
-                             retry=Reconnecting(options.url, buffer.redis_reconnect_s))
+                             retry=Reconnecting(options.url, buffer.redis_reconnect_s),
+                             max_message_bytes=buffer.max_message_bytes)

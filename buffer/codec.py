@@ -5,6 +5,11 @@ checks everything before the learner sees it and turns every failure, whatever t
 `CodecError` whose `reason` becomes the metric key `buffer/rejected/<reason>`. A bad group is rejected whole;
 it never kills the process and never reaches a batch.
 
+With the job's `JobLimits` (plausibility.py) it also checks the group against what this job's generators can
+produce (sample count, lengths, sampling settings, reward range, the logprob floor), the counts and lengths before
+any sample is decoded. A group whose only fault is tokens from weights newer than the learner's is reported last,
+as `future_version`, so a backend can tell "sampled by weights a restart discarded" from a malformed group.
+
 Arrays travel as raw little-endian `bin` with the dtype fixed per field. There is deliberately no pickle and
 no msgpack-numpy anywhere: msgpack-numpy's object arrays run `pickle.loads` on wire data.
 """
@@ -16,9 +21,11 @@ import msgpack
 import numpy as np
 
 from asyncrl.buffer.group import FINISH_REASONS, SCHEMA_VERSION, Group, Sample, Sampling
+from asyncrl.buffer.plausibility import Implausible, JobLimits, check_shape, check_values
 
 REJECT_REASONS = ("too_large", "malformed", "schema", "length_mismatch", "token_out_of_range", "bad_logprob",
-                  "bad_version", "bad_reward", "bad_finish_reason", "empty")
+                  "bad_version", "bad_reward", "bad_finish_reason", "empty", "group_size", "too_long", "sampling",
+                  "future_version", "generator_id")
 """Every `CodecError.reason`; each is a metric key suffix under `buffer/rejected/`."""
 
 _GROUP_KEYS = frozenset(
@@ -90,11 +97,13 @@ def _scalar_to_wire(value):
 
 
 def decode_group(data: bytes, *, vocab_size: int, max_version: int, max_message_bytes: int,
-                 logprob_tolerance: float = 1e-3) -> Group:
+                 limits: JobLimits | None = None, logprob_tolerance: float = 1e-3) -> Group:
     """Validate `data` fully and return the Group, or raise CodecError (and nothing else) for any input.
 
-    Checked in order: size (before unpacking), msgpack well-formedness, schema version, then every field's
-    type, dtype and length, and last the values (token range, logprobs, versions, rewards, finish reasons).
+    Checked in order: size (before unpacking), msgpack well-formedness, schema version, with `limits` the counts
+    and lengths (before any sample is decoded), then every field's type, dtype and length, the values (token
+    range, logprobs, negative versions, rewards, finish reasons), with `limits` the sampling, reward range and
+    logprob floor, and last versions above `max_version` (`future_version`).
     Returned arrays are fresh, writable, native-endian copies (int32 / float32 / uint8), not views of `data`.
     """
     root = _unpack(data, max_message_bytes)
@@ -103,6 +112,8 @@ def decode_group(data: bytes, *, vocab_size: int, max_version: int, max_message_
         raise CodecError("malformed", "group", f"expected a map, got {type(root).__name__}")
     _check_schema(root.get("schema"))
     _check_keys(root, _GROUP_KEYS, "group")
+    if limits is not None:
+        _plausible(check_shape, root, limits)
     group_id = _exact(root["group_id"], "group_id", str)
     if not group_id:
         raise CodecError("malformed", "group_id", "must be non-empty")
@@ -118,9 +129,24 @@ def decode_group(data: bytes, *, vocab_size: int, max_version: int, max_message_
         meta=_meta(root["meta"]),
     )
     _check_tokens(prompt_ids, "prompt_ids", vocab_size)
+    newest = -1
     for i, sample in enumerate(group.samples):
-        _check_sample_values(sample, f"samples[{i}]", vocab_size, max_version, logprob_tolerance)
+        _check_sample_values(sample, f"samples[{i}]", vocab_size, logprob_tolerance)
+        if len(sample.versions):
+            newest = max(newest, int(sample.versions.max()))
+    if limits is not None:
+        _plausible(check_values, group, limits)
+    if newest > max_version:  # last: everything else is valid, so a backend may drop rather than reject it
+        raise CodecError("future_version", "samples[].versions", f"version {newest} is newer than the learner's "
+                                                                 f"{max_version}")
     return group
+
+
+def _plausible(check, value, limits: JobLimits) -> None:
+    try:
+        check(value, limits)
+    except Implausible as err:
+        raise CodecError(err.reason, err.field, err.detail) from None
 
 
 def _unpack(data, max_message_bytes: int):
@@ -183,17 +209,17 @@ def _sample(obj, where: str) -> Sample:
     )
 
 
-def _check_sample_values(s: Sample, where: str, vocab_size: int, max_version: int, logprob_tolerance: float):
+def _check_sample_values(s: Sample, where: str, vocab_size: int, logprob_tolerance: float):
     n = len(s.completion_ids)
     for name, arr in (("logprobs", s.logprobs), ("versions", s.versions), ("loss_mask", s.loss_mask)):
         if arr is not None and len(arr) != n:
             raise CodecError("length_mismatch", f"{where}.{name}", f"length {len(arr)} != completion_ids {n}")
     _check_tokens(s.completion_ids, f"{where}.completion_ids", vocab_size)
     _check_logprobs(s.logprobs, f"{where}.logprobs", logprob_tolerance)
-    bad = (s.versions < 0) | (s.versions > max_version)
+    bad = s.versions < 0
     if bad.any():
         i = _first(bad)
-        raise CodecError("bad_version", f"{where}.versions", f"[{i}]={s.versions[i]} not in [0, {max_version}]")
+        raise CodecError("bad_version", f"{where}.versions", f"[{i}]={s.versions[i]} is negative")
     # loss_mask is a boolean on the wire; any other byte would silently scale the loss
     if s.loss_mask is not None and np.any(s.loss_mask > 1):
         raise CodecError("malformed", f"{where}.loss_mask", "values must be 0 or 1")

@@ -20,7 +20,10 @@ class BufferConfig:
     max_message_bytes: int = 16 * 1024 * 1024
     """Largest encoded group accepted, in bytes. Larger messages are rejected before decoding."""
     queue_groups: int = 256
-    """Bound on decoded groups waiting for the learner, in groups. Producers get back-pressure beyond it."""
+    """Bound on groups waiting for the learner (zmq), in groups. Producers get back-pressure beyond it."""
+    queue_mb: float = 512.0
+    """Bound on the bytes of the groups waiting for the learner (zmq), in MiB; 0 bounds the queue in groups only.
+    Back-pressure beyond it, as for queue_groups (an empty queue always takes one group)."""
     redis_url: str = "redis://127.0.0.1:6379/0"
     """Redis for backend=redis: redis://[user[:password]@]host:port/db, or rediss:// for TLS."""
     redis_tls_ca_file: str = ""
@@ -60,6 +63,8 @@ class BufferConfig:
             raise ValueError(f"buffer.port must be in [0, 65535], got {self.port}")
         if self.max_message_bytes < 1024:
             raise ValueError(f"buffer.max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        if self.queue_mb < 0:
+            raise ValueError(f"buffer.queue_mb must be >= 0, got {self.queue_mb}")
         if self.queue_groups < self.groups_per_step:
             raise ValueError(
                 f"buffer.queue_groups ({self.queue_groups}) must be >= buffer.groups_per_step ({self.groups_per_step})"

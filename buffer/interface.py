@@ -24,7 +24,12 @@ class LearnerUnavailable(RuntimeError):
 
 
 class GeneratorRefused(RuntimeError):
-    """The learner refused this generator (for example, it was started with a different recipe)."""
+    """The learner refused this generator (for example, it was started with a different recipe). `learner_config`:
+    the learner's shared sections when the refusal is a config mismatch, so the generator can name the keys."""
+
+    def __init__(self, message: str, learner_config: dict | None = None):
+        super().__init__(message)
+        self.learner_config = learner_config
 
 
 @dataclass
@@ -73,6 +78,13 @@ class SendReply(Status):
     error: str = ""
 
 
+def too_large_reply(size: int, limit: int, weights: dict) -> SendReply:
+    """A group over the job's limit (buffer.max_message_bytes) is refused by the client itself, with the reply the
+    learner would give, at any size: a much larger message would only be dropped by the transport, unanswered."""
+    return SendReply(weights=weights, accepted=False, reason="too_large",
+                     error=f"message: {size} bytes exceeds max_message_bytes={limit} [too_large]")
+
+
 class GeneratorBuffer(Protocol):
     """A generator's connection to the learner's buffer. Coroutines run on the generator's event loop; each waits
     at most the backend's request timeout (buffer.request_timeout_s, or `timeout_s` where given) and raises
@@ -114,7 +126,13 @@ class LearnerBuffer(Protocol):
         under buffer/rejected/<reason> and logged; they never reach the caller."""
 
     def give_back(self, group) -> None:
-        """A taken group that will never be trained (stale, filtered): its admission frees capacity."""
+        """A taken group that will never be trained (stale, filtered): its admission frees capacity, if it held
+        one."""
+
+    def quarantine(self, groups: list, reason: str) -> None:
+        """Taken groups whose step failed (a NaN, a batch that could not be built): they are never trained or
+        replayed; each is counted under buffer/rejected/<reason>, gives back its admission if it held one, and
+        (Redis) moves to the dead-letter stream for inspection."""
 
     def announce_weights(self, message: dict) -> None:
         """Tell generators about newly published weights (their control message)."""

@@ -2,10 +2,12 @@
 from asyncrl.configs.run_config import (  # noqa: F401
     ConfigError,
     RunConfig,
+    describe_difference,
     flatten,
     load_config,
     recipe_path,
     shared_hash,
+    shared_sections,
     to_dict,
     to_yaml,
 )

@@ -118,10 +118,29 @@ def to_dict(cfg: RunConfig) -> dict:
     return asdict(cfg)
 
 
+def shared_sections(cfg: RunConfig) -> dict:
+    """The sections every process of a job must agree on (SHARED_SECTIONS), as JSON-able dicts."""
+    return {name: asdict(getattr(cfg, name)) for name in SHARED_SECTIONS}
+
+
 def shared_hash(cfg: RunConfig) -> str:
     """Hash of the sections every process of a job must agree on (see SHARED_SECTIONS)."""
-    shared = {name: asdict(getattr(cfg, name)) for name in SHARED_SECTIONS}
-    return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(shared_sections(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def describe_difference(mine: dict, theirs: dict, limit: int = 8) -> str:
+    """`section.key (this process X, the learner Y)` for each shared setting that differs, in one line."""
+    differing = []
+    for section in sorted(set(mine) | set(theirs)):
+        ours, other = mine.get(section) or {}, theirs.get(section) or {}
+        for key in sorted(set(ours) | set(other)):
+            if ours.get(key, "<unset>") != other.get(key, "<unset>"):
+                differing.append(f"{section}.{key} (this generator {ours.get(key, '<unset>')!r}, the learner "
+                                 f"{other.get(key, '<unset>')!r})")
+    if not differing:
+        return "the shared sections hash differently but no key differs (another asyncrl version?)"
+    more = f", and {len(differing) - limit} more" if len(differing) > limit else ""
+    return "; ".join(differing[:limit]) + more
 
 
 def flatten(cfg: RunConfig) -> dict:

@@ -9,7 +9,7 @@ import os
 from asyncrl.buffer.backends import make_generator_buffer
 from asyncrl.buffer.done import BYE_TIMEOUT_S
 from asyncrl.buffer.interface import GeneratorBuffer, GeneratorRefused, HelloReply, LearnerUnavailable
-from asyncrl.configs import shared_hash
+from asyncrl.configs import describe_difference, shared_hash, shared_sections
 from asyncrl.generator.dataset import iterate_prompts, read_rows, tokenize_rows
 from asyncrl.generator.engines.base import EngineBroken, EngineUnsupported, make_engine
 from asyncrl.generator.rewards import load_reward_fn
@@ -46,13 +46,25 @@ async def wait_for_learner(client: GeneratorBuffer, config_hash: str, timeout_s:
             await asyncio.sleep(0.5)  # Redis says "no learner yet" at once; do not spin
 
 
+async def join_learner(client: GeneratorBuffer, cfg, say) -> HelloReply:
+    """wait_for_learner; a config mismatch is refused with the shared keys that differ, in one line."""
+    try:
+        return await wait_for_learner(client, shared_hash(cfg), cfg.generator.connect_timeout_s, say)
+    except GeneratorRefused as err:
+        if err.learner_config is None:
+            raise
+        raise GeneratorRefused(f"config mismatch with the learner at {client.endpoint}: "
+                               f"{describe_difference(shared_sections(cfg), err.learner_config)}; start both with the "
+                               f"same recipe and shared overrides") from None
+
+
 async def run_generator_async(cfg, say=print) -> int:
     generator_id = cfg.generator.generator_id or f"gen-{os.getpid()}"
     seed = sampling_seed(cfg.generator.seed, generator_id)
     client = make_generator_buffer(cfg, generator_id)
     engine, metrics_log, rollout, stage = None, None, None, None
     try:
-        hello = await wait_for_learner(client, shared_hash(cfg), cfg.generator.connect_timeout_s, say)
+        hello = await join_learner(client, cfg, say)
         info = hello.run_info
         from transformers import AutoTokenizer
 

@@ -39,6 +39,7 @@ class RolloutStats:
         self.weight_wait_s = 0.0
         self.weight_loads = 0
         self.weight_failures = 0
+        self.rejected_groups = 0  # groups refused at once (too_large, a malformed batch)
         self._last = (time.monotonic(), 0)
 
     def snapshot(self, version: int) -> dict:
@@ -52,6 +53,7 @@ class RolloutStats:
             "generator/version": float(version),
             "generator/reward_errors": float(self.reward_errors),
             "generator/weight_failures": float(self.weight_failures),
+            "generator/rejected_groups": float(self.rejected_groups),
             "timing/generator/wait_for_weights_s": self.weight_wait_s,
             **({"reward/mean": float(np.mean(rewards))} if rewards else {}),
         }
@@ -207,6 +209,7 @@ class RolloutLoop:
             self.note_reply(reply)
             if reply.accepted or not reply.retry:
                 if not reply.accepted:
+                    self.stats.rejected_groups += 1
                     log.error("learner rejected group %s: %s %s", group.group_id, reply.reason, reply.error)
                 return
             await asyncio.sleep(0.05)  # the learner's queue is full: keep the group and retry

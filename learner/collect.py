@@ -5,7 +5,8 @@ Batch assembly also applies the filters that decide what a step may train on, ea
 - stale groups (staleness > η) are dropped;
 - with DAPO dynamic sampling, groups whose rewards are all equal carry no gradient under a group baseline and are
   dropped, and the learner keeps pulling until the batch is full;
-- groups of the wrong size, or without the greedy `baseline_reward` ReMax needs, are dropped with a log line.
+- groups without the greedy `baseline_reward` ReMax needs are dropped with a log line (groups of the wrong size, and
+  others no generator of this job could produce, never get here: the buffer rejects them, buffer/plausibility.py).
 Every dropped group's admission is given back, so the generators are allowed to replace it.
 """
 import logging
@@ -28,7 +29,7 @@ class Collected:
     groups: list
     staleness: list = field(default_factory=list)
     dropped: Counter = field(default_factory=Counter)
-    """reason -> groups dropped while assembling this batch (stale, zero_variance, group_size, no_baseline)."""
+    """reason -> groups dropped while assembling this batch (stale, zero_variance, no_baseline, empty)."""
     wait_s: float = 0.0
 
     @property
@@ -40,8 +41,6 @@ class Collected:
 class BatchFilter:
     """What a group must satisfy to be trained on, besides staleness."""
 
-    group_size: int
-    """rollout.n: every group must hold exactly this many samples (advantages assume it)."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (DAPO)."""
     needs_baseline: bool = False
@@ -50,8 +49,6 @@ class BatchFilter:
 
 def drop_reason(group, batch_filter: BatchFilter) -> str | None:
     """Why the group cannot be trained on (besides staleness), or None."""
-    if len(group.samples) != batch_filter.group_size:
-        return "group_size"
     if batch_filter.needs_baseline:
         baseline = group.meta.get("baseline_reward")
         if not isinstance(baseline, (int, float)) or not math.isfinite(baseline):
@@ -88,7 +85,7 @@ def collect_batch(buffer, groups_per_step: int, max_staleness: int, version: int
         else:
             reason = drop_reason(group, batch_filter) if batch_filter else None
         if reason is not None:
-            if reason in ("group_size", "no_baseline") and out.dropped[reason] == 0:
+            if reason == "no_baseline" and out.dropped[reason] == 0:
                 log.warning("learner v%d: dropping group %s from %s (%s)", version, group.group_id,
                             group.generator_id, reason)
             out.dropped[reason] += 1

@@ -5,7 +5,8 @@ import logging
 import os
 
 from asyncrl.buffer.backends import make_learner_buffer
-from asyncrl.configs import flatten, shared_hash, to_yaml
+from asyncrl.configs import flatten, shared_hash, shared_sections, to_yaml
+from asyncrl.learner.model import model_positions
 from asyncrl.learner.objective import resolved_hyperparameters
 from asyncrl.learner.parallel import ParallelState
 from asyncrl.learner.state import LearnerState
@@ -14,8 +15,9 @@ from asyncrl.telemetry.progress import ProgressDisplay
 from asyncrl.weightsync.backends import make_publisher
 
 log = logging.getLogger(__name__)
-DROP_REASONS = ("stale", "zero_variance", "group_size", "no_baseline", "empty")
-"""Why collect_batch drops a group (learner/collect.py); each is logged every step, also when it is 0."""
+DROP_REASONS = ("stale", "zero_variance", "no_baseline", "empty", "poisoned_step")
+"""Why a taken group is not trained: collect_batch's filters (learner/collect.py) and a step it poisoned
+(learner/loop.py::skip_poisoned_step); each is logged every step, also when it is 0."""
 
 
 class LearnerHost:
@@ -34,7 +36,8 @@ class LearnerHost:
                     "mlflow_run_id": self.run_id, "tracking_uri": self.tracking_uri,
                     "job_dir": os.path.abspath(job_dir), "job": cfg.job.name}
         self.buffer = make_learner_buffer(cfg, vocab_size=model.get_input_embeddings().num_embeddings,
-                                          config_hash=shared_hash(cfg), run_info=run_info,
+                                          max_positions=model_positions(model), config_hash=shared_hash(cfg),
+                                          shared_config=shared_sections(cfg), run_info=run_info,
                                           start_version=state.version, fresh=resumed_from is None)
         self.groups_path = os.path.join(job_dir, "trained_groups.jsonl")
         self.progress = ProgressDisplay(cfg.learner.total_steps, os.path.join(job_dir, "progress.jsonl"),
@@ -69,6 +72,7 @@ class LearnerHost:
             metrics[f"buffer/dropped_total/{reason}"] = float(state.dropped_total[reason])  # since the job started
         metrics["buffer/dropped_stale"] = float(collected.dropped["stale"])
         metrics["buffer/consumed_total"] = float(state.groups_consumed)
+        metrics["learner/skipped_steps"] = float(state.skipped_steps)
         self.rewards.append(metrics["reward/mean"])
         self.metrics_log.log(metrics, step=state.version)
         self.progress.update(state.version, metrics)

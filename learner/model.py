@@ -70,3 +70,9 @@ def build_qwen2(vocab_size: int, hidden_size: int, num_layers: int, eos_token_id
     )
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config)
+
+
+def model_positions(model) -> int:
+    """The longest sequence the model takes (HF configs name it max_position_embeddings; a model without the
+    field sets no bound here)."""
+    return int(getattr(model.config, "max_position_embeddings", None) or 1 << 30)

@@ -21,7 +21,7 @@ import uuid
 import redis
 
 from asyncrl.buffer.interface import (AdmitReply, GeneratorRefused, HelloReply, LearnerUnavailable, SendReply,
-                                     Status)
+                                     Status, too_large_reply)
 from asyncrl.buffer.redis.conn import redacted
 from asyncrl.buffer.redis.coordinator import RedisCoordinator
 from asyncrl.buffer.redis.produce import DeliveryBatcher, produce_batch
@@ -35,12 +35,13 @@ class NotRegistered(RuntimeError):
 
 class RedisBufferClient:
     def __init__(self, client, url: str, job: str, generator_id: str, max_staleness: int, groups_per_step: int,
-                 lease_s: float, retry=direct):
+                 lease_s: float, retry=direct, max_message_bytes: int = 0):
         self.client = client
+        self.max_message_bytes = max_message_bytes  # the job's limit; 0: not checked here
         self.endpoint = redacted(url)
         self.generator_id = generator_id
         self.retry = retry
-        self.stream = GroupStream(client, job)  # direct: the whole request is retried as one
+        self.stream = GroupStream(client, job, producer=generator_id)  # direct: the whole request is retried
         self.keys = self.stream.keys
         self.coordinator = RedisCoordinator(client, job, max_staleness, groups_per_step, lease_s)
         self.batcher = DeliveryBatcher(self._send_batch)
@@ -51,7 +52,8 @@ class RedisBufferClient:
     async def hello(self, config_hash: str, timeout_s: float | None = None) -> HelloReply:
         reply = await self._request("hello", timeout_s=timeout_s, config_hash=config_hash)
         if not reply.get("ok"):
-            raise GeneratorRefused(reply.get("error", "refused"))
+            shared = reply.get("shared_config")
+            raise GeneratorRefused(reply.get("error", "refused"), shared if isinstance(shared, dict) else None)
         return HelloReply(**_status(reply), run_info=reply["run_info"])
 
     async def admit(self, want: int = 1) -> AdmitReply:
@@ -59,6 +61,8 @@ class RedisBufferClient:
         return AdmitReply(**_status(reply), granted=reply["granted"])
 
     async def send(self, group_id: str, payload: bytes) -> SendReply:
+        if self.max_message_bytes and len(payload) > self.max_message_bytes:
+            return too_large_reply(len(payload), self.max_message_bytes, self._weights[1])
         reply = await self._deliver(group_id, payload)
         return SendReply(**_status(reply), accepted=reply["accepted"], error=reply.get("error", ""))
 
@@ -135,7 +139,8 @@ class RedisBufferClient:
     def _op(self, op: str, meta: dict, reply: dict, version: int, fields: dict, token: str) -> dict:
         if op == "hello":
             if fields.get("config_hash") != meta["config_hash"]:
-                return {**reply, "ok": False, "error": (
+                shared = json.loads(self.client.hget(self.keys["meta"], "shared_config") or "null")
+                return {**reply, "ok": False, "shared_config": shared, "error": (
                     f"config mismatch: generator {self.generator_id!r} has shared-config hash "
                     f"{fields.get('config_hash')!r}, the learner has {meta['config_hash']!r}; start both with the "
                     f"same recipe and shared overrides")}

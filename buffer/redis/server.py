@@ -15,39 +15,47 @@ import json
 import logging
 import time
 import uuid
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 
 import redis
 
 from asyncrl.buffer.codec import CodecError, decode_group
+from asyncrl.buffer.plausibility import JobLimits, check_stats
+from asyncrl.buffer.rejections import RejectionLog
 from asyncrl.buffer.redis.conn import redacted
 from asyncrl.buffer.redis.reconnect import direct
 from asyncrl.buffer.redis.stream import GroupStream
 
 log = logging.getLogger(__name__)
-NO_VERSION_LIMIT = 1 << 30
 TRIM_EVERY_S = 1.0
 ACKED_MEMORY = 200_000  # acked entry ids remembered (about 20 MB); far more than one checkpoint interval's groups
+RECENT_TAKES = 4096  # taken groups whose lease is remembered for give_back (collect_batch gives back right away)
 
 
 class RedisBufferServer:
     def __init__(self, client, url: str, job: str, coordinator, *, vocab_size: int, config_hash: str,
                  max_message_bytes: int, run_info: dict, reclaim_idle_s: float = 60.0, read_count: int = 64,
-                 retry=direct):
+                 retry=direct, limits: JobLimits | None = None, shared_config: dict | None = None,
+                 stats_ttl_s: float = 120.0):
         self.client = client
         self.retry = retry
         self.coordinator = coordinator
         self.vocab_size = vocab_size
         self.config_hash = config_hash
+        self.limits = limits
+        self.shared_config = shared_config or {}  # in the metadata: a refused generator names the keys that differ
+        self.stats_ttl_s = stats_ttl_s
+        self._stats_seen: dict = {}  # generator -> (its last raw report, when it last changed, its parse or None)
         self.max_message_bytes = max_message_bytes
         self.run_info = dict(run_info)
         self.reclaim_idle_ms = int(reclaim_idle_s * 1000)
         self.read_count = read_count
-        self.stream = GroupStream(client, job, retry=retry)
+        self.stream = GroupStream(client, job, retry=retry, on_poison=self._poisoned)
         self.keys = self.stream.keys
         self.endpoint = f"{redacted(url)} (job {job})"
-        self.rejected = Counter()
+        self._rejections = RejectionLog(log, "group entry")
         self.dropped_future = 0
+        self._held_admission: OrderedDict = OrderedDict()  # group id -> (entry id, it held a lease), recent takes
         self.received = 0
         self.joins: dict[str, dict] = {}
         self._ready: deque = deque()  # (entry id, Group) read but not yet taken
@@ -71,6 +79,7 @@ class RedisBufferServer:
         """Everything a generator needs, in one hash; idempotent, so it is simply rewritten after a reconnect."""
         (retry or self.retry)("run metadata", self.client.hset, self.keys["meta"], mapping={
             "config_hash": self.config_hash, "run_info": json.dumps(self.run_info),
+            "shared_config": json.dumps(self.shared_config),
             "weights": json.dumps(self._weights), "weights_id": self._weights_id, "done": "1" if self._done else "0"})
 
     def _after_reconnect(self) -> None:
@@ -92,7 +101,8 @@ class RedisBufferServer:
             if remaining <= 0:
                 return None
             try:
-                entries = self._reclaim_due() or self.stream.read(self.read_count, max(1, int(remaining * 1000)))
+                entries = self._reclaim_due() or self.stream.read(self.read_count, max(1, int(remaining * 1000)),
+                                                                  held=frozenset(self.held))
             except redis.ResponseError as err:
                 if "NOGROUP" not in str(err):
                     raise
@@ -101,16 +111,16 @@ class RedisBufferServer:
                 self.retry("rebuilding the lost stream", self._after_reconnect)
                 continue
             version = self._version() if entries else 0
-            for entry_id, payload, _ in entries:
-                if entry_id in self.held:  # re-read after a reconnect: already ours
+            for entry in entries:
+                if entry.entry_id in self.held:  # re-read after a reconnect: already ours
                     self.redelivered += 1
-                elif entry_id in self._acked:  # its ack was lost with Redis's last writes: ack again, skip
+                elif entry.entry_id in self._acked:  # its ack was lost with Redis's last writes: ack again, skip
                     self.redelivered += 1
-                    self.stream.ack([entry_id])
+                    self.stream.ack([entry.entry_id])
                 else:
-                    group = self._decode(entry_id, payload, version)
+                    group = self._decode(entry, version)
                     if group is not None:
-                        self._accept(entry_id, group)
+                        self._accept(entry, group)
         entry_id, group = self._ready.popleft()
         self.taken_entries.append(entry_id)
         return group
@@ -130,44 +140,61 @@ class RedisBufferServer:
         self.stream.touch(list(self.held))  # ours, however long training and the checkpoint take
         return self.stream.reclaim(self.reclaim_idle_ms, held=frozenset(self.held))
 
-    def _decode(self, entry_id: bytes, payload: bytes, version: int):
-        """The entry's group, or None after dropping it: a malformed one goes to the dead-letter stream; one
-        sampled with weights newer than this learner has is acked. Either way its admission is given back (keyed on
-        the entry, so a retried give-back counts once; keyed on the bytes, a generator that sent the same garbage
-        twice would leak one admission each time).
-
-        Newer weights are a version lost when the learner went back to its checkpoint; no policy it trains can
-        correct for them. The codec checks versions against `version` in the pass it makes anyway, and only a
-        group it refuses for that is decoded again without the limit, to tell "newer" from malformed: a
-        separate pass over every group's versions cost about 10 us per group."""
+    def _decode(self, entry, version: int):
+        """The entry's group, or None after dropping it: one that is malformed, implausible for this job, or not
+        its producer's goes to the dead-letter stream; one sampled with weights newer than this learner has is acked
+        and counted (a version lost when the learner went back to its checkpoint: no policy it trains can correct
+        for it). Either way its admission is given back if it held one (keyed on the entry, so a retried give-back
+        counts once; keyed on the bytes, a generator that sent the same garbage twice would leak one admission each
+        time)."""
         try:
-            return decode_group(payload, vocab_size=self.vocab_size, max_version=version,
-                                max_message_bytes=self.max_message_bytes)
+            group = decode_group(entry.payload, vocab_size=self.vocab_size, max_version=version,
+                                 max_message_bytes=self.max_message_bytes, limits=self.limits)
         except CodecError as err:
-            self.coordinator.give_back(1, token=entry_id.decode())  # before the entry goes: a resend counts once
-            if err.reason == "bad_version" and self._valid_without_version_limit(payload):
-                self.stream.ack([entry_id])
+            self._give_back_entry(entry)
+            if err.reason == "future_version":  # the codec says this last: everything else is valid
+                self.stream.ack([entry.entry_id])
                 self.dropped_future += 1
-                return None
-            self.stream.dead_letter(entry_id, payload, f"{err.reason}: {err}")
-            self.rejected[err.reason] += 1
-            log.warning("buffer: group entry %s is malformed (%s); moved to the dead-letter stream", entry_id, err)
+            else:
+                self._dead_letter(entry, err.reason, str(err))
             return None
+        if group.generator_id.encode() != entry.producer:  # one identity: a writer speaks only for itself
+            self._give_back_entry(entry)
+            self._dead_letter(entry, "generator_id", f"generator_id: {group.generator_id!r} added by "
+                                                     f"{entry.producer.decode(errors='replace')!r} [generator_id]")
+            return None
+        return group
 
-    def _valid_without_version_limit(self, payload: bytes) -> bool:
-        try:
-            decode_group(payload, vocab_size=self.vocab_size, max_version=NO_VERSION_LIMIT,
-                         max_message_bytes=self.max_message_bytes)
-        except CodecError:
-            return False
-        return True
+    def _poisoned(self, entry, deliveries: int) -> None:
+        """An entry no learner got through (each read of it ended in a crash) was dead-lettered by the stream."""
+        self._give_back_entry(entry)
+        self._rejections.reject("max_deliveries", entry.producer.decode(errors="replace") or "an unnamed writer",
+                                f"entry {entry.entry_id.decode()} was delivered {deliveries} times and never acked")
 
-    def _accept(self, entry_id: bytes, group) -> None:
+    def _give_back_entry(self, entry) -> None:
+        """Before the entry goes: a group that held an admission (it released a lease when it was added) returns
+        it; one sent without asking never took one."""
+        if entry.lease:
+            self.coordinator.give_back(1, token=entry.entry_id.decode())
+
+    def _dead_letter(self, entry, reason: str, error: str) -> None:
+        self.stream.dead_letter(entry.entry_id, entry.payload, f"{reason}: {error}")
+        self._rejections.reject(reason, entry.producer.decode(errors="replace") or "an unnamed writer", error)
+
+    @property
+    def rejected(self) -> dict:
+        """reason -> entries dead-lettered so far (and generator stats reports refused)."""
+        return self._rejections.snapshot()
+
+    def _accept(self, entry, group) -> None:
         self.received += 1
-        self.held.add(entry_id)
+        self.held.add(entry.entry_id)
+        self._held_admission[group.group_id] = (entry.entry_id, bool(entry.lease))
+        while len(self._held_admission) > RECENT_TAKES:
+            self._held_admission.popitem(last=False)
         if group.generator_id not in self.joins:  # only its first group counts; skip the scan for the rest
             self.joins[group.generator_id] = {"first_group_min_version": group.min_version()}
-        self._ready.append((entry_id, group))
+        self._ready.append((entry.entry_id, group))
 
     def ack(self, entry_ids: list) -> int:
         """Acknowledge trained groups (call only once a checkpoint covering them is written), then trim what every
@@ -186,8 +213,24 @@ class RedisBufferServer:
         return acked
 
     def give_back(self, group) -> None:
-        """A taken group the learner will not train: its admission frees capacity (idempotent on its group id)."""
-        self.coordinator.give_back(1, token=group.group_id)
+        """A taken group the learner will not train: its admission frees capacity if it held one (idempotent on its
+        group id)."""
+        _, leased = self._held_admission.pop(group.group_id, (None, False))
+        if leased:
+            self.coordinator.give_back(1, token=group.group_id)
+
+    def quarantine(self, groups: list, reason: str) -> None:
+        for group in groups:
+            entry_id, leased = self._held_admission.pop(group.group_id, (None, False))
+            if leased:
+                self.coordinator.give_back(1, token=group.group_id)
+            if entry_id is None:  # taken too long ago to be known: it is acked with its step's checkpoint
+                self._rejections.reject(reason, group.generator_id, f"group {group.group_id} poisoned a step")
+                continue
+            self.stream.dead_letter(entry_id, self.stream.payload_of(entry_id), f"{reason}: poisoned a step")
+            self.held.discard(entry_id)
+            self._rejections.reject(reason, group.generator_id, f"group {group.group_id} (entry "
+                                                                 f"{entry_id.decode()}) poisoned a step")
 
     def announce_weights(self, message: dict) -> None:
         self._weights, self._weights_id = dict(message), uuid.uuid4().hex[:16]
@@ -220,10 +263,11 @@ class RedisBufferServer:
                "buffer/redis/outages": float(self.retry.outages),  # lost and reconnected
                "buffer/redis/redelivered": float(self.redelivered),  # re-read after a reconnect, skipped
                "buffer/redis/duplicates": float(self.duplicates)}  # resent deliveries dropped on arrival
+        stats = self.generator_stats  # read first: a bad report it refuses is counted below
         for reason, count in self.rejected.items():
             out[f"buffer/rejected/{reason}"] = float(count)
-        rates = [stats.get("perf/generator/tokens_per_s", 0.0) for stats in self.generator_stats.values()]
-        out["perf/generator/tokens_per_s"] = float(sum(rate for rate in rates if isinstance(rate, (int, float))))
+        out["perf/generator/tokens_per_s"] = float(sum(report.get("perf/generator/tokens_per_s", 0.0)
+                                                       for report in stats.values()))
         return out
 
     @property
@@ -237,8 +281,32 @@ class RedisBufferServer:
 
     @property
     def generator_stats(self) -> dict:
+        """generator -> its last report, for the generators that reported within stats_ttl_s (a report that stops
+        changing is a generator that stopped: no clocks are compared, so machines need not agree on the time).
+        Reports are data: one that is not a map of finite numbers is refused and counted, once."""
         raw = self.retry("generator stats", self.client.hgetall, self.keys["meta"] + ":stats")
-        return {key.decode(): json.loads(value) for key, value in raw.items()}
+        now, out = time.monotonic(), {}
+        for key, value in raw.items():
+            gen = key.decode(errors="replace")
+            seen = self._stats_seen.get(gen)
+            if seen is None or seen[0] != value:
+                seen = (value, now, self._parse_stats(gen, value))
+                self._stats_seen[gen] = seen
+            if seen[2] is not None and now - seen[1] < self.stats_ttl_s:
+                out[gen] = seen[2]
+        return out
+
+    def _parse_stats(self, gen: str, value: bytes) -> dict | None:
+        try:
+            metrics = json.loads(value)
+        except ValueError as err:
+            problem = f"not JSON: {err}"
+        else:
+            problem = check_stats(metrics)
+        if problem is None:
+            return metrics
+        self._rejections.reject("stats", gen, problem)
+        return None
 
     def live_generators(self) -> list[str]:
         return sorted(self.generator_stats)

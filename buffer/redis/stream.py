@@ -38,8 +38,13 @@ from asyncrl.buffer.redis.reconnect import direct
 log = logging.getLogger(__name__)
 GROUP = "learner"
 PAYLOAD = b"g"
-
 TOKEN = b"a"
+LEASE = b"l"
+"""The admission lease the delivery released ('' for a group sent without one): a dropped group gives its
+admission back only if it held one."""
+PRODUCER = b"p"
+"""The generator id of the client that added the entry: a group must carry it (one identity)."""
+DEAD_LETTER_PAYLOAD_BYTES = 64 << 10
 DELIVER = """
 -- KEYS[1] the group's mark, KEYS[2] leases, KEYS[3] started, KEYS[4] the stream, KEYS[5] the duplicates count;
 -- ARGV[1] this attempt's token, ARGV[2] mark ttl (s), ARGV[3] lease id ('' for none). Runs right after this
@@ -77,18 +82,32 @@ def job_keys(job: str) -> dict:
 
 
 class Entry(NamedTuple):
-    """A stream entry as read: its id, the encoded group, and the delivery attempt's token (step 1)."""
+    """A stream entry as read: its id, the encoded group, the delivery attempt's token (step 1), the lease it
+    released and the generator that added it."""
     entry_id: bytes
     payload: bytes
     token: bytes | None
+    lease: bytes = b""
+    producer: bytes = b""
+
+    @classmethod
+    def of(cls, entry_id: bytes, fields: dict | None) -> "Entry":
+        fields = fields or {}
+        return cls(entry_id, fields.get(PAYLOAD, b""), fields.get(TOKEN), fields.get(LEASE, b""),
+                   fields.get(PRODUCER, b""))
 
 
 class GroupStream:
-    """One job's stream of encoded groups. `consumer` names this reader (the learner uses `learner-0`)."""
+    """One job's stream of encoded groups. `consumer` names this reader (the learner uses `learner-0`); `producer`
+    is the generator id written with every entry this writer adds."""
 
     def __init__(self, client, job: str, consumer: str = "learner-0", mark_ttl_s: int = 7 * 24 * 3600,
-                 max_deliveries: int = 5, retry=direct):
+                 max_deliveries: int = 5, retry=direct, producer: str = "", on_poison=None):
         self.client = client
+        self.producer = producer
+        self.on_poison = on_poison
+        """Called with (the Entry, its deliveries) for each entry dead-lettered after max_deliveries, so the learner
+        counts it with its other rejections and gives its admission back."""
         self.retry = retry
         """Runs each Redis operation (redis_reconnect.Reconnecting rides out a restart; every one here is
         idempotent, see the module doc of redis_reconnect)."""
@@ -130,8 +149,8 @@ class GroupStream:
 
     def add(self, pipe, group_id: str, payload: bytes, lease_id: str = "") -> None:
         """Queue one delivery (step 1 of the protocol) on a MULTI pipeline: two replies, for `settle`."""
-        token = uuid.uuid4().hex
-        pipe.xadd(self.keys["groups"], {PAYLOAD: payload, TOKEN: token})
+        token = uuid.uuid4().hex  # field order matters: DELIVER finds the token as the entry's 4th item
+        pipe.xadd(self.keys["groups"], {PAYLOAD: payload, TOKEN: token, LEASE: lease_id, PRODUCER: self.producer})
         pipe.eval(DELIVER_BODY, 5, self.keys["seen"] + group_id, self.keys["leases"], self.keys["started"],
                   self.keys["groups"], self.keys["duplicates"], token, self.mark_ttl_s, lease_id)
 
@@ -145,9 +164,11 @@ class GroupStream:
         """Resent deliveries dropped so far (each found its group's first attempt already in the stream)."""
         return int(self.retry("GET duplicates", self.client.get, self.keys["duplicates"]) or 0)
 
-    def read(self, count: int, block_ms: int) -> list["Entry"]:
-        """Up to `count` entries: first whatever is still pending for this consumer from before a
-        restart, then new entries (blocking up to block_ms)."""
+    def read(self, count: int, block_ms: int, held: frozenset = frozenset()) -> list["Entry"]:
+        """Up to `count` entries: first whatever is still pending for this consumer from before a restart (each
+        re-read counts as a delivery, so one that keeps killing its learner is dead-lettered after max_deliveries;
+        `held` are entries this reader still works on, never counted against it), then new entries (blocking up
+        to block_ms)."""
         while self._pending_cursor is not None:
             reply = self._xreadgroup(self._pending_cursor, count, None)
             entries = reply[0][1] if reply else []
@@ -155,7 +176,9 @@ class GroupStream:
                 self._pending_cursor = None
                 break
             self._pending_cursor = entries[-1][0]
-            pending = self._with_payloads(entries)
+            pending = self._with_payloads([(entry_id, fields) for entry_id, fields in entries
+                                           if entry_id not in held], check_deliveries=True)
+            pending += [Entry.of(entry_id, fields) for entry_id, fields in entries if entry_id in held]
             if pending:
                 return pending
         reply = self._xreadgroup(b">", count, block_ms)
@@ -165,28 +188,38 @@ class GroupStream:
         return self.retry("XREADGROUP", self.client.xreadgroup, GROUP, self.consumer, {self.keys["groups"]: cursor},
                           count=count, block=block_ms)
 
-    def _with_payloads(self, entries: list) -> list["Entry"]:
-        out = []
+    def _with_payloads(self, entries: list, check_deliveries: bool = False) -> list["Entry"]:
+        """Entries that still hold a payload (one pending but already trimmed away is acked: nothing is left to
+        train), without the over-delivered ones when `check_deliveries`."""
+        live = []
         for entry_id, fields in entries:
-            if not fields:  # pending but already trimmed away: nothing left to train
+            if not fields:
                 self.ack([entry_id])
                 continue
-            out.append(Entry(entry_id, fields.get(PAYLOAD, b""), fields.get(TOKEN)))
-        return out
+            live.append((entry_id, fields))
+        return self._without_poison(live) if check_deliveries else [Entry.of(entry_id, f) for entry_id, f in live]
 
     def ack(self, entry_ids: list) -> int:
         return self.retry("XACK", self.client.xack, self.keys["groups"], GROUP, *entry_ids) if entry_ids else 0
 
     def dead_letter(self, entry_id: bytes, payload: bytes, reason: str) -> None:
-        """Move an entry to the dead-letter stream with its reason, and ack it, in one transaction."""
+        """Move an entry to the dead-letter stream with its reason, and ack it, in one transaction. Only the first
+        DEAD_LETTER_PAYLOAD_BYTES of the payload are kept (with its size): enough to see what it was, and 10,000
+        dead letters of near-limit groups would otherwise hold 160 GB."""
         def move():  # resent after a lost reply, the dead-letter stream may hold the entry twice; never zero times
             pipe = self.client.pipeline(transaction=True)
-            pipe.xadd(self.keys["dead"], {"entry": entry_id, "reason": reason, "payload": payload}, maxlen=10_000,
-                      approximate=True)
+            pipe.xadd(self.keys["dead"], {"entry": entry_id, "reason": reason[:1000], "size": len(payload),
+                                          "payload": payload[:DEAD_LETTER_PAYLOAD_BYTES]},
+                      maxlen=10_000, approximate=True)
             pipe.xack(self.keys["groups"], GROUP, entry_id)
             pipe.execute()
 
         self.retry("dead-letter", move)
+
+    def payload_of(self, entry_id: bytes) -> bytes:
+        """An entry's encoded group (b"" if it is gone)."""
+        rows = self.retry("XRANGE", self.client.xrange, self.keys["groups"], entry_id, entry_id)
+        return rows[0][1].get(PAYLOAD, b"") if rows else b""
 
     def touch(self, entry_ids: list) -> None:
         """Reset the idle time of entries this consumer still holds (read, training, not yet covered by a
@@ -203,15 +236,21 @@ class GroupStream:
                                          self.consumer, min_idle_ms, start_id="0-0", count=count)[:3]
         if deleted:
             self.ack(list(deleted))
-        claimed = [(entry_id, fields) for entry_id, fields in claimed if entry_id not in held]
+        return self._without_poison([(entry_id, fields) for entry_id, fields in claimed if entry_id not in held])
+
+    def _without_poison(self, entries: list) -> list["Entry"]:
+        """The entries, except those delivered more than max_deliveries times, which go to the dead-letter stream:
+        an entry on which every learner that reads it dies (or fails its step) is not replayed forever."""
+        counts = self.delivery_counts([entry_id for entry_id, _ in entries])
         out = []
-        counts = self.delivery_counts([entry_id for entry_id, _ in claimed])
-        for entry_id, fields in claimed:
-            payload = (fields or {}).get(PAYLOAD, b"")
+        for entry_id, fields in entries:
             if counts.get(entry_id, 0) > self.max_deliveries:
-                self.dead_letter(entry_id, payload, f"delivered {counts[entry_id]} times without being acked")
+                self.dead_letter(entry_id, (fields or {}).get(PAYLOAD, b""),
+                                 f"max_deliveries: delivered {counts[entry_id]} times without being acked")
+                if self.on_poison is not None:
+                    self.on_poison(Entry.of(entry_id, fields), counts[entry_id])
                 continue
-            out.append(Entry(entry_id, payload, (fields or {}).get(TOKEN)))
+            out.append(Entry.of(entry_id, fields))
         return out
 
     def delivery_counts(self, entry_ids: list) -> dict:

@@ -18,7 +18,7 @@ from collections import deque
 import zmq
 
 from asyncrl.buffer.interface import (AdmitReply, GeneratorRefused, HelloReply, LearnerUnavailable, SendReply,
-                                     Status)
+                                     Status, too_large_reply)
 from asyncrl.buffer.zmq.wire import pack, status_fields, unpack_reply
 
 BATCH_MAX_GROUPS = 16
@@ -32,8 +32,9 @@ SEND_RETRY_S = 0.001
 
 
 class ZmqBufferClient:
-    def __init__(self, endpoint: str, generator_id: str, timeout_s: float):
+    def __init__(self, endpoint: str, generator_id: str, timeout_s: float, max_message_bytes: int = 0):
         self.endpoint = endpoint
+        self.max_message_bytes = max_message_bytes  # the job's limit (buffer.max_message_bytes); 0: not checked here
         self.generator_id = generator_id
         self.timeout_s = timeout_s
         self._ids = itertools.count()
@@ -53,7 +54,8 @@ class ZmqBufferClient:
     async def hello(self, config_hash: str, timeout_s: float | None = None) -> HelloReply:
         reply = await self._request("hello", timeout_s=timeout_s, config_hash=config_hash)
         if not reply.get("ok"):
-            raise GeneratorRefused(str(reply.get("error", "refused")))
+            shared = reply.get("shared_config")
+            raise GeneratorRefused(str(reply.get("error", "refused")), shared if isinstance(shared, dict) else None)
         run_info = reply.get("run_info")
         return HelloReply(**status_fields(reply), run_info=run_info if isinstance(run_info, dict) else {})
 
@@ -63,6 +65,8 @@ class ZmqBufferClient:
         return AdmitReply(**status_fields(reply), granted=granted if isinstance(granted, int) else 0)
 
     async def send(self, group_id: str, payload: bytes) -> SendReply:
+        if self.max_message_bytes and len(payload) > self.max_message_bytes:
+            return too_large_reply(len(payload), self.max_message_bytes, self.weights)
         reply = await self._request("group", body=payload, group_id=group_id)
         accepted = reply.get("ok") is True and reply.get("accepted") is True
         return SendReply(**status_fields(reply), accepted=accepted, retry=not accepted and reply.get("retry") is True,

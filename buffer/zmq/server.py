@@ -1,50 +1,69 @@
 """The embedded ZeroMQ buffer, hosted in the learner process (`interface.LearnerBuffer`).
 
 A ROUTER socket served by one background thread. It consumes requests from generators (hello, admit, group,
-stats, bye) and puts each group's bytes on a bounded queue that the learner drains with `take`, which validates
-every group with the codec (see `take` for why there). When the queue is full it tells the generator to retry:
-nothing is dropped and memory stays bounded. Bad input is rejected, counted under `buffer/rejected/<reason>` and
-logged, and the generator that sent it is told in its next reply; it never stops either thread.
+stats, bye) and puts each group's bytes on a queue bounded in groups and in bytes, which the learner drains with
+`take`; `take` validates every group with the codec and against the job's limits (see `take` for why there). When
+the queue is full it tells the generator to retry: nothing is dropped and memory stays bounded. Bad input is
+rejected, counted under `buffer/rejected/<reason>`, logged at a bounded rate (rejections.py), and the generator
+that sent it is told in its next reply; it never stops either thread. A rejected or dropped group gives back an
+admission only if it held one, and a group must carry the generator id of the connection that sent it.
 """
 import logging
 import queue
 import threading
 import time
 import uuid
-from collections import Counter, deque
+from collections import OrderedDict, deque
 
 import zmq
 
 from asyncrl.buffer.codec import CodecError, decode_group
 from asyncrl.buffer.done import wait_until_told
+from asyncrl.buffer.plausibility import JobLimits, check_stats
+from asyncrl.buffer.rejections import RejectionLog
 from asyncrl.buffer.staleness import Coordinator
 from asyncrl.buffer.zmq.wire import ProtocolError, pack, unpack_request
 
 log = logging.getLogger(__name__)
 
 DRAIN_MAX_REQUESTS = 64
-"""Requests answered per wake-up before the server polls again (and expires silent peers)."""
+"""Requests answered per wake-up before the server polls again."""
+EXPIRE_EVERY_S = 0.1
+"""How often silent peers are looked for (their admissions reclaimed, their stats dropped)."""
 RELEASE_EVERY = 4
 """Requests answered, or groups accepted, between releases of replies and groups (see `_answer_waiting`)."""
+RECENT_TAKES = 4096
+"""Taken groups whose admission is remembered for `give_back` (collect_batch gives back right after a take)."""
+TRANSPORT_SLACK = 2
+"""libzmq's own message limit is this many times max_message_bytes (plus a MiB for the header): a group up to
+there reaches the server and gets its too_large reply. ZmqBufferClient never sends a larger one (it answers
+too_large itself), so only a client that ignores the limit meets libzmq's, which drops that connection."""
 
 
 class ZmqBufferServer:
     def __init__(self, host: str, port: int, coordinator: Coordinator, *, vocab_size: int, config_hash: str,
-                 max_message_bytes: int, queue_groups: int, run_info: dict, peer_timeout_s: float = 120.0):
+                 max_message_bytes: int, queue_groups: int, run_info: dict, peer_timeout_s: float = 120.0,
+                 queue_bytes: int = 0, limits: JobLimits | None = None, shared_config: dict | None = None):
         self.coordinator = coordinator
         self.vocab_size = vocab_size
         self.config_hash = config_hash
+        self.shared_config = shared_config or {}  # told to a generator whose config hash differs (it names keys)
         self.max_message_bytes = max_message_bytes
         self.run_info = dict(run_info)
         self.peer_timeout_s = peer_timeout_s
         self.queue_groups = queue_groups
+        self.queue_bytes = queue_bytes  # 0: bounded in groups only
+        self.limits = limits
         # Groups travel to `take` in lists, one per release (`_release`): the taking thread, when it had run dry,
         # wakes once per list instead of once per group. Each count has one writer, so `queued` needs no lock.
         self._released: queue.SimpleQueue = queue.SimpleQueue()  # lists of (generator, bytes, held an admission)
         self._taking: deque = deque()  # the list being taken from: the taking thread's alone
         self._queued_in, self._queued_out = 0, 0  # groups released (server thread) and taken (taking thread)
-        self.rejected = Counter()  # reason -> count; both threads add to it, under _rejections_lock
+        self._bytes_in, self._bytes_out = 0, 0  # their bytes, counted the same way
+        self._rejections = RejectionLog(log, "input")  # groups, requests and stats; both threads reject
         self.received = 0  # valid groups taken
+        self.dropped_future = 0  # valid groups sampled with weights newer than the learner's (a resumed learner)
+        self._held: OrderedDict = OrderedDict()  # group id -> it held an admission, for the recent takes
         self._unheard_rejections: dict[str, tuple[int, str]] = {}  # generator -> (count, last error) not yet told
         self._rejections_lock = threading.Lock()
         self.generator_stats: dict[str, dict] = {}
@@ -58,7 +77,7 @@ class ZmqBufferServer:
         self._stop = threading.Event()
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + (1 << 20))
+        self._socket.setsockopt(zmq.MAXMSGSIZE, TRANSPORT_SLACK * max_message_bytes + (1 << 20))
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
@@ -95,12 +114,25 @@ class ZmqBufferServer:
                 return None
             gen, data, admitted = self._taking.popleft()
             self._queued_out += 1
+            self._bytes_out += len(data)
             try:
                 group = decode_group(data, vocab_size=self.vocab_size, max_version=self.coordinator.version,
-                                     max_message_bytes=self.max_message_bytes)
+                                     max_message_bytes=self.max_message_bytes, limits=self.limits)
             except CodecError as err:
-                self._reject(gen, err.reason, str(err), admitted)
+                if err.reason == "future_version":  # sampled by weights a restart discarded: no policy can use it
+                    self.dropped_future += 1
+                    if admitted:
+                        self.coordinator.give_back(1)
+                else:
+                    self._reject(gen, err.reason, str(err), admitted)
                 continue
+            if group.generator_id != gen:  # one identity: a connection speaks only for itself
+                self._reject(gen, "generator_id", f"generator_id: {group.generator_id!r} sent by {gen!r} "
+                                                  f"[generator_id]", admitted)
+                continue
+            self._held[group.group_id] = admitted
+            while len(self._held) > RECENT_TAKES:
+                self._held.popitem(last=False)
             self.received += 1
             join = self.joins.setdefault(gen, {"hello_version": None})
             if "first_group_min_version" not in join:  # only the first group counts; skip the scan for the rest
@@ -108,8 +140,20 @@ class ZmqBufferServer:
             return group
 
     def give_back(self, group) -> None:
-        """A taken group the learner will not train: its admission frees capacity."""
-        self.coordinator.give_back(1, token=group.group_id)
+        """A taken group the learner will not train: its admission frees capacity, if it held one (a group sent
+        without asking, or after its generator's admissions were reclaimed, did not)."""
+        if self._held.pop(group.group_id, False):
+            self.coordinator.give_back(1, token=group.group_id)
+
+    def quarantine(self, groups: list, reason: str) -> None:
+        for group in groups:
+            self.give_back(group)
+            self._rejections.reject(reason, group.generator_id, f"group {group.group_id} poisoned a step")
+
+    @property
+    def rejected(self) -> dict:
+        """reason -> groups (and requests) rejected so far."""
+        return self._rejections.snapshot()
 
     def announce_weights(self, message: dict) -> None:
         """Announce published weights; generators learn of them in their next reply.
@@ -145,11 +189,14 @@ class ZmqBufferServer:
 
     def metrics(self) -> dict:
         """Copies first (one C call each, so atomic): the server thread adds keys while the learner reads."""
-        out = {"buffer/size": float(self.queued()), "buffer/received": float(self.received)}
-        for reason, count in dict(self.rejected).items():
+        out = {"buffer/size": float(self.queued()), "buffer/size_bytes": float(self._bytes_in - self._bytes_out),
+               "buffer/received": float(self.received), "buffer/dropped/future_version": float(self.dropped_future)}
+        for reason, count in self.rejected.items():
             out[f"buffer/rejected/{reason}"] = float(count)
-        rates = [stats.get("perf/generator/tokens_per_s", 0.0) for stats in list(self.generator_stats.values())]
-        out["perf/generator/tokens_per_s"] = float(sum(rate for rate in rates if isinstance(rate, (int, float))))
+        live = set(self.live_generators())  # a dead generator's last report no longer counts
+        rates = [stats.get("perf/generator/tokens_per_s", 0.0) for gen, stats in list(self.generator_stats.items())
+                 if gen in live]
+        out["perf/generator/tokens_per_s"] = float(sum(rates))
         return out
 
     def close(self) -> None:
@@ -165,18 +212,21 @@ class ZmqBufferServer:
 
     def live_generators(self) -> list[str]:
         now = time.monotonic()
-        return [g for g, seen in self.last_seen.items() if now - seen < self.peer_timeout_s]
+        return [g for g, seen in list(self.last_seen.items()) if now - seen < self.peer_timeout_s]
 
     # --- server thread --------------------------------------------------------------------------------------
     def _serve(self) -> None:
-        """Wait for requests (up to 100 ms, then expire silent peers), then answer every one already waiting."""
+        """Wait for requests (up to 100 ms) and answer every one already waiting; expire silent peers every 100 ms
+        whether or not others are talking (a busy fleet must not keep a dead generator's admissions alive)."""
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        next_expiry = time.monotonic() + EXPIRE_EVERY_S
         while not self._stop.is_set():
-            if not poller.poll(100):
+            if poller.poll(int(EXPIRE_EVERY_S * 1000)):
+                self._answer_waiting()
+            if time.monotonic() >= next_expiry:
                 self._expire_peers()
-                continue
-            self._answer_waiting()
+                next_expiry = time.monotonic() + EXPIRE_EVERY_S
 
     def _answer_waiting(self) -> None:
         """Answer the requests waiting now, releasing replies and groups every `RELEASE_EVERY` requests or groups.
@@ -252,15 +302,19 @@ class ZmqBufferServer:
         elif op == "group":
             self._receive_groups(gen, request.get("reqs"), payload[1:], reply, accepted)
         elif op == "stats":
-            if isinstance(request.get("metrics"), dict):
+            problem = check_stats(request.get("metrics"))
+            if problem is None:
                 self.generator_stats[gen] = request["metrics"]
+            else:  # reports are data: a bad one is dropped, counted and said
+                self._rejections.reject("stats", gen, problem)
+                reply.update(ok=False, error=f"stats rejected: {problem}")
         elif op == "bye":
             self._forget(gen, "said bye")
         return reply
 
     def _hello(self, request: dict, reply: dict) -> dict:
         if request.get("config_hash") != self.config_hash:
-            reply.update(ok=False, error=(
+            reply.update(ok=False, shared_config=self.shared_config, error=(
                 f"config mismatch: generator {request['gen']!r} has shared-config hash {request.get('config_hash')!r}, "
                 f"the learner has {self.config_hash!r}; start both with the same recipe and shared overrides"))
             return reply
@@ -288,10 +342,19 @@ class ZmqBufferServer:
             err = f"message: {len(data)} bytes exceeds max_message_bytes={self.max_message_bytes} [too_large]"
             self._reject(gen, "too_large", err, self.coordinator.delivered(gen), tell=False)
             return {"accepted": False, "reason": "too_large", "error": err}
-        if self.queue_groups > 0 and self.queued() + len(accepted) >= self.queue_groups:
+        if self._queue_full(accepted, len(data)):
             return {"accepted": False, "retry": True}  # back-pressure; the generator keeps the group
         accepted.append((gen, data, self.coordinator.delivered(gen)))
+        self._bytes_in += len(data)
         return {"accepted": True}
+
+    def _queue_full(self, accepted: list, size: int) -> bool:
+        """Bounded in groups and in bytes (an empty queue always takes one group, however large)."""
+        queued = self.queued() + len(accepted)
+        if self.queue_groups > 0 and queued >= self.queue_groups:
+            return True
+        held_bytes = self._bytes_in - self._bytes_out
+        return self.queue_bytes > 0 and queued > 0 and held_bytes + size > self.queue_bytes
 
     def _reject(self, gen: str, reason: str, error: str, admitted: bool, tell: bool = True) -> None:
         """Count and log a rejected group, free its admission if it held one, and (`tell`) note it for the
@@ -299,17 +362,14 @@ class ZmqBufferServer:
         took would let generators run further ahead than the staleness bound allows."""
         if admitted:
             self.coordinator.give_back(1)
-        log.warning("buffer: rejected a group from %s (%s): %s", gen, reason, error)
-        with self._rejections_lock:
-            self.rejected[reason] += 1
-            if tell:
+        self._rejections.reject(reason, gen, error)
+        if tell:
+            with self._rejections_lock:
                 count, _ = self._unheard_rejections.get(gen, (0, ""))
                 self._unheard_rejections[gen] = (count + 1, error)
 
     def _reject_request(self, reason: str, detail: str) -> None:
-        with self._rejections_lock:
-            self.rejected[reason] += 1
-        log.warning("buffer: rejected a request (%s): %s", reason, detail)
+        self._rejections.reject(reason, "a peer", detail)
 
     def _expire_peers(self) -> None:
         now = time.monotonic()
@@ -319,6 +379,7 @@ class ZmqBufferServer:
 
     def _forget(self, gen: str, why: str) -> None:
         self.last_seen.pop(gen, None)
+        self.generator_stats.pop(gen, None)  # a generator that left no longer adds to the fleet's throughput
         with self._rejections_lock:
             self._unheard_rejections.pop(gen, None)
         held = self.coordinator.forget_generator(gen)

@@ -17,8 +17,8 @@ from asyncrl.buffer.interface import LearnerUnavailable
 from asyncrl.buffer.redis.client import RedisBufferClient
 from asyncrl.buffer.redis.conn import RedisOptions, connect
 from asyncrl.buffer.redis.stream import GROUP
-from tests.e2e.test_resume import (GROUPS_PER_STEP, VOCAB, child_pids, run_to_end, scripted_group, start_learner,
-                                   tiny_model_dir, wait_until_gone)  # noqa: F401 (fixture)
+from tests.e2e.test_resume import (GROUPS_PER_STEP, N, SAMPLING, VOCAB, child_pids, run_to_end, scripted_group,
+                                   start_learner, tiny_model_dir, wait_until_gone)  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -61,8 +61,9 @@ def scripted_overrides(model_dir, url: str, namespace: str, steps: int, checkpoi
     """A tiny learner on Redis at η = 0, fed by RedisScriptedGenerator."""
     return [f"model.path={model_dir}", "demo.task=''", "buffer.backend=redis", f"buffer.redis_url={url}",
             f"buffer.redis_namespace={namespace}", f"learner.total_steps={steps}", "buffer.max_staleness=0",
-            f"buffer.groups_per_step={GROUPS_PER_STEP}", "rollout.n=4", f"learner.checkpoint_every={checkpoint_every}",
-            "learner.torch_threads=1", "buffer.done_grace_s=1", "telemetry.progress=false"]
+            f"buffer.groups_per_step={GROUPS_PER_STEP}", f"rollout.n={N}", f"rollout.max_tokens={SAMPLING.max_tokens}",
+            f"learner.checkpoint_every={checkpoint_every}", "learner.torch_threads=1", "buffer.done_grace_s=1",
+            "telemetry.progress=false"]
 
 
 def effective_timeline(path):

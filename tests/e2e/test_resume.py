@@ -24,6 +24,8 @@ from tests.conftest import free_port
 VOCAB = 64
 GROUPS_PER_STEP = 2
 N = 4
+SAMPLING = Sampling(temperature=1.0, max_tokens=16)
+"""The recipe's sampling (learner_overrides sets rollout.max_tokens to match): the learner rejects any other."""
 
 
 def scripted_group(version: int, index: int, incarnation: int) -> Group:
@@ -37,7 +39,7 @@ def scripted_group(version: int, index: int, incarnation: int) -> Group:
                               finish_reason="stop"))
     return Group(group_id=f"i{incarnation}-v{version}-{index}", prompt_id=str(index), generator_id="scripted",
                  prompt_ids=rng.integers(2, VOCAB, 5).astype(np.int32), samples=samples,
-                 sampling=Sampling(temperature=1.0), created_at=time.time())
+                 sampling=SAMPLING, created_at=time.time())
 
 
 class ScriptedGenerator(threading.Thread):
@@ -109,8 +111,9 @@ class ScriptedGenerator(threading.Thread):
 def learner_overrides(model_dir, port, steps):
     return [f"model.path={model_dir}", "demo.task=''", f"buffer.port={port}", f"learner.total_steps={steps}",
             "buffer.max_staleness=0", f"buffer.groups_per_step={GROUPS_PER_STEP}", f"rollout.n={N}",
-            "learner.checkpoint_every=2", "learner.checkpoint_keep=2", "learner.torch_threads=1",
-            "learner.lr=1e-3", "learner.warmup_steps=0", "buffer.done_grace_s=1", "telemetry.progress=false",
+            f"rollout.max_tokens={SAMPLING.max_tokens}", "learner.checkpoint_every=2", "learner.checkpoint_keep=2",
+            "learner.torch_threads=1", "learner.lr=1e-3", "learner.warmup_steps=0", "buffer.done_grace_s=1",
+            "telemetry.progress=false",
             # a reward-KL coefficient the adaptive controller moves every step: the resumed run continues the same
             # loss curve only if the checkpoint kept it (LearnerState.kl_coef)
             "algo.kl_reward_coef=0.05", "algo.kl_controller=adaptive", "algo.kl_target=0.001", "algo.kl_horizon=40"]

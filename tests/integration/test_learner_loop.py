@@ -20,21 +20,21 @@ from tests.conftest import free_port
 VOCAB = 64
 
 
-def scripted_group(version: int, rng) -> Group:
+def scripted_group(version: int, rng, sampling: Sampling) -> Group:
     samples = [Sample(completion_ids=rng.integers(2, VOCAB, 4).astype(np.int32), logprobs=np.full(4, -1.0, np.float32),
                       versions=np.full(4, version, np.int32), reward=float(rng.integers(0, 2)), finish_reason="stop")
                for _ in range(2)]
     return Group(group_id=uuid.uuid4().hex, prompt_id="p", generator_id="scripted",
                  prompt_ids=rng.integers(2, VOCAB, 3).astype(np.int32), samples=samples,
-                 sampling=Sampling(temperature=1.0), created_at=time.time())
+                 sampling=sampling, created_at=time.time())
 
 
 class ScriptedGenerator(threading.Thread):
     """Samples every admitted group with the newest weights it has heard of, as a real generator does."""
 
-    def __init__(self, endpoint: str, config_hash: str):
+    def __init__(self, endpoint: str, config_hash: str, sampling: Sampling):
         super().__init__(daemon=True)
-        self.endpoint, self.config_hash = endpoint, config_hash
+        self.endpoint, self.config_hash, self.sampling = endpoint, config_hash, sampling
         self.versions_heard: list[int] = []
         self.errors: list[str] = []
 
@@ -73,8 +73,14 @@ class ScriptedGenerator(threading.Thread):
             self.versions_heard.append(version)
 
     def group(self, rng) -> tuple:
-        group = scripted_group(self.versions_heard[-1], rng)
+        group = scripted_group(self.versions_heard[-1], rng, self.sampling)
         return group.group_id, encode_group(group)
+
+
+def recipe_sampling(cfg) -> Sampling:
+    """What a generator of this job samples with: the learner rejects anything else (buffer/plausibility.py)."""
+    rollout = cfg.rollout
+    return Sampling(rollout.temperature, rollout.top_p, rollout.top_k, rollout.max_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +105,7 @@ def test_weights_are_published_every_k_steps_and_after_the_last_and_staleness_st
                              "buffer.groups_per_step=2", "rollout.n=2", "learner.checkpoint_every=0",
                              "buffer.done_grace_s=5", "telemetry.progress=false", f"weightsync.shm_dir={tmp_path}",
                              f"telemetry.tracking_uri=sqlite:///{tmp_path}/mlflow.db"])
-    generator = ScriptedGenerator(f"tcp://127.0.0.1:{port}", shared_hash(cfg))
+    generator = ScriptedGenerator(f"tcp://127.0.0.1:{port}", shared_hash(cfg), recipe_sampling(cfg))
     generator.start()
     summary = run_learner(cfg, tiny_model_dir, [], str(tmp_path))
     generator.join(timeout=30)

@@ -31,7 +31,7 @@ VOCAB = 64
 def a_group(group_id: str, version: int = 0) -> Group:
     sample = Sample(completion_ids=np.array([1, 2, 3], np.int32), logprobs=np.full(3, -0.5, np.float32),
                     versions=np.full(3, version, np.int32), reward=1.0, finish_reason="stop")
-    return Group(group_id=group_id, prompt_id="p", generator_id="g", prompt_ids=np.array([4, 5], np.int32),
+    return Group(group_id=group_id, prompt_id="p", generator_id="gen", prompt_ids=np.array([4, 5], np.int32),
                  samples=[sample], sampling=Sampling(temperature=1.0), created_at=time.time())
 
 
@@ -186,7 +186,7 @@ def added_but_reply_lost(stream: GroupStream, group_id: str, lease: str) -> byte
 def test_a_resent_delivery_is_trained_once_and_counts_once(redis_server):
     job = "dup" + uuid.uuid4().hex[:8]
     server, _ = learner_side(redis_server.url, job)
-    stream, coordinator = GroupStream(server.client, job), server.coordinator
+    stream, coordinator = GroupStream(server.client, job, producer="gen"), server.coordinator
     leases, _ = coordinator.try_admit("gen", want=2)
     # the reply was lost, the batch resent: the resend finds the first attempt's mark and its entry is deleted in
     # the same transaction that added it
@@ -214,7 +214,7 @@ def test_a_resent_delivery_is_trained_once_and_counts_once(redis_server):
 def test_every_malformed_group_gives_its_admission_back_even_with_identical_bytes(redis_server):
     job = "bad" + uuid.uuid4().hex[:8]
     server, _ = learner_side(redis_server.url, job)
-    stream, coordinator = GroupStream(server.client, job), server.coordinator
+    stream, coordinator = GroupStream(server.client, job, producer="gen"), server.coordinator
     leases, _ = coordinator.try_admit("gen", want=2)
     produce_batch(server.client, stream, [("bad1", b"garbage", leases[0]), ("bad2", b"garbage", leases[1])])
     assert coordinator.started == 2
@@ -228,7 +228,7 @@ def test_a_live_learners_held_entries_are_never_reclaimed(redis_server):
     must not hand them back to the same learner (trained twice) nor dead-letter them for too many deliveries."""
     job = "hd" + uuid.uuid4().hex[:8]
     server, _ = learner_side(redis_server.url, job, reclaim_idle_s=0.3)
-    stream = GroupStream(connect(RedisOptions(redis_server.url)), job)
+    stream = GroupStream(connect(RedisOptions(redis_server.url)), job, producer="gen")
     for index in range(3):
         stream.produce(f"g{index}", encode_group(a_group(f"g{index}")))
     first = [server.take(1.0).group_id for _ in range(3)]
@@ -244,7 +244,7 @@ def test_a_live_learners_held_entries_are_never_reclaimed(redis_server):
 def test_a_dead_learner_incarnations_entries_are_still_reclaimed(redis_server):
     job = "dd" + uuid.uuid4().hex[:8]
     server, _ = learner_side(redis_server.url, job, reclaim_idle_s=0.2)
-    old = GroupStream(connect(RedisOptions(redis_server.url)), job, consumer="learner-old")
+    old = GroupStream(connect(RedisOptions(redis_server.url)), job, consumer="learner-old", producer="gen")
     old.produce("orphan", encode_group(a_group("orphan")))
     assert [entry.entry_id for entry in old.read(10, block_ms=100)]  # delivered to a consumer that then died
     deadline = time.monotonic() + 10
@@ -295,7 +295,7 @@ def test_a_group_from_weights_newer_than_the_learner_is_dropped_and_a_negative_v
     job = uuid.uuid4().hex[:8]
     server, _ = learner_side(redis_server.url, job)
     server.coordinator.set_version(2, allow_backwards=True)
-    produce = GroupStream(server.client, job, "gen")
+    produce = GroupStream(server.client, job, "gen", producer="gen")
     for group_id, version in (("ahead", 3), ("negative", -1), ("fine", 2)):
         produce.produce(group_id, encode_group(a_group(group_id, version)))
     try:

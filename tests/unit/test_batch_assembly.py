@@ -48,31 +48,30 @@ class QueueServer:
 def test_dynamic_sampling_drops_zero_variance_groups_and_keeps_pulling():
     groups = [make_group([1, 1, 1]), make_group([0, 1, 0]), make_group([0, 0, 0]), make_group([1, 0, 1])]
     server = QueueServer(groups)
-    out = collect_batch(server, 2, 1, 0, timeout_s=5, batch_filter=BatchFilter(group_size=3, dynamic_sampling=True))
+    out = collect_batch(server, 2, 1, 0, timeout_s=5, batch_filter=BatchFilter(dynamic_sampling=True))
     assert [g.rewards() for g in out.groups] == [[0, 1, 0], [1, 0, 1]]
     assert out.dropped["zero_variance"] == 2 and server.given_back == [groups[0].group_id, groups[2].group_id]
 
 
 def test_without_dynamic_sampling_zero_variance_groups_train():
     out = collect_batch(QueueServer([make_group([1, 1, 1]), make_group([0, 0, 0])]), 2, 1, 0, timeout_s=5,
-                        batch_filter=BatchFilter(group_size=3))
+                        batch_filter=BatchFilter())
     assert len(out.groups) == 2 and not out.dropped
 
 
-def test_remax_groups_without_a_baseline_and_wrong_sizes_are_dropped_and_counted():
-    groups = [make_group([1, 0, 1], version=5), make_group([1, 0], version=5, baseline=0.5),
-              make_group([1, 0, 1], version=4, baseline=0.5),
+def test_remax_groups_without_a_baseline_and_stale_ones_are_dropped_and_counted():
+    groups = [make_group([1, 0, 1], version=5), make_group([1, 0, 1], version=4, baseline=0.5),
               make_group([0, 0, 1], version=3, baseline=1.0), make_group([1, 1, 0], version=5, baseline=0.0)]
     out = collect_batch(QueueServer(groups), 2, 1, 5, timeout_s=5,
-                        batch_filter=BatchFilter(group_size=3, needs_baseline=True))
-    assert dict(out.dropped) == {"no_baseline": 1, "group_size": 1, "stale": 1}
+                        batch_filter=BatchFilter(needs_baseline=True))
+    assert dict(out.dropped) == {"no_baseline": 1, "stale": 1}
     assert [g.meta["baseline_reward"] for g in out.groups] == [0.5, 0.0]
 
 
 def test_batch_timeout_names_what_was_dropped():
     with pytest.raises(BatchTimeout, match="zero_variance"):
         collect_batch(QueueServer([make_group([1, 1, 1])]), 2, 1, 0, timeout_s=0.3,
-                      batch_filter=BatchFilter(group_size=3, dynamic_sampling=True))
+                      batch_filter=BatchFilter(dynamic_sampling=True))
 
 
 def test_outcome_reward_sits_on_the_last_trained_token():

@@ -17,10 +17,11 @@ from asyncrl.buffer.zmq.server import ZmqBufferServer
 from tests.conftest import free_port
 
 
-def group(reward=1.0, token=3, version=0):
+def group(reward=1.0, token=3, version=0, gen="gen-a"):
+    """A valid one-sample group from generator `gen` (a group must carry its connection's generator id)."""
     sample = Sample(completion_ids=np.array([token, 4], np.int32), logprobs=np.array([-0.5, -1.0], np.float32),
                     versions=np.array([version, version], np.int32), reward=reward, finish_reason="stop")
-    return Group(group_id="abc", prompt_id="p0", generator_id="g", prompt_ids=np.array([1, 2], np.int32),
+    return Group(group_id="abc", prompt_id="p0", generator_id=gen, prompt_ids=np.array([1, 2], np.int32),
                  samples=[sample], sampling=Sampling(1.0), created_at=time.time())
 
 
@@ -107,7 +108,7 @@ def test_admission_is_paced_and_a_full_queue_asks_to_retry(server):
     async def scenario():
         first = await client.admit(10)
         second = await client.admit(1)
-        sent = [await client.send(str(index), encode_group(group())) for index in range(3)]
+        sent = [await client.send(str(index), encode_group(group(gen="gen-d"))) for index in range(3)]
         return first, second, sent
 
     first, second, replies = asyncio.run(scenario())
@@ -226,7 +227,7 @@ def test_the_server_answers_each_group_of_a_batch_and_refuses_a_batch_it_cannot_
         return msgpack.unpackb(raw.recv_multipart()[-1])
 
     try:
-        good = encode_group(group())
+        good = encode_group(group(gen="raw"))
         reply = send({"reqs": [1, 2, 3, 4]}, [good, b"\x00" * 5000, good, good])
         mismatched = send({"reqs": [5, 6]}, [good])
         taken = [server.take(1.0) for _ in range(2)]

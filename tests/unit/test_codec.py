@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from asyncrl.buffer.codec import REJECT_REASONS, CodecError, decode_group, encode_group
 from asyncrl.buffer.group import FINISH_REASONS, SCHEMA_VERSION, Group, Sample, Sampling, new_group_id
+from asyncrl.buffer.plausibility import JobLimits
 
 VOCAB = 1000
 MAX_VERSION = 10
@@ -198,11 +199,19 @@ def test_logprob_slightly_above_zero_is_within_tolerance():
     assert decode(encode_group(group)).samples[0].logprobs[1] == np.float32(1e-4)
 
 
-@pytest.mark.parametrize("version", [-1, MAX_VERSION + 1])
-def test_version_negative_or_ahead_of_learner_is_rejected_as_bad_version(version):
-    group = make_group(samples=[make_sample(versions=np.array([1, version, 1], dtype=np.int32))])
+def test_a_negative_version_is_rejected_as_bad_version():
+    group = make_group(samples=[make_sample(versions=np.array([1, -1, 1], dtype=np.int32))])
     err = reject(encode_group(group))
     assert err.reason == "bad_version" and err.field == "samples[0].versions"
+
+
+def test_a_version_ahead_of_the_learner_is_future_version_but_only_when_all_else_is_valid():
+    """A backend drops (not rejects) a group sampled with weights a restart discarded, so the codec says
+    future_version only for a group that is otherwise valid."""
+    ahead = make_sample(versions=np.array([1, MAX_VERSION + 1, 1], dtype=np.int32))
+    assert reject(encode_group(make_group(samples=[ahead]))).reason == "future_version"
+    broken = make_group(samples=[ahead, make_sample(reward=float("nan"))])
+    assert reject(encode_group(broken)).reason == "bad_reward"
 
 
 def test_nan_reward_is_rejected_as_bad_reward():
@@ -225,22 +234,59 @@ def test_group_without_samples_is_rejected_as_empty():
     assert err.reason == "empty" and err.field == "samples"
 
 
+LIMITS = JobLimits(group_size=2, temperature=1.0, top_p=0.9, top_k=50, max_tokens=64, max_prompt_tokens=8,
+                   max_positions=70)
+"""What make_group's generator produces: the job's limits in the plausibility tests."""
+
+
+def test_a_group_that_fits_the_job_passes_its_limits():
+    assert decode(encode_group(make_group()), limits=LIMITS).group_id
+
+
+@pytest.mark.parametrize("overrides, reason, field", [
+    (dict(samples=[make_sample()]), "group_size", "samples"),
+    (dict(prompt_ids=np.array([], dtype=np.int32)), "empty", "prompt_ids"),
+    (dict(prompt_ids=np.arange(1, 10, dtype=np.int32)), "too_long", "prompt_ids"),
+    (dict(samples=[make_sample(65), make_sample()]), "too_long", "samples[0].completion_ids"),
+    (dict(prompt_ids=np.arange(1, 9, dtype=np.int32), samples=[make_sample(63), make_sample()]), "too_long",
+     "samples[0]"),
+    (dict(sampling=Sampling(temperature=0.0, top_p=0.9, top_k=50, max_tokens=64)), "sampling", "sampling"),
+    (dict(sampling=Sampling(temperature=1.0, top_p=0.9, top_k=50, max_tokens=1000)), "sampling", "sampling"),
+    (dict(samples=[make_sample(reward=1e300), make_sample()]), "bad_reward", "samples[0].reward"),
+    (dict(samples=[make_sample(), make_sample(logprobs=np.array([-1.0, -1e38, -1.0], np.float32))]),
+     "bad_logprob", "samples[1].logprobs"),
+])
+def test_a_group_no_generator_of_this_job_could_produce_is_rejected(overrides, reason, field):
+    err = reject(encode_group(make_group(**overrides)), limits=LIMITS)
+    assert (err.reason, err.field) == (reason, field), str(err)
+
+
+def test_the_sample_count_is_checked_before_any_sample_is_decoded():
+    """87k garbage samples cost nothing: the count fails first (the samples would each fail as malformed)."""
+    data = rewrite(make_group(), lambda wire: wire.update(samples=[{"x": 1}] * 87_000))
+    assert reject(data, max_message_bytes=1 << 24, limits=LIMITS).reason == "group_size"
+
+
 def test_every_reject_reason_has_a_test_above():
     tested = {"too_large", "malformed", "schema", "length_mismatch", "token_out_of_range", "bad_logprob",
-              "bad_version", "bad_reward", "bad_finish_reason", "empty"}
-    assert set(REJECT_REASONS) == tested
+              "bad_version", "bad_reward", "bad_finish_reason", "empty", "group_size", "too_long", "sampling",
+              "future_version"}
+    # generator_id is a backend's check (the group against its connection): tests/unit/test_buffer_server.py
+    assert set(REJECT_REASONS) == tested | {"generator_id"}
 
 
 # ---------------------------------------------------------------------------------------- properties
 
 
 def _decodes_or_codec_error(data: bytes) -> None:
-    try:
-        out = decode(data)
-    except CodecError as err:
-        assert err.reason in REJECT_REASONS
-    else:
-        assert isinstance(out, Group)
+    """With and without the job's limits: the plausibility checks run on half-parsed input too."""
+    for limits in (None, LIMITS):
+        try:
+            out = decode(data, limits=limits)
+        except CodecError as err:
+            assert err.reason in REJECT_REASONS
+        else:
+            assert isinstance(out, Group)
 
 
 @FUZZ

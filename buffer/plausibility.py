@@ -1,0 +1,124 @@
+"""Plausibility against the job: what this job's generators can produce, which every group must fit.
+
+The codec (codec.py) checks that a message is a well-formed `Group`. That is not enough: a group can be well formed
+and still poison training (a temperature of 0 divides the logits by zero; a reward of 1e300 is finite as a float64
+and inf once stored as float32), crash it (an empty prompt), or stall it (87k one-token samples take seconds to
+decode). A generator of this job samples with the recipe's settings, `rollout.n` completions of at most
+`rollout.max_tokens` tokens, a prompt of at most `data.max_prompt_tokens`, inside the model's positions, so a group
+that does not is rejected whole, with a reason, before it can reach a batch.
+
+Two passes, both pure:
+- `check_shape` runs on the unpacked msgpack structure before any sample is decoded: the sample count and every
+  array's length come from byte lengths, so an oversized group costs the learner almost nothing.
+- `check_values` runs on the decoded group: the sampling settings, rewards in float32 range, logprobs above the
+  floor no engine can sample below.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+LOGPROB_FLOOR = -110.0
+"""No engine samples a token less likely than this. The smallest positive float32 (a denormal, 1.4e-45) is
+e^-103.3 and bfloat16's is larger, so a probability computed in any dtype an engine uses is either 0 (never sampled)
+or has a logprob above -104; -110 leaves room for the engines' own rounding."""
+
+
+@dataclass(frozen=True)
+class JobLimits:
+    """The bounds every group of this job fits (built from the recipe and the model by buffer/backends.py)."""
+
+    group_size: int
+    """rollout.n: samples per group."""
+    temperature: float
+    top_p: float
+    top_k: int
+    max_tokens: int
+    """rollout.*: the sampling every generator of the job uses; max_tokens also bounds each completion."""
+    max_prompt_tokens: int
+    """data.max_prompt_tokens: generators skip longer prompts."""
+    max_positions: int
+    """The model's positions (max_position_embeddings): prompt + completion must fit."""
+
+
+class Implausible(ValueError):
+    """A group no generator of this job could have produced; `reason` is a codec REJECT_REASONS slug."""
+
+    def __init__(self, reason: str, field: str, detail: str):
+        super().__init__(f"{field}: {detail} [{reason}]")
+        self.reason, self.field, self.detail = reason, field, detail
+
+
+def check_shape(root: dict, limits: JobLimits) -> None:
+    """Counts and lengths from the raw structure (before decoding). Fields of the wrong type are left to the codec,
+    which names them."""
+    samples = root.get("samples")
+    if isinstance(samples, list) and len(samples) != limits.group_size:
+        raise Implausible("group_size", "samples", f"{len(samples)} samples, the job samples rollout.n="
+                                                   f"{limits.group_size} per prompt")
+    prompt = root.get("prompt_ids")
+    prompt_len = len(prompt) // 4 if isinstance(prompt, bytes) else None
+    if prompt_len is not None:
+        if prompt_len == 0:
+            raise Implausible("empty", "prompt_ids", "the prompt is empty")
+        if prompt_len > limits.max_prompt_tokens:
+            raise Implausible("too_long", "prompt_ids", f"{prompt_len} tokens > data.max_prompt_tokens="
+                                                        f"{limits.max_prompt_tokens}")
+    for i, sample in enumerate(samples if isinstance(samples, list) else []):
+        ids = sample.get("completion_ids") if isinstance(sample, dict) else None
+        if not isinstance(ids, bytes):
+            continue
+        length = len(ids) // 4
+        if length > limits.max_tokens:
+            raise Implausible("too_long", f"samples[{i}].completion_ids", f"{length} tokens > rollout.max_tokens="
+                                                                         f"{limits.max_tokens}")
+        if prompt_len is not None and prompt_len + length > limits.max_positions:
+            raise Implausible("too_long", f"samples[{i}]", f"prompt + completion = {prompt_len + length} tokens > the "
+                                                          f"model's {limits.max_positions} positions")
+
+
+def check_values(group, limits: JobLimits) -> None:
+    """The decoded group's sampling, rewards and logprobs against what a generator of this job produces."""
+    sampling = group.sampling
+    expected = (limits.temperature, limits.top_p, limits.top_k, limits.max_tokens)
+    got = (sampling.temperature, sampling.top_p, sampling.top_k, sampling.max_tokens)
+    if got != expected:
+        raise Implausible("sampling", "sampling", f"(temperature, top_p, top_k, max_tokens) = {got}, the recipe's "
+                                                  f"rollout section says {expected}")
+    for i, sample in enumerate(group.samples):
+        if abs(sample.reward) > FLOAT32_MAX:
+            raise Implausible("bad_reward", f"samples[{i}].reward", f"{sample.reward} overflows float32, the dtype "
+                                                                   f"rewards are trained in")
+        for key, value in sample.reward_info.items():
+            if abs(value) > FLOAT32_MAX:
+                raise Implausible("bad_reward", f"samples[{i}].reward_info[{key!r}]", f"{value} overflows float32")
+        low = sample.logprobs < LOGPROB_FLOOR
+        if low.any():
+            index = int(np.flatnonzero(low)[0])
+            raise Implausible("bad_logprob", f"samples[{i}].logprobs", f"[{index}]={sample.logprobs[index]} is below "
+                                                                       f"{LOGPROB_FLOOR}, which no engine samples")
+    baseline = group.meta.get("baseline_reward")
+    if isinstance(baseline, (int, float)) and abs(baseline) > FLOAT32_MAX:
+        raise Implausible("bad_reward", "meta['baseline_reward']", f"{baseline} overflows float32")
+
+
+MAX_STAT_KEYS = 256
+MAX_STAT_KEY_CHARS = 200
+
+
+def check_stats(metrics) -> str | None:
+    """Why a generator's stats report is not usable data (None: it is): a map of at most MAX_STAT_KEYS metric names
+    (strings) to finite numbers. The learner sums and logs these, so a string or an inf there would crash or
+    poison what it reports."""
+    if not isinstance(metrics, dict):
+        return f"expected a map, got {type(metrics).__name__}"
+    if len(metrics) > MAX_STAT_KEYS:
+        return f"{len(metrics)} metrics > {MAX_STAT_KEYS}"
+    for key, value in metrics.items():
+        if not isinstance(key, str) or not key or len(key) > MAX_STAT_KEY_CHARS:
+            return f"metric name {str(key)[:40]!r} is not a string of 1 to {MAX_STAT_KEY_CHARS} characters"
+        if type(value) not in (int, float) or not np.isfinite(value) or abs(value) > FLOAT32_MAX:
+            return f"metric {key!r} = {str(value)[:40]!r} is not a finite number"
+    return None
