@@ -11,6 +11,7 @@ k1 and k2 are not clamped (verl does not clamp them either). δ is ``log_ratio.m
 fp32 at least, and with ``loss_mask`` the garbage at masked positions (-inf - -inf = NaN) is replaced by 0 BEFORE
 any arithmetic, since a NaN there would otherwise reach the gradient even through a later ``where``.
 """
+import math
 from collections.abc import Callable
 
 import torch
@@ -116,6 +117,10 @@ class AdaptiveKLController:
         self.horizon = float(horizon)
 
     def update(self, current_kl: float, n_steps: int) -> None:
-        """Move β toward the value that would give ``target``: up when current_kl > target, down when below."""
+        """Move β toward the value that would give ``target``: up when current_kl > target, down when below. A
+        non-finite KL (a poisoned batch, which the learner skips) leaves β as it was: a NaN β would poison every
+        later step."""
+        if not math.isfinite(current_kl):
+            return
         error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon

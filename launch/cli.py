@@ -199,7 +199,7 @@ def cmd_learner(cfg, args) -> int:
     if args.nproc * args.nnodes > 1 and "LOCAL_RANK" not in os.environ:
         return exec_torchrun(cfg, args, module="asyncrl.learner", command_name="learner")
     from asyncrl.learner.checkpoint import CheckpointError
-    from asyncrl.learner.loop import run_learner
+    from asyncrl.learner.loop import TrainingPoisoned, run_learner
 
     parallel = join_ranks(cfg, "learner")
     if isinstance(parallel, int):
@@ -211,6 +211,9 @@ def cmd_learner(cfg, args) -> int:
         except CheckpointError as err:
             print(f"asyncrl learner: {err}", file=sys.stderr)
             return 2
+        except TrainingPoisoned as err:
+            print(f"asyncrl learner: {err}", file=sys.stderr)
+            return 1
         if summary is not None:
             print_summary(summary)
         leave_ranks(parallel)

@@ -49,8 +49,11 @@ class StepParts:
     batch_filter: BatchFilter
 
     def restore(self, state: LearnerState) -> None:
-        """Put back what a checkpoint kept: the controller's coefficient (the adaptive one moves every step)."""
-        if state.kl_coef is not None:
+        """Put back what a checkpoint kept: the controller's coefficient (the adaptive one moves every step); a
+        fresh state takes the controller's starting value, so a skipped first step has one to go back to."""
+        if state.kl_coef is None:
+            state.kl_coef = self.kl_controller.value
+        else:
             self.kl_controller.value = float(state.kl_coef)
 
 
@@ -66,8 +69,7 @@ def build_step_parts(cfg, model_path: str, parallel: ParallelState) -> StepParts
         controller = AdaptiveKLController(algo.kl_reward_coef, algo.kl_target, algo.kl_horizon)
     else:
         controller = FixedKLController(algo.kl_reward_coef)
-    batch_filter = BatchFilter(group_size=cfg.rollout.n, dynamic_sampling=algo.dynamic_sampling,
-                               needs_baseline=algo.advantage == "remax")
+    batch_filter = BatchFilter(dynamic_sampling=algo.dynamic_sampling, needs_baseline=algo.advantage == "remax")
     return StepParts(ref_model, controller, batch_filter)
 
 

@@ -48,6 +48,9 @@ class LearnerConfig:
     compute)."""
     cpu_offload: bool = False
     """FSDP2 CPUOffloadPolicy: keep sharded parameters, gradients and optimizer state in host memory (GPU only)."""
+    max_consecutive_skips: int = 3
+    """Steps in a row whose batch may poison them (a non-finite loss or gradient, a batch that cannot be built)
+    before the job stops with an error: one bad batch is skipped, a run that can no longer train is not hidden."""
     dist_timeout_s: float = 1800.0
     """Timeout of the learner's collectives (gloo/NCCL), in s; a rank that stops answering fails the job then."""
     publish_bucket_mb: float = 256.0
@@ -89,6 +92,8 @@ class LearnerConfig:
             value = getattr(self, key)
             if value and value not in ("float32", "bfloat16", "float16"):
                 raise ValueError(f"learner.{key} must be float32, bfloat16 or float16, got {value!r}")
+        if self.max_consecutive_skips < 1:
+            raise ValueError(f"learner.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
         if self.dist_timeout_s <= 0:
             raise ValueError(f"learner.dist_timeout_s must be > 0, got {self.dist_timeout_s}")
         if self.publish_bucket_mb <= 0:

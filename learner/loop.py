@@ -8,6 +8,7 @@ by publishing each version (every `weightsync.every_steps` steps), which raises 
 must keep besides the model and optimizer is one `LearnerState` (learner/state.py); a restarted job resumes from its
 newest checkpoint (`learner.resume=auto`) at the same version.
 """
+import logging
 import time
 from collections import Counter
 
@@ -21,7 +22,13 @@ from asyncrl.learner.host import LearnerHost
 from asyncrl.learner.parallel import ParallelState, broadcast_object
 from asyncrl.learner.publish import iter_full_weights, weight_specs
 from asyncrl.learner.state import AckLedger, LearnerState
-from asyncrl.learner.train_step import StepSettings, train_step
+from asyncrl.learner.train_step import PoisonedBatch, StepSettings, train_step
+
+log = logging.getLogger(__name__)
+
+
+class TrainingPoisoned(RuntimeError):
+    """learner.max_consecutive_skips steps in a row could not train: the job stops instead of spinning."""
 
 
 def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
@@ -47,9 +54,10 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
         if host is not None:
             host.start()
         while state.version < cfg.learner.total_steps:
-            train_one_version(cfg, model, optimizer, scheduler, host, parallel, state, parts)
+            trained = train_one_version(cfg, model, optimizer, scheduler, host, parallel, state, parts)
             acks.note_taken()
-            checkpoint_if_due(cfg, job_dir, model_path, model, optimizer, scheduler, state, acks)
+            if trained:  # a skipped step left the version where it was: nothing new to save
+                checkpoint_if_due(cfg, job_dir, model_path, model, optimizer, scheduler, state, acks)
         wait_for_pending_save()
         acks.all_saved()
         status = "FINISHED"
@@ -60,17 +68,26 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
 
 
 def train_one_version(cfg, model, optimizer, scheduler, host: LearnerHost | None, parallel: ParallelState,
-                      state: LearnerState, parts: StepParts) -> None:
-    """Take a batch, train on it (state.version -> +1), publish when due, and (rank 0) log the step."""
+                      state: LearnerState, parts: StepParts) -> bool:
+    """Take a batch, train on it (state.version -> +1), publish when due, and (rank 0) log the step. Returns False
+    when the batch poisoned the step (skip_poisoned_step): nothing moved."""
     version = state.version
     groups, dropped, collected = next_batch(cfg, host, parallel, version, parts)
     settings = StepSettings(version=version, max_staleness=cfg.buffer.max_staleness,
                             max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch,
                             chunk_tokens=cfg.learner.logprob_chunk_tokens, grad_clip=cfg.learner.grad_clip,
                             seed=cfg.learner.seed, packing=cfg.learner.packing, parallel=parallel)
-    metrics = train_step(model, optimizer, scheduler, groups, cfg.algo, settings, ref_model=parts.ref_model,
-                         kl_controller=parts.kl_controller)
+    try:
+        metrics = train_step(model, optimizer, scheduler, groups, cfg.algo, settings, ref_model=parts.ref_model,
+                             kl_controller=parts.kl_controller)
+        cause = "the gradient was not finite in every mini-batch" if metrics["learner/skipped"] else None
+    except PoisonedBatch as err:
+        cause = str(err)
+    if cause is not None:
+        skip_poisoned_step(host, state, parts, groups, dropped, cause, cfg.learner.max_consecutive_skips)
+        return False
     state.version = version + 1
+    state.skipped_in_a_row = 0
     state.record_batch(groups, dropped)
     state.kl_coef = parts.kl_controller.value
     started = time.perf_counter()
@@ -81,6 +98,29 @@ def train_one_version(cfg, model, optimizer, scheduler, host: LearnerHost | None
         if published:
             metrics["timing/weightsync/publish_s"] = time.perf_counter() - started
         host.after_step(state, groups, collected, metrics)
+    return True
+
+
+def skip_poisoned_step(host: LearnerHost | None, state: LearnerState, parts: StepParts, groups: list,
+                       dropped: Counter, cause: str, max_in_a_row: int) -> None:
+    """A batch that poisoned its step is never trained: no optimizer step was taken (train_step saw to that), the
+    version and the published weights stay, the KL coefficient goes back to its value before the step, and the
+    groups are quarantined (counted under buffer/rejected/poisoned_step, their admissions given back, dead-lettered
+    with Redis) so the next batch replaces them. The same on every rank: they all saw the same groups and norms.
+    `max_in_a_row` skips in a row stop the job (TrainingPoisoned): a run that can no longer train is not hidden."""
+    state.skipped_steps += 1
+    state.skipped_in_a_row += 1
+    state.record_batch([], {**dropped, "poisoned_step": len(groups)})
+    if state.kl_coef is not None:
+        parts.kl_controller.value = state.kl_coef
+    if host is not None:
+        log.warning("learner v%d: skipped the step (%s); groups %s from %s are quarantined", state.version, cause,
+                    [group.group_id for group in groups], sorted({group.generator_id for group in groups}))
+        host.buffer.quarantine(groups, "poisoned_step")
+        host.metrics_log.log({"learner/skipped_steps": float(state.skipped_steps)}, step=state.version)
+    if state.skipped_in_a_row >= max_in_a_row:  # on every rank: they all count alike
+        raise TrainingPoisoned(f"{state.skipped_in_a_row} steps in a row at v{state.version} could not train "
+                               f"(learner.max_consecutive_skips={max_in_a_row}); the last: {cause}")
 
 
 def should_publish(version: int, every_steps: int, total_steps: int) -> bool:

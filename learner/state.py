@@ -21,13 +21,18 @@ class LearnerState:
     groups_by_generator: dict = field(default_factory=dict)
     """generator id -> groups of it trained: the consumed frontier per generator."""
     dropped_total: Counter = field(default_factory=Counter)
-    """reason -> groups dropped while assembling batches (stale, zero_variance, group_size, no_baseline, empty)."""
+    """reason -> groups taken but not trained (stale, zero_variance, no_baseline, empty, poisoned_step)."""
     unacked: list = field(default_factory=list)
     """Buffer receipts (Redis stream entries) of groups taken since the last checkpoint: a checkpoint lists them, and
     the buffer forgets them once that checkpoint is on disk (`AckLedger`)."""
     kl_coef: float | None = None
     """The reward-KL controller's coefficient β (None: no controller state to keep). The adaptive controller moves
     it every step; without it in the checkpoint a resumed run would start again from algo.kl_reward_coef."""
+    skipped_steps: int = 0
+    """Steps skipped because their batch poisoned them (a non-finite gradient, or a batch that could not be built):
+    the version did not move for them."""
+    skipped_in_a_row: int = 0
+    """Of those, how many in a row up to now (learner.max_consecutive_skips stops the job)."""
     data_cursor: dict = field(default_factory=dict)
     """Reserved for the dataset cursor (which prompts of the epoch were handed out); empty until the coordinator
     owns the cursor. Saved and restored like the rest."""
@@ -43,7 +48,9 @@ class LearnerState:
         """A JSON-able copy (the checkpoint keeps this, so later changes to the state do not reach it)."""
         return {"format": STATE_FORMAT, "version": self.version, "groups_consumed": self.groups_consumed,
                 "groups_by_generator": dict(self.groups_by_generator), "dropped_total": dict(self.dropped_total),
-                "unacked": list(self.unacked), "kl_coef": self.kl_coef, "data_cursor": dict(self.data_cursor)}
+                "unacked": list(self.unacked), "kl_coef": self.kl_coef, "skipped_steps": self.skipped_steps,
+                "skipped_in_a_row": self.skipped_in_a_row,
+                "data_cursor": dict(self.data_cursor)}
 
     @classmethod
     def from_json(cls, data: dict) -> "LearnerState":
@@ -52,7 +59,9 @@ class LearnerState:
         return cls(version=int(data["version"]), groups_consumed=int(data["groups_consumed"]),
                    groups_by_generator=dict(data["groups_by_generator"]),
                    dropped_total=Counter(data["dropped_total"]), unacked=list(data["unacked"]),
-                   kl_coef=data["kl_coef"], data_cursor=dict(data["data_cursor"]))
+                   kl_coef=data["kl_coef"], skipped_steps=int(data.get("skipped_steps", 0)),
+                   skipped_in_a_row=int(data.get("skipped_in_a_row", 0)),
+                   data_cursor=dict(data["data_cursor"]))
 
 
 class AckLedger:

@@ -9,11 +9,20 @@ Which of those optional phases run is the run's `OffPolicyPlan` (built once per 
 optimizer step per batch and no batch-global correction, π_prox (the policy at the start of the step) is exactly
 the current pass before any update, so its logprobs are the detached current ones and the separate no-grad pass
 is skipped (`plan.prox_source`). All the math comes from `asyncrl.algos`.
+
+Two guards keep one bad batch from poisoning the model (the learner loop decides what follows, learner/loop.py):
+- building the batch and its advantages is data-dependent and the same on every rank; a failure there raises
+  `PoisonedBatch` before any collective, so every rank skips the step together;
+- an optimizer step whose global gradient norm is not finite is not taken: the gradients are dropped, the weights
+  and the optimizer state stay as they were (`optimizer_step`). A step none of whose mini-batches stepped is
+  reported as skipped (`learner/skipped`), and the loop neither moves the version nor publishes.
 """
+import math
 import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from asyncrl.algos.advantages import AdvantageInputs, compute_token_advantages
 from asyncrl.algos.corrections import compute_correction, compute_vtrace_advantages
@@ -26,6 +35,10 @@ from asyncrl.learner.logprobs import compute_logprobs
 from asyncrl.learner.objective import StepCounts, compute_micro_loss, resolve_prox
 from asyncrl.learner.parallel import ParallelState, all_gather_objects, all_reduce_sum
 from asyncrl.learner.step_metrics import collect_step_metrics
+
+
+class PoisonedBatch(ValueError):
+    """The batch could not be built or scored (its groups are at fault, not the model); no rank has trained on it."""
 
 
 @dataclass
@@ -142,14 +155,30 @@ def placeholder_pass(model, batch: Batch, settings: StepSettings) -> None:
     (logprobs.sum() * 0.0).backward()
 
 
-def optimizer_step(model, optimizer, scheduler, grad_clip: float) -> float:
+def losses_finite(loss: float, parallel: ParallelState) -> bool:
+    """Whether every rank's loss for this mini-batch is finite: a flag summed over the world, so all ranks agree
+    (each holds other rows, and one rank stepping while another does not would split the shards' history)."""
+    bad = torch.tensor([0.0 if math.isfinite(loss) else 1.0], device=parallel.device)
+    if parallel.distributed:
+        dist.all_reduce(bad, op=dist.ReduceOp.SUM)
+    return float(bad) == 0.0
+
+
+def optimizer_step(model, optimizer, scheduler, grad_clip: float, loss_finite: bool = True) -> tuple[float, bool]:
+    """(the global gradient norm, whether the step was taken). A non-finite loss or norm (a NaN or inf anywhere in
+    the gradients, on any rank: the norm is global, so every rank decides alike) drops the gradients instead:
+    clipping cannot repair a NaN, one NaN step makes every weight NaN, then every published version, and an inf
+    loss whose gradient happens to be finite (an underflowed ratio) still says the batch is out of range."""
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
         grad_norm = grad_norm.full_tensor()
-    optimizer.step()
-    scheduler.step()
+    grad_norm = float(grad_norm)
+    finite = loss_finite and math.isfinite(grad_norm)
+    if finite:
+        optimizer.step()
+        scheduler.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(grad_norm)
+    return grad_norm, finite
 
 
 def gather_over_dp(parallel: ParallelState, pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts):
@@ -162,23 +191,33 @@ def gather_over_dp(parallel: ParallelState, pg_loss, kl_loss, token_metrics, pro
             [p for g in gathered for p in g[3]], [e for g in gathered for e in g[4]])
 
 
+def data_dependent(what: str, phase, *args):
+    """Run a phase whose failure can only come from the groups: a PoisonedBatch, so the step is skipped."""
+    try:
+        return phase(*args)
+    except Exception as err:  # any failure here is the data's (every rank holds the same groups and raises alike)
+        raise PoisonedBatch(f"could not {what}: {type(err).__name__}: {err}") from err
+
+
 def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSettings, ref_model=None,
                kl_controller=None) -> dict:
     """Train on `groups` (one batch); returns the step's metrics (docs/architecture.md §10 names)."""
     started = time.perf_counter()
     plan = OffPolicyPlan.from_algo(algo)
-    batch = build_batch(groups)
+    batch = data_dependent("build the batch", build_batch, groups)
     if ref_model is not None:
         batch.logprobs_ref = compute_batch_logprobs(ref_model, batch, settings)
     token_rewards, kl_metrics = penalise_rewards(batch, algo, kl_controller)
     if plan.prox_source == PROX_RECOMPUTE:
         batch.logprobs_prox = compute_batch_logprobs(model, batch, settings)
-    batch.advantages = compute_advantages(batch, groups, token_rewards, algo, plan)
+    batch.advantages = data_dependent("compute the advantages", compute_advantages, batch, groups, token_rewards,
+                                      algo, plan)
     batch.is_weight, correction_metrics = compute_batch_weight(batch, plan)
     generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + settings.version)
-    pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts, grad_norms = 0.0, 0.0, [], [], [], []
+    pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts, grad_norms, stepped = 0.0, 0.0, [], [], [], [], 0
     for mini in split_minibatches(batch, algo.ppo_minibatches):
         counts = StepCounts(tokens=float(mini.loss_mask.sum()), seqs=float((mini.loss_mask.sum(-1) > 0).sum()))
+        mini_loss = 0.0
         for micro in settings.microbatches(mini):
             if micro is None:
                 placeholder_pass(model, mini, settings)
@@ -186,10 +225,14 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
             pg_share, kl_share, metrics, prox, entropy = forward_backward(
                 model, micro.to(settings.parallel.device), plan, algo, counts, settings, generator)
             pg_loss, kl_loss = pg_loss + pg_share, kl_loss + kl_share
+            mini_loss += pg_share + algo.kl_loss_coef * kl_share
             token_metrics.append({key: float(value) for key, value in metrics.items()})
             prox_parts.append((micro.rows, prox.cpu()))
             entropy_parts.append((micro.rows, entropy.detach().cpu()))
-        grad_norms.append(optimizer_step(model, optimizer, scheduler, settings.grad_clip))
+        grad_norm, took = optimizer_step(model, optimizer, scheduler, settings.grad_clip,
+                                         losses_finite(mini_loss, settings.parallel))
+        grad_norms.append(grad_norm)
+        stepped += took
     pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts = gather_over_dp(
         settings.parallel, pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts)
     shape = tuple(batch.loss_mask.shape)
@@ -205,6 +248,8 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
         "loss/total": (pg_loss + algo.kl_loss_coef * kl_loss) / minibatches,
         "policy/grad_norm": sum(grad_norms) / minibatches,
         "policy/lr": scheduler.get_last_lr()[0],
+        "learner/skipped_minibatches": float(len(grad_norms) - stepped),
+        "learner/skipped": float(stepped == 0),  # no optimizer step was taken: the weights did not move
     })
     step_s = time.perf_counter() - started
     metrics["timing/learner/step_s"] = step_s

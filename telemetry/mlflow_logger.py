@@ -3,7 +3,9 @@
 The learner creates the run (or attaches to $MLFLOW_RUN_ID) and hands its id to generators. Everyone logs with
 `MlflowClient.log_batch` from a background thread: never the fluent `start_run`, whose exit hook would end the
 shared run. The queue is bounded; when it is full the oldest report is dropped and counted rather than blocking
-training: the newest report is the one a person watching the run needs (`DropOldestQueue`).
+training: the newest report is the one a person watching the run needs (`DropOldestQueue`). A metric that is
+not finite (a NaN loss) cannot be stored as a point, so it is never dropped in silence: each such key is warned
+about once, and every report that had any logs `telemetry/non_finite_metrics` with how many.
 """
 import collections
 import logging
@@ -68,6 +70,8 @@ class MetricsLogger:
         self.run_id = run_id
         self.prefix = prefix
         self._queue = DropOldestQueue(max_pending)
+        self.non_finite = 0  # metric values that were NaN or inf
+        self._warned: set = set()  # keys already warned about
         self._thread = threading.Thread(target=self._drain, name="asyncrl-mlflow", daemon=True)
         self._thread.start()
 
@@ -98,8 +102,21 @@ class MetricsLogger:
                 return
             metrics, step, stamp = item
             batch = [Metric(self.prefix + k, float(v), stamp, step) for k, v in metrics.items() if _is_number(v)]
+            non_finite = [k for k, v in metrics.items() if _is_real(v) and not _is_number(v)]
+            if non_finite:
+                batch.append(Metric(self.prefix + "telemetry/non_finite_metrics", float(len(non_finite)), stamp, step))
+                self._warn_non_finite(non_finite, metrics, step)
             for start in range(0, len(batch), 1000):
                 self._write(batch[start : start + 1000])
+
+    def _warn_non_finite(self, keys: list, metrics: dict, step: int) -> None:
+        self.non_finite += len(keys)
+        new = [key for key in keys if key not in self._warned]
+        if new:
+            self._warned.update(new)
+            log.warning("mlflow: step %d: %s not finite (%s); MLflow cannot store them, so they are counted under "
+                        "%stelemetry/non_finite_metrics", step, ", ".join(new[:8]),
+                        ", ".join(f"{key}={metrics[key]}" for key in new[:3]), self.prefix)
 
     def _write(self, batch: list) -> None:
         for attempt in range(3):  # sqlite may be briefly locked by another process of the job
@@ -117,6 +134,15 @@ class MetricsLogger:
         self._thread.join(timeout=60)
         if status is not None:
             self.client.set_terminated(self.run_id, status=status)
+
+
+def _is_real(value) -> bool:
+    """A number of any value, NaN and inf included (bools and strings are not metrics)."""
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return not isinstance(value, (bool, str))
 
 
 def _is_number(value) -> bool:
