@@ -83,6 +83,9 @@ def train_one_version(cfg, model, optimizer, scheduler, host: LearnerHost | None
         cause = "the gradient was not finite in every mini-batch" if metrics["learner/skipped"] else None
     except PoisonedBatch as err:
         cause = str(err)
+    except Exception as err:
+        quarantine_failed_step(host, version, groups, err)
+        raise
     if cause is not None:
         skip_poisoned_step(host, state, parts, groups, dropped, cause, cfg.learner.max_consecutive_skips)
         return False
@@ -121,6 +124,22 @@ def skip_poisoned_step(host: LearnerHost | None, state: LearnerState, parts: Ste
     if state.skipped_in_a_row >= max_in_a_row:  # on every rank: they all count alike
         raise TrainingPoisoned(f"{state.skipped_in_a_row} steps in a row at v{state.version} could not train "
                                f"(learner.max_consecutive_skips={max_in_a_row}); the last: {cause}")
+
+
+def quarantine_failed_step(host: LearnerHost | None, version: int, groups: list, err: Exception) -> None:
+    """A step that failed with an error the guard does not know (the job stops with it): its groups are quarantined
+    first, under `failed_step`, so a restarted learner does not fail on the same groups again (with Redis they would
+    still be pending, and each restart would re-read them). They are kept, whole, in the dead-letter stream; with zmq
+    nothing outlives the process anyway. Quarantining must never hide the error itself."""
+    if host is None:
+        return
+    log.error("learner v%d: the step failed (%s: %s); its groups %s from %s are quarantined so a restarted learner "
+              "does not fail on them again", version, type(err).__name__, err, [group.group_id for group in groups],
+              sorted({group.generator_id for group in groups}))
+    try:
+        host.buffer.quarantine(groups, "failed_step")
+    except Exception:  # the buffer itself may be what failed
+        log.exception("learner v%d: could not quarantine the failed step's groups", version)
 
 
 def should_publish(version: int, every_steps: int, total_steps: int) -> bool:

@@ -6,7 +6,7 @@ oversized frame, a stats report that is not numbers, and one group whose rewards
 overflow the loss. The learner keeps training to the end, trains none of them, counts each under
 buffer/rejected/<reason>, skips the one step the huge rewards poison, and publishes only finite weights. Every step
 poisoned stops the job with TrainingPoisoned; a Redis entry each learner incarnation dies on is dead-lettered after
-max_deliveries."""
+max_deliveries, and a step that fails with an unknown error dead-letters its groups before the job stops."""
 import asyncio
 import json
 import threading
@@ -291,6 +291,13 @@ def test_a_live_redis_learner_survives_every_hostile_entry_and_dead_letters_each
     hostile.client.close()
 
 
+def wait_for_the_learner(client, stream) -> None:
+    deadline = time.monotonic() + 120
+    while not client.hget(stream.keys["meta"], "config_hash"):  # the learner is starting
+        assert time.monotonic() < deadline, "the learner never registered the job"
+        time.sleep(0.05)
+
+
 class RedisHostile(threading.Thread):
     """A generator written by someone else, writing the job's Redis keys itself."""
 
@@ -306,10 +313,7 @@ class RedisHostile(threading.Thread):
 
         try:
             stream = GroupStream(self.client, self.job, producer="hostile")
-            deadline = time.monotonic() + 120
-            while not self.client.hget(stream.keys["meta"], "config_hash"):  # the learner is starting
-                assert time.monotonic() < deadline, "the learner never registered the job"
-                time.sleep(0.05)
+            wait_for_the_learner(self.client, stream)
             coordinator = RedisCoordinator(self.client, self.job, max_staleness=1, groups_per_step=B)
             rng = np.random.default_rng(3)
             for _, _, payload in hostile_groups(self.cfg, "hostile"):
@@ -415,3 +419,50 @@ def test_an_entry_every_learner_incarnation_dies_on_is_dead_lettered_after_max_d
     finally:
         last.close()
         writer.client.close()
+
+
+@pytest.mark.redis
+def test_a_step_that_fails_unexpectedly_dead_letters_its_groups_before_the_learner_stops(
+        redis_server, tiny_model_dir, tmp_path, monkeypatch):
+    """An error the NaN guard does not know (a bug only this batch finds) still stops the job, but its groups are
+    dead-lettered first: nothing is left pending for a restarted learner to fail on again."""
+    import asyncrl.learner.loop as loop
+    from asyncrl.buffer.redis.conn import RedisOptions, connect
+    from asyncrl.buffer.redis.coordinator import RedisCoordinator
+    from asyncrl.buffer.redis.stream import GroupStream
+
+    real_step = loop.train_step
+
+    def fails_on_crash_prompts(model, optimizer, scheduler, groups, *args, **kwargs):
+        if any(group.prompt_id == "crash" for group in groups):
+            raise RuntimeError("a bug only this batch finds")
+        return real_step(model, optimizer, scheduler, groups, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "train_step", fails_on_crash_prompts)  # the fault injected; the learner is real
+    monkeypatch.chdir(tmp_path)
+    job = "fail" + uuid.uuid4().hex[:8]
+    cfg = job_config(tiny_model_dir, tmp_path, ["buffer.backend=redis", f"buffer.redis_url={redis_server.url}",
+                                                f"buffer.redis_namespace={job}"])
+    client = connect(RedisOptions(redis_server.url))
+    stream = GroupStream(client, job, producer="gen")
+
+    def produce():
+        wait_for_the_learner(client, stream)
+        coordinator, rng = RedisCoordinator(client, job, max_staleness=1, groups_per_step=B), np.random.default_rng(0)
+        for _ in range(B):
+            group = a_group(cfg, "gen", rng)
+            group.prompt_id = "crash"
+            stream.produce(group.group_id, encode_group(group), RedisHostile.lease(coordinator))
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    try:
+        with pytest.raises(RuntimeError, match="a bug only this batch finds"):
+            loop.run_learner(cfg, tiny_model_dir, [], str(tmp_path))
+        producer.join(timeout=30)
+        dead = stream.dead_letters()
+        assert [entry[b"reason"].split(b":")[0] for entry in dead] == [b"failed_step"] * B
+        assert stream.pending_count() == 0  # a restarted learner has nothing of them to re-read
+        assert RedisCoordinator(client, job, max_staleness=1, groups_per_step=B).started == 0  # admissions back
+    finally:
+        client.close()
