@@ -106,7 +106,7 @@ def decode_group(data: bytes, *, vocab_size: int, max_version: int, max_message_
     logprob floor, and last versions above `max_version` (`future_version`).
     Returned arrays are fresh, writable, native-endian copies (int32 / float32 / uint8), not views of `data`.
     """
-    root = _unpack(data, max_message_bytes)
+    root = _unpack(data, max_message_bytes, limits.group_size if limits is not None else None)
     # structure and types first, so a value check never runs on a half-parsed group
     if type(root) is not dict:
         raise CodecError("malformed", "group", f"expected a map, got {type(root).__name__}")
@@ -114,14 +114,14 @@ def decode_group(data: bytes, *, vocab_size: int, max_version: int, max_message_
     _check_keys(root, _GROUP_KEYS, "group")
     if limits is not None:
         _plausible(check_shape, root, limits)
-    group_id = _exact(root["group_id"], "group_id", str)
+    group_id = _identifier(root["group_id"], "group_id")
     if not group_id:
         raise CodecError("malformed", "group_id", "must be non-empty")
     prompt_ids = _array(root["prompt_ids"], "prompt_ids", np.int32)
     group = Group(
         group_id=group_id,
-        prompt_id=_exact(root["prompt_id"], "prompt_id", str),
-        generator_id=_exact(root["generator_id"], "generator_id", str),
+        prompt_id=_identifier(root["prompt_id"], "prompt_id"),
+        generator_id=_identifier(root["generator_id"], "generator_id"),
         prompt_ids=prompt_ids,
         samples=_samples(root["samples"]),
         sampling=_sampling(root["sampling"]),
@@ -149,7 +149,22 @@ def _plausible(check, value, limits: JobLimits) -> None:
         raise CodecError(err.reason, err.field, err.detail) from None
 
 
-def _unpack(data, max_message_bytes: int):
+MAX_ID_CHARS = 1024
+"""group_id, prompt_id and generator_id are keys (Redis marks, the audit trail, log lines), not payloads: a uuid4 hex
+is 32 characters and a prompt id `<file name>:<row>`; a 10 MB id would otherwise be written into every one of them."""
+
+
+def _identifier(value, field: str) -> str:
+    value = _exact(value, field, str)
+    if len(value) > MAX_ID_CHARS:
+        raise CodecError("malformed", field, f"{len(value)} characters > {MAX_ID_CHARS}")
+    return value
+
+
+def _unpack(data, max_message_bytes: int, group_size: int | None = None):
+    """The msgpack structure. The only array a group holds is `samples`, so with the job's group size known, a
+    longer one is refused by msgpack as it reads the header (87k one-token samples otherwise take 0.3 s to unpack
+    only to be rejected)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CodecError("malformed", "message", f"expected bytes, got {type(data).__name__}")
     size = memoryview(data).nbytes
@@ -163,10 +178,15 @@ def _unpack(data, max_message_bytes: int):
             strict_map_key=True,
             max_bin_len=max_message_bytes,
             max_str_len=max_message_bytes,
-            max_array_len=max_message_bytes,
+            max_array_len=max_message_bytes if group_size is None else group_size,
             max_map_len=max_message_bytes // 2,
             max_ext_len=0,
         )
+    except ValueError as e:
+        if group_size is not None and "max_array_len" in str(e):
+            raise CodecError("group_size", "message", f"an array longer than rollout.n={group_size} (a group's only "
+                                                      f"array is its samples, one per completion)") from None
+        raise CodecError("malformed", "message", f"not valid msgpack ({type(e).__name__}: {str(e)[:200]})") from None
     except Exception as e:  # msgpack raises many types (ExtraData, StackError, UnicodeDecodeError, ...)
         raise CodecError("malformed", "message", f"not valid msgpack ({type(e).__name__}: {str(e)[:200]})") from None
 

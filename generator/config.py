@@ -62,6 +62,8 @@ class GeneratorConfig:
     """Interval between this generator's metric reports, in seconds."""
 
     def __post_init__(self):
+        if len(self.generator_id) > 1024:  # buffer/codec.py MAX_ID_CHARS: the learner refuses longer ids
+            raise ValueError(f"generator.generator_id must be at most 1024 characters, got {len(self.generator_id)}")
         if "/" in self.generator_id:
             raise ValueError(f"generator.generator_id names metrics and log files, so it cannot contain '/', got "
                              f"{self.generator_id!r}")

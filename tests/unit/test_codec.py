@@ -153,6 +153,14 @@ def test_bool_meta_value_is_rejected_as_malformed():
     assert err.reason == "malformed" and "flag" in str(err)
 
 
+@pytest.mark.parametrize("field", ["group_id", "prompt_id", "generator_id"])
+def test_an_id_longer_than_a_key_should_be_is_malformed(field):
+    """Ids become Redis keys, audit-trail entries and log text: a 10 MB one is refused, not written everywhere."""
+    err = reject(rewrite(make_group(), lambda w: w.update({field: "x" * 10_000_000})), max_message_bytes=1 << 25)
+    assert (err.reason, err.field) == ("malformed", field) and "10000000 characters > 1024" in str(err)
+    assert decode(rewrite(make_group(), lambda w: w.update({field: "x" * 1024}))).group_id
+
+
 def test_array_byte_length_not_a_multiple_of_itemsize_is_malformed():
     err = reject(rewrite(make_group(), lambda w: w["samples"][0].update(logprobs=b"\x00" * 7)))
     assert err.reason == "malformed" and err.field == "samples[0].logprobs"
@@ -262,9 +270,12 @@ def test_a_group_no_generator_of_this_job_could_produce_is_rejected(overrides, r
 
 
 def test_the_sample_count_is_checked_before_any_sample_is_decoded():
-    """87k garbage samples cost nothing: the count fails first (the samples would each fail as malformed)."""
+    """87k garbage samples cost nothing: msgpack refuses an array longer than rollout.n as it reads its header, before
+    building one sample (they would each fail as malformed). Without the job's limits they are unpacked."""
     data = rewrite(make_group(), lambda wire: wire.update(samples=[{"x": 1}] * 87_000))
-    assert reject(data, max_message_bytes=1 << 24, limits=LIMITS).reason == "group_size"
+    err = reject(data, max_message_bytes=1 << 24, limits=LIMITS)
+    assert (err.reason, err.field) == ("group_size", "message") and "rollout.n=2" in str(err)
+    assert reject(data, max_message_bytes=1 << 24).field == "samples[0]"
 
 
 def test_every_reject_reason_has_a_test_above():

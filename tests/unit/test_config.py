@@ -116,6 +116,8 @@ def test_publishing_less_often_than_eta_allows_is_refused_with_the_reason():
 def test_a_generator_id_must_be_usable_as_a_file_and_metric_name():
     with pytest.raises(ConfigError, match="generator.generator_id.*'/'"):
         load_config(None, ["generator.generator_id=a/b"])
+    with pytest.raises(ConfigError, match="generator.generator_id must be at most 1024 characters, got 1025"):
+        load_config(None, ["generator.generator_id=" + "g" * 1025])  # the learner would refuse every group
 
 
 def test_the_end_of_job_grace_is_one_buffer_setting():
