@@ -27,9 +27,9 @@ class GeneratorRefused(RuntimeError):
     """The learner refused this generator (for example, it was started with a different recipe). `learner_config`:
     the learner's shared sections when the refusal is a config mismatch, so the generator can name the keys."""
 
-    def __init__(self, message: str, learner_config: dict | None = None):
+    def __init__(self, message: str, learner_config=None):
         super().__init__(message)
-        self.learner_config = learner_config
+        self.learner_config = learner_config if isinstance(learner_config, dict) else None  # as the learner sent it
 
 
 @dataclass

@@ -131,12 +131,13 @@ def shared_hash(cfg: RunConfig) -> str:
 def describe_difference(mine: dict, theirs: dict, limit: int = 8) -> str:
     """`section.key (this process X, the learner Y)` for each shared setting that differs, in one line."""
     differing = []
-    for section in sorted(set(mine) | set(theirs)):
-        ours, other = mine.get(section) or {}, theirs.get(section) or {}
-        for key in sorted(set(ours) | set(other)):
+    for section in sorted(set(mine) | set(theirs), key=str):
+        ours, other = mine.get(section), theirs.get(section)
+        ours, other = ours if isinstance(ours, dict) else {}, other if isinstance(other, dict) else {}
+        for key in sorted(set(ours) | set(other), key=str):
             if ours.get(key, "<unset>") != other.get(key, "<unset>"):
-                differing.append(f"{section}.{key} (this generator {ours.get(key, '<unset>')!r}, the learner "
-                                 f"{other.get(key, '<unset>')!r})")
+                differing.append(f"{section}.{key} (this generator {repr(ours.get(key, '<unset>'))[:80]}, the "
+                                 f"learner {repr(other.get(key, '<unset>'))[:80]})")
     if not differing:
         return "the shared sections hash differently but no key differs (another asyncrl version?)"
     more = f", and {len(differing) - limit} more" if len(differing) > limit else ""

@@ -52,8 +52,7 @@ class RedisBufferClient:
     async def hello(self, config_hash: str, timeout_s: float | None = None) -> HelloReply:
         reply = await self._request("hello", timeout_s=timeout_s, config_hash=config_hash)
         if not reply.get("ok"):
-            shared = reply.get("shared_config")
-            raise GeneratorRefused(reply.get("error", "refused"), shared if isinstance(shared, dict) else None)
+            raise GeneratorRefused(reply.get("error", "refused"), reply.get("shared_config"))
         return HelloReply(**_status(reply), run_info=reply["run_info"])
 
     async def admit(self, want: int = 1) -> AdmitReply:
@@ -139,7 +138,10 @@ class RedisBufferClient:
     def _op(self, op: str, meta: dict, reply: dict, version: int, fields: dict, token: str) -> dict:
         if op == "hello":
             if fields.get("config_hash") != meta["config_hash"]:
-                shared = json.loads(self.client.hget(self.keys["meta"], "shared_config") or "null")
+                try:
+                    shared = json.loads(self.client.hget(self.keys["meta"], "shared_config") or "null")
+                except ValueError:  # only the refusal's detail is lost
+                    shared = None
                 return {**reply, "ok": False, "shared_config": shared, "error": (
                     f"config mismatch: generator {self.generator_id!r} has shared-config hash "
                     f"{fields.get('config_hash')!r}, the learner has {meta['config_hash']!r}; start both with the "

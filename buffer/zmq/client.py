@@ -54,8 +54,7 @@ class ZmqBufferClient:
     async def hello(self, config_hash: str, timeout_s: float | None = None) -> HelloReply:
         reply = await self._request("hello", timeout_s=timeout_s, config_hash=config_hash)
         if not reply.get("ok"):
-            shared = reply.get("shared_config")
-            raise GeneratorRefused(str(reply.get("error", "refused")), shared if isinstance(shared, dict) else None)
+            raise GeneratorRefused(str(reply.get("error", "refused")), reply.get("shared_config"))
         run_info = reply.get("run_info")
         return HelloReply(**status_fields(reply), run_info=run_info if isinstance(run_info, dict) else {})
 

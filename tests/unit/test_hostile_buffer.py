@@ -265,3 +265,15 @@ def test_a_config_mismatch_is_one_line_naming_the_keys_that_differ():
     assert "\n" not in message and message.startswith(f"config mismatch with the learner at {server.endpoint}")
     assert "rollout.n (this generator 8, the learner 4)" in message
     assert "reward.overlong_buffer_len (this generator 0, the learner 2)" in message
+
+
+def test_a_refusal_whose_config_detail_is_garbage_still_reads_as_one_line():
+    """The learner's shared sections arrive over the wire: a section that is not a map, a non-string key or a
+    huge value is described, never a crash, and each value is cut to 80 characters."""
+    from asyncrl.buffer.interface import GeneratorRefused
+    from asyncrl.configs import describe_difference
+
+    assert GeneratorRefused("refused", ["not", "a", "map"]).learner_config is None
+    line = describe_difference({"rollout": {"n": 8}}, {"rollout": [1, 2], 3: {"x": 1}, "data": {"p": "y" * 10_000}})
+    assert "\n" not in line and len(line) < 400
+    assert "rollout.n (this generator 8, the learner '<unset>')" in line and "3.x" in line
