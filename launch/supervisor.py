@@ -2,7 +2,7 @@
 
 It builds the demo assets first (so every child finds them cached), starts the learner and the generators (named
 gen-0, gen-1, ...) as child processes in their own process groups with logs in the job directory, and draws the
-learner's progress line. Ctrl-C stops them all cleanly. When the learner dies, it reports the exit code and the tail
+learner's progress line. Ctrl-C or SIGTERM stops them all cleanly. When the learner dies, it reports the exit code and the tail
 of its log and stops the generators. A generator that dies is reported the same way; the learner carries on with
 the others, and once none is left the job stops. When the learner finishes, each generator gets
 `buffer.done_grace_s` to notice and exit (buffer/done.py).
@@ -33,10 +33,11 @@ def run_job(cfg, recipe, overrides: list, generators: int = 1, learner_args: lis
                                      job_dir)
     try:
         code = supervise(children, job_dir, cfg.buffer.done_grace_s)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit) as stopped:  # Ctrl-C, or SIGTERM (launch/cli.py makes it SystemExit)
+        # the children have process groups of their own, so nothing but this reaches them: never leave them behind
         say_stderr("\nasyncrl run: interrupted; stopping the learner and the generators")
         stop_all(children)
-        return 130
+        return 130 if isinstance(stopped, KeyboardInterrupt) else 143
     summary_path = os.path.join(job_dir, "summary.json")
     if code == 0 and os.path.isfile(summary_path):
         with open(summary_path) as handle:
