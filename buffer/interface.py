@@ -158,7 +158,8 @@ class LearnerBuffer(Protocol):
 
     def metrics(self) -> dict:
         """buffer/* metrics (buffer/size, buffer/received, buffer/rejected/<reason>, backend-specific ones) and
-        perf/generator/tokens_per_s summed over the generators' reports."""
+        perf/generator/tokens_per_s summed over the generators' reports, timing/generator/idle_frac averaged over
+        them (buffer/fleet_stats.py)."""
 
     def close(self) -> None:
         """Stop serving and release everything."""

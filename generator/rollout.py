@@ -20,6 +20,7 @@ from asyncrl.buffer.interface import Status
 from asyncrl.configs.sections import RewardConfig
 from asyncrl.generator.engines.base import EngineBroken, WeightLoadError
 from asyncrl.generator.rewards import RewardError, overlong_penalty, score
+from asyncrl.telemetry.timing import BusyClock, idle_fraction
 from asyncrl.weightsync.receiver import WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,10 @@ STATS_TIMEOUT_S = 5.0
 class RolloutStats:
     """Counters the generator reports to the learner and to MLflow."""
 
-    def __init__(self):
-        self.started = time.monotonic()
+    def __init__(self, clock=time.monotonic):
+        self.clock = clock
+        self.busy = BusyClock(clock)
+        self.started = clock()
         self.tokens = 0
         self.groups = 0
         self.rewards: list = []
@@ -40,12 +43,12 @@ class RolloutStats:
         self.weight_loads = 0
         self.weight_failures = 0
         self.rejected_groups = 0  # groups refused at once (too_large, a malformed batch)
-        self._last = (time.monotonic(), 0)
+        self._last = (self.started, 0, 0.0)
 
     def snapshot(self, version: int) -> dict:
-        now = time.monotonic()
-        then, tokens_then = self._last
-        self._last = (now, self.tokens)
+        now, busy = self.clock(), self.busy.total()
+        then, tokens_then, busy_then = self._last
+        self._last = (now, self.tokens, busy)
         rewards, self.rewards = self.rewards, []
         return {
             "perf/generator/tokens_per_s": (self.tokens - tokens_then) / max(now - then, 1e-6),
@@ -55,6 +58,7 @@ class RolloutStats:
             "generator/weight_failures": float(self.weight_failures),
             "generator/rejected_groups": float(self.rejected_groups),
             "timing/generator/wait_for_weights_s": self.weight_wait_s,
+            "timing/generator/idle_frac": idle_fraction(busy - busy_then, now - then),
             **({"reward/mean": float(np.mean(rewards))} if rewards else {}),
         }
 
@@ -129,7 +133,8 @@ class RolloutLoop:
                 continue
             backoff = 0.01
             await self.ensure_latest_weights()
-            group = await self._sample_group(next(self.prompts))
+            with self.stats.busy:  # sampling and scoring: the generator's work; the rest is waiting
+                group = await self._sample_group(next(self.prompts))
             await self._send(group)
 
     async def ensure_latest_weights(self) -> None:
@@ -139,20 +144,28 @@ class RolloutLoop:
             if not target or target["version"] <= self.engine.version:
                 return
             started = time.monotonic()
-            staged = None
             try:
-                staged = await asyncio.to_thread(self.stage.stage, target)  # whole and checksummed, or an error
-                await self.engine.load_weights(staged, self.stage.good)
-                self.stage.end_load(staged, ok=True)
-                self.stats.weight_loads += 1
-            except (WeightSyncError, WeightLoadError) as err:
-                if staged is not None:
-                    self.stage.end_load(staged, ok=False)
-                self.stats.weight_failures += 1
-                if isinstance(err, EngineBroken):  # no good weights left to sample from: stop, and say why
-                    raise
-                log.error("generator %s: %s; continuing on v%d", self.generator_id, err, self.engine.version)
-            self.stats.weight_wait_s += time.monotonic() - started
+                with self.stats.busy:
+                    await self._load(target)
+            finally:
+                self.stats.weight_wait_s += time.monotonic() - started
+
+    async def _load(self, target: dict) -> None:
+        """Stage `target` and load it; a failed load is counted and logged, and sampling goes on on the last good
+        version, unless the engine is broken (EngineBroken is raised: nothing good is left to sample from)."""
+        staged = None
+        try:
+            staged = await asyncio.to_thread(self.stage.stage, target)  # whole and checksummed, or an error
+            await self.engine.load_weights(staged, self.stage.good)
+            self.stage.end_load(staged, ok=True)
+            self.stats.weight_loads += 1
+        except (WeightSyncError, WeightLoadError) as err:
+            if staged is not None:
+                self.stage.end_load(staged, ok=False)
+            self.stats.weight_failures += 1
+            if isinstance(err, EngineBroken):
+                raise
+            log.error("generator %s: %s; continuing on v%d", self.generator_id, err, self.engine.version)
 
     async def _sample_group(self, row) -> Group:
         sampling = Sampling(self.rollout.temperature, self.rollout.top_p, self.rollout.top_k, self.rollout.max_tokens)

@@ -3,6 +3,7 @@ display and the weight publisher, and the step's rank-0 bookkeeping (metrics, th
 import json
 import logging
 import os
+import time
 
 from asyncrl.buffer.backends import make_learner_buffer
 from asyncrl.configs import flatten, shared_hash, shared_sections, to_yaml
@@ -12,6 +13,7 @@ from asyncrl.learner.parallel import ParallelState
 from asyncrl.learner.state import LearnerState
 from asyncrl.telemetry.mlflow_logger import MetricsLogger, create_or_attach_run, resolve_tracking_uri
 from asyncrl.telemetry.progress import ProgressDisplay
+from asyncrl.telemetry.timing import share
 from asyncrl.weightsync.backends import make_publisher
 
 log = logging.getLogger(__name__)
@@ -44,11 +46,13 @@ class LearnerHost:
                                         enabled=cfg.telemetry.progress)
         self.rewards: list = []
         self.rejected: dict = {}  # reason -> groups, as of the last step (for the summary)
+        self._step_ended = time.monotonic()  # reset by start(); a step's wall time runs from the previous step's end
         if resumed_from is not None:
             log.info("learner: resumed from %s at version %d", resumed_from, state.version)
 
     def start(self) -> None:
         self.buffer.start()
+        self._step_ended = time.monotonic()
         log.info("learner: buffer at %s, MLflow run %s in %s", self.buffer.endpoint, self.run_id, self.tracking_uri)
 
     def publish(self, weights, version: int, specs: list) -> None:
@@ -65,6 +69,9 @@ class LearnerHost:
         self.rejected = {key[len(prefix):]: int(value) for key, value in buffer_metrics.items()
                          if key.startswith(prefix)}
         metrics["timing/learner/wait_for_batch_s"] = collected.wait_s
+        now = time.monotonic()  # the wait's share of the whole step: collect, train, publish, log
+        metrics["timing/learner/idle_frac"] = share(collected.wait_s, now - self._step_ended)
+        self._step_ended = now
         metrics["buffer/staleness/mean"] = sum(collected.staleness) / len(collected.staleness)
         metrics["buffer/staleness/max"] = float(max(collected.staleness))
         for reason in DROP_REASONS:

@@ -20,6 +20,7 @@ from collections import OrderedDict, deque
 import redis
 
 from asyncrl.buffer.codec import CodecError, decode_group
+from asyncrl.buffer.fleet_stats import fleet_metrics
 from asyncrl.buffer.plausibility import JobLimits, check_stats
 from asyncrl.buffer.rejections import RejectionLog
 from asyncrl.buffer.redis.conn import redacted
@@ -266,8 +267,7 @@ class RedisBufferServer:
         stats = self.generator_stats  # read first: a bad report it refuses is counted below
         for reason, count in self.rejected.items():
             out[f"buffer/rejected/{reason}"] = float(count)
-        out["perf/generator/tokens_per_s"] = float(sum(report.get("perf/generator/tokens_per_s", 0.0)
-                                                       for report in stats.values()))
+        out.update(fleet_metrics(list(stats.values())))
         return out
 
     @property

@@ -19,6 +19,7 @@ import zmq
 
 from asyncrl.buffer.codec import CodecError, decode_group
 from asyncrl.buffer.done import wait_until_told
+from asyncrl.buffer.fleet_stats import fleet_metrics
 from asyncrl.buffer.plausibility import JobLimits, check_stats
 from asyncrl.buffer.rejections import RejectionLog
 from asyncrl.buffer.staleness import Coordinator
@@ -194,9 +195,7 @@ class ZmqBufferServer:
         for reason, count in self.rejected.items():
             out[f"buffer/rejected/{reason}"] = float(count)
         live = set(self.live_generators())  # a dead generator's last report no longer counts
-        rates = [stats.get("perf/generator/tokens_per_s", 0.0) for gen, stats in list(self.generator_stats.items())
-                 if gen in live]
-        out["perf/generator/tokens_per_s"] = float(sum(rates))
+        out.update(fleet_metrics([stats for gen, stats in list(self.generator_stats.items()) if gen in live]))
         return out
 
     def close(self) -> None:

@@ -13,13 +13,17 @@ from tests.conftest import free_port
 
 REQUIRED_METRICS = ("reward/mean", "loss/pg", "buffer/staleness/mean", "buffer/staleness/max", "buffer/dropped_stale",
                     "offpolicy/mismatch_k3", "perf/learner/tokens_per_s", "perf/generator/tokens_per_s",
-                    "timing/weightsync/publish_s")
+                    "timing/weightsync/publish_s", "timing/learner/idle_frac", "gen-0/timing/generator/idle_frac")
 
 
 def common_overrides(demo_cache, port, steps, eta=1):
     return [f"demo.cache_dir={demo_cache}", "demo.sft_steps=20", "demo.num_prompts=256", f"buffer.port={port}",
             f"learner.total_steps={steps}", f"buffer.max_staleness={eta}", "buffer.groups_per_step=4",
             "rollout.n=4", "generator.max_inflight_groups=4", "generator.log_every_s=1", "generator.kv_cache_gib=0.25"]
+
+
+VLLM_OVERRIDES = ["generator.engine=vllm", "learner.torch_threads=1"]
+"""The demo recipe decodes with the hf engine; these tests run the real vLLM engine, whose CPU worker keeps a core."""
 
 
 def job_env(tmp_path):
@@ -63,7 +67,7 @@ def test_asyncrl_run_trains_logs_to_mlflow_and_respects_eta(tmp_path, demo_asset
     job_dir = tmp_path / "job"
     env = {**job_env(tmp_path), "ASYNCRL_JOB_DIR": str(job_dir)}
     proc = subprocess.Popen([sys.executable, "-m", "asyncrl.launch.cli", "run",
-                             *common_overrides(demo_cache, port, steps=8)], cwd=tmp_path, env=env,
+                             *common_overrides(demo_cache, port, steps=8), *VLLM_OVERRIDES], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
     while not (job_dir / "progress.jsonl").exists() and time.time() < deadline and proc.poll() is None:
@@ -76,6 +80,7 @@ def test_asyncrl_run_trains_logs_to_mlflow_and_respects_eta(tmp_path, demo_asset
     assert summary["rejected"].get("malformed", 0) >= 2, summary["rejected"]
     progress = read_progress(job_dir)
     assert max(p["buffer/staleness/max"] for p in progress) <= 1
+    assert all(0 <= p["timing/learner/idle_frac"] <= 1 for p in progress)
     assert mlflow_metric_keys(tmp_path, summary["mlflow_run_id"]) >= set(REQUIRED_METRICS)
 
 
@@ -131,8 +136,8 @@ def test_asyncrl_run_with_a_two_rank_ulysses_learner_publishes_whole_weights(tmp
     port = free_port()
     job_dir = tmp_path / "job"
     env = {**job_env(tmp_path), "ASYNCRL_JOB_DIR": str(job_dir)}
-    overrides = common_overrides(demo_cache, port, steps=6) + ["learner.sp_size=2", "learner.packing=true",
-                                                               "learner.checkpoint_every=3"]
+    overrides = common_overrides(demo_cache, port, steps=6) + VLLM_OVERRIDES + [
+        "learner.sp_size=2", "learner.packing=true", "learner.checkpoint_every=3"]
     out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "run", "--nproc", "2", *overrides],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

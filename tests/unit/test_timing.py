@@ -1,0 +1,60 @@
+"""Idle fractions: the busy clock, the generator's report and the fleet's mean the learner logs."""
+import pytest
+
+from asyncrl.buffer.fleet_stats import fleet_metrics
+from asyncrl.generator.rollout import RolloutStats
+from asyncrl.telemetry.timing import BusyClock, idle_fraction, share
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_overlapping_work_counts_once_and_the_running_stretch_is_included():
+    clock = FakeClock()
+    busy = BusyClock(clock)
+    with busy:
+        clock.now += 1.0
+        with busy:  # a second group sampled alongside: the same wall second, not two
+            clock.now += 2.0
+        clock.now += 1.0
+    clock.now += 5.0  # idle
+    assert busy.total() == pytest.approx(4.0)
+    busy.__enter__()
+    clock.now += 0.5
+    assert busy.total() == pytest.approx(4.5)  # still running
+    busy.__exit__(None, None, None)
+    assert busy.busy_s == pytest.approx(4.5)
+
+
+def test_fractions_are_clamped_and_an_empty_window_is_zero():
+    assert share(1.0, 4.0) == 0.25 and share(5.0, 4.0) == 1.0 and share(-1.0, 4.0) == 0.0 and share(1.0, 0.0) == 0.0
+    assert idle_fraction(1.0, 4.0) == 0.75 and idle_fraction(9.0, 4.0) == 0.0 and idle_fraction(0.0, 0.0) == 0.0
+
+
+def test_each_report_gives_the_idle_fraction_of_its_own_window():
+    clock = FakeClock()
+    stats = RolloutStats(clock)
+    with stats.busy:
+        clock.now += 3.0
+    clock.now += 1.0
+    assert stats.snapshot(0)["timing/generator/idle_frac"] == pytest.approx(0.25)
+    clock.now += 2.0  # a window with nothing to do
+    assert stats.snapshot(0)["timing/generator/idle_frac"] == pytest.approx(1.0)
+    with stats.busy:
+        clock.now += 2.0
+    assert stats.snapshot(0)["timing/generator/idle_frac"] == pytest.approx(0.0)
+
+
+def test_the_fleet_sums_throughput_and_averages_idle_fractions_clamping_what_generators_claim():
+    reports = [{"perf/generator/tokens_per_s": 10.0, "timing/generator/idle_frac": 0.2},
+               {"perf/generator/tokens_per_s": 5.0, "timing/generator/idle_frac": 7.0},  # hostile: counts as 1
+               {"perf/generator/tokens_per_s": 1.0}]  # an older generator that does not report it
+    out = fleet_metrics(reports)
+    assert out["perf/generator/tokens_per_s"] == 16.0
+    assert out["timing/generator/idle_frac"] == pytest.approx(0.6)
+    assert fleet_metrics([]) == {"perf/generator/tokens_per_s": 0.0}  # no report: no made-up idle fraction
