@@ -60,6 +60,9 @@ class GeneratorConfig:
     generators with fixed ids (as `asyncrl run` names them) sample the same in every run."""
     log_every_s: float = 5.0
     """Interval between this generator's metric reports, in seconds."""
+    torch_threads: int = 0
+    """Threads of torch's CPU pool in the generator process, where the `hf` engine decodes; 0 leaves torch's
+    default (one per core). vLLM's CPU worker is a process of its own and binds its own cores."""
 
     def __post_init__(self):
         if len(self.generator_id) > 1024:  # buffer/codec.py MAX_ID_CHARS: the learner refuses longer ids
@@ -79,5 +82,7 @@ class GeneratorConfig:
             raise ValueError(f"generator.kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.max_model_len < 2:
             raise ValueError(f"generator.max_model_len must be >= 2, got {self.max_model_len}")
+        if self.torch_threads < 0:
+            raise ValueError(f"generator.torch_threads must be >= 0 (0: torch's default), got {self.torch_threads}")
         if self.connect_timeout_s <= 0 or self.log_every_s <= 0:
             raise ValueError("generator.connect_timeout_s and generator.log_every_s must be > 0")

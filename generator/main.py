@@ -66,6 +66,10 @@ async def run_generator_async(cfg, say=print) -> int:
     try:
         hello = await join_learner(client, cfg, say)
         info = hello.run_info
+        if cfg.generator.torch_threads:
+            import torch
+
+            torch.set_num_threads(cfg.generator.torch_threads)
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(info["model_path"], trust_remote_code=cfg.model.trust_remote_code)
