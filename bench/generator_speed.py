@@ -1,0 +1,176 @@
+"""Generator tokens/s on the demo's batch: asyncrl's engines against raw vLLM and raw HF `generate` (it reports; it
+does not assert).
+
+The batch is one step's worth of the recipe: `buffer.groups_per_step` prompts from the demo's dataset × `rollout.n`
+samples, at most `rollout.max_tokens` new tokens, the recipe's temperature. Each contender runs in its own process
+(so thread pools and vLLM's engine-core process never overlap), warms up once, then decodes the batch `--rounds`
+times; tokens/s is completion tokens over wall time.
+
+- `hf_generate`: transformers' `model.generate` on the whole batch at once (left-padded, `num_return_sequences=n`).
+- `vllm_generate`: vLLM's offline `LLM.generate` with `SamplingParams(n=...)` on all prompts at once.
+- `asyncrl_hf`, `asyncrl_vllm`: asyncrl's engines as the rollout loop drives them, one concurrent `sample` call per
+  group. The target is at least 0.95 of the faster raw path (`ratio` in the JSON line).
+Usage:
+    python -m asyncrl.bench.generator_speed [--rounds N] [--threads T] [--only NAME] [overrides...]
+"""
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+CONTENDERS = ("hf_generate", "vllm_generate", "asyncrl_hf", "asyncrl_vllm")
+
+
+def demo_batch(overrides: list) -> tuple:
+    """(cfg, model dir, [prompt ids] of one step's groups), from the demo's cached assets."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.configs import load_config
+    from asyncrl.generator.dataset import read_rows, tokenize_rows
+    from asyncrl.launch.cli import resolve_rl_inputs
+
+    cfg = load_config("demo_cpu.yaml", overrides)
+    model_dir, files = resolve_rl_inputs(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    rows, _ = tokenize_rows(read_rows(files), tokenizer, cfg.data.max_prompt_tokens)
+    return cfg, model_dir, [row.prompt_ids for row in rows[:cfg.buffer.groups_per_step]]
+
+
+WARMUP_ROUNDS = 3
+"""Untimed rounds first: oneDNN and vLLM settle in over the first few batches."""
+
+
+def rate(tokens: int, seconds: float, rounds: int) -> dict:
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "batch_s": seconds / rounds}
+
+
+def time_rounds(run_once, rounds: int) -> dict:
+    """Warm up, then time `rounds` calls of `run_once() -> completion tokens`."""
+    for _ in range(WARMUP_ROUNDS):
+        run_once()
+    tokens, started = 0, time.perf_counter()
+    for _ in range(rounds):
+        tokens += run_once()
+    return rate(tokens, time.perf_counter() - started, rounds)
+
+
+def bench_hf_generate(cfg, model_dir: str, prompts: list, rounds: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.generator.engines.hf_engine import left_pad
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    input_ids, attention_mask = left_pad(prompts)
+    eos = model.generation_config.eos_token_id
+    pad = model.generation_config.pad_token_id
+    pad = pad if pad is not None else (eos[0] if isinstance(eos, list) else eos)
+
+    def run_once() -> int:
+        with torch.no_grad():
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
+                                 temperature=cfg.rollout.temperature, top_k=0, top_p=1.0,
+                                 max_new_tokens=cfg.rollout.max_tokens, num_return_sequences=cfg.rollout.n,
+                                 pad_token_id=pad)
+        new = out[:, input_ids.shape[1]:]
+        ended = torch.isin(new, torch.tensor(eos if isinstance(eos, list) else [eos]))
+        # tokens up to and including the first EOS; after it generate only pads
+        lengths = torch.where(ended.any(1), ended.int().argmax(1) + 1, torch.full_like(ended[:, 0], new.shape[1],
+                                                                                       dtype=torch.long))
+        return int(lengths.sum())
+
+    return time_rounds(run_once, rounds)
+
+
+def bench_vllm_generate(cfg, model_dir: str, prompts: list, rounds: int) -> dict:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, dtype="float32", max_model_len=cfg.generator.max_model_len, enforce_eager=True,
+              kv_cache_memory_bytes=int(cfg.generator.kv_cache_gib * (1 << 30)), seed=0, disable_log_stats=True)
+    params = SamplingParams(n=cfg.rollout.n, temperature=cfg.rollout.temperature, max_tokens=cfg.rollout.max_tokens,
+                            logprobs=0)
+    batch = [{"prompt_token_ids": prompt} for prompt in prompts]
+
+    def run_once() -> int:
+        outputs = llm.generate(batch, params, use_tqdm=False)
+        return sum(len(completion.token_ids) for output in outputs for completion in output.outputs)
+
+    return time_rounds(run_once, rounds)
+
+
+def bench_asyncrl_engine(engine_name: str, cfg, model_dir: str, prompts: list, rounds: int) -> dict:
+    from asyncrl.buffer.group import Sampling
+    from asyncrl.generator.engines.base import make_engine
+
+    sampling = Sampling(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k, cfg.rollout.max_tokens)
+    engine = make_engine(engine_name, model_path=model_dir, dtype="float32", max_model_len=cfg.generator.max_model_len,
+                         kv_cache_gib=cfg.generator.kv_cache_gib, seed=0)
+
+    async def main() -> dict:
+        await engine.start()
+        try:
+            for round_index in range(WARMUP_ROUNDS + rounds):
+                if round_index == WARMUP_ROUNDS:
+                    tokens, started = 0, time.perf_counter()
+                groups = await asyncio.gather(*(engine.sample(prompt, sampling, cfg.rollout.n) for prompt in prompts))
+                if round_index >= WARMUP_ROUNDS:
+                    tokens += sum(len(completion.token_ids) for group in groups for completion in group)
+            return rate(tokens, time.perf_counter() - started, rounds)
+        finally:
+            await engine.close()
+
+    return asyncio.run(main())
+
+
+def run_contender(name: str, rounds: int, threads: int, overrides: list) -> dict:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    cfg, model_dir, prompts = demo_batch(overrides)
+    if name == "hf_generate":
+        return bench_hf_generate(cfg, model_dir, prompts, rounds)
+    if name == "vllm_generate":
+        return bench_vllm_generate(cfg, model_dir, prompts, rounds)
+    return bench_asyncrl_engine(name.split("_", 1)[1], cfg, model_dir, prompts, rounds)
+
+
+def in_subprocess(name: str, rounds: int, threads: int, overrides: list) -> dict:
+    command = [sys.executable, "-m", "asyncrl.bench.generator_speed", "--only", name, "--rounds", str(rounds),
+               "--threads", str(threads), *overrides]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if done.returncode != 0:
+        raise RuntimeError(f"{name} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]  # vLLM logs to stdout too
+    return json.loads(lines[-1])
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each contender (0: torch's default)")
+    parser.add_argument("--only", choices=CONTENDERS, help="run one contender here and print its JSON (internal)")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    if args.only:
+        result = run_contender(args.only, args.rounds, args.threads, args.overrides)
+        print(json.dumps(result))
+        return result
+    rows = {name: in_subprocess(name, args.rounds, args.threads, args.overrides) for name in CONTENDERS}
+    faster_raw = max(("hf_generate", "vllm_generate"), key=lambda name: rows[name]["tokens_per_s"])
+    best = max(("asyncrl_hf", "asyncrl_vllm"), key=lambda name: rows[name]["tokens_per_s"])
+    print(f"{'contender':<16}{'tokens/s':>10}{'batch s':>10}{'vs ' + faster_raw:>22}")
+    for name, row in rows.items():
+        print(f"{name:<16}{row['tokens_per_s']:>10.0f}{row['batch_s']:>10.3f}"
+              f"{row['tokens_per_s'] / rows[faster_raw]['tokens_per_s']:>22.2f}")
+    result = {"bench": "generator_speed", "faster_raw": faster_raw, "best_engine": best,
+              "ratio": rows[best]["tokens_per_s"] / rows[faster_raw]["tokens_per_s"], "rows": rows}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
