@@ -36,6 +36,8 @@ setup(
         # and VllmEngine refuses any other release (TESTED_VLLM_VERSIONS)
         "gpu": ["vllm==0.32.0", "sglang", "flash-attn"],
         "redis": ["redis>=5", "hiredis"],
+        # bench/time_to_reward.py's peer (bench/trl_grpo.py); nothing outside bench/ imports it
+        "bench": ["trl==1.16.0"],
         "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6",
                 "cryptography>=42"],  # test_redis_tls.py makes its certificates
     },

@@ -8,17 +8,41 @@ import pytest
 from tests.conftest import free_port
 
 
+TINY_DEMO = ["demo.sft_steps=20", "demo.num_prompts=256", "buffer.groups_per_step=2", "rollout.n=2",
+             "generator.max_inflight_groups=2"]
+
+
 @pytest.mark.slow
-def test_async_vs_sync_bench_runs_on_a_tiny_setting(tmp_path, demo_assets, demo_cache):
-    overrides = [f"demo.cache_dir={demo_cache}", "demo.sft_steps=20", "demo.num_prompts=256",
-                 f"buffer.port={free_port()}", "buffer.groups_per_step=2", "rollout.n=2", "generator.engine=hf",
-                 "generator.max_inflight_groups=2"]
-    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.async_vs_sync", "--steps", "3", "--eta", "1",
-                          *overrides], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+def test_time_to_reward_bench_runs_asyncrl_and_trl_on_a_tiny_setting(tmp_path, demo_assets, demo_cache):
+    overrides = [f"demo.cache_dir={demo_cache}", *TINY_DEMO, f"buffer.port={free_port()}"]
+    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.time_to_reward", "--seeds", "0", "--etas", "0", "1",
+                          "--steps", "4", "--window", "2", "--final-steps", "2", "--target", "0.0", *overrides],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["bench"] == "async_vs_sync" and result["speedup"] > 0
-    assert result["sync"]["eta"] == 0 and result["async"]["eta"] == 1
+    assert result["bench"] == "time_to_reward" and result["seeds"] == [0]
+    runs = result["runs"]
+    assert set(runs) == {"asyncrl eta=0", "asyncrl eta=1", "TRL GRPOTrainer"}
+    for name, (run,) in runs.items():
+        assert run["steps"] == 4 and run["samples_per_s"] > 0, (name, run)
+        assert run["time_to_target_s"] is not None and 0 <= run["reward_final"] <= 1  # a target of 0 is reached
+    (sync,), (async_,) = runs["asyncrl eta=0"], runs["asyncrl eta=1"]
+    assert sync["staleness_mean"] == 0 and async_["staleness_mean"] <= 1
+    assert 0 <= async_["learner_idle_frac"] <= 1
+    assert "| asyncrl eta=1 |" in out.stdout  # the table
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_generator_speed_bench_runs_every_contender_on_a_tiny_setting(tmp_path, demo_assets, demo_cache):
+    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.generator_speed", "--rounds", "1",
+                          f"demo.cache_dir={demo_cache}", *TINY_DEMO, "generator.kv_cache_gib=0.25"],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "generator_speed" and result["ratio"] > 0
+    assert set(result["rows"]) == {"hf_generate", "vllm_generate", "asyncrl_hf", "asyncrl_vllm"}
+    assert all(row["tokens"] > 0 and row["tokens_per_s"] > 0 for row in result["rows"].values())
 
 
 @pytest.mark.slow

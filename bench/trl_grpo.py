@@ -1,0 +1,107 @@
+"""TRL's `GRPOTrainer` on asyncrl's demo, with the recipe's settings, for bench/time_to_reward.py (TRL is the
+`bench` extra, never a runtime dependency of asyncrl).
+
+Same warm-started model, tokenizer, prompts and reward function as `asyncrl run`; the same batch (groups_per_step
+prompts × rollout.n samples, at most rollout.max_tokens new tokens, the recipe's temperature), lr with a linear
+warmup then constant, AdamW, grad clip, PPO clip ε = 0.2 / 0.28 with one update per batch, token-mean loss
+(`loss_type="dapo"`), no KL (`beta=0`), generation with HF `generate`. Each step is appended to
+`<job dir>/progress.jsonl` in asyncrl's format (step, elapsed_s, reward/mean), so both sides are read alike. Usage:
+    python -m asyncrl.bench.trl_grpo --job-dir DIR --seed S --steps N [overrides...]
+"""
+import argparse
+import json
+import os
+import time
+
+
+def reward_function(cfg):
+    """TRL's reward signature around the recipe's verl-style reward: completions are chat messages."""
+    from asyncrl.generator.rewards import load_reward_fn, score
+
+    compute_score = load_reward_fn(cfg.reward.path, cfg.reward.function)
+
+    def reward(prompts, completions, data_source, ground_truth, **kwargs):
+        rewards = []
+        for completion, source, truth in zip(completions, data_source, ground_truth):
+            text = completion[0]["content"] if isinstance(completion, list) else completion
+            rewards.append(score(compute_score, source, text, truth, None)[0])
+        return rewards
+
+    return reward
+
+
+class ProgressWriter:
+    """A TRL callback writing asyncrl's progress.jsonl: wall time since training began, and each step's reward."""
+
+    def __init__(self, path: str):
+        from transformers import TrainerCallback
+
+        writer = self
+
+        class Callback(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                writer.started = time.monotonic()
+
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                if logs and "reward" in logs:
+                    writer.write(state.global_step, logs)
+
+        self.path = path
+        self.started = time.monotonic()
+        self.callback = Callback()
+
+    def write(self, step: int, logs: dict) -> None:
+        row = {"step": step, "elapsed_s": time.monotonic() - self.started, "reward/mean": float(logs["reward"])}
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(row) + "\n")
+
+
+def run_trl(job_dir: str, seed: int, steps: int, overrides: list, threads: int) -> None:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from asyncrl.configs import load_config
+    from asyncrl.generator.dataset import read_rows
+    from asyncrl.launch.cli import resolve_rl_inputs
+
+    if threads:
+        torch.set_num_threads(threads)
+    cfg = load_config("demo_cpu.yaml", overrides)
+    model_dir, files = resolve_rl_inputs(cfg)
+    rows = read_rows(files)
+    dataset = Dataset.from_list([{"prompt": row["prompt"], "data_source": row["data_source"],
+                                  "ground_truth": row["reward_model"]["ground_truth"]} for row in rows])
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    batch = cfg.buffer.groups_per_step * cfg.rollout.n
+    args = GRPOConfig(
+        output_dir=os.path.join(job_dir, "trl"), max_steps=steps, seed=seed, use_cpu=True, report_to="none",
+        per_device_train_batch_size=batch, num_generations=cfg.rollout.n, gradient_accumulation_steps=1,
+        max_completion_length=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature, top_k=0, top_p=1.0,
+        learning_rate=cfg.learner.lr, warmup_steps=cfg.learner.warmup_steps, lr_scheduler_type="constant_with_warmup",
+        weight_decay=cfg.learner.weight_decay, adam_beta1=cfg.learner.adam_beta1, adam_beta2=cfg.learner.adam_beta2,
+        max_grad_norm=cfg.learner.grad_clip, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", beta=0.0,
+        num_iterations=1, logging_steps=1, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+    )
+    progress = ProgressWriter(os.path.join(job_dir, "progress.jsonl"))
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward_function(cfg)], args=args, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[progress.callback])
+    trainer.train()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--job-dir", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    os.makedirs(args.job_dir, exist_ok=True)
+    run_trl(args.job_dir, args.seed, args.steps, args.overrides, args.threads)
+
+
+if __name__ == "__main__":
+    main()
