@@ -74,6 +74,9 @@ class GeneratorConfig:
             raise ValueError(f"generator.engine must be one of {ENGINES}, got {self.engine!r}")
         if self.update_mode not in UPDATE_MODES:
             raise ValueError(f"generator.update_mode must be one of {UPDATE_MODES}, got {self.update_mode!r}")
+        if self.engine == "hf" and self.update_mode == "keep":
+            raise ValueError("generator.update_mode=keep needs generator.engine=vllm or sglang: the hf engine decodes "
+                             "a batch at a time and loads new weights between batches (wait)")
         if self.max_inflight_groups < 1:
             raise ValueError(f"generator.max_inflight_groups must be >= 1, got {self.max_inflight_groups}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

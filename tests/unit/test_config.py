@@ -12,7 +12,8 @@ def test_overrides_change_values_and_types():
 
 def test_default_recipe_is_the_cpu_demo():
     cfg = load_config()
-    assert cfg.demo.task == "sort_digits" and cfg.generator.engine == "vllm"
+    assert cfg.demo.task == "sort_digits" and cfg.generator.engine == "hf"  # docs/platform.md: faster at this size
+    assert (cfg.buffer.max_staleness, cfg.learner.torch_threads, cfg.generator.torch_threads) == (1, 2, 1)
 
 
 @pytest.mark.parametrize("override, key", [
@@ -22,6 +23,8 @@ def test_default_recipe_is_the_cpu_demo():
     (["buffer.max_staleness=-1"], "buffer.max_staleness"),
     (["algo.loss=nope"], "algo.loss"),
     (["rollout.temperature=0"], "rollout.temperature"),
+    (["generator.engine=hf", "generator.update_mode=keep"], "generator.update_mode"),
+    (["generator.torch_threads=-1"], "generator.torch_threads"),
 ])
 def test_unknown_keys_and_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
