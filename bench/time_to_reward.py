@@ -5,7 +5,8 @@ asyncrl's own synchronous mode), each `--variant` (a name and overrides, e.g. an
 `GRPOTrainer` with the same settings (bench/trl_grpo.py; `--no-trl` leaves it out). The seed moves the learner's
 and the generators' seeds and TRL's, never the warm start: every run starts from the same cached demo model.
 
-Per run, from its own progress.jsonl (one line per step):
+Per run, from its own progress.jsonl (one line per step; the reward is that of everything the policy sampled,
+`row_reward`):
 - time to target: wall time from the first step until the mean reward of the last `--window` steps first reaches
   `--target` (None if it never does);
 - reward at budget: that rolling mean at the last step within `--budget-s` of the first step;
@@ -14,7 +15,7 @@ Per run, from its own progress.jsonl (one line per step):
   generators' (neither sampling nor loading weights); staleness; IS-weight mean and max where the correction has
   IS weights.
 The table shows the median and the range over seeds; the JSON line has every run. Usage:
-    python -m asyncrl.bench.time_to_reward [--seeds 0 1 2] [--etas 0 2] [--steps 500] [--target 0.6]
+    python -m asyncrl.bench.time_to_reward [--seeds 0 1 2] [--etas 0 2 (none: variants only)] [--steps 500] [--target 0.6]
         [--variant NAME=key=value,key=value ...] [--no-trl] [overrides...]
 """
 import argparse
@@ -58,11 +59,18 @@ def reward_at_budget(elapsed: list, rewards: list, budget_s: float, window: int)
     return means[within[-1]] if within else None
 
 
+def row_reward(row: dict) -> float:
+    """The reward of what the policy sampled: the fleet's `reward/sampled_mean` where the row has it (the learner's
+    `reward/mean` covers only the groups it trained on, and dynamic sampling drops the all-0 and all-1 ones), else
+    `reward/mean` (TRL's rows, and an asyncrl row before the first generator report)."""
+    return row.get("reward/sampled_mean", row["reward/mean"])
+
+
 def summarize(progress: list, samples_per_step: int, target: float, window: int, budget_s: float,
               final_steps: int) -> dict:
     """One run's numbers, from its per-step progress rows."""
     elapsed = [row["elapsed_s"] for row in progress]
-    rewards = [row["reward/mean"] for row in progress]
+    rewards = [row_reward(row) for row in progress]
     span = elapsed[-1] - elapsed[0]
 
     def mean_of(key):
@@ -89,9 +97,10 @@ def run_asyncrl(job_dir: str, seed: int, steps: int, overrides: list) -> None:
     env = {**os.environ, "ASYNCRL_JOB_DIR": job_dir, "HF_HUB_OFFLINE": "1",
            "MLFLOW_TRACKING_URI": os.environ.get("MLFLOW_TRACKING_URI",
                                                  f"sqlite:///{os.path.dirname(job_dir)}/mlflow.db")}
-    command = [sys.executable, "-m", "asyncrl.launch.cli", "run", *overrides, f"learner.total_steps={steps}",
-               f"learner.seed={seed}", f"generator.seed={seed}", "telemetry.progress=false",
-               "generator.log_every_s=1"]  # generator idle fractions reach the learner's rows often
+    # generator reports (idle fraction, the sampled reward) reach the learner's rows every second, unless overridden
+    command = [sys.executable, "-m", "asyncrl.launch.cli", "run", "generator.log_every_s=1", *overrides,
+               f"learner.total_steps={steps}", f"learner.seed={seed}", f"generator.seed={seed}",
+               "telemetry.progress=false"]
     check(subprocess.run(command, env=env, capture_output=True, text=True), job_dir)
 
 
@@ -152,7 +161,7 @@ def print_table(configs: dict) -> None:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--etas", type=int, nargs="+", default=[0, 2])
+    parser.add_argument("--etas", type=int, nargs="*", default=[0, 2])
     parser.add_argument("--variant", type=parse_variant, action="append", default=[],
                         help="NAME=key=value,... : one more asyncrl run per seed with these overrides")
     parser.add_argument("--steps", type=int, default=500)

@@ -4,7 +4,9 @@
 Same warm-started model, tokenizer, prompts and reward function as `asyncrl run`; the same batch (groups_per_step
 prompts × rollout.n samples, at most rollout.max_tokens new tokens, the recipe's temperature), lr with a linear
 warmup then constant, AdamW, grad clip, PPO clip ε = 0.2 / 0.28 with one update per batch, token-mean loss
-(`loss_type="dapo"`), no KL (`beta=0`), generation with HF `generate`. Each step is appended to
+(`loss_type="dapo"`), no KL (`beta=0`), generation with HF `generate`. Not dynamic sampling: GRPOTrainer has no
+zero-variance filter, so its batches keep the groups that teach nothing (its reward is over everything it sampled,
+like asyncrl's `reward/sampled_mean`). Each step is appended to
 `<job dir>/progress.jsonl` in asyncrl's format (step, elapsed_s, reward/mean), so both sides are read alike. Usage:
     python -m asyncrl.bench.trl_grpo --job-dir DIR --seed S --steps N [overrides...]
 """

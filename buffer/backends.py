@@ -34,7 +34,7 @@ def make_learner_buffer(cfg, *, vocab_size: int, max_positions: int, config_hash
         from asyncrl.buffer.staleness import Coordinator
         from asyncrl.buffer.zmq.server import ZmqBufferServer
 
-        coordinator = Coordinator(buffer.max_staleness, buffer.groups_per_step)
+        coordinator = Coordinator(buffer.lead_steps, buffer.groups_per_step)
         coordinator.set_version(start_version)
         return ZmqBufferServer(buffer.host, buffer.port, coordinator, vocab_size=vocab_size, config_hash=config_hash,
                                max_message_bytes=buffer.max_message_bytes, queue_groups=buffer.queue_groups,
@@ -54,7 +54,7 @@ def make_learner_buffer(cfg, *, vocab_size: int, max_positions: int, config_hash
     if fresh:
         reset_job(client, job)
     retry = Reconnecting(options.url, buffer.redis_reconnect_s)
-    coordinator = RedisCoordinator(client, job, buffer.max_staleness, buffer.groups_per_step, buffer.lease_s,
+    coordinator = RedisCoordinator(client, job, buffer.lead_steps, buffer.groups_per_step, buffer.lease_s,
                                    retry=retry)
     coordinator.set_version(start_version, allow_backwards=True)
     return RedisBufferServer(client, options.url, job, coordinator, vocab_size=vocab_size, config_hash=config_hash,
@@ -76,7 +76,7 @@ def make_generator_buffer(cfg, generator_id: str) -> GeneratorBuffer:
     from asyncrl.buffer.redis.reconnect import Reconnecting
 
     options = redis_options(buffer)
-    return RedisBufferClient(connect(options), options.url, namespace(cfg), generator_id, buffer.max_staleness,
+    return RedisBufferClient(connect(options), options.url, namespace(cfg), generator_id, buffer.lead_steps,
                              buffer.groups_per_step, buffer.lease_s,
                              retry=Reconnecting(options.url, buffer.redis_reconnect_s),
                              max_message_bytes=buffer.max_message_bytes)

@@ -1,5 +1,6 @@
 """Buffer and coordinator settings (stdlib only, so `--help` and `--dry-run` never import torch)."""
 from dataclasses import dataclass
+from typing import Optional
 
 BACKENDS = ("zmq", "redis")
 
@@ -17,6 +18,10 @@ class BufferConfig:
     """η: never train on a group whose oldest token is more than this many learner steps old. 0 = synchronous."""
     groups_per_step: int = 16
     """Groups (prompts) per optimizer step. Admission paces generators in units of this."""
+    admission_lead: Optional[int] = None
+    """Pacing: how many learner versions ahead the fleet may start groups (None = max_staleness, AReaL's rule).
+    Below η the fleet runs less far ahead, so the mean staleness sits near this lead instead of at η, while a group
+    that arrives late (a slow generator, a long tail) is still trained up to η instead of dropped."""
     max_message_bytes: int = 16 * 1024 * 1024
     """Largest encoded group accepted, in bytes. Larger messages are rejected before decoding."""
     queue_groups: int = 256
@@ -52,11 +57,20 @@ class BufferConfig:
     generator has heard "done", for at most this long, and `asyncrl run` then gives each generator this long to
     exit on its own before stopping it."""
 
+    @property
+    def lead_steps(self) -> int:
+        """The admission lead the coordinators use: admission_lead, or η."""
+        return self.max_staleness if self.admission_lead is None else self.admission_lead
+
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"buffer.backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.max_staleness < 0:
             raise ValueError(f"buffer.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.admission_lead is not None and not 0 <= self.admission_lead <= self.max_staleness:
+            raise ValueError(f"buffer.admission_lead must be in [0, buffer.max_staleness={self.max_staleness}] (or "
+                             f"unset: max_staleness), got {self.admission_lead}: generators admitted further ahead "
+                             f"than η would sample groups the learner must drop")
         if self.groups_per_step < 1:
             raise ValueError(f"buffer.groups_per_step must be >= 1, got {self.groups_per_step}")
         if not 0 <= self.port < 65536:

@@ -89,6 +89,12 @@ class Group:
         """The scalar reward of each sample, in sample order."""
         return [s.reward for s in self.samples]
 
+    def zero_variance(self) -> bool:
+        """Every sample's reward is the same: a group baseline makes every advantage 0, so the group teaches
+        nothing (DAPO's dynamic sampling drops it: the generator that sampled it, and the learner again)."""
+        rewards = self.rewards()
+        return not rewards or max(rewards) == min(rewards)
+
 
 def new_group_id() -> str:
     """A fresh group id (uuid4 hex): random, so generators need no coordination to stay unique."""

@@ -102,6 +102,10 @@ class GeneratorBuffer(Protocol):
     async def send(self, group_id: str, payload: bytes) -> SendReply:
         """Deliver one encoded group (buffer/codec.py); idempotent on group_id."""
 
+    async def release(self, count: int = 1) -> Status:
+        """Give back `count` admissions this generator holds and will not deliver (groups its own filter dropped,
+        algo.dynamic_sampling), so their capacity returns now; never more than it holds."""
+
     async def report(self, metrics: dict, timeout_s: float | None = None) -> Status:
         """This generator's statistics, for the learner's metrics."""
 

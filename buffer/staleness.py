@@ -3,12 +3,16 @@
 - The learner's version v is the number of optimizer steps it has completed *and published*.
 - A group's staleness, when the learner takes it, is v - min(versions of its tokens).
 - The learner never trains on a group with staleness > η (`max_staleness`).
-- Admission (AReaL): a generator may start a group only while started < (η + v + 1) * groups_per_step, where
-  `started` counts every admitted group that was not given back (dropped, rejected, or held by a generator that left).
+- Admission (AReaL): a generator may start a group only while started < (L + v + 1) * groups_per_step, where L is
+  the admission lead (η by default; `buffer.admission_lead` sets it lower, pacing the fleet) and
+  `started` counts every admitted group that was not given back (dropped, rejected, held by a generator that left,
+  or released by the generator that holds it because its own filter dropped the group).
 
-Why this bound holds: group k (0-based, in admission order) is admitted while k < (η + v_a + 1) * B, and it is
+Why this bound holds: group k (0-based, in admission order) is admitted while k < (L + v_a + 1) * B, and it is
 sampled with weights of version >= v_a, because a generator loads the newest version it knows of before it starts
-a group. When groups are consumed in admission order it is trained at a version <= η + v_a. Out-of-order delivery
+a group. When groups are consumed in admission order it is trained at a version <= L + v_a <= η + v_a. With L < η
+the fleet runs less far ahead (the mean staleness sits near L), and a group that arrives late is still trained up
+to η instead of dropped. Out-of-order delivery
 (one slow generator) can still exceed the bound, which is why the learner re-checks every group it takes.
 """
 import threading
@@ -23,9 +27,9 @@ def is_too_stale(learner_version: int, min_token_version: int, max_staleness: in
     return group_staleness(learner_version, min_token_version) > max_staleness
 
 
-def admission_capacity(max_staleness: int, version: int, groups_per_step: int, started: int) -> int:
-    """Groups that may still start now."""
-    return max(0, (max_staleness + version + 1) * groups_per_step - started)
+def admission_capacity(lead: int, version: int, groups_per_step: int, started: int) -> int:
+    """Groups that may still start now, `lead` versions ahead of the learner's (η, or buffer.admission_lead)."""
+    return max(0, (lead + version + 1) * groups_per_step - started)
 
 
 class Coordinator:
@@ -35,8 +39,8 @@ class Coordinator:
     Holds: per-generator outstanding admissions, so a generator that leaves gives its capacity back.
     """
 
-    def __init__(self, max_staleness: int, groups_per_step: int, version: int = 0):
-        self.max_staleness = max_staleness
+    def __init__(self, lead: int, groups_per_step: int, version: int = 0):
+        self.lead = lead  # η, or buffer.admission_lead when pacing is set (BufferConfig.lead_steps)
         self.groups_per_step = groups_per_step
         self._version = version
         self._started = version * groups_per_step  # a resumed learner has consumed v * B groups
@@ -59,7 +63,7 @@ class Coordinator:
     def try_admit(self, generator_id: str, want: int = 1) -> int:
         """Grants up to `want` new groups to `generator_id`; returns how many were granted."""
         with self._lock:
-            cap = admission_capacity(self.max_staleness, self._version, self.groups_per_step, self._started)
+            cap = admission_capacity(self.lead, self._version, self.groups_per_step, self._started)
             granted = min(want, cap)
             self._started += granted
             self._outstanding[generator_id] += granted
@@ -73,6 +77,18 @@ class Coordinator:
                 self._outstanding[generator_id] -= 1
                 return True
             return False
+
+    def release(self, generator_id: str, count: int = 1) -> int:
+        """`generator_id` will not deliver `count` of the groups it was admitted for (its own filter dropped them,
+        algo.dynamic_sampling): that capacity returns at once, instead of when the learner would have taken and
+        dropped them. Never more than it holds, so no generator can free capacity it did not take. Returns how many
+        were released."""
+        with self._lock:
+            released = max(0, min(int(count), self._outstanding.get(generator_id, 0)))
+            if released:
+                self._outstanding[generator_id] -= released
+                self._started = max(0, self._started - released)
+            return released
 
     def give_back(self, count: int = 1, token: str = "") -> None:
         """Admitted groups that will never be trained (stale, rejected, aborted) free their capacity. `token` is

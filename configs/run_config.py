@@ -58,13 +58,14 @@ def check_sections_agree(cfg: "RunConfig") -> None:
         if cfg.algo.dynamic_sampling:
             raise ValueError("algo.dynamic_sampling drops groups whose rewards are all equal, which is every "
                              "group when rollout.n = 1; set rollout.n >= 2")
-    if cfg.weightsync.every_steps > cfg.buffer.max_staleness + 1:
+    lead, lead_key = cfg.buffer.lead_steps, ("buffer.max_staleness" if cfg.buffer.admission_lead is None
+                                             else "buffer.admission_lead")
+    if cfg.weightsync.every_steps > lead + 1:
         raise ValueError(
-            f"weightsync.every_steps={cfg.weightsync.every_steps} with "
-            f"buffer.max_staleness={cfg.buffer.max_staleness}: "
-            f"admission stays at the last published version, so after {cfg.buffer.max_staleness + 1} unpublished steps "
+            f"weightsync.every_steps={cfg.weightsync.every_steps} with {lead_key}={lead}: "
+            f"admission stays at the last published version, so after {lead + 1} unpublished steps "
             f"no generator may start a group and the learner would wait for a batch forever; use every_steps <= "
-            f"max_staleness + 1 (or raise buffer.max_staleness)")
+            f"{lead_key.split('.')[1]} + 1 (or raise {lead_key})")
     if cfg.reward.overlong_buffer_len >= cfg.rollout.max_tokens:
         raise ValueError(f"reward.overlong_buffer_len ({cfg.reward.overlong_buffer_len}) must be smaller than "
                          f"rollout.max_tokens ({cfg.rollout.max_tokens})")

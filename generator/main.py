@@ -88,7 +88,7 @@ async def run_generator_async(cfg, say=print) -> int:
             load_reward_fn(cfg.reward.path, cfg.reward.function), tokenizer, cfg.rollout,
             cfg.generator.max_inflight_groups, generator_id, reward_shaping=cfg.reward,
             on_stats=(lambda m: metrics_log.log(m, step=engine.version)) if metrics_log else None,
-            stats_every_s=cfg.generator.log_every_s, stage=stage)
+            stats_every_s=cfg.generator.log_every_s, stage=stage, drop_zero_variance=cfg.algo.dynamic_sampling)
         rollout.note_reply(hello)
         await rollout.ensure_latest_weights()  # a late joiner samples nothing before it has the current weights
         say(f"generator {generator_id}: {cfg.generator.engine} engine ready on v{engine.version}")

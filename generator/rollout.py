@@ -43,6 +43,7 @@ class RolloutStats:
         self.weight_loads = 0
         self.weight_failures = 0
         self.rejected_groups = 0  # groups refused at once (too_large, a malformed batch)
+        self.filtered_groups = 0  # zero-variance groups dropped here (algo.dynamic_sampling), never sent
         self._last = (self.started, 0, 0.0)
 
     def snapshot(self, version: int) -> dict:
@@ -57,6 +58,7 @@ class RolloutStats:
             "generator/reward_errors": float(self.reward_errors),
             "generator/weight_failures": float(self.weight_failures),
             "generator/rejected_groups": float(self.rejected_groups),
+            "generator/filtered_groups": float(self.filtered_groups),
             "timing/generator/wait_for_weights_s": self.weight_wait_s,
             "timing/generator/idle_frac": idle_fraction(busy - busy_then, now - then),
             **({"reward/mean": float(np.mean(rewards))} if rewards else {}),
@@ -65,7 +67,8 @@ class RolloutStats:
 
 class RolloutLoop:
     def __init__(self, client, engine, prompts, reward_fn, tokenizer, rollout_cfg, max_inflight_groups: int,
-                 generator_id: str, on_stats=None, stats_every_s: float = 5.0, reward_shaping=None, stage=None):
+                 generator_id: str, on_stats=None, stats_every_s: float = 5.0, reward_shaping=None, stage=None,
+                 drop_zero_variance: bool = False):
         self.client = client
         self.engine = engine
         self.stage = stage  # weightsync.receiver.WeightStage: verified copies of announced versions
@@ -78,6 +81,11 @@ class RolloutLoop:
         self.generator_id = generator_id
         self.on_stats = on_stats
         self.stats_every_s = stats_every_s
+        self.drop_zero_variance = drop_zero_variance
+        """algo.dynamic_sampling: a group whose rewards are all equal is dropped here and its admission released,
+        so a replacement starts at once. Dropped by the learner instead (learner/collect.py), it would hold its
+        admission in the queue until the learner took it; under η = 1 that kept a third of the fleet's budget
+        waiting on the learner and the learner waiting on the fleet. The learner still re-checks every group."""
         self.stats = RolloutStats()
         self.latest_weights: dict = {}
         self.job_end = JobEnd()
@@ -135,6 +143,10 @@ class RolloutLoop:
             await self.ensure_latest_weights()
             with self.stats.busy:  # sampling and scoring: the generator's work; the rest is waiting
                 group = await self._sample_group(next(self.prompts))
+            if self.drop_zero_variance and group.zero_variance():
+                self.stats.filtered_groups += 1  # its rewards are in stats.rewards: reward/mean is the fleet's
+                self.note_reply(await self.client.release(1))
+                continue
             await self._send(group)
 
     async def ensure_latest_weights(self) -> None:
@@ -243,3 +255,4 @@ class RolloutLoop:
                 log.debug("could not send stats: %s", err)
         if self.on_stats is not None:
             self.on_stats(metrics)
+

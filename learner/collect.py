@@ -54,8 +54,7 @@ def drop_reason(group, batch_filter: BatchFilter) -> str | None:
         if not isinstance(baseline, (int, float)) or not math.isfinite(baseline):
             return "no_baseline"
     if batch_filter.dynamic_sampling:
-        rewards = group.rewards()
-        if max(rewards) == min(rewards):
+        if group.zero_variance():
             return "zero_variance"
     return None
 

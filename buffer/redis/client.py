@@ -34,7 +34,7 @@ class NotRegistered(RuntimeError):
 
 
 class RedisBufferClient:
-    def __init__(self, client, url: str, job: str, generator_id: str, max_staleness: int, groups_per_step: int,
+    def __init__(self, client, url: str, job: str, generator_id: str, lead: int, groups_per_step: int,
                  lease_s: float, retry=direct, max_message_bytes: int = 0):
         self.client = client
         self.max_message_bytes = max_message_bytes  # the job's limit; 0: not checked here
@@ -43,7 +43,7 @@ class RedisBufferClient:
         self.retry = retry
         self.stream = GroupStream(client, job, producer=generator_id)  # direct: the whole request is retried
         self.keys = self.stream.keys
-        self.coordinator = RedisCoordinator(client, job, max_staleness, groups_per_step, lease_s)
+        self.coordinator = RedisCoordinator(client, job, lead, groups_per_step, lease_s)
         self.batcher = DeliveryBatcher(self._send_batch)
         self.leases: list[str] = []
         self._weights: tuple[str, dict] = ("", {})  # (weights_id, control message): read again only when it changes
@@ -65,6 +65,9 @@ class RedisBufferClient:
         reply = await self._deliver(group_id, payload)
         return SendReply(**_status(reply), accepted=reply["accepted"], error=reply.get("error", ""))
 
+    async def release(self, count: int = 1) -> Status:
+        return Status(**_status(await self._request("release", count=count)))
+
     async def report(self, metrics: dict, timeout_s: float | None = None) -> Status:
         return Status(**_status(await self._request("stats", timeout_s=timeout_s, metrics=metrics)))
 
@@ -72,7 +75,7 @@ class RedisBufferClient:
         await self._request("bye", timeout_s=timeout_s)
 
     async def _request(self, op: str, timeout_s: float | None = None, **fields) -> dict:
-        """One control operation (hello, admit, stats, bye) in a worker thread, retried through an outage."""
+        """One control operation (hello, admit, release, stats, bye) in a worker thread, retried through an outage."""
         token = ""
         if op == "admit":
             token = f"{self.generator_id}:{uuid.uuid4().hex[:12]}"
@@ -156,6 +159,11 @@ class RedisBufferClient:
                                                                             request_id=token)
             self.leases.extend(granted)
             return {**reply, "granted": len(granted)}
+        if op == "release":  # leases are interchangeable; a resend after a lost reply removes nothing twice
+            leases = self.leases[:max(0, int(fields.get("count", 1)))]
+            self.coordinator.release(leases)
+            del self.leases[:len(leases)]
+            return reply
         if op == "stats":
             self.client.hset(self.keys["meta"] + ":stats", self.generator_id, json.dumps(fields.get("metrics", {})))
             return reply

@@ -6,7 +6,7 @@ back), `leases` (a sorted set: one member per admitted group not yet delivered, 
 Every admission is one Lua script, so the read-check-increment cannot interleave with another generator's:
 1. leases past their expiry are removed and given back (`started` -= their count): a generator killed with -9
    never holds capacity for longer than the lease (AReaL issue #1396: a fleet hung at zero capacity);
-2. capacity = (η + version + 1) · groups_per_step − started, never below 0;
+2. capacity = (L + version + 1) · groups_per_step − started, never below 0 (L: the admission lead, η by default);
 3. up to `want` leases are granted, named `<prefix>:<i>`, and the count is remembered under `grant:<prefix>` until the
    leases expire, so a request resent after its reply was lost (a Redis restart) is answered the same and never
    counted twice; `started` would otherwise leak capacity that no lease could ever give back.
@@ -21,7 +21,7 @@ from asyncrl.buffer.redis.stream import job_keys
 
 ADMIT = """
 -- KEYS[1] version, KEYS[2] started, KEYS[3] leases, KEYS[4] this request's grant record
--- ARGV[1] eta, ARGV[2] groups_per_step, ARGV[3] want, ARGV[4] now_ms, ARGV[5] lease_ms, ARGV[6] lease prefix
+-- ARGV[1] admission lead (eta by default), ARGV[2] groups_per_step, ARGV[3] want, ARGV[4] now_ms, ARGV[5] lease_ms, ARGV[6] lease prefix
 local prior = redis.call('GET', KEYS[4])
 if prior then
   return {tonumber(prior), tonumber(redis.call('GET', KEYS[1]) or '0'), 0}
@@ -70,12 +70,12 @@ return current
 class RedisCoordinator:
     """Admission, leases and the version, for one job, through one Redis client."""
 
-    def __init__(self, client, job: str, max_staleness: int, groups_per_step: int, lease_s: float = 120.0,
+    def __init__(self, client, job: str, lead: int, groups_per_step: int, lease_s: float = 120.0,
                  retry=direct):
         self.client = client
         self.retry = retry
         self.keys = job_keys(job)
-        self.max_staleness = max_staleness
+        self.lead = lead  # η, or buffer.admission_lead (BufferConfig.lead_steps)
         self.groups_per_step = groups_per_step
         self.lease_ms = int(lease_s * 1000)
         self._admit = client.register_script(ADMIT)
@@ -92,7 +92,7 @@ class RedisCoordinator:
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
         granted, version, _ = self.retry("admission", self._admit, keys=[
             self.keys["version"], self.keys["started"], self.keys["leases"], self.keys["grant"] + prefix],
-            args=[self.max_staleness, self.groups_per_step, max(0, int(want)), now_ms, self.lease_ms, prefix])
+            args=[self.lead, self.groups_per_step, max(0, int(want)), now_ms, self.lease_ms, prefix])
         return [f"{prefix}:{i}" for i in range(1, int(granted) + 1)], int(version)
 
     def give_back(self, count: int = 1, token: str = "") -> int:

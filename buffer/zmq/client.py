@@ -71,6 +71,9 @@ class ZmqBufferClient:
         return SendReply(**status_fields(reply), accepted=accepted, retry=not accepted and reply.get("retry") is True,
                          reason=str(reply.get("reason", "")), error=str(reply.get("error", "")))
 
+    async def release(self, count: int = 1) -> Status:
+        return Status(**status_fields(await self._request("release", count=count)))
+
     async def report(self, metrics: dict, timeout_s: float | None = None) -> Status:
         return Status(**status_fields(await self._request("stats", timeout_s=timeout_s, metrics=metrics)))
 

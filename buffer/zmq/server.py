@@ -300,6 +300,9 @@ class ZmqBufferServer:
             reply["granted"] = 0 if self._done else self.coordinator.try_admit(gen, want)
         elif op == "group":
             self._receive_groups(gen, request.get("reqs"), payload[1:], reply, accepted)
+        elif op == "release":  # admissions the generator will not deliver (buffer/staleness.py Coordinator.release)
+            count = request.get("count", 1)
+            reply["released"] = self.coordinator.release(gen, count) if isinstance(count, int) and count > 0 else 0
         elif op == "stats":
             problem = check_stats(request.get("metrics"))
             if problem is None:

@@ -4,6 +4,7 @@ Requests (generator -> learner) carry `op`, `req` (request id), `gen` (generator
 weights control message the generator holds, "" for none):
   hello {config_hash}        -> {version, weights_id, run_info}       # refused if config hashes differ
   admit {want}               -> {granted, version, weights_id, done}
+  release {count}            -> {released}                            # admissions it will not deliver (filtered)
   group + second frame bytes -> {accepted, reason, retry, version, weights_id, done}
   group {reqs} + one frame per group -> {version, weights_id, done, results: [{req, accepted, reason, retry}]}
                              # several groups in one message (`reqs` lists their request ids, in frame order;
@@ -21,7 +22,7 @@ import msgpack
 
 from asyncrl.buffer.interface import Rejections
 
-OPS = ("hello", "admit", "group", "stats", "bye")
+OPS = ("hello", "admit", "release", "group", "stats", "bye")
 MAX_HEADER_BYTES = 1 << 20
 
 

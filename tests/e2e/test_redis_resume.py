@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.redis, pytest.mark.slow]
 class RedisScriptedGenerator(threading.Thread):
     def __init__(self, url: str, namespace: str, config_hash: str, pace_s: float):
         super().__init__(daemon=True)
-        self.client = RedisBufferClient(connect(RedisOptions(url)), url, namespace, "scripted", max_staleness=0,
+        self.client = RedisBufferClient(connect(RedisOptions(url)), url, namespace, "scripted", lead=0,
                                         groups_per_step=GROUPS_PER_STEP, lease_s=5)
         self.config_hash, self.pace_s = config_hash, pace_s
         self.stop = threading.Event()

@@ -13,7 +13,8 @@ from tests.conftest import free_port
 
 REQUIRED_METRICS = ("reward/mean", "loss/pg", "buffer/staleness/mean", "buffer/staleness/max", "buffer/dropped_stale",
                     "offpolicy/mismatch_k3", "perf/learner/tokens_per_s", "perf/generator/tokens_per_s",
-                    "timing/weightsync/publish_s", "timing/learner/idle_frac", "gen-0/timing/generator/idle_frac")
+                    "timing/weightsync/publish_s", "timing/learner/idle_frac", "gen-0/timing/generator/idle_frac",
+                    "reward/sampled_mean", "gen-0/generator/filtered_groups")
 
 
 def common_overrides(demo_cache, port, steps, eta=1):

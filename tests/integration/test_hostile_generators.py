@@ -314,7 +314,7 @@ class RedisHostile(threading.Thread):
         try:
             stream = GroupStream(self.client, self.job, producer="hostile")
             wait_for_the_learner(self.client, stream)
-            coordinator = RedisCoordinator(self.client, self.job, max_staleness=1, groups_per_step=B)
+            coordinator = RedisCoordinator(self.client, self.job, lead=1, groups_per_step=B)
             rng = np.random.default_rng(3)
             for _, _, payload in hostile_groups(self.cfg, "hostile"):
                 stream.produce(group_id_of(payload), payload, self.lease(coordinator))
@@ -388,7 +388,7 @@ def test_an_entry_every_learner_incarnation_dies_on_is_dead_lettered_after_max_d
 
     def incarnation():
         client = connect(RedisOptions(url))
-        coordinator = RedisCoordinator(client, job, max_staleness=0, groups_per_step=4)
+        coordinator = RedisCoordinator(client, job, lead=0, groups_per_step=4)
         server = RedisBufferServer(client, url, job, coordinator, vocab_size=VOCAB, config_hash="h",
                                    max_message_bytes=LIMIT, run_info={})
         server.start()
@@ -448,7 +448,7 @@ def test_a_step_that_fails_unexpectedly_dead_letters_its_groups_before_the_learn
 
     def produce():
         wait_for_the_learner(client, stream)
-        coordinator, rng = RedisCoordinator(client, job, max_staleness=1, groups_per_step=B), np.random.default_rng(0)
+        coordinator, rng = RedisCoordinator(client, job, lead=1, groups_per_step=B), np.random.default_rng(0)
         for _ in range(B):
             group = a_group(cfg, "gen", rng)
             group.prompt_id = "crash"
@@ -463,6 +463,6 @@ def test_a_step_that_fails_unexpectedly_dead_letters_its_groups_before_the_learn
         dead = stream.dead_letters()
         assert [entry[b"reason"].split(b":")[0] for entry in dead] == [b"failed_step"] * B
         assert stream.pending_count() == 0  # a restarted learner has nothing of them to re-read
-        assert RedisCoordinator(client, job, max_staleness=1, groups_per_step=B).started == 0  # admissions back
+        assert RedisCoordinator(client, job, lead=1, groups_per_step=B).started == 0  # admissions back
     finally:
         client.close()

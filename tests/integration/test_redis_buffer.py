@@ -142,7 +142,7 @@ def test_a_blocking_read_longer_than_redis_py_default_timeout_waits_quietly(clie
 
 
 def test_admission_follows_the_design_rule_and_leases_expire(client, job):
-    coordinator = RedisCoordinator(client, job, max_staleness=1, groups_per_step=4, lease_s=10)
+    coordinator = RedisCoordinator(client, job, lead=1, groups_per_step=4, lease_s=10)
     stream = stream_for(client, job)
     leases, version = coordinator.try_admit("gen-a", want=100, now_ms=1_000)
     assert version == 0 and len(leases) == admission_capacity(1, 0, 4, 0) == 8
@@ -164,7 +164,7 @@ def test_concurrent_admission_never_exceeds_capacity(redis_server, job):
     granted = []
 
     def admit(client):
-        coordinator = RedisCoordinator(client, job, max_staleness=2, groups_per_step=5)
+        coordinator = RedisCoordinator(client, job, lead=2, groups_per_step=5)
         for _ in range(20):
             granted.extend(coordinator.try_admit(f"gen-{id(client)}", want=1)[0])
 
@@ -194,3 +194,30 @@ def test_groups_survive_a_kill_9_of_redis_with_appendfsync_always(tmp_path, job)
         assert payloads[:5] == [b"p0", b"p1", b"p2", b"p3", b"p4"]
     finally:
         server.kill()
+
+
+def test_a_generator_releases_the_leases_of_groups_it_filtered_and_no_more(client, job, redis_server):
+    """algo.dynamic_sampling on the Redis backend: a generator's `release` gives its leases back at once (the
+    capacity returns without waiting for the lease to expire), and never more than it holds."""
+    import asyncio
+
+    from asyncrl.buffer.redis.client import RedisBufferClient
+
+    coordinator = RedisCoordinator(client, job, lead=0, groups_per_step=3)
+    coordinator.set_version(0)
+    client.hset(coordinator.keys["meta"], "config_hash", "h")  # what a registered learner writes
+    generator = RedisBufferClient(connect(RedisOptions(redis_server.url)), redis_server.url, job, "gen-a",
+                                  lead=0, groups_per_step=3, lease_s=60)
+
+    async def scenario():
+        granted = (await generator.admit(10)).granted
+        await generator.release(2)
+        after_release = (coordinator.started, coordinator.leases())
+        return granted, after_release, (await generator.admit(10)).granted
+
+    try:
+        assert asyncio.run(scenario()) == (3, (1, 1), 2)
+        asyncio.run(generator.release(100))
+        assert coordinator.started == 0 and coordinator.leases() == 0 and generator.leases == []
+    finally:
+        generator.close()

@@ -38,7 +38,7 @@ def a_group(group_id: str, version: int = 0) -> Group:
 def learner_side(url: str, job: str, patience_s: float = 30.0, reclaim_idle_s: float = 60.0):
     client = connect(RedisOptions(url))
     retry = Reconnecting(url, patience_s)
-    coordinator = RedisCoordinator(client, job, max_staleness=1 << 20, groups_per_step=1 << 20, retry=retry)
+    coordinator = RedisCoordinator(client, job, lead=1 << 20, groups_per_step=1 << 20, retry=retry)
     coordinator.set_version(0, allow_backwards=True)
     server = RedisBufferServer(client, url, job, coordinator, vocab_size=VOCAB, config_hash="h",
                                max_message_bytes=1 << 20, run_info={"job": job}, reclaim_idle_s=reclaim_idle_s,
@@ -48,7 +48,7 @@ def learner_side(url: str, job: str, patience_s: float = 30.0, reclaim_idle_s: f
 
 
 def generator_side(url: str, job: str, patience_s: float = 30.0) -> RedisBufferClient:
-    return RedisBufferClient(connect(RedisOptions(url)), url, job, "gen", max_staleness=1 << 20,
+    return RedisBufferClient(connect(RedisOptions(url)), url, job, "gen", lead=1 << 20,
                              groups_per_step=1 << 20, lease_s=60, retry=Reconnecting(url, patience_s))
 
 
@@ -164,7 +164,7 @@ def test_an_outage_longer_than_the_patience_is_an_error_naming_redis(tmp_path):
 def test_resent_admission_and_give_back_count_once(redis_server):
     job = "id" + uuid.uuid4().hex[:8]
     client = connect(RedisOptions(redis_server.url))
-    coordinator = RedisCoordinator(client, job, max_staleness=0, groups_per_step=4)
+    coordinator = RedisCoordinator(client, job, lead=0, groups_per_step=4)
     first, _ = coordinator.try_admit("gen", want=3, request_id="gen:req1")
     again, _ = coordinator.try_admit("gen", want=3, request_id="gen:req1")  # the reply was lost: resent
     assert first == again and len(first) == 3 and coordinator.started == 3 and coordinator.leases() == 3

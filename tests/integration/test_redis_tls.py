@@ -74,7 +74,7 @@ def test_groups_and_admission_go_over_mutual_tls(tls_redis):
     job = uuid.uuid4().hex[:8]
     stream = GroupStream(client, job)
     stream.ensure_group()
-    coordinator = RedisCoordinator(client, job, max_staleness=0, groups_per_step=2)
+    coordinator = RedisCoordinator(client, job, lead=0, groups_per_step=2)
     coordinator.set_version(0, allow_backwards=True)
     granted, _ = coordinator.try_admit("gen", 3)
     assert len(granted) == 2  # (η + v + 1) · B = 2, over TLS as over TCP

@@ -240,3 +240,33 @@ def test_the_server_answers_each_group_of_a_batch_and_refuses_a_batch_it_cannot_
     assert not mismatched["ok"] and "one integer request id per group frame" in mismatched["error"]
     assert [g.group_id for g in taken] == ["abc", "abc"]
     assert server.rejected == {"too_large": 1, "malformed": 1}
+
+
+def test_a_generator_can_release_only_admissions_it_holds_whatever_it_asks(server):
+    """`release` (a group its own dynamic-sampling filter dropped): the capacity returns at once; a hostile count
+    frees nothing it did not take."""
+    client = ZmqBufferClient(server.endpoint, "gen-r", timeout_s=5)
+    context = zmq.Context()
+    raw = context.socket(zmq.DEALER)
+    raw.connect(server.endpoint)
+
+    def raw_release(count):
+        raw.send_multipart([pack({"op": "release", "req": 1, "gen": "gen-r", "count": count})])
+        assert raw.poll(5000)
+        return msgpack.unpackb(raw.recv_multipart()[-1])
+
+    async def scenario():
+        granted = (await client.admit(10)).granted
+        full = (await client.admit(1)).granted
+        await client.release(1)
+        return granted, full, (await client.admit(10)).granted
+
+    try:
+        assert run(scenario()) == (4, 0, 1)  # (η + v + 1) * B = 4; one released, one more admitted
+        assert [raw_release(count)["released"] for count in ("x", -2, 0)] == [0, 0, 0]
+        assert raw_release(10 ** 9)["released"] == 4  # all it holds, and no more
+        assert server.coordinator.started == 0 and run(client.admit(10)).granted == 4
+    finally:
+        raw.close(linger=0)
+        context.term()
+        client.close()

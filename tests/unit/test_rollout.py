@@ -166,3 +166,52 @@ def test_on_done_the_generator_stops_at_once_instead_of_waiting_on_requests_the_
 
     assert asyncio.run(scenario()) < 2 and loop.done
     assert client.ops == ["admit"] * 4  # no stats request after "done": nobody would answer it
+
+
+class AlternatingEngine:
+    """Prompt 1 gets n identical answers "9" (every reward 1: zero variance); any other prompt gets "9" and "7"."""
+
+    version = 0
+
+    async def sample(self, prompt_ids, sampling, n):
+        texts = [[9]] * n if prompt_ids[0] == 1 else [[9], [7]] * (n // 2)
+        return [Completion(token_ids=ids, logprobs=[-0.1], versions=[0], finish_reason="stop") for ids in texts]
+
+
+def test_dynamic_sampling_drops_zero_variance_groups_at_the_generator_and_releases_their_admissions():
+    """With algo.dynamic_sampling the generator never sends a group that would teach nothing, and gives its admission
+    back at once (a real zmq learner-side buffer and coordinator): with capacity for 2 groups it still delivers 2
+    useful ones although every other group it samples is useless."""
+    from asyncrl.buffer.staleness import Coordinator
+    from asyncrl.buffer.zmq.client import ZmqBufferClient
+    from asyncrl.buffer.zmq.server import ZmqBufferServer
+    from tests.conftest import free_port
+
+    server = ZmqBufferServer("127.0.0.1", free_port(), Coordinator(0, 2), vocab_size=16, config_hash="h",
+                             max_message_bytes=4096, queue_groups=8, run_info={})
+    server.start()
+    client = ZmqBufferClient(server.endpoint, "g", timeout_s=5)
+    rows = (PromptRow(prompt_id=f"p{i}", prompt_ids=[1 + i % 2, 2], data_source="t", ground_truth="9",
+                      extra_info={}) for i in range(1000))
+    loop = RolloutLoop(client=client, engine=AlternatingEngine(), prompts=rows, reward_fn=reward_is_nine,
+                       tokenizer=DigitTokenizer(), rollout_cfg=RolloutConfig(n=2, max_tokens=4), max_inflight_groups=1,
+                       generator_id="g", reward_shaping=RewardConfig(), stats_every_s=3600, drop_zero_variance=True)
+
+    async def scenario():
+        task = asyncio.create_task(loop.run())
+        deadline = asyncio.get_running_loop().time() + 10
+        while server.queued() < 2 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # a third group would have arrived by now if admission let it start
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    try:
+        asyncio.run(scenario())
+        taken = [server.take(1.0), server.take(1.0), server.take(0.2)]
+        assert taken[2] is None and all(not group.zero_variance() for group in taken[:2])
+        assert loop.stats.filtered_groups >= 1 and server.coordinator.started == 2
+        assert loop.stats.snapshot(0)["generator/filtered_groups"] == loop.stats.filtered_groups
+    finally:
+        client.close()
+        server.close()

@@ -28,7 +28,7 @@ from asyncrl.learner.collect import collect_batch
 
 
 def test_admission_capacity_formula():
-    assert admission_capacity(max_staleness=2, version=0, groups_per_step=4, started=0) == 12
+    assert admission_capacity(lead=2, version=0, groups_per_step=4, started=0) == 12
     assert admission_capacity(2, 3, 4, 20) == 4
     assert admission_capacity(0, 0, 4, 4) == 0
     assert admission_capacity(0, 1, 4, 4) == 4
@@ -41,7 +41,7 @@ def test_staleness_boundary_is_inclusive_of_eta():
 
 
 def test_departed_generator_gives_back_its_admissions():
-    coord = Coordinator(max_staleness=0, groups_per_step=2)
+    coord = Coordinator(lead=0, groups_per_step=2)
     assert coord.try_admit("a", 2) == 2 and coord.try_admit("b", 1) == 0
     assert coord.forget_generator("a") == 2
     assert coord.try_admit("b", 2) == 2
@@ -122,10 +122,11 @@ class SimulatedFleet:
 
 
 def simulate(seed: int, eta: int, groups_per_step: int, generators: int, steps: int, max_delay: int,
-             in_order: bool, max_train_ticks: int = 3):
-    """Runs `steps` learner steps; returns (fleet, [(group id, version it was trained at)], dropped groups)."""
+             in_order: bool, max_train_ticks: int = 3, lead: int | None = None):
+    """Runs `steps` learner steps; returns (fleet, [(group id, version it was trained at)], dropped groups).
+    `lead`: the admission lead (buffer.admission_lead), η when None."""
     rng = random.Random(seed)
-    coordinator = Coordinator(eta, groups_per_step)
+    coordinator = Coordinator(eta if lead is None else lead, groups_per_step)
     fleet = SimulatedFleet(coordinator, rng, generators, slots=4, max_delay=max_delay, in_order=in_order)
     trained, dropped = [], []
     for version in range(steps):
@@ -171,3 +172,34 @@ def test_pacing_drops_nothing_when_groups_complete_in_admission_order(seed, eta,
     fleet, trained, dropped = simulate(seed, eta, groups_per_step, generators, steps=15, max_delay=1, in_order=True)
     assert dropped == [] and len(trained) == 15 * groups_per_step
     assert_bounds(fleet, trained, dropped, eta, groups_per_step)
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 10_000), eta=st.integers(1, 4), gap=st.integers(1, 4), groups_per_step=st.integers(1, 6),
+       generators=st.integers(1, 4), max_delay=st.integers(1, 12))
+def test_an_admission_lead_below_eta_paces_the_fleet_and_keeps_every_bound(seed, eta, gap, groups_per_step,
+                                                                           generators, max_delay):
+    """buffer.admission_lead = L < η: in admission order nothing is staler than L and nothing is dropped; with any
+    delays nothing trained exceeds η, and every drop still needed the overtaking the η bound implies."""
+    lead = max(0, eta - gap)
+    fleet, trained, dropped = simulate(seed, eta, groups_per_step, generators, steps=15, max_delay=1, in_order=True,
+                                       lead=lead)
+    assert dropped == [] and len(trained) == 15 * groups_per_step
+    assert max(version - fleet.admissions[group_id].version for group_id, version in trained) <= lead
+    fleet, trained, dropped = simulate(seed, eta, groups_per_step, generators, steps=15, max_delay=max_delay,
+                                       in_order=False, lead=lead)
+    assert len(trained) == 15 * groups_per_step
+    assert_bounds(fleet, trained, dropped, eta, groups_per_step)
+
+
+def test_a_generator_releases_only_the_admissions_it_holds():
+    """algo.dynamic_sampling: a generator that drops its own zero-variance group gives that admission back at once;
+    it can never free capacity it did not take (a hostile count, or another generator's)."""
+    coord = Coordinator(lead=0, groups_per_step=4)
+    assert coord.try_admit("a", 3) == 3 and coord.try_admit("b", 1) == 1 and coord.try_admit("b", 1) == 0
+    assert coord.release("a", 1) == 1 and coord.started == 3 and coord.outstanding() == {"a": 2, "b": 1}
+    assert coord.release("a", 100) == 2 and coord.started == 1  # only what it still held
+    assert coord.release("a", 1) == 0 and coord.release("nobody", 5) == 0 and coord.release("b", -3) == 0
+    assert coord.started == 1 and coord.try_admit("c", 10) == 3
+    coord.delivered("b")
+    assert coord.release("b", 1) == 0  # delivered: no longer held

@@ -58,3 +58,11 @@ def test_the_fleet_sums_throughput_and_averages_idle_fractions_clamping_what_gen
     assert out["perf/generator/tokens_per_s"] == 16.0
     assert out["timing/generator/idle_frac"] == pytest.approx(0.6)
     assert fleet_metrics([]) == {"perf/generator/tokens_per_s": 0.0}  # no report: no made-up idle fraction
+
+
+def test_the_fleet_reports_the_reward_of_everything_sampled_and_the_groups_filtered_before_sending():
+    reports = [{"reward/mean": 0.2, "generator/filtered_groups": 3.0}, {"reward/mean": 0.6},
+               {"perf/generator/tokens_per_s": 1.0}]  # no reward yet: not counted as 0
+    out = fleet_metrics(reports)
+    assert out["reward/sampled_mean"] == pytest.approx(0.4) and out["generator/filtered_groups"] == 3.0
+    assert "reward/sampled_mean" not in fleet_metrics([{"perf/generator/tokens_per_s": 1.0}])
