@@ -13,7 +13,8 @@ def test_overrides_change_values_and_types():
 def test_default_recipe_is_the_cpu_demo():
     cfg = load_config()
     assert cfg.demo.task == "sort_digits" and cfg.generator.engine == "hf"  # docs/platform.md: faster at this size
-    assert (cfg.buffer.max_staleness, cfg.learner.torch_threads, cfg.generator.torch_threads) == (1, 2, 1)
+    assert (cfg.buffer.max_staleness, cfg.learner.torch_threads, cfg.generator.torch_threads) == (1, 1, 1)
+    assert cfg.algo.dynamic_sampling  # README: time to reward, with the generator's filter
 
 
 @pytest.mark.parametrize("override, key", [
@@ -114,6 +115,15 @@ def test_publishing_less_often_than_eta_allows_is_refused_with_the_reason():
         load_config(None, ["weightsync.every_steps=3", "buffer.max_staleness=1"])
     with pytest.raises(ConfigError, match="weightsync.every_steps must be >= 1"):
         load_config(None, ["weightsync.every_steps=0"])
+
+
+def test_an_admission_lead_must_lie_within_eta_and_bounds_publishing_as_eta_does():
+    cfg = load_config(None, ["buffer.max_staleness=2", "buffer.admission_lead=1"])
+    assert cfg.buffer.lead_steps == 1 and load_config(None, ["buffer.max_staleness=2"]).buffer.lead_steps == 2
+    with pytest.raises(ConfigError, match=r"admission_lead must be in \[0, buffer.max_staleness=1\].*got 2"):
+        load_config(None, ["buffer.max_staleness=1", "buffer.admission_lead=2"])
+    with pytest.raises(ConfigError, match="every_steps=2 with buffer.admission_lead=0.*wait for a batch forever"):
+        load_config(None, ["buffer.max_staleness=2", "buffer.admission_lead=0", "weightsync.every_steps=2"])
 
 
 def test_a_generator_id_must_be_usable_as_a_file_and_metric_name():
