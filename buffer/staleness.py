@@ -12,8 +12,8 @@ Why this bound holds: group k (0-based, in admission order) is admitted while k 
 sampled with weights of version >= v_a, because a generator loads the newest version it knows of before it starts
 a group. When groups are consumed in admission order it is trained at a version <= L + v_a <= η + v_a. With L < η
 the fleet runs less far ahead (the mean staleness sits near L), and a group that arrives late is still trained up
-to η instead of dropped. Out-of-order delivery
-(one slow generator) can still exceed the bound, which is why the learner re-checks every group it takes.
+to η instead of dropped. Out-of-order delivery (one slow generator) can still exceed the bound, which is why the
+learner re-checks every group it takes.
 """
 import threading
 from collections import defaultdict
