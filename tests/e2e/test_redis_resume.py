@@ -59,7 +59,8 @@ class RedisScriptedGenerator(threading.Thread):
 
 def scripted_overrides(model_dir, url: str, namespace: str, steps: int, checkpoint_every: int) -> list[str]:
     """A tiny learner on Redis at η = 0, fed by RedisScriptedGenerator."""
-    return [f"model.path={model_dir}", "demo.task=''", "buffer.backend=redis", f"buffer.redis_url={url}",
+    return [f"model.path={model_dir}", "demo.task=''", "algo.dynamic_sampling=false",
+            "buffer.backend=redis", f"buffer.redis_url={url}",
             f"buffer.redis_namespace={namespace}", f"learner.total_steps={steps}", "buffer.max_staleness=0",
             f"buffer.groups_per_step={GROUPS_PER_STEP}", f"rollout.n={N}", f"rollout.max_tokens={SAMPLING.max_tokens}",
             f"learner.checkpoint_every={checkpoint_every}", "learner.torch_threads=1", "buffer.done_grace_s=1",

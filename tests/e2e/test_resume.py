@@ -109,7 +109,8 @@ class ScriptedGenerator(threading.Thread):
 
 
 def learner_overrides(model_dir, port, steps):
-    return [f"model.path={model_dir}", "demo.task=''", f"buffer.port={port}", f"learner.total_steps={steps}",
+    return [f"model.path={model_dir}", "demo.task=''", "algo.dynamic_sampling=false",
+            f"buffer.port={port}", f"learner.total_steps={steps}",
             "buffer.max_staleness=0", f"buffer.groups_per_step={GROUPS_PER_STEP}", f"rollout.n={N}",
             f"rollout.max_tokens={SAMPLING.max_tokens}", "learner.checkpoint_every=2", "learner.checkpoint_keep=2",
             "learner.torch_threads=1", "learner.lr=1e-3", "learner.warmup_steps=0", "buffer.done_grace_s=1",

@@ -32,7 +32,8 @@ STEPS, B, N = 3, 2, 2
 def job_config(model_dir: str, tmp_path, backend: list, steps: int = STEPS):
     from asyncrl.configs import load_config
 
-    return load_config(None, [f"model.path={model_dir}", "demo.task=''", f"learner.total_steps={steps}",
+    return load_config(None, [f"model.path={model_dir}", "demo.task=''", "algo.dynamic_sampling=false",
+                              f"learner.total_steps={steps}",
                               "weightsync.every_steps=1", "buffer.max_staleness=1", f"buffer.groups_per_step={B}",
                               f"rollout.n={N}", "rollout.max_tokens=10", "learner.checkpoint_every=0",
                               "buffer.done_grace_s=5", "telemetry.progress=false", f"weightsync.shm_dir={tmp_path}",

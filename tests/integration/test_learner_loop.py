@@ -100,7 +100,8 @@ def test_weights_are_published_every_k_steps_and_after_the_last_and_staleness_st
 
     monkeypatch.chdir(tmp_path)  # MLflow writes run artifacts under the working directory
     port = free_port()
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", "demo.task=''", f"buffer.port={port}",
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "demo.task=''", "algo.dynamic_sampling=false",
+                             f"buffer.port={port}",
                              "learner.total_steps=5", "weightsync.every_steps=2", "buffer.max_staleness=1",
                              "buffer.groups_per_step=2", "rollout.n=2", "learner.checkpoint_every=0",
                              "buffer.done_grace_s=5", "telemetry.progress=false", f"weightsync.shm_dir={tmp_path}",
