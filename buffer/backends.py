@@ -19,6 +19,7 @@ def job_limits(cfg, max_positions: int) -> JobLimits:
     rollout = cfg.rollout
     return JobLimits(group_size=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
                      top_k=rollout.top_k, max_tokens=rollout.max_tokens,
+                     max_completion_tokens=rollout.completion_limit(max_positions),
                      max_prompt_tokens=cfg.data.max_prompt_tokens, max_positions=max_positions)
 
 

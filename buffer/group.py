@@ -17,8 +17,10 @@ import numpy as np
 SCHEMA_VERSION = 1
 """Wire schema version written by `encode_group`; a decoder rejects versions it does not know."""
 
-FINISH_REASONS = ("stop", "length", "abort")
-"""Why a completion ended: a stop token/string, `max_tokens`, or the engine aborted it (e.g. weight swap)."""
+FINISH_REASONS = ("stop", "length", "abort", "max_turns", "max_episode_tokens", "env_error")
+"""Why a completion ended: a stop token/string (or, in an episode, the answer), `max_tokens` (in an episode: of a
+turn), the engine aborted it (e.g. weight swap); and for multi-turn episodes the budget that ended it
+(rollout.max_turns, rollout.max_episode_tokens or the model's positions) or an environment that failed."""
 
 
 @dataclass
@@ -73,12 +75,17 @@ class Group:
     schema: int = SCHEMA_VERSION
 
     def min_version(self) -> int:
-        """Oldest learner version behind any completion token; staleness is measured from this.
+        """Oldest learner version behind any model token (loss_mask 1; every completion token without a mask);
+        staleness is measured from this. Environment tokens of an episode were sampled by no policy.
 
-        A sample with no completion tokens contributes nothing. Returns -1 when the group has no completion
-        tokens at all (nothing in it can be stale, and -1 is never a real version).
+        A sample with no model tokens contributes nothing. Returns -1 when the group has none at all (nothing in
+        it can be stale, and -1 is never a real version).
         """
-        versions = [int(s.versions.min()) for s in self.samples if len(s.versions) > 0]
+        versions = []
+        for sample in self.samples:
+            model = sample.versions if sample.loss_mask is None else sample.versions[sample.loss_mask.astype(bool)]
+            if len(model):
+                versions.append(int(model.min()))
         return min(versions) if versions else -1
 
     def num_completion_tokens(self) -> int:

@@ -36,7 +36,10 @@ class JobLimits:
     top_p: float
     top_k: int
     max_tokens: int
-    """rollout.*: the sampling every generator of the job uses; max_tokens also bounds each completion."""
+    """rollout.*: the sampling every generator of the job uses (max_tokens: per model turn)."""
+    max_completion_tokens: int
+    """The most tokens after the prompt: rollout.max_tokens when single-turn, else the episode budget
+    (RolloutConfig.completion_limit)."""
     max_prompt_tokens: int
     """data.max_prompt_tokens: generators skip longer prompts."""
     max_positions: int
@@ -71,9 +74,9 @@ def check_shape(root: dict, limits: JobLimits) -> None:
         if not isinstance(ids, bytes):
             continue
         length = len(ids) // 4
-        if length > limits.max_tokens:
-            raise Implausible("too_long", f"samples[{i}].completion_ids", f"{length} tokens > rollout.max_tokens="
-                                                                         f"{limits.max_tokens}")
+        if length > limits.max_completion_tokens:
+            raise Implausible("too_long", f"samples[{i}].completion_ids", f"{length} tokens > the job's "
+                                                                         f"{limits.max_completion_tokens} per sample")
         if prompt_len is not None and prompt_len + length > limits.max_positions:
             raise Implausible("too_long", f"samples[{i}]", f"prompt + completion = {prompt_len + length} tokens > the "
                                                           f"model's {limits.max_positions} positions")

@@ -4,7 +4,7 @@ A broken or hostile generator can send thousands of bad groups a second; one WAR
 else (and cost more than rejecting them). `RejectionLog` counts every rejection by reason (the counts become
 `buffer/rejected/<reason>`) and logs the first of each reason at once, then at most one line per reason every
 `every_s` seconds saying how many more there were and the last one's error. Thread-safe: the zmq server's two
-threads both reject.
+threads both reject. The generator counts its failed reward calls with it too (`area`, `verb`).
 """
 import logging
 import threading
@@ -13,8 +13,10 @@ from collections import Counter
 
 
 class RejectionLog:
-    def __init__(self, logger: logging.Logger, what: str, every_s: float = 10.0, clock=time.monotonic):
+    def __init__(self, logger: logging.Logger, what: str, every_s: float = 10.0, clock=time.monotonic,
+                 area: str = "buffer", verb: str = "rejected"):
         self.logger, self.what, self.every_s, self.clock = logger, what, every_s, clock
+        self.area, self.verb = area, verb
         self.counts: Counter = Counter()
         self._unlogged: Counter = Counter()  # reason -> rejections since its last log line
         self._last_logged: dict = {}  # reason -> when its last line was written
@@ -32,10 +34,10 @@ class RejectionLog:
             count, self._unlogged[reason] = self._unlogged[reason], 0
             self._last_logged[reason] = now
         if count == 1:
-            self.logger.warning("buffer: rejected %s from %s (%s): %s", self.what, source, reason, error)
+            self.logger.warning("%s: %s %s from %s (%s): %s", self.area, self.verb, self.what, source, reason, error)
         else:
-            self.logger.warning("buffer: rejected %s %d times (%s) in the last %.0f s; the last from %s: %s",
-                                self.what, count, reason, now - last, source, error)
+            self.logger.warning("%s: %s %s %d times (%s) in the last %.0f s; the last from %s: %s", self.area,
+                                self.verb, self.what, count, reason, now - last, source, error)
 
     def snapshot(self) -> dict:
         """reason -> rejections so far (a copy)."""

@@ -12,13 +12,13 @@ from typing import List, Optional
 from asyncrl.algos.config import GROUP_ADVANTAGES, AlgoConfig
 from asyncrl.buffer.config import BufferConfig
 from asyncrl.configs.sections import DataConfig, DemoConfig, JobConfig, ModelConfig, RewardConfig
-from asyncrl.generator.config import GeneratorConfig, RolloutConfig
+from asyncrl.generator.config import EnvConfig, GeneratorConfig, RolloutConfig, ToolsConfig
 from asyncrl.learner.config import LearnerConfig, SFTConfig
 from asyncrl.telemetry.config import TelemetryConfig
 from asyncrl.weightsync.config import WeightSyncConfig
 
 DEFAULT_RECIPE = "demo_cpu.yaml"
-SHARED_SECTIONS = ("model", "data", "reward", "rollout", "buffer", "demo", "weightsync")
+SHARED_SECTIONS = ("model", "data", "reward", "rollout", "tools", "env", "buffer", "demo", "weightsync")
 """Sections the learner and every generator must agree on; their hash is checked when a generator joins."""
 
 
@@ -34,6 +34,8 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     demo: DemoConfig = field(default_factory=DemoConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -46,11 +48,28 @@ class RunConfig:
         check_sections_agree(self)
 
 
+def check_episodes(cfg: "RunConfig") -> None:
+    """Tools or an environment make episodes multi-turn; each needs the other's absence and a turn budget."""
+    if cfg.tools.functions and cfg.env.path:
+        raise ValueError("tools.functions and env.path are both set: the tool environment is one environment; "
+                         "call the tools from your own environment's step, or drop env.path")
+    if cfg.tools.functions and cfg.rollout.max_turns < 2:
+        raise ValueError("tools.functions is set but rollout.max_turns < 2: the model could call a tool but never "
+                         "read its result; set rollout.max_turns >= 2")
+    if cfg.rollout.max_turns > 1 and not (cfg.tools.functions or cfg.env.path):
+        raise ValueError(f"rollout.max_turns={cfg.rollout.max_turns} but nothing answers the model between turns: "
+                         f"set tools.functions or env.path")
+    if (cfg.tools.functions or cfg.env.path) and cfg.rollout.greedy_baseline:
+        raise ValueError("ReMax's greedy baseline (algo.advantage=remax) is single-turn only; use grpo or rloo "
+                         "with tools or an environment")
+
+
 def check_sections_agree(cfg: "RunConfig") -> None:
     """Rules that span sections. ReMax's greedy baseline is switched on for the generators rather than
     rejected, because asking for remax already says that the baseline is wanted."""
     if cfg.algo.advantage == "remax":
         cfg.rollout.greedy_baseline = True
+    check_episodes(cfg)
     if cfg.rollout.n < 2:
         if cfg.algo.advantage in GROUP_ADVANTAGES:
             raise ValueError(f"algo.advantage={cfg.algo.advantage} takes its baseline from the other samples of "

@@ -52,8 +52,13 @@ class RewardConfig:
     linearly, down to -overlong_penalty_factor at max_tokens. 0 turns shaping off."""
     overlong_penalty_factor: float = 1.0
     """DAPO overlong shaping: the penalty at (and beyond) rollout.max_tokens, in reward units."""
+    timeout_s: float = 30.0
+    """Longest one reward call may take, in seconds; past it the worker is killed, the sample scores 0, and
+    `generator/reward_errors/timeout` counts it."""
 
     def __post_init__(self):
+        if not self.timeout_s > 0:
+            raise ValueError(f"reward.timeout_s must be > 0, got {self.timeout_s}")
         if self.overlong_buffer_len < 0:
             raise ValueError(f"reward.overlong_buffer_len must be >= 0, got {self.overlong_buffer_len}")
         if self.overlong_penalty_factor < 0:

@@ -1,5 +1,6 @@
-"""Generator and rollout settings (stdlib only)."""
-from dataclasses import dataclass
+"""Generator, rollout and agent (tools, environment) settings (stdlib only)."""
+from dataclasses import dataclass, field
+from typing import List, Optional
 
 ENGINES = ("vllm", "sglang", "hf")
 UPDATE_MODES = ("wait", "keep")
@@ -18,7 +19,12 @@ class RolloutConfig:
     top_k: int = -1
     """Top-k sampling; -1 disables it."""
     max_tokens: int = 16
-    """Most completion tokens per sample."""
+    """Most completion tokens per sample; in a multi-turn episode, per model turn."""
+    max_turns: int = 1
+    """Most model turns per episode (tools or an environment); 1 is single-turn sampling."""
+    max_episode_tokens: int = 0
+    """Most tokens after the prompt in an episode, model and environment turns together; 0 leaves only the
+    model's positions (generator.max_model_len) as the bound. Single-turn samples are bounded by max_tokens."""
     greedy_baseline: bool = False
     """Also decode one greedy completion per prompt and send its reward as the group's `baseline_reward`
     (ReMax). Turned on automatically when algo.advantage=remax."""
@@ -34,6 +40,18 @@ class RolloutConfig:
             raise ValueError(f"rollout.top_k must be -1 (off) or >= 1, got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"rollout.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_turns < 1:
+            raise ValueError(f"rollout.max_turns must be >= 1, got {self.max_turns}")
+        if self.max_episode_tokens < 0 or (self.max_episode_tokens and self.max_episode_tokens < self.max_tokens):
+            raise ValueError(f"rollout.max_episode_tokens must be 0 (no bound but the model's) or >= rollout."
+                             f"max_tokens={self.max_tokens}, got {self.max_episode_tokens}")
+
+    def completion_limit(self, max_positions: int) -> int:
+        """The most tokens after the prompt any sample of the job has (the learner checks every group against
+        it): max_tokens when single-turn, else the episode budget or the model's positions."""
+        if self.max_turns == 1:
+            return self.max_tokens
+        return self.max_episode_tokens or max_positions
 
 
 @dataclass
@@ -60,6 +78,12 @@ class GeneratorConfig:
     generators with fixed ids (as `asyncrl run` names them) sample the same in every run."""
     log_every_s: float = 5.0
     """Interval between this generator's metric reports, in seconds."""
+    tool_workers: int = 4
+    """Worker processes that run plain (not async) tool functions (tools.functions), one call each at a time."""
+    reward_workers: int = 4
+    """Worker processes that run a plain (not async) reward function, one call each at a time, so a slow or hung
+    reward never blocks sampling; a call waits for a free worker (back-pressure). Per generator: a bigger machine
+    may run more."""
     torch_threads: int = 0
     """Threads of torch's CPU pool in the generator process, where the `hf` engine decodes; 0 leaves torch's
     default (one per core). vLLM's CPU worker is a process of its own and binds its own cores."""
@@ -85,7 +109,60 @@ class GeneratorConfig:
             raise ValueError(f"generator.kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.max_model_len < 2:
             raise ValueError(f"generator.max_model_len must be >= 2, got {self.max_model_len}")
+        if self.reward_workers < 1 or self.tool_workers < 1:
+            raise ValueError(f"generator.reward_workers and generator.tool_workers must be >= 1, got "
+                             f"{self.reward_workers} and {self.tool_workers}")
         if self.torch_threads < 0:
             raise ValueError(f"generator.torch_threads must be >= 0 (0: torch's default), got {self.torch_threads}")
         if self.connect_timeout_s <= 0 or self.log_every_s <= 0:
             raise ValueError("generator.connect_timeout_s and generator.log_every_s must be > 0")
+
+
+@dataclass
+class ToolsConfig:
+    """Tools for the built-in tool environment (generator/agents/tool_env.py): the model calls them in the chat
+    template's tool-call format, each result comes back as a tool message, until it answers or a budget ends the
+    episode."""
+
+    functions: List[str] = field(default_factory=list)
+    """Python functions, each `path/to/file.py:function`; the schema the model sees comes from type hints and the
+    docstring. A plain function runs in a worker process under timeout_s; an `async def` is awaited."""
+    parser: str = "hermes"
+    """Tool-call format: `hermes` (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Qwen's)."""
+    timeout_s: float = 10.0
+    """Longest one tool call may take, in seconds; past it the model is told so and the episode goes on."""
+    max_output_chars: int = 2000
+    """A tool result longer than this, in characters, is replaced by an error message to the model."""
+
+    def __post_init__(self):
+        for spec in self.functions:
+            path, _, name = str(spec).rpartition(":")
+            if not path or not name:
+                raise ValueError(f"tools.functions entries are `path/to/file.py:function`, got {spec!r}")
+        if self.parser not in TOOL_CALL_FORMATS:
+            raise ValueError(f"tools.parser must be one of {TOOL_CALL_FORMATS}, got {self.parser!r}")
+        if not self.timeout_s > 0 or self.max_output_chars < 1:
+            raise ValueError("tools.timeout_s must be > 0 and tools.max_output_chars >= 1")
+
+
+TOOL_CALL_FORMATS = ("hermes",)
+"""generator/agents/tool_calls.py TOOL_CALL_PARSERS' names (kept here: configs import no generator code)."""
+
+
+@dataclass
+class EnvConfig:
+    """A user's environment class: `async reset(row)` gives the opening messages, `async step(text)` takes the
+    model's turn and gives observation messages, a reward and done (generator/agents/environment.py)."""
+
+    path: Optional[str] = None
+    """Python file with the environment class; None: no environment (tools.functions, or single-turn)."""
+    name: str = ""
+    """The class's name in `path`; it is built with no arguments, once per episode."""
+    step_timeout_s: float = 60.0
+    """Longest one reset or step may take, in seconds; past it the episode ends, scored 0, and is counted."""
+
+    def __post_init__(self):
+        if self.path is not None and not self.name:
+            raise ValueError("env.path is set: name the environment class in env.name")
+        if not self.step_timeout_s > 0:
+            raise ValueError(f"env.step_timeout_s must be > 0, got {self.step_timeout_s}")

@@ -16,6 +16,8 @@ class PromptRow:
     data_source: str
     ground_truth: object
     extra_info: dict
+    messages: list | None = None
+    """The row's prompt as chat messages: an episode renders its opening from them (with the tools' schemas)."""
 
 
 REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
@@ -52,7 +54,8 @@ def tokenize_rows(rows: list[dict], tokenizer, max_prompt_tokens: int) -> tuple[
             skipped += 1
             continue
         ground_truth = (row["reward_model"] or {}).get("ground_truth")
-        out.append(PromptRow(row["_id"], ids, row["data_source"], ground_truth, row["extra_info"] or {}))
+        out.append(PromptRow(row["_id"], ids, row["data_source"], ground_truth, row["extra_info"] or {},
+                             messages=row["prompt"]))
     if not out:
         raise DatasetError(f"no prompt fits data.max_prompt_tokens={max_prompt_tokens} ({skipped} skipped)")
     return out, skipped

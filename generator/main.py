@@ -10,10 +10,15 @@ from asyncrl.buffer.backends import make_generator_buffer
 from asyncrl.buffer.done import BYE_TIMEOUT_S
 from asyncrl.buffer.interface import GeneratorBuffer, GeneratorRefused, HelloReply, LearnerUnavailable
 from asyncrl.configs import describe_difference, shared_hash, shared_sections
+from asyncrl.generator.agents.build import build_episode_runner, wants_episodes
+from asyncrl.generator.agents.chat_render import TemplateCannotAppend
+from asyncrl.generator.agents.environment import EnvironmentLoadError
+from asyncrl.generator.agents.tools import ToolLoadError
 from asyncrl.generator.dataset import iterate_prompts, read_rows, tokenize_rows
 from asyncrl.generator.engines.base import EngineBroken, EngineUnsupported, make_engine
-from asyncrl.generator.rewards import load_reward_fn
+from asyncrl.generator.rewards import RewardError, check_builtin_rewards
 from asyncrl.generator.rollout import RolloutLoop
+from asyncrl.generator.scoring import RewardScorer
 from asyncrl.weightsync.receiver import WeightStage
 
 log = logging.getLogger(__name__)
@@ -62,7 +67,7 @@ async def run_generator_async(cfg, say=print) -> int:
     generator_id = cfg.generator.generator_id or f"gen-{os.getpid()}"
     seed = sampling_seed(cfg.generator.seed, generator_id)
     client = make_generator_buffer(cfg, generator_id)
-    engine, metrics_log, rollout, stage = None, None, None, None
+    engine, metrics_log, rollout, stage, scorer, episodes = None, None, None, None, None, None
     try:
         hello = await join_learner(client, cfg, say)
         info = hello.run_info
@@ -76,19 +81,31 @@ async def run_generator_async(cfg, say=print) -> int:
         rows, skipped = tokenize_rows(read_rows(info["train_files"]), tokenizer, cfg.data.max_prompt_tokens)
         if skipped:
             log.warning("generator %s: skipped %d prompts longer than data.max_prompt_tokens", generator_id, skipped)
+        if cfg.reward.path is None:
+            check_builtin_rewards({row.data_source for row in rows})
+        scorer = RewardScorer(cfg.reward.path, cfg.reward.function, cfg.generator.reward_workers,
+                              cfg.reward.timeout_s, source=f"generator {generator_id}")
+        await scorer.start()  # the workers import the reward function while the engine starts
         engine = make_engine(cfg.generator.engine, model_path=info["model_path"], dtype=cfg.generator.dtype,
                              max_model_len=cfg.generator.max_model_len, kv_cache_gib=cfg.generator.kv_cache_gib,
                              seed=seed, update_mode=cfg.generator.update_mode,
                              trust_remote_code=cfg.model.trust_remote_code)
         await engine.start()
+        if wants_episodes(cfg.tools, cfg.env):
+            episodes = build_episode_runner(cfg.tools, cfg.env, cfg.rollout, max_model_len=cfg.generator.max_model_len,
+                                            max_prompt_tokens=cfg.data.max_prompt_tokens,
+                                            tool_workers=cfg.generator.tool_workers, engine=engine,
+                                            tokenizer=tokenizer)
+            if episodes.toolbox is not None:
+                await episodes.toolbox.start()
         stage = WeightStage(cfg.weightsync.shm_dir, generator_id, cfg.weightsync.timeout_s)
         metrics_log = _metrics_logger(info, generator_id)
         rollout = RolloutLoop(
-            client, engine, iterate_prompts(rows, cfg.data.shuffle, seed),
-            load_reward_fn(cfg.reward.path, cfg.reward.function), tokenizer, cfg.rollout,
+            client, engine, iterate_prompts(rows, cfg.data.shuffle, seed), scorer, tokenizer, cfg.rollout,
             cfg.generator.max_inflight_groups, generator_id, reward_shaping=cfg.reward,
             on_stats=(lambda m: metrics_log.log(m, step=engine.version)) if metrics_log else None,
-            stats_every_s=cfg.generator.log_every_s, stage=stage, drop_zero_variance=cfg.algo.dynamic_sampling)
+            stats_every_s=cfg.generator.log_every_s, stage=stage, drop_zero_variance=cfg.algo.dynamic_sampling,
+            episodes=episodes)
         rollout.note_reply(hello)
         await rollout.ensure_latest_weights()  # a late joiner samples nothing before it has the current weights
         say(f"generator {generator_id}: {cfg.generator.engine} engine ready on v{engine.version}")
@@ -110,6 +127,10 @@ async def run_generator_async(cfg, say=print) -> int:
             await engine.close()
         if stage is not None:
             stage.close()
+        if scorer is not None:
+            await scorer.close()
+        if episodes is not None and episodes.toolbox is not None:
+            await episodes.toolbox.close()
         client.close()
 
 
@@ -130,6 +151,9 @@ def run_generator(cfg, say=print) -> int:
         say(f"generator stopped: {err}; restart it (it joins on the current weights)")
         return 1
     except EngineUnsupported as err:  # refused before any engine was built: a restart is refused alike
+        say(f"generator stopped: {err}")
+        return 1
+    except (RewardError, ToolLoadError, EnvironmentLoadError, TemplateCannotAppend) as err:  # the recipe's mistake
         say(f"generator stopped: {err}")
         return 1
     except GeneratorRefused as err:  # e.g. started with another recipe than the learner

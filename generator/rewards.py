@@ -1,14 +1,15 @@
 """Reward functions with verl's signature: compute_score(data_source, solution_str, ground_truth, extra_info=None).
 
 A user's own function plugs in through `reward.path` (a Python file) and `reward.function`. It may return a float
-or a dict with a `score` key; the other numeric entries travel with the sample as `reward_info`.
+or a dict with a `score` key; the other numeric entries travel with the sample as `reward_info`. It may also be
+an `async def`, which the generator awaits; a plain function runs in the reward worker processes
+(generator/scoring.py), so it never blocks sampling.
 """
-import importlib.util
 import math
-import os
 from typing import Callable, Optional
 
 from asyncrl.generator.tasks import sort_digits
+from asyncrl.generator.user_code import load_from_file
 
 BUILTIN_REWARDS = {sort_digits.DATA_SOURCE: sort_digits.compute_score}
 
@@ -20,20 +21,26 @@ class RewardError(RuntimeError):
 def load_reward_fn(path: Optional[str], function: str) -> Callable:
     """The user's function from `path`, or a dispatcher over the built-in rewards by data_source."""
     if path is None:
-        return _builtin_reward
-    path = os.path.expanduser(path)
-    if not os.path.isfile(path):
-        raise RewardError(f"reward.path {path!r} does not exist")
-    spec = importlib.util.spec_from_file_location(f"asyncrl_user_reward_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    fn = getattr(module, function, None)
+        return builtin_reward
+    try:
+        fn = load_from_file(path, function, "reward.path")
+    except FileNotFoundError as err:
+        raise RewardError(str(err)) from None
     if not callable(fn):
         raise RewardError(f"reward.function {function!r} is not a function in {path}")
     return fn
 
 
-def _builtin_reward(data_source, solution_str, ground_truth, extra_info=None):
+def check_builtin_rewards(data_sources) -> None:
+    """Without reward.path every data_source of the dataset needs a built-in reward: say so at start, not when the
+    first group of a missing one is scored."""
+    missing = sorted(set(data_sources) - set(BUILTIN_REWARDS))
+    if missing:
+        raise RewardError(f"no built-in reward for data_source {', '.join(map(repr, missing))}; set reward.path and "
+                          f"reward.function (built-ins: {sorted(BUILTIN_REWARDS)})")
+
+
+def builtin_reward(data_source, solution_str, ground_truth, extra_info=None):
     fn = BUILTIN_REWARDS.get(data_source)
     if fn is None:
         raise RewardError(
@@ -45,7 +52,19 @@ def _builtin_reward(data_source, solution_str, ground_truth, extra_info=None):
 
 def score(fn: Callable, data_source: str, solution_str: str, ground_truth, extra_info) -> tuple[float, dict]:
     """Call the reward function and normalise its result to (reward, reward_info)."""
-    result = fn(data_source, solution_str, ground_truth, extra_info)
+    return normalize_score(fn(data_source, solution_str, ground_truth, extra_info), data_source)
+
+
+def build_reward_call(path: Optional[str], function: str) -> Callable:
+    """What a reward worker process runs (generator/call_pool.py CallTarget): the user's function, loaded once in
+    the worker, with its result normalised there (only two floats and a dict cross the pipe)."""
+    fn = load_reward_fn(path, function)
+    return lambda data_source, solution_str, ground_truth, extra_info: score(fn, data_source, solution_str,
+                                                                               ground_truth, extra_info)
+
+
+def normalize_score(result, data_source: str) -> tuple[float, dict]:
+    """A float, or a dict with `score`, to (reward, reward_info); anything else, or a non-finite value, raises."""
     if isinstance(result, dict):
         if "score" not in result:
             raise RewardError(f"reward function returned a dict without 'score': {sorted(result)}")

@@ -1,14 +1,15 @@
 """The generator's rollout loop.
 
 Each of `max_inflight_groups` workers repeats: ask the learner for admission -> load the newest weights it has
-heard of (docs/architecture.md §4: before sampling a new group) -> sample n completions -> score them -> send the
-group. It talks to the learner only through `interface.GeneratorBuffer` (either backend), whose typed replies it
+heard of (docs/architecture.md §4: before sampling a new group) -> sample n completions -> score them (off the
+event loop: generator/scoring.py) -> send the group. It talks to the learner only through `interface.GeneratorBuffer` (either backend), whose typed replies it
 reads. It waits on: admission (polls with backoff while the learner says no), weight loads, and the learner's
 replies (each bounded by a timeout). It stops when the learner says the job is done (buffer/done.py), or fails when
 the learner is gone.
 """
 import asyncio
 import logging
+import math
 import time
 
 import numpy as np
@@ -18,8 +19,9 @@ from asyncrl.buffer.done import JobEnd
 from asyncrl.buffer.group import Group, Sample, Sampling, new_group_id
 from asyncrl.buffer.interface import Status
 from asyncrl.configs.sections import RewardConfig
+from asyncrl.generator.agents.episode import PromptTooLong, episodes_to_samples
 from asyncrl.generator.engines.base import EngineBroken, WeightLoadError
-from asyncrl.generator.rewards import RewardError, overlong_penalty, score
+from asyncrl.generator.rewards import overlong_penalty
 from asyncrl.telemetry.timing import BusyClock, idle_fraction
 from asyncrl.weightsync.receiver import WeightSyncError
 
@@ -31,31 +33,34 @@ STATS_TIMEOUT_S = 5.0
 class RolloutStats:
     """Counters the generator reports to the learner and to MLflow."""
 
-    def __init__(self, clock=time.monotonic):
+    def __init__(self, clock=time.monotonic, scorer=None, episodes=None):
         self.clock = clock
+        self.scorer = scorer  # its failures and seconds are reported with the rest
+        self.episodes = episodes  # agents/episode.py EpisodeRunner: environment and tool metrics
         self.busy = BusyClock(clock)
         self.started = clock()
         self.tokens = 0
         self.groups = 0
         self.rewards: list = []
-        self.reward_errors = 0
         self.weight_wait_s = 0.0
         self.weight_loads = 0
         self.weight_failures = 0
         self.rejected_groups = 0  # groups refused at once (too_large, a malformed batch)
         self.filtered_groups = 0  # zero-variance groups dropped here (algo.dynamic_sampling), never sent
+        self.skipped_prompts = 0  # prompts whose episode opening was longer than data.max_prompt_tokens
+        self.episode_counts: list = []  # per episode this window: (turns, tool calls, environment tokens)
         self._last = (self.started, 0, 0.0)
+        self._reward_last = (0.0, 0)
 
     def snapshot(self, version: int) -> dict:
         now, busy = self.clock(), self.busy.total()
         then, tokens_then, busy_then = self._last
         self._last = (now, self.tokens, busy)
         rewards, self.rewards = self.rewards, []
-        return {
+        return {**self._reward_metrics(), **self._episode_metrics(),
             "perf/generator/tokens_per_s": (self.tokens - tokens_then) / max(now - then, 1e-6),
             "generator/groups": float(self.groups),
             "generator/version": float(version),
-            "generator/reward_errors": float(self.reward_errors),
             "generator/weight_failures": float(self.weight_failures),
             "generator/rejected_groups": float(self.rejected_groups),
             "generator/filtered_groups": float(self.filtered_groups),
@@ -64,16 +69,43 @@ class RolloutStats:
             **({"reward/mean": float(np.mean(rewards))} if rewards else {}),
         }
 
+    def _episode_metrics(self) -> dict:
+        """Means over this window's episodes, and the environments' and tools' failure counts so far."""
+        if self.episodes is None:
+            return {}
+        counts, self.episode_counts = self.episode_counts, []
+        means = {}
+        if counts:
+            turns, calls, env_tokens = (np.asarray(column, dtype=np.float64) for column in zip(*counts))
+            means = {"rollout/turns/mean": float(turns.mean()), "rollout/tool_calls/mean": float(calls.mean()),
+                     "rollout/tool_use_frac": float((calls > 0).mean()),
+                     "rollout/env_tokens/mean": float(env_tokens.mean())}
+        return {**means, **self.episodes.metrics(), "generator/skipped_prompts": float(self.skipped_prompts)}
+
+    def _reward_metrics(self) -> dict:
+        """Failed reward calls by reason (and their total), and the mean seconds of a reward call this window."""
+        if self.scorer is None:
+            return {}
+        errors = self.scorer.error_counts()
+        seconds, calls = self.scorer.seconds, self.scorer.calls
+        seconds_then, calls_then = self._reward_last
+        self._reward_last = (seconds, calls)
+        return {
+            "generator/reward_errors": float(sum(errors.values())),
+            **{f"generator/reward_errors/{reason}": float(count) for reason, count in sorted(errors.items())},
+            **({"timing/reward_s": (seconds - seconds_then) / (calls - calls_then)} if calls > calls_then else {}),
+        }
+
 
 class RolloutLoop:
-    def __init__(self, client, engine, prompts, reward_fn, tokenizer, rollout_cfg, max_inflight_groups: int,
+    def __init__(self, client, engine, prompts, scorer, tokenizer, rollout_cfg, max_inflight_groups: int,
                  generator_id: str, on_stats=None, stats_every_s: float = 5.0, reward_shaping=None, stage=None,
-                 drop_zero_variance: bool = False):
+                 drop_zero_variance: bool = False, episodes=None):
         self.client = client
         self.engine = engine
         self.stage = stage  # weightsync.receiver.WeightStage: verified copies of announced versions
         self.prompts = prompts  # endless iterator of PromptRow
-        self.reward_fn = reward_fn
+        self.scorer = scorer  # generator/scoring.py RewardScorer: `await score(...)`, never blocking the loop
         self.tokenizer = tokenizer
         self.rollout = rollout_cfg
         self.reward_shaping = reward_shaping or RewardConfig()  # reward.overlong_* (DAPO)
@@ -86,7 +118,9 @@ class RolloutLoop:
         so a replacement starts at once. Dropped by the learner instead (learner/collect.py), it would hold its
         admission in the queue until the learner took it; under η = 1 that kept a third of the fleet's budget
         waiting on the learner and the learner waiting on the fleet. The learner still re-checks every group."""
-        self.stats = RolloutStats()
+        self.episodes = episodes
+        """agents/episode.py EpisodeRunner: with tools or an environment, each sample is a multi-turn episode."""
+        self.stats = RolloutStats(scorer=scorer, episodes=episodes)
         self.latest_weights: dict = {}
         self.job_end = JobEnd()
         self._weights_lock = asyncio.Lock()
@@ -143,6 +177,9 @@ class RolloutLoop:
             await self.ensure_latest_weights()
             with self.stats.busy:  # sampling and scoring: the generator's work; the rest is waiting
                 group = await self._sample_group(next(self.prompts))
+            if group is None:  # nothing to send for this prompt: its admission goes back at once
+                self.note_reply(await self.client.release(1))
+                continue
             if self.drop_zero_variance and group.zero_variance():
                 self.stats.filtered_groups += 1  # its rewards are in stats.rewards: reward/mean is the fleet's
                 self.note_reply(await self.client.release(1))
@@ -179,22 +216,24 @@ class RolloutLoop:
                 raise
             log.error("generator %s: %s; continuing on v%d", self.generator_id, err, self.engine.version)
 
-    async def _sample_group(self, row) -> Group:
+    async def _sample_group(self, row) -> Group | None:
         sampling = Sampling(self.rollout.temperature, self.rollout.top_p, self.rollout.top_k, self.rollout.max_tokens)
         created = time.time()
-        sampled = self.engine.sample(row.prompt_ids, sampling, self.rollout.n)
         meta = {"data_source": row.data_source}
+        if self.episodes is not None:
+            return await self._sample_episodes(row, sampling, created, meta)
+        sampled = self.engine.sample(row.prompt_ids, sampling, self.rollout.n)
         if self.rollout.greedy_baseline:
             # ReMax: one greedy decode of the same prompt, scored like the others; its reward is the baseline.
             greedy = Sampling(0.0, 1.0, -1, self.rollout.max_tokens)
             completions, (baseline,) = await asyncio.gather(sampled, self.engine.sample(row.prompt_ids, greedy, 1))
-            meta["baseline_reward"], _ = self._score(row, baseline)
+            meta["baseline_reward"], _ = await self._score(row, baseline)
             self.stats.tokens += len(baseline.token_ids)
         else:
             completions = await sampled
+        scores = await asyncio.gather(*(self._score(row, completion) for completion in completions))
         samples = []
-        for completion in completions:
-            reward, info = self._score(row, completion)
+        for completion, (reward, info) in zip(completions, scores):
             self.stats.rewards.append(reward)
             self.stats.tokens += len(completion.token_ids)
             samples.append(Sample(
@@ -208,17 +247,55 @@ class RolloutLoop:
                      prompt_ids=np.asarray(row.prompt_ids, dtype=np.int32), samples=samples, sampling=sampling,
                      created_at=created, meta=meta)
 
-    def _score(self, row, completion) -> tuple[float, dict]:
-        """Task reward plus DAPO overlong shaping (reward.overlong_*), with the shaping also in reward_info."""
+    async def _sample_episodes(self, row, sampling: Sampling, created: float, meta: dict) -> Group | None:
+        """n episodes of the prompt, concurrently; None (skipped, counted) when the opening is too long."""
+        runs = await asyncio.gather(*(self.episodes.run(row, sampling) for _ in range(self.rollout.n)),
+                                    return_exceptions=True)
+        for outcome in runs:
+            if isinstance(outcome, PromptTooLong):
+                self.stats.skipped_prompts += 1
+                log.warning("generator %s: %s; skipped", self.generator_id, outcome)
+                return None
+            if isinstance(outcome, BaseException):
+                raise outcome
+        scores = await asyncio.gather(*(self._episode_reward(row, episode) for episode in runs))
+        prompt_ids, samples = episodes_to_samples(runs, [reward for reward, _ in scores], [info for _, info in scores])
+        if len(prompt_ids) == 0:
+            self.stats.skipped_prompts += 1
+            log.warning("generator %s: the %d episodes of %s share no opening token; skipped", self.generator_id,
+                        len(runs), row.prompt_id)
+            return None
+        for episode, (reward, _) in zip(runs, scores):
+            self.stats.rewards.append(reward)
+            self.stats.tokens += sum(episode.loss_mask)
+            self.stats.episode_counts.append((episode.turns, episode.tool_calls, episode.env_tokens))
+        self.stats.groups += 1
+        return Group(group_id=new_group_id(), prompt_id=row.prompt_id, generator_id=self.generator_id,
+                     prompt_ids=prompt_ids, samples=samples, sampling=sampling, created_at=created, meta=meta)
+
+    async def _episode_reward(self, row, episode) -> tuple[float, dict]:
+        """The environment's rewards when it gave any, else the reward function on the last model turn; an episode
+        the environment broke scores 0."""
+        if episode.env_error:
+            return 0.0, {"env_error": 1.0}
+        info = {key: float(value) for key, value in episode.info.items()
+                if isinstance(value, (int, float)) and math.isfinite(value)}
+        if episode.rewards:
+            reward = float(sum(episode.rewards))
+            if not math.isfinite(reward):  # the learner would reject the whole group for it
+                self.episodes.env_errors["bad_reward"] += 1
+                return 0.0, {**info, "env_error": 1.0}
+            return reward, info
+        reward, scored = await self.scorer.score(row.data_source, episode.last_text, row.ground_truth,
+                                                 row.extra_info, prompt_id=row.prompt_id)
+        return reward, {**info, **scored}
+
+    async def _score(self, row, completion) -> tuple[float, dict]:
+        """Task reward plus DAPO overlong shaping (reward.overlong_*), with the shaping also in reward_info. A
+        reward call that fails scores 0 (the scorer counts it); it never stops the generator."""
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        try:
-            reward, info = score(self.reward_fn, row.data_source, text, row.ground_truth, row.extra_info)
-        except RewardError:
-            raise
-        except Exception as err:  # a reward function bug scores 0 and is counted, it does not kill the job
-            self.stats.reward_errors += 1
-            log.error("reward function failed on %s: %r", row.prompt_id, err)
-            reward, info = 0.0, {"reward_error": 1.0}
+        reward, info = await self.scorer.score(row.data_source, text, row.ground_truth, row.extra_info,
+                                               prompt_id=row.prompt_id)
         if self.reward_shaping.overlong_buffer_len > 0:
             penalty = overlong_penalty(len(completion.token_ids), self.rollout.max_tokens,
                                        self.reward_shaping.overlong_buffer_len,

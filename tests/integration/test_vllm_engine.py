@@ -58,6 +58,53 @@ def test_n_samples_with_processed_logprobs_match_the_learner_at_temperature(vllm
     assert worst < 1e-4, worst
 
 
+class CountdownEnv:
+    """Answers every model turn with another sorting task until the model has had three turns."""
+
+    async def reset(self, row):
+        return None
+
+    async def step(self, text):
+        from asyncrl.generator.agents.environment import StepResult
+
+        return StepResult(messages=[{"role": "user", "content": "sort:" + "3120"[: 2 + len(text) % 3] + "="}])
+
+
+def test_a_three_turn_episode_matches_the_learners_logprobs_on_every_model_token(vllm_engine, demo_assets,
+                                                                                 event_loop_runner):
+    """Runs before the tests that load other weights: the engine still has the demo model's. The demo tokenizer
+    gets a template that ends each turn with its eos (the stop token), so turns can be appended."""
+    from asyncrl.generator.agents.chat_render import ChatAppender
+    from asyncrl.generator.agents.episode import EpisodeBudget, EpisodeRunner
+    from asyncrl.generator.dataset import PromptRow
+    from asyncrl.learner.model import load_tokenizer
+
+    tokenizer = load_tokenizer(demo_assets[0])
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}<eos>" \
+                              "{% endif %}{% endfor %}"
+    runner = EpisodeRunner(vllm_engine, tokenizer, ChatAppender(tokenizer), CountdownEnv,
+                           EpisodeBudget(max_turns=3, max_episode_tokens=0, max_model_len=64, max_prompt_tokens=16),
+                           step_timeout_s=5.0)
+    row = PromptRow("p", [], "asyncrl/sort_digits", "0125", {}, messages=[{"role": "user", "content": "sort:5021="}])
+    sampling = Sampling(temperature=0.7, max_tokens=8)
+    async def four_episodes():
+        return await asyncio.gather(*(runner.run(row, sampling) for _ in range(4)))
+
+    episodes = event_loop_runner.run_until_complete(four_episodes())
+    full = [episode for episode in episodes if episode.turns == 3]
+    assert full, [episode.finish_reason for episode in episodes]
+    model = load_model(demo_assets[0]).eval()
+    with torch.no_grad():
+        for episode in full:
+            assert episode.finish_reason in ("max_turns", "length") and episode.env_tokens > 0
+            prompt, after = episode.sequence[:episode.prompt_len], episode.sequence[episode.prompt_len:]
+            expected = np.array(learner_logprobs(model, prompt, after, 0.7))
+            mask = np.array(episode.loss_mask, dtype=bool)
+            assert mask.sum() == len(after) - episode.env_tokens
+            assert np.max(np.abs(expected[mask] - np.array(episode.logprobs)[mask])) < 1e-4
+            assert np.all(np.array(episode.logprobs)[~mask] == 0.0)  # tool tokens carry no loss and no logprob
+
+
 def test_weight_update_changes_greedy_outputs_and_never_serves_stale_prefix_cache(vllm_engine, demo_assets,
                                                                                  event_loop_runner, tmp_path):
     run = event_loop_runner.run_until_complete

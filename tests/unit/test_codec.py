@@ -242,8 +242,8 @@ def test_group_without_samples_is_rejected_as_empty():
     assert err.reason == "empty" and err.field == "samples"
 
 
-LIMITS = JobLimits(group_size=2, temperature=1.0, top_p=0.9, top_k=50, max_tokens=64, max_prompt_tokens=8,
-                   max_positions=70)
+LIMITS = JobLimits(group_size=2, temperature=1.0, top_p=0.9, top_k=50, max_tokens=64, max_completion_tokens=64,
+                   max_prompt_tokens=8, max_positions=70)
 """What make_group's generator produces: the job's limits in the plausibility tests."""
 
 

@@ -70,10 +70,29 @@ def test_yaml_round_trips(tmp_path):
     (["algo.dynamic_sampling=true", "rollout.n=1"], "rollout.n >= 2"),
     (["reward.overlong_buffer_len=10", "rollout.max_tokens=10"], "overlong_buffer_len"),
     (["algo.ppo_minibatches=0"], "algo.ppo_minibatches"),
+    (["tools.functions=[t.py:add]"], "rollout.max_turns >= 2"),
+    (["rollout.max_turns=3"], "nothing answers the model"),
+    (["tools.functions=[t.py:add]", "env.path=e.py", "env.name=E", "rollout.max_turns=3"], "both set"),
+    (["tools.functions=[add]", "rollout.max_turns=3"], "path/to/file.py:function"),
+    (["tools.parser=json", "rollout.max_turns=1"], "tools.parser"),
+    (["env.path=e.py"], "env.name"),
+    (["rollout.max_episode_tokens=4", "rollout.max_tokens=10"], "max_episode_tokens"),
+    (["tools.functions=[t.py:add]", "rollout.max_turns=3", "algo.advantage=remax"], "single-turn only"),
+    (["reward.timeout_s=0"], "reward.timeout_s"),
+    (["generator.reward_workers=0"], "reward_workers"),
 ])
 def test_invalid_algorithm_combinations_are_rejected_with_the_reason(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, override)
+
+
+def test_the_learner_bounds_episodes_by_their_budget_and_single_samples_by_max_tokens():
+    from asyncrl.buffer.backends import job_limits
+
+    assert job_limits(load_config(None, ["rollout.max_tokens=10"]), 128).max_completion_tokens == 10
+    multi = ["tools.functions=[t.py:add]", "rollout.max_turns=3", "rollout.max_tokens=10"]
+    assert job_limits(load_config(None, multi), 128).max_completion_tokens == 128
+    assert job_limits(load_config(None, [*multi, "rollout.max_episode_tokens=60"]), 128).max_completion_tokens == 60
 
 
 def test_remax_switches_on_the_generators_greedy_baseline():

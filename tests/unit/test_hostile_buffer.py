@@ -26,8 +26,8 @@ from asyncrl.buffer.zmq.wire import pack
 from tests.conftest import free_port
 
 ETA, B = 1, 2
-LIMITS = JobLimits(group_size=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=16, max_prompt_tokens=8,
-                   max_positions=64)
+LIMITS = JobLimits(group_size=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=16, max_completion_tokens=16,
+                   max_prompt_tokens=8, max_positions=64)
 """What `group` produces: one sample per group, sampled at temperature 1 with Sampling's other defaults."""
 
 

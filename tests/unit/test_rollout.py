@@ -9,6 +9,7 @@ from asyncrl.configs.sections import RewardConfig
 from asyncrl.generator.config import RolloutConfig
 from asyncrl.generator.dataset import PromptRow
 from asyncrl.generator.engines.base import Completion, EngineBroken, WeightLoadError
+from asyncrl.generator.rewards import score
 from asyncrl.generator.rollout import RolloutLoop
 
 
@@ -37,9 +38,24 @@ def reward_is_nine(data_source, solution_str, ground_truth, extra_info=None):
     return float(solution_str == "9")
 
 
+class InlineScorer:
+    """RewardScorer's interface, calling the function in place (the real worker pool: tests/unit/test_scoring.py)."""
+
+    seconds, calls = 0.0, 0
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def error_counts(self):
+        return {}
+
+    async def score(self, data_source, text, ground_truth, extra_info, prompt_id="?"):
+        return score(self.fn, data_source, text, ground_truth, extra_info)
+
+
 def sample_group(rollout, reward_cfg):
     engine = ScriptedEngine()
-    loop = RolloutLoop(client=None, engine=engine, prompts=iter([]), reward_fn=reward_is_nine,
+    loop = RolloutLoop(client=None, engine=engine, prompts=iter([]), scorer=InlineScorer(reward_is_nine),
                        tokenizer=DigitTokenizer(), rollout_cfg=rollout, max_inflight_groups=1, generator_id="g",
                        reward_shaping=reward_cfg)
     row = PromptRow(prompt_id="p", prompt_ids=[1, 2], data_source="t", ground_truth="9", extra_info={})
@@ -87,7 +103,7 @@ class FailingEngine(ScriptedEngine):
 
 
 def loop_with(engine, stage):
-    loop = RolloutLoop(client=None, engine=engine, prompts=iter([]), reward_fn=reward_is_nine,
+    loop = RolloutLoop(client=None, engine=engine, prompts=iter([]), scorer=InlineScorer(reward_is_nine),
                        tokenizer=DigitTokenizer(), rollout_cfg=RolloutConfig(), max_inflight_groups=1,
                        generator_id="g", stage=stage)
     loop.latest_weights = {"version": 4}
@@ -111,7 +127,7 @@ def test_a_broken_engine_stops_the_generator_with_the_reason():
 
 def test_rejections_the_learner_reports_are_logged_by_the_generator(caplog):
     """The zmq learner validates a group when it takes it, so its verdict arrives in a later reply."""
-    loop = RolloutLoop(client=None, engine=ScriptedEngine(), prompts=iter([]), reward_fn=reward_is_nine,
+    loop = RolloutLoop(client=None, engine=ScriptedEngine(), prompts=iter([]), scorer=InlineScorer(reward_is_nine),
                        tokenizer=DigitTokenizer(), rollout_cfg=RolloutConfig(n=1, max_tokens=4), max_inflight_groups=1,
                        generator_id="g", reward_shaping=RewardConfig())
     loop.note_reply(Status())
@@ -121,7 +137,7 @@ def test_rejections_the_learner_reports_are_logged_by_the_generator(caplog):
 
 
 def test_a_reply_announcing_newer_weights_is_kept_and_an_older_one_is_not():
-    loop = RolloutLoop(client=None, engine=ScriptedEngine(), prompts=iter([]), reward_fn=reward_is_nine,
+    loop = RolloutLoop(client=None, engine=ScriptedEngine(), prompts=iter([]), scorer=InlineScorer(reward_is_nine),
                        tokenizer=DigitTokenizer(), rollout_cfg=RolloutConfig(n=1, max_tokens=4), max_inflight_groups=1,
                        generator_id="g", reward_shaping=RewardConfig())
     loop.note_reply(Status(version=4, weights={"version": 4, "names": ["w"]}))
@@ -155,7 +171,7 @@ class ClosingLearner:
 
 def test_on_done_the_generator_stops_at_once_instead_of_waiting_on_requests_the_learner_will_not_answer():
     client = ClosingLearner(workers=4)
-    loop = RolloutLoop(client=client, engine=ScriptedEngine(), prompts=iter([]), reward_fn=reward_is_nine,
+    loop = RolloutLoop(client=client, engine=ScriptedEngine(), prompts=iter([]), scorer=InlineScorer(reward_is_nine),
                        tokenizer=DigitTokenizer(), rollout_cfg=RolloutConfig(n=1, max_tokens=4), max_inflight_groups=4,
                        generator_id="g", reward_shaping=RewardConfig(), stats_every_s=3600)
 
@@ -193,7 +209,7 @@ def test_dynamic_sampling_drops_zero_variance_groups_at_the_generator_and_releas
     client = ZmqBufferClient(server.endpoint, "g", timeout_s=5)
     rows = (PromptRow(prompt_id=f"p{i}", prompt_ids=[1 + i % 2, 2], data_source="t", ground_truth="9",
                       extra_info={}) for i in range(1000))
-    loop = RolloutLoop(client=client, engine=AlternatingEngine(), prompts=rows, reward_fn=reward_is_nine,
+    loop = RolloutLoop(client=client, engine=AlternatingEngine(), prompts=rows, scorer=InlineScorer(reward_is_nine),
                        tokenizer=DigitTokenizer(), rollout_cfg=RolloutConfig(n=2, max_tokens=4), max_inflight_groups=1,
                        generator_id="g", reward_shaping=RewardConfig(), stats_every_s=3600, drop_zero_variance=True)
 
