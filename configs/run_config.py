@@ -50,16 +50,16 @@ class RunConfig:
 
 def check_episodes(cfg: "RunConfig") -> None:
     """Tools or an environment make episodes multi-turn; each needs the other's absence and a turn budget."""
-    if cfg.tools.functions and cfg.env.path:
-        raise ValueError("tools.functions and env.path are both set: the tool environment is one environment; "
+    if cfg.tools.offered() and cfg.env.path:
+        raise ValueError("tools and env.path are both set: the tool environment is one environment; "
                          "call the tools from your own environment's step, or drop env.path")
-    if cfg.tools.functions and cfg.rollout.max_turns < 2:
-        raise ValueError("tools.functions is set but rollout.max_turns < 2: the model could call a tool but never "
+    if cfg.tools.offered() and cfg.rollout.max_turns < 2:
+        raise ValueError("tools are set but rollout.max_turns < 2: the model could call a tool but never "
                          "read its result; set rollout.max_turns >= 2")
-    if cfg.rollout.max_turns > 1 and not (cfg.tools.functions or cfg.env.path):
+    if cfg.rollout.max_turns > 1 and not (cfg.tools.offered() or cfg.env.path):
         raise ValueError(f"rollout.max_turns={cfg.rollout.max_turns} but nothing answers the model between turns: "
-                         f"set tools.functions or env.path")
-    if (cfg.tools.functions or cfg.env.path) and cfg.rollout.greedy_baseline:
+                         f"set tools.functions, tools.builtins or env.path")
+    if (cfg.tools.offered() or cfg.env.path) and cfg.rollout.greedy_baseline:
         raise ValueError("ReMax's greedy baseline (algo.advantage=remax) is single-turn only; use grpo or rloo "
                          "with tools or an environment")
 

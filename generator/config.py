@@ -119,6 +119,37 @@ class GeneratorConfig:
 
 
 @dataclass
+class SandboxConfig:
+    """Limits of the built-in `python` tool's sandbox (generator/agents/sandbox.py), per call."""
+
+    timeout_s: float = 10.0
+    """Wall-clock seconds before the code and everything it started are killed."""
+    cpu_s: int = 5
+    """CPU seconds (RLIMIT_CPU)."""
+    memory_mb: int = 512
+    """Address space, in MiB (RLIMIT_AS): a larger allocation raises MemoryError in the code."""
+    max_processes: int = 16
+    """Processes the code may run at once (a pids cgroup where writable, else RLIMIT_NPROC when not root)."""
+    max_open_files: int = 64
+    """Open file descriptors (RLIMIT_NOFILE)."""
+    max_file_mb: int = 16
+    """Largest file the code may write, in MiB (RLIMIT_FSIZE)."""
+    max_output_bytes: int = 65536
+    """Output (stdout or stderr) past this, in bytes, kills the code; the model is told to print less."""
+    require_no_network: bool = False
+    """Refuse to run code where no network namespace can be made (otherwise the network is reachable there)."""
+
+    def __post_init__(self):
+        if not self.timeout_s > 0 or min(self.cpu_s, self.memory_mb, self.max_processes, self.max_open_files,
+                                         self.max_file_mb, self.max_output_bytes) < 1:
+            raise ValueError("tools.sandbox limits must be positive")
+
+
+BUILTIN_TOOLS = ("python",)
+"""Tools asyncrl provides (tools.builtins): `python`, code run in the sandbox."""
+
+
+@dataclass
 class ToolsConfig:
     """Tools for the built-in tool environment (generator/agents/tool_env.py): the model calls them in the chat
     template's tool-call format, each result comes back as a tool message, until it answers or a budget ends the
@@ -127,6 +158,10 @@ class ToolsConfig:
     functions: List[str] = field(default_factory=list)
     """Python functions, each `path/to/file.py:function`; the schema the model sees comes from type hints and the
     docstring. A plain function runs in a worker process under timeout_s; an `async def` is awaited."""
+    builtins: List[str] = field(default_factory=list)
+    """Built-in tools to offer as well: `python` (the model's code runs in a fresh sandboxed interpreter per call,
+    with the limits of tools.sandbox)."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     parser: str = "hermes"
     """Tool-call format: `hermes` (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Qwen's)."""
     timeout_s: float = 10.0
@@ -139,10 +174,19 @@ class ToolsConfig:
             path, _, name = str(spec).rpartition(":")
             if not path or not name:
                 raise ValueError(f"tools.functions entries are `path/to/file.py:function`, got {spec!r}")
+        unknown = sorted(set(self.builtins) - set(BUILTIN_TOOLS))
+        unknown += [name for name in self.builtins if self.builtins.count(name) > 1][:1]
+        if unknown:
+            raise ValueError(f"tools.builtins: unknown {unknown}; the built-in tools are {BUILTIN_TOOLS}")
         if self.parser not in TOOL_CALL_FORMATS:
             raise ValueError(f"tools.parser must be one of {TOOL_CALL_FORMATS}, got {self.parser!r}")
         if not self.timeout_s > 0 or self.max_output_chars < 1:
             raise ValueError("tools.timeout_s must be > 0 and tools.max_output_chars >= 1")
+
+
+    def offered(self) -> bool:
+        """Whether the job has any tool (then episodes run in the tool environment)."""
+        return bool(self.functions or self.builtins)
 
 
 TOOL_CALL_FORMATS = ("hermes",)

@@ -3,21 +3,24 @@ environment class (env.path), with the chat template checked for appending befor
 from asyncrl.generator.agents.chat_render import ChatAppender
 from asyncrl.generator.agents.environment import load_environment_class
 from asyncrl.generator.agents.episode import EpisodeBudget, EpisodeRunner
+from asyncrl.generator.agents.sandbox import python_tool
 from asyncrl.generator.agents.tool_calls import TOOL_CALL_PARSERS
 from asyncrl.generator.agents.tool_env import ToolEnvironment
 from asyncrl.generator.agents.tools import ToolBox
 
 
 def wants_episodes(tools_cfg, env_cfg) -> bool:
-    return bool(tools_cfg.functions or env_cfg.path)
+    return bool(tools_cfg.offered() or env_cfg.path)
 
 
 def build_episode_runner(tools_cfg, env_cfg, rollout_cfg, *, max_model_len: int, max_prompt_tokens: int,
                          tool_workers: int, engine, tokenizer) -> EpisodeRunner:
     """The runner; its `toolbox` (if any) must be started before and closed after sampling."""
     budget = EpisodeBudget(rollout_cfg.max_turns, rollout_cfg.max_episode_tokens, max_model_len, max_prompt_tokens)
-    if tools_cfg.functions:
-        toolbox = ToolBox(tools_cfg.functions, tool_workers, tools_cfg.timeout_s, tools_cfg.max_output_chars)
+    if tools_cfg.offered():
+        builtins = [python_tool(tools_cfg.sandbox)] if "python" in tools_cfg.builtins else []
+        toolbox = ToolBox(tools_cfg.functions, tool_workers, tools_cfg.timeout_s, tools_cfg.max_output_chars,
+                          builtins=builtins)
         parser = TOOL_CALL_PARSERS[tools_cfg.parser]()
         appender = ChatAppender(tokenizer, tools=list(toolbox.schemas.values()))
         return EpisodeRunner(engine, tokenizer, appender, lambda: ToolEnvironment(toolbox, parser), budget,

@@ -68,8 +68,9 @@ class ToolResult:
 class ToolBox:
     """`schemas` (name -> OpenAI schema) for the chat template and the parser; `await call(call)` -> ToolResult."""
 
-    def __init__(self, specs: list, workers: int, timeout_s: float, max_output_chars: int):
-        functions = [load_function(spec) for spec in specs]
+    def __init__(self, specs: list, workers: int, timeout_s: float, max_output_chars: int, builtins: list = ()):
+        """`specs`: the recipe's `path:function` entries; `builtins`: asyncrl's own async tools (sandbox.py)."""
+        functions = [load_function(spec) for spec in specs] + list(builtins)
         names = [fn.__name__ for fn in functions]
         if len(set(names)) != len(names):
             raise ToolLoadError(f"tools.functions names a tool twice: {sorted(names)}")
@@ -78,7 +79,7 @@ class ToolBox:
         except ValueError as err:
             raise ToolLoadError(f"tools.functions: {err}") from None
         self.async_tools = {fn.__name__: fn for fn in functions if inspect.iscoroutinefunction(fn)}
-        plain = tuple(spec for spec, fn in zip(specs, functions) if fn.__name__ not in self.async_tools)
+        plain = tuple(spec for spec, fn in zip(specs, functions) if not inspect.iscoroutinefunction(fn))
         self.pool = ProcessCallPool(CallTarget("asyncrl.generator.agents.tools:build_tool_dispatch", (plain,)),
                                     workers, timeout_s, name="asyncrl-tools") if plain else None
         self.timeout_s, self.max_output_chars = timeout_s, max_output_chars

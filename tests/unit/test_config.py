@@ -79,6 +79,9 @@ def test_yaml_round_trips(tmp_path):
     (["rollout.max_episode_tokens=4", "rollout.max_tokens=10"], "max_episode_tokens"),
     (["tools.functions=[t.py:add]", "rollout.max_turns=3", "algo.advantage=remax"], "single-turn only"),
     (["reward.timeout_s=0"], "reward.timeout_s"),
+    (["tools.builtins=[bash]", "rollout.max_turns=3"], "the built-in tools are"),
+    (["tools.builtins=[python]"], "rollout.max_turns >= 2"),
+    (["tools.sandbox.memory_mb=0"], "tools.sandbox"),
     (["generator.reward_workers=0"], "reward_workers"),
 ])
 def test_invalid_algorithm_combinations_are_rejected_with_the_reason(override, message):
