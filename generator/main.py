@@ -13,6 +13,7 @@ from asyncrl.configs import describe_difference, shared_hash, shared_sections
 from asyncrl.generator.agents.build import build_episode_runner, wants_episodes
 from asyncrl.generator.agents.chat_render import TemplateCannotAppend
 from asyncrl.generator.agents.environment import EnvironmentLoadError
+from asyncrl.generator.agents.mcp_tools import McpServerError
 from asyncrl.generator.agents.tools import ToolLoadError
 from asyncrl.generator.dataset import iterate_prompts, read_rows, tokenize_rows
 from asyncrl.generator.engines.base import EngineBroken, EngineUnsupported, make_engine
@@ -153,7 +154,7 @@ def run_generator(cfg, say=print) -> int:
     except EngineUnsupported as err:  # refused before any engine was built: a restart is refused alike
         say(f"generator stopped: {err}")
         return 1
-    except (RewardError, ToolLoadError, EnvironmentLoadError, TemplateCannotAppend) as err:  # the recipe's mistake
+    except (RewardError, ToolLoadError, EnvironmentLoadError, TemplateCannotAppend, McpServerError) as err:  # the recipe's mistake
         say(f"generator stopped: {err}")
         return 1
     except GeneratorRefused as err:  # e.g. started with another recipe than the learner

@@ -15,14 +15,15 @@ def wants_episodes(tools_cfg, env_cfg) -> bool:
 
 def build_episode_runner(tools_cfg, env_cfg, rollout_cfg, *, max_model_len: int, max_prompt_tokens: int,
                          tool_workers: int, engine, tokenizer) -> EpisodeRunner:
-    """The runner; its `toolbox` (if any) must be started before and closed after sampling."""
+    """The runner; its `toolbox` (if any) must be started before and closed after sampling: the MCP servers'
+    tools join the schemas the appender renders only then."""
     budget = EpisodeBudget(rollout_cfg.max_turns, rollout_cfg.max_episode_tokens, max_model_len, max_prompt_tokens)
     if tools_cfg.offered():
         builtins = [python_tool(tools_cfg.sandbox)] if "python" in tools_cfg.builtins else []
         toolbox = ToolBox(tools_cfg.functions, tool_workers, tools_cfg.timeout_s, tools_cfg.max_output_chars,
-                          builtins=builtins)
+                          builtins=builtins, mcp_servers=tools_cfg.mcp_servers)
         parser = TOOL_CALL_PARSERS[tools_cfg.parser]()
-        appender = ChatAppender(tokenizer, tools=list(toolbox.schemas.values()))
+        appender = ChatAppender(tokenizer, tools=toolbox.schemas)
         return EpisodeRunner(engine, tokenizer, appender, lambda: ToolEnvironment(toolbox, parser), budget,
                              env_cfg.step_timeout_s, toolbox=toolbox)
     environment = load_environment_class(env_cfg.path, env_cfg.name)

@@ -27,10 +27,11 @@ class TemplateCannotAppend(ValueError):
 
 class ChatAppender:
     """Renders an episode's prompt and the ids appended after each model turn. `tools`: OpenAI tool schemas the
-    template shows the model (None: none)."""
+    template shows the model, a list or a name -> schema mapping read at each render (MCP servers' tools join
+    the tool box's mapping when it starts); None: none."""
 
-    def __init__(self, tokenizer, tools: list | None = None):
-        self.tokenizer, self.tools = tokenizer, tools or None
+    def __init__(self, tokenizer, tools=None):
+        self.tokenizer, self._tools = tokenizer, tools
         if not getattr(tokenizer, "chat_template", None):
             raise TemplateCannotAppend("the tokenizer has no chat template, so an environment's messages cannot "
                                        "be rendered; give the model directory a chat_template")
@@ -39,6 +40,11 @@ class ChatAppender:
             raise TemplateCannotAppend("the tokenizer has no eos token: a model turn could not end")
         self.stop_text = eos
         self.separator = self._probe_separator()
+
+    @property
+    def tools(self) -> list | None:
+        tools = list(self._tools.values()) if isinstance(self._tools, dict) else self._tools
+        return tools or None
 
     def render(self, messages: list, generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,

@@ -93,16 +93,17 @@ def parse_docstring(doc: str) -> tuple[str, dict]:
 def check_arguments(schema: dict, arguments) -> str | None:
     """None if `arguments` fits the tool's parameters, else what is wrong, in words for the model."""
     parameters = schema["function"]["parameters"]
+    properties, required = parameters.get("properties", {}), parameters.get("required", [])
     if not isinstance(arguments, dict):
         return f"arguments must be a JSON object, got {type(arguments).__name__}"
-    unknown = sorted(set(arguments) - set(parameters["properties"]))
-    if unknown:
-        return f"unknown argument(s) {', '.join(unknown)}; expected {', '.join(parameters['properties']) or 'none'}"
-    missing = [name for name in parameters["required"] if name not in arguments]
+    unknown = sorted(set(arguments) - set(properties))
+    if unknown and parameters.get("additionalProperties", False) is False:
+        return f"unknown argument(s) {', '.join(unknown)}; expected {', '.join(properties) or 'none'}"
+    missing = [name for name in required if name not in arguments]
     if missing:
         return f"missing required argument(s) {', '.join(missing)}"
     for name, value in arguments.items():
-        problem = value_problem(parameters["properties"][name], value)
+        problem = value_problem(properties.get(name, {}), value)
         if problem:
             return f"argument {name!r}: {problem}"
     return None

@@ -1,5 +1,6 @@
-"""The job's tools: Python functions named in the recipe (`tools.functions`), described to the model by their
-schemas and called without ever blocking the generator.
+"""The job's tools: Python functions named in the recipe (`tools.functions`), the built-in ones (`tools.builtins`)
+and those of MCP servers (`tools.mcp_servers`, mcp_tools.py), described to the model by their schemas and called
+without ever blocking the generator.
 
 A plain function runs in a `ProcessCallPool` (generator/call_pool.py) under `tools.timeout_s`, so a hung or
 crashing tool costs a worker, never the generator; an `async def` is awaited under the same timeout. Every way a
@@ -15,6 +16,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+from asyncrl.generator.agents.mcp_tools import McpToolSource
 from asyncrl.generator.agents.tool_calls import ToolCall, ToolCallError
 from asyncrl.generator.agents.tool_schema import tool_schema
 from asyncrl.generator.call_pool import CallFailed, CallTarget, CallTimeout, PoolBroken, ProcessCallPool
@@ -68,8 +70,10 @@ class ToolResult:
 class ToolBox:
     """`schemas` (name -> OpenAI schema) for the chat template and the parser; `await call(call)` -> ToolResult."""
 
-    def __init__(self, specs: list, workers: int, timeout_s: float, max_output_chars: int, builtins: list = ()):
-        """`specs`: the recipe's `path:function` entries; `builtins`: asyncrl's own async tools (sandbox.py)."""
+    def __init__(self, specs: list, workers: int, timeout_s: float, max_output_chars: int, builtins: list = (),
+                 mcp_servers: list = ()):
+        """`specs`: the recipe's `path:function` entries; `builtins`: asyncrl's own async tools (sandbox.py);
+        `mcp_servers`: commands of MCP servers over stdio (mcp_tools.py), whose tools join at `start()`."""
         functions = [load_function(spec) for spec in specs] + list(builtins)
         names = [fn.__name__ for fn in functions]
         if len(set(names)) != len(names):
@@ -83,13 +87,22 @@ class ToolBox:
         self.pool = ProcessCallPool(CallTarget("asyncrl.generator.agents.tools:build_tool_dispatch", (plain,)),
                                     workers, timeout_s, name="asyncrl-tools") if plain else None
         self.timeout_s, self.max_output_chars = timeout_s, max_output_chars
+        self.mcp = McpToolSource(mcp_servers, timeout_s) if mcp_servers else None
         self.errors: Counter = Counter()
         self.seconds: Counter = Counter()  # tool name -> seconds spent in its calls
         self.calls: Counter = Counter()
 
     async def start(self) -> None:
+        """Start the worker processes and the MCP servers; their tools join `schemas`."""
         if self.pool is not None:
             await self.pool.start()
+        if self.mcp is not None:
+            await self.mcp.start()
+            clash = sorted(set(self.mcp.schemas) & set(self.schemas))
+            if clash:
+                raise ToolLoadError(f"an MCP server offers tools that tools.functions or tools.builtins already "
+                                    f"name: {clash}")
+            self.schemas.update(self.mcp.schemas)
 
     async def call(self, call: ToolCall) -> ToolResult:
         started = time.monotonic()
@@ -97,6 +110,10 @@ class ToolBox:
             if call.name in self.async_tools:
                 text = result_text(await asyncio.wait_for(self.async_tools[call.name](**call.arguments),
                                                           self.timeout_s))
+            elif self.mcp is not None and call.name in self.mcp.schemas:
+                text, is_error = await asyncio.wait_for(self.mcp.call(call.name, call.arguments), self.timeout_s)
+                if is_error:
+                    return self.failed("error", f"error: {call.name} failed: {text}")
             else:
                 text = await self.pool.call(call.name, call.arguments)
         except PoolBroken:
@@ -129,5 +146,7 @@ class ToolBox:
                 **{f"timing/tool/{name}_s": self.seconds[name] / self.calls[name] for name in sorted(self.calls)}}
 
     async def close(self) -> None:
+        if self.mcp is not None:
+            await self.mcp.close()
         if self.pool is not None:
             await self.pool.close()
