@@ -19,7 +19,8 @@ def job_limits(cfg, max_positions: int) -> JobLimits:
     rollout = cfg.rollout
     return JobLimits(group_size=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
                      top_k=rollout.top_k, max_tokens=rollout.max_tokens,
-                     max_completion_tokens=rollout.completion_limit(max_positions),
+                     max_completion_tokens=rollout.completion_limit(
+                         max_positions, episodes=bool(cfg.tools.offered() or cfg.env.path or cfg.agent.path)),
                      max_prompt_tokens=cfg.data.max_prompt_tokens, max_positions=max_positions)
 
 

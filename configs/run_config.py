@@ -12,13 +12,13 @@ from typing import List, Optional
 from asyncrl.algos.config import GROUP_ADVANTAGES, AlgoConfig
 from asyncrl.buffer.config import BufferConfig
 from asyncrl.configs.sections import DataConfig, DemoConfig, JobConfig, ModelConfig, RewardConfig
-from asyncrl.generator.config import EnvConfig, GeneratorConfig, RolloutConfig, ToolsConfig
+from asyncrl.generator.config import AgentConfig, EnvConfig, GeneratorConfig, RolloutConfig, ToolsConfig
 from asyncrl.learner.config import LearnerConfig, SFTConfig
 from asyncrl.telemetry.config import TelemetryConfig
 from asyncrl.weightsync.config import WeightSyncConfig
 
 DEFAULT_RECIPE = "demo_cpu.yaml"
-SHARED_SECTIONS = ("model", "data", "reward", "rollout", "tools", "env", "buffer", "demo", "weightsync")
+SHARED_SECTIONS = ("model", "data", "reward", "rollout", "tools", "env", "agent", "buffer", "demo", "weightsync")
 """Sections the learner and every generator must agree on; their hash is checked when a generator joins."""
 
 
@@ -36,6 +36,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -49,17 +50,19 @@ class RunConfig:
 
 
 def check_episodes(cfg: "RunConfig") -> None:
-    """Tools or an environment make episodes multi-turn; each needs the other's absence and a turn budget."""
-    if cfg.tools.offered() and cfg.env.path:
-        raise ValueError("tools and env.path are both set: the tool environment is one environment; "
-                         "call the tools from your own environment's step, or drop env.path")
+    """Tools, an environment or an agent make episodes multi-turn; each needs the others' absence and a turn budget."""
+    chosen = [name for name, on in (("tools", cfg.tools.offered()), ("env.path", bool(cfg.env.path)),
+                                    ("agent.path", bool(cfg.agent.path))) if on]
+    if len(chosen) > 1:
+        raise ValueError(f"{' and '.join(chosen)} are both set: episodes come from one of them (the tool "
+                         f"environment is one environment; call tools from your own environment or agent)")
     if cfg.tools.offered() and cfg.rollout.max_turns < 2:
         raise ValueError("tools are set but rollout.max_turns < 2: the model could call a tool but never "
                          "read its result; set rollout.max_turns >= 2")
-    if cfg.rollout.max_turns > 1 and not (cfg.tools.offered() or cfg.env.path):
+    if cfg.rollout.max_turns > 1 and not chosen:
         raise ValueError(f"rollout.max_turns={cfg.rollout.max_turns} but nothing answers the model between turns: "
-                         f"set tools.functions, tools.builtins or env.path")
-    if (cfg.tools.offered() or cfg.env.path) and cfg.rollout.greedy_baseline:
+                         f"set tools.functions, tools.builtins, env.path or agent.path")
+    if chosen and cfg.rollout.greedy_baseline:
         raise ValueError("ReMax's greedy baseline (algo.advantage=remax) is single-turn only; use grpo or rloo "
                          "with tools or an environment")
 

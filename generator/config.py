@@ -46,10 +46,11 @@ class RolloutConfig:
             raise ValueError(f"rollout.max_episode_tokens must be 0 (no bound but the model's) or >= rollout."
                              f"max_tokens={self.max_tokens}, got {self.max_episode_tokens}")
 
-    def completion_limit(self, max_positions: int) -> int:
+    def completion_limit(self, max_positions: int, episodes: bool) -> int:
         """The most tokens after the prompt any sample of the job has (the learner checks every group against
-        it): max_tokens when single-turn, else the episode budget or the model's positions."""
-        if self.max_turns == 1:
+        it): max_tokens for single-turn sampling, else (`episodes`: tools, an environment or an agent) the episode
+        budget or the model's positions (an episode's opening may differ from its group's prompt)."""
+        if not episodes:
             return self.max_tokens
         return self.max_episode_tokens or max_positions
 
@@ -213,3 +214,25 @@ class EnvConfig:
             raise ValueError("env.path is set: name the environment class in env.name")
         if not self.step_timeout_s > 0:
             raise ValueError(f"env.step_timeout_s must be > 0, got {self.step_timeout_s}")
+
+
+@dataclass
+class AgentConfig:
+    """An agent written against the OpenAI API (generator/agents/openai_agent.py): `async def episode(row, client)`
+    is run rollout.n times per prompt with an `openai.AsyncOpenAI` client on the generator's endpoint, and returns
+    the episode's reward (None: the reward function scores the last answer)."""
+
+    path: Optional[str] = None
+    """Python file with the episode function; None: no agent."""
+    function: str = "episode"
+    """The function's name in `path`."""
+    timeout_s: float = 300.0
+    """Longest one episode may take, in seconds; past it the episode ends, scored 0, and is counted."""
+    port: int = 0
+    """Port of the endpoint on 127.0.0.1; 0 takes a free one (each generator serves its own)."""
+
+    def __post_init__(self):
+        if not self.timeout_s > 0:
+            raise ValueError(f"agent.timeout_s must be > 0, got {self.timeout_s}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"agent.port must be a port number or 0, got {self.port}")

@@ -14,6 +14,7 @@ from asyncrl.generator.agents.build import build_episode_runner, wants_episodes
 from asyncrl.generator.agents.chat_render import TemplateCannotAppend
 from asyncrl.generator.agents.environment import EnvironmentLoadError
 from asyncrl.generator.agents.mcp_tools import McpServerError
+from asyncrl.generator.agents.openai_agent import AgentLoadError
 from asyncrl.generator.agents.tools import ToolLoadError
 from asyncrl.generator.dataset import iterate_prompts, read_rows, tokenize_rows
 from asyncrl.generator.engines.base import EngineBroken, EngineUnsupported, make_engine
@@ -92,13 +93,13 @@ async def run_generator_async(cfg, say=print) -> int:
                              seed=seed, update_mode=cfg.generator.update_mode,
                              trust_remote_code=cfg.model.trust_remote_code)
         await engine.start()
-        if wants_episodes(cfg.tools, cfg.env):
-            episodes = build_episode_runner(cfg.tools, cfg.env, cfg.rollout, max_model_len=cfg.generator.max_model_len,
+        if wants_episodes(cfg.tools, cfg.env, cfg.agent):
+            episodes = build_episode_runner(cfg.tools, cfg.env, cfg.agent, cfg.rollout,
+                                            max_model_len=cfg.generator.max_model_len,
                                             max_prompt_tokens=cfg.data.max_prompt_tokens,
                                             tool_workers=cfg.generator.tool_workers, engine=engine,
                                             tokenizer=tokenizer)
-            if episodes.toolbox is not None:
-                await episodes.toolbox.start()
+            await episodes.start()
         stage = WeightStage(cfg.weightsync.shm_dir, generator_id, cfg.weightsync.timeout_s)
         metrics_log = _metrics_logger(info, generator_id)
         rollout = RolloutLoop(
@@ -130,8 +131,8 @@ async def run_generator_async(cfg, say=print) -> int:
             stage.close()
         if scorer is not None:
             await scorer.close()
-        if episodes is not None and episodes.toolbox is not None:
-            await episodes.toolbox.close()
+        if episodes is not None:
+            await episodes.close()
         client.close()
 
 
@@ -154,7 +155,8 @@ def run_generator(cfg, say=print) -> int:
     except EngineUnsupported as err:  # refused before any engine was built: a restart is refused alike
         say(f"generator stopped: {err}")
         return 1
-    except (RewardError, ToolLoadError, EnvironmentLoadError, TemplateCannotAppend, McpServerError) as err:  # the recipe's mistake
+    except (RewardError, ToolLoadError, EnvironmentLoadError, TemplateCannotAppend, McpServerError,
+            AgentLoadError) as err:  # the recipe's mistake
         say(f"generator stopped: {err}")
         return 1
     except GeneratorRefused as err:  # e.g. started with another recipe than the learner

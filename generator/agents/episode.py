@@ -61,6 +61,27 @@ class Episode:
     def after_prompt(self) -> int:
         return len(self.sequence) - self.prompt_len
 
+    def add_model_turn(self, completion, room: int, tokenizer) -> None:
+        """Append what the engine sampled (loss_mask 1), cut to `room` tokens; the finish reason becomes the
+        engine's, or max_episode_tokens when it was cut."""
+        ids = list(completion.token_ids)[:room]
+        self.sequence += ids
+        self.logprobs += list(completion.logprobs)[:room]
+        self.versions += list(completion.versions)[:room]
+        self.loss_mask += [1] * len(ids)
+        self.turns += 1
+        self.last_text = tokenizer.decode(ids, skip_special_tokens=True)
+        self.finish_reason = "max_episode_tokens" if len(ids) < len(completion.token_ids) else \
+            completion.finish_reason
+
+    def add_env_turn(self, ids: list) -> None:
+        """Append an environment turn's ids (loss_mask 0, no logprob, a version set when the group is built)."""
+        self.sequence += ids
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+        self.loss_mask += [0] * len(ids)
+        self.env_tokens += len(ids)
+
 
 class EpisodeRunner:
     """Runs episodes against `make_env()` (a fresh environment per episode) on `engine`."""
@@ -71,6 +92,15 @@ class EpisodeRunner:
         self.make_env, self.budget, self.step_timeout_s = make_env, budget, step_timeout_s
         self.toolbox = toolbox  # tools.py ToolBox when the environment is the tool environment: its metrics
         self.env_errors: Counter = Counter()
+
+    async def start(self) -> None:
+        """The tools' worker processes and MCP servers (before any episode runs)."""
+        if self.toolbox is not None:
+            await self.toolbox.start()
+
+    async def close(self) -> None:
+        if self.toolbox is not None:
+            await self.toolbox.close()
 
     def metrics(self) -> dict:
         """Environment failures by reason and the tools' errors and call times, so far."""
@@ -132,21 +162,10 @@ class EpisodeRunner:
         return prompt
 
     def _add_model_turn(self, episode: Episode, completion, room: int) -> bool:
-        """Append what the engine sampled (cut to `room`); False when the episode ends with it."""
-        ids = list(completion.token_ids)[:room]
-        episode.sequence += ids
-        episode.logprobs += list(completion.logprobs)[:room]
-        episode.versions += list(completion.versions)[:room]
-        episode.loss_mask += [1] * len(ids)
-        episode.turns += 1
-        episode.last_text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        if len(ids) < len(completion.token_ids):
-            episode.finish_reason = "max_episode_tokens"
-            return False
-        if completion.finish_reason != "stop":  # a turn cut by max_tokens, or aborted: nothing to continue
-            episode.finish_reason = completion.finish_reason
-            return False
-        return True
+        """Append what the engine sampled; False when the episode ends with it (cut by the budget, by max_tokens,
+        or aborted: nothing to continue from)."""
+        episode.add_model_turn(completion, room, self.tokenizer)
+        return episode.finish_reason == "stop"
 
     def _add_env_turn(self, episode: Episode, messages: list) -> bool:
         """Append the environment's messages as ids (loss_mask 0); False when they cannot be, or leave the model
@@ -161,11 +180,7 @@ class EpisodeRunner:
                 or len(episode.sequence) + len(appended) >= self.budget.max_model_len):
             episode.finish_reason = "max_episode_tokens"
             return False
-        episode.sequence += appended
-        episode.logprobs += [0.0] * len(appended)
-        episode.versions += [-1] * len(appended)
-        episode.loss_mask += [0] * len(appended)
-        episode.env_tokens += len(appended)
+        episode.add_env_turn(appended)
         return True
 
     def _render(self, render):

@@ -105,6 +105,54 @@ def test_a_three_turn_episode_matches_the_learners_logprobs_on_every_model_token
             assert np.all(np.array(episode.logprobs)[~mask] == 0.0)  # tool tokens carry no loss and no logprob
 
 
+def test_an_openai_client_agent_on_the_endpoint_records_what_vllm_sampled(vllm_engine, demo_assets,
+                                                                         event_loop_runner):
+    """The official openai client against the generator's endpoint backed by the real engine: a 2-request agent;
+    the recorded episode's model tokens carry vLLM's logprobs, which equal the learner's within 1e-4."""
+    from asyncrl.generator.agents.episode import EpisodeBudget
+    from asyncrl.generator.agents.openai_agent import OpenAIAgentRunner
+    from asyncrl.generator.agents.openai_server import OpenAIEndpoint
+    from asyncrl.generator.dataset import PromptRow
+    from asyncrl.learner.model import load_tokenizer
+
+    tokenizer = load_tokenizer(demo_assets[0])
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}<eos>" \
+                              "{% endif %}{% endfor %}"
+    sampling = Sampling(temperature=0.7, max_tokens=8)
+
+    async def agent(row, client):
+        messages = list(row["prompt"])
+        for task in ("sort:31=", None):
+            reply = await client.chat.completions.create(model="asyncrl", messages=messages)
+            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+            if task:
+                messages.append({"role": "user", "content": task})
+        return 1.0
+
+    async def scenario():
+        endpoint = OpenAIEndpoint(vllm_engine, "asyncrl", sampling)
+        await endpoint.start()
+        try:
+            runner = OpenAIAgentRunner(endpoint, agent, tokenizer, EpisodeBudget(4, 0, 64, 16), max_tokens=8,
+                                       timeout_s=60)
+            row = PromptRow("p", [], "asyncrl/sort_digits", "0125", {},
+                            messages=[{"role": "user", "content": "sort:5021="}])
+            return await asyncio.gather(*(runner.run(row, sampling) for _ in range(3)))
+        finally:
+            await endpoint.close()
+
+    episodes = [episode for episode in event_loop_runner.run_until_complete(scenario()) if episode.turns == 2]
+    assert episodes
+    model = load_model(demo_assets[0]).eval()
+    with torch.no_grad():
+        for episode in episodes:
+            assert episode.rewards == [1.0] and episode.env_tokens > 0
+            prompt, after = episode.sequence[:episode.prompt_len], episode.sequence[episode.prompt_len:]
+            expected = np.array(learner_logprobs(model, prompt, after, 0.7))
+            mask = np.array(episode.loss_mask, dtype=bool)
+            assert np.max(np.abs(expected[mask] - np.array(episode.logprobs)[mask])) < 1e-4
+
+
 def test_weight_update_changes_greedy_outputs_and_never_serves_stale_prefix_cache(vllm_engine, demo_assets,
                                                                                  event_loop_runner, tmp_path):
     run = event_loop_runner.run_until_complete

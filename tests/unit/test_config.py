@@ -80,6 +80,8 @@ def test_yaml_round_trips(tmp_path):
     (["tools.functions=[t.py:add]", "rollout.max_turns=3", "algo.advantage=remax"], "single-turn only"),
     (["reward.timeout_s=0"], "reward.timeout_s"),
     (["tools.builtins=[bash]", "rollout.max_turns=3"], "the built-in tools are"),
+    (["agent.path=a.py", "env.path=e.py", "env.name=E"], "env.path and agent.path are both set"),
+    (["agent.timeout_s=0"], "agent.timeout_s"),
     (["tools.builtins=[python]"], "rollout.max_turns >= 2"),
     (["tools.sandbox.memory_mb=0"], "tools.sandbox"),
     (["generator.reward_workers=0"], "reward_workers"),

@@ -324,8 +324,11 @@ def test_the_recipe_builds_the_tool_environment_or_the_users_class(tokenizer, tm
     for overrides, kind in (([f"tools.functions=[{tools}:add,{tools}:slow]"], ToolEnvironment),
                             ([f"env.path={env}", "env.name=E"], None)):
         cfg = load_config(None, [*overrides, "rollout.max_turns=3", "rollout.max_episode_tokens=200"])
-        assert wants_episodes(cfg.tools, cfg.env) and not wants_episodes(load_config().tools, load_config().env)
-        runner = build_episode_runner(cfg.tools, cfg.env, cfg.rollout, max_model_len=512, max_prompt_tokens=400,
+        default = load_config()
+        assert wants_episodes(cfg.tools, cfg.env, cfg.agent)
+        assert not wants_episodes(default.tools, default.env, default.agent)
+        runner = build_episode_runner(cfg.tools, cfg.env, cfg.agent, cfg.rollout, max_model_len=512,
+                                      max_prompt_tokens=400,
                                       tool_workers=1, engine=None, tokenizer=tokenizer)
         assert runner.budget == EpisodeBudget(3, 200, 512, 400)
         if kind is ToolEnvironment:

@@ -1,0 +1,131 @@
+"""The generator's OpenAI-compatible chat-completions endpoint, for agents written against the OpenAI API.
+
+It serves `POST /v1/chat/completions` (plain and `stream=true`) and `GET /v1/models` on 127.0.0.1, from the
+generator's own engine, in the generator's event loop (uvicorn, started on a socket bound here). Each episode is
+a session: the API key the agent's client sends (`Authorization: Bearer <session id>`) names it, so any harness
+that takes a base URL and a key works unchanged. Requests are turned into one token sequence per session by
+`AgentSession` (openai_session.py), which records the exact ids, logprobs and versions sampled.
+
+Sampling is the job's (`rollout.temperature`, `top_p`, `top_k`: the policy being trained); the request's own
+sampling parameters are ignored, `max_tokens` / `max_completion_tokens` can only lower `rollout.max_tokens`, and
+`n` must be 1. Errors come back as OpenAI error objects: 401 for an unknown session, 400 for a request the episode
+cannot take (with the reason), 409 for a second concurrent request in one session.
+"""
+import asyncio
+import json
+import logging
+import socket
+import time
+from dataclasses import replace
+
+from asyncrl.generator.agents.openai_session import SessionRefused
+
+log = logging.getLogger(__name__)
+
+
+def error_body(message: str, kind: str) -> dict:
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
+class OpenAIEndpoint:
+    """`sessions` (id -> AgentSession), served on `url` once `start()` has run."""
+
+    def __init__(self, engine, model_name: str, sampling, port: int = 0):
+        self.engine, self.model_name, self.sampling, self.port = engine, model_name, sampling, port
+        self.sessions: dict = {}
+        self._server = None
+        self._task = None
+        self.url = ""
+
+    def build_app(self):
+        from fastapi import FastAPI, Request
+        from fastapi.responses import JSONResponse, StreamingResponse
+
+        app = FastAPI(title="asyncrl generator", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "asyncrl"}]}
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request):
+            session = self.sessions.get(request.headers.get("authorization", "").removeprefix("Bearer ").strip())
+            if session is None:
+                return JSONResponse(error_body("unknown session: the API key names the episode", "auth_error"), 401)
+            try:
+                body = await request.json()
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                return JSONResponse(error_body("the body is not JSON", "invalid_request_error"), 400)
+            if not isinstance(body, dict):
+                return JSONResponse(error_body("the body must be a JSON object", "invalid_request_error"), 400)
+            if session.busy:
+                return JSONResponse(error_body("this episode already has a request in flight", "conflict"), 409)
+            session.busy = True
+            try:
+                reply = await self._complete(session, body)
+            except SessionRefused as err:
+                return JSONResponse(error_body(str(err), "invalid_request_error"), err.status)
+            finally:
+                session.busy = False
+            if body.get("stream"):
+                return StreamingResponse(stream_chunks(reply), media_type="text/event-stream")
+            return reply
+
+        return app
+
+    async def _complete(self, session, body: dict) -> dict:
+        if body.get("n", 1) != 1:
+            raise SessionRefused(400, "n must be 1: each episode is one sequence")
+        prompt = session.sequence_for(body.get("messages"), body.get("tools"))
+        asked = body.get("max_completion_tokens") or body.get("max_tokens") or session.max_tokens
+        if not isinstance(asked, int) or asked < 1:
+            raise SessionRefused(400, f"max_tokens must be a positive integer, got {asked!r}")
+        room = min(asked, session.room())
+        if room < 1:
+            raise SessionRefused(400, "the episode has no tokens left")
+        sampling = self.sampling if room == self.sampling.max_tokens else replace(self.sampling, max_tokens=room)
+        (completion,) = await self.engine.sample(prompt, sampling, 1)
+        message = session.record(completion)
+        finish = "tool_calls" if message.get("tool_calls") else ("stop" if completion.finish_reason == "stop"
+                                                                  else "length")
+        return {"id": f"chatcmpl-{session.id}-{session.requests}", "object": "chat.completion",
+                "created": int(time.time()), "model": self.model_name,
+                "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(completion.token_ids),
+                          "total_tokens": len(prompt) + len(completion.token_ids)}}
+
+    async def start(self) -> None:
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", self.port))
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        config = uvicorn.Config(self.build_app(), log_level="warning", lifespan="off", access_log=False)
+        self._server = uvicorn.Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+            await asyncio.sleep(0.01)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            await asyncio.gather(self._task, return_exceptions=True)
+
+
+def stream_chunks(reply: dict):
+    """The whole answer as OpenAI's server-sent chunks: the role and content, the tool calls, then the finish."""
+    base = {"id": reply["id"], "object": "chat.completion.chunk", "created": reply["created"], "model": reply["model"]}
+    choice = reply["choices"][0]
+    message = choice["message"]
+    delta = {"role": "assistant", "content": message.get("content")}
+    if message.get("tool_calls"):
+        delta["tool_calls"] = [{"index": index, **call} for index, call in enumerate(message["tool_calls"])]
+    for chunk in ({"index": 0, "delta": delta, "finish_reason": None},
+                  {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}):
+        yield f"data: {json.dumps({**base, 'choices': [chunk]})}\n\n"
+    yield "data: [DONE]\n\n"
+

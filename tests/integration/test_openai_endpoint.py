@@ -1,0 +1,192 @@
+"""The generator's OpenAI-compatible endpoint, driven by the official `openai` package: agent episodes with tool
+calls, plain and streamed, recorded as one token sequence with nothing re-tokenized; an agent that edits its
+history, asks twice at once, or has no session is refused with the reason; the agent runner turns the
+function's return into the episode's reward and its failures into counted env errors. The engine is scripted
+(the real engine's logprob parity over multi-turn episodes: tests/integration/test_vllm_engine.py)."""
+import asyncio
+import json
+
+import openai
+import pytest
+
+from asyncrl.buffer.group import Sampling
+from asyncrl.generator.agents.episode import EpisodeBudget
+from asyncrl.generator.agents.openai_agent import OpenAIAgentRunner
+from asyncrl.generator.agents.openai_server import OpenAIEndpoint
+from asyncrl.generator.agents.openai_session import AgentSession
+from asyncrl.generator.dataset import PromptRow
+from tests.chat_tokenizer import chat_tokenizer
+from tests.unit.test_episodes import ScriptedEngine, call
+
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+SAMPLING = Sampling(1.0, 1.0, -1, 128)
+BUDGET = EpisodeBudget(max_turns=4, max_episode_tokens=0, max_model_len=4096, max_prompt_tokens=2048)
+ROW = PromptRow("p0", [1], "t", "5", {}, messages=[{"role": "user", "content": "what is 2+3?"}])
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return chat_tokenizer()
+
+
+async def add_agent(row, client):
+    """An agent as people write them: call the model, run the tools it asks for, send the history back."""
+    messages = list(row["prompt"])
+    for _ in range(3):
+        response = await client.chat.completions.create(model="asyncrl", messages=messages, tools=[ADD])
+        message = response.choices[0].message
+        messages.append(message.model_dump(exclude_none=True))
+        if not message.tool_calls:
+            return float(message.content.strip() == row["ground_truth"])
+        for tool_call in message.tool_calls:
+            arguments = json.loads(tool_call.function.arguments)
+            messages.append({"role": "tool", "tool_call_id": tool_call.id, "content": str(arguments["a"] +
+                                                                                          arguments["b"])})
+    return 0.0
+
+
+def serve(tokenizer, turns, scenario):
+    """Run `scenario(endpoint, engine)` with the endpoint serving a scripted engine."""
+    engine = ScriptedEngine(tokenizer, turns)
+    endpoint = OpenAIEndpoint(engine, "asyncrl", SAMPLING)
+
+    async def run():
+        await endpoint.start()
+        try:
+            return await scenario(endpoint, engine)
+        finally:
+            await endpoint.close()
+
+    return asyncio.run(run()), engine
+
+
+def test_an_agent_with_tool_calls_becomes_one_token_sequence(tokenizer):
+    async def scenario(endpoint, engine):
+        runner = OpenAIAgentRunner(endpoint, add_agent, tokenizer, BUDGET, max_tokens=128, timeout_s=30)
+        return await runner.run(ROW, SAMPLING)
+
+    episode, engine = serve(tokenizer, [(f"adding {call('add', a=2, b=3)}", "stop"), ("5", "stop")], scenario)
+    assert episode.rewards == [1.0] and episode.turns == 2 and episode.tool_calls == 1
+    assert episode.finish_reason == "stop" and episode.last_text == "5"
+    appended = [index for index, mask in enumerate(episode.loss_mask) if not mask]
+    assert engine.requests[1] == engine.requests[0] + engine.sampled[0] + \
+        episode.sequence[episode.prompt_len:][appended[0]:appended[-1] + 1]
+    assert tokenizer.decode(engine.requests[1][len(engine.requests[0]) + len(engine.sampled[0]):]) == \
+        "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+    assert episode.sequence == engine.requests[1] + engine.sampled[1]
+    assert sum(episode.loss_mask) == len(engine.sampled[0]) + len(engine.sampled[1])
+    assert '"name": "add"' in tokenizer.decode(engine.requests[0])  # the request's tools reached the template
+
+
+def test_streaming_answers_chunks_that_add_up_to_the_answer(tokenizer):
+    async def scenario(endpoint, engine):
+        session = AgentSession("s1", tokenizer, BUDGET, max_tokens=128)
+        endpoint.sessions["s1"] = session
+        client = openai.AsyncOpenAI(base_url=endpoint.url, api_key="s1", max_retries=0)
+        try:
+            models = await client.models.list()
+            stream = await client.chat.completions.create(model="asyncrl", messages=ROW.messages, stream=True,
+                                                          tools=[ADD])
+            chunks = [chunk async for chunk in stream]
+            tool_stream = await client.chat.completions.create(
+                model="asyncrl", stream=True, tools=[ADD],
+                messages=[*ROW.messages, {"role": "assistant", "content": "the sum is"},
+                          {"role": "user", "content": "use the tool"}])
+            tool_chunks = [chunk async for chunk in tool_stream]
+        finally:
+            await client.close()
+        return models, chunks, tool_chunks
+
+    (models, chunks, tool_chunks), _ = serve(tokenizer, [("the sum is", "stop"), (call("add", a=2, b=3), "stop")],
+                                             scenario)
+    assert [model.id for model in models.data] == ["asyncrl"]
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == "the sum is"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    calls = [tc for chunk in tool_chunks for tc in (chunk.choices[0].delta.tool_calls or [])]
+    assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [("add", {"a": 2, "b": 3})]
+    assert tool_chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_requests_the_episode_cannot_take_are_refused_with_the_reason(tokenizer):
+    async def scenario(endpoint, engine):
+        endpoint.sessions["s2"] = AgentSession("s2", tokenizer, BUDGET, max_tokens=128)
+        client = openai.AsyncOpenAI(base_url=endpoint.url, api_key="s2", max_retries=0)
+        stranger = openai.AsyncOpenAI(base_url=endpoint.url, api_key="nobody", max_retries=0)
+        errors = {}
+        try:
+            first = await client.chat.completions.create(model="asyncrl", messages=ROW.messages)
+            edited = [*ROW.messages, {"role": "assistant", "content": "something else"},
+                      {"role": "user", "content": "and?"}]
+            for name, request in (
+                    ("edited", client.chat.completions.create(model="asyncrl", messages=edited)),
+                    ("stranger", stranger.chat.completions.create(model="asyncrl", messages=ROW.messages)),
+                    ("n", client.chat.completions.create(model="asyncrl", messages=ROW.messages, n=2)),
+                    ("nothing_new", client.chat.completions.create(
+                        model="asyncrl", messages=[*ROW.messages, first.choices[0].message.model_dump()]))):
+                try:
+                    await request
+                except openai.APIStatusError as err:
+                    errors[name] = (err.status_code, err.message)
+        finally:
+            await client.close()
+            await stranger.close()
+        return errors
+
+    errors, _ = serve(tokenizer, [("4", "stop")], scenario)
+    assert errors["edited"][0] == 400 and "message 1 differs" in errors["edited"][1]
+    assert errors["stranger"][0] == 401 and "unknown session" in errors["stranger"][1]
+    assert errors["n"][0] == 400 and "n must be 1" in errors["n"][1]
+    assert errors["nothing_new"][0] == 400 and "no new message" in errors["nothing_new"][1]
+
+
+def test_agent_failures_end_their_episode_and_are_counted(tokenizer):
+    async def broken(row, client):
+        await client.chat.completions.create(model="asyncrl", messages=row["prompt"])
+        raise RuntimeError("my harness crashed")
+
+    async def silent(row, client):
+        return 1.0
+
+    async def sleepy(row, client):
+        await asyncio.sleep(30)
+
+    async def scenario(endpoint, engine):
+        results = {}
+        for fn in (broken, silent, sleepy):
+            runner = OpenAIAgentRunner(endpoint, fn, tokenizer, BUDGET, max_tokens=128, timeout_s=1.0)
+            episode = await runner.run(ROW, SAMPLING)
+            results[fn.__name__] = (episode.finish_reason, episode.env_error, runner.metrics(), episode.turns)
+        return results, dict(endpoint.sessions)
+
+    (results, left), _ = serve(tokenizer, [("4", "stop")] * 3, scenario)
+    assert results["broken"][:2] == ("env_error", "error") and results["broken"][3] == 1
+    assert results["silent"][:3] == ("env_error", "no_requests", {"rollout/env_errors/no_requests": 1.0})
+    assert results["sleepy"][:2] == ("env_error", "timeout")
+    assert left == {}  # every session is closed with its episode
+
+
+class SlowEngine(ScriptedEngine):
+    async def sample(self, prompt_ids, sampling, n):
+        await asyncio.sleep(0.3)
+        return await super().sample(prompt_ids, sampling, n)
+
+
+def test_a_second_concurrent_request_in_one_episode_is_refused(tokenizer):
+    engine = SlowEngine(tokenizer, [("4", "stop")] * 2)
+    endpoint = OpenAIEndpoint(engine, "asyncrl", SAMPLING)
+
+    async def scenario():
+        await endpoint.start()
+        endpoint.sessions["s3"] = AgentSession("s3", tokenizer, BUDGET, max_tokens=128)
+        client = openai.AsyncOpenAI(base_url=endpoint.url, api_key="s3", max_retries=0)
+        try:
+            return await asyncio.gather(*(client.chat.completions.create(model="asyncrl", messages=ROW.messages)
+                                          for _ in range(2)), return_exceptions=True)
+        finally:
+            await client.close()
+            await endpoint.close()
+
+    answers = asyncio.run(scenario())
+    refused = [answer for answer in answers if isinstance(answer, openai.APIStatusError)]
+    assert len(refused) == 1 and refused[0].status_code == 409 and len(engine.requests) == 1
