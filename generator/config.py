@@ -3,7 +3,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 ENGINES = ("vllm", "sglang", "hf")
-UPDATE_MODES = ("wait", "keep")
+UPDATE_MODES = ("wait", "keep", "abort")
 
 
 @dataclass
@@ -65,7 +65,9 @@ class GeneratorConfig:
     """Groups this generator samples concurrently, in groups."""
     update_mode: str = "wait"
     """How new weights are loaded: `wait` lets in-flight requests finish first (between requests);
-    `keep` pauses between decode steps and in-flight requests continue on the new weights."""
+    `keep` pauses between decode steps and in-flight requests continue on the new weights; `abort` (vLLM) ends
+    in-flight requests and resubmits each, what it sampled as its prefix, on the new weights
+    (`rollout/resumed_turns` counts them). Tokens keep the version that sampled them in every mode."""
     dtype: str = "float32"
     """Engine dtype. fp32 makes engine and learner logprobs agree to ~1e-5 on CPU."""
     kv_cache_gib: float = 1.0
@@ -99,9 +101,12 @@ class GeneratorConfig:
             raise ValueError(f"generator.engine must be one of {ENGINES}, got {self.engine!r}")
         if self.update_mode not in UPDATE_MODES:
             raise ValueError(f"generator.update_mode must be one of {UPDATE_MODES}, got {self.update_mode!r}")
-        if self.engine == "hf" and self.update_mode == "keep":
-            raise ValueError("generator.update_mode=keep needs generator.engine=vllm or sglang: the hf engine decodes "
-                             "a batch at a time and loads new weights between batches (wait)")
+        if self.engine == "hf" and self.update_mode != "wait":
+            raise ValueError(f"generator.update_mode={self.update_mode} needs generator.engine=vllm: the hf engine "
+                             f"decodes a batch at a time and loads new weights between batches (wait)")
+        if self.engine == "sglang" and self.update_mode == "abort":
+            raise ValueError("generator.update_mode=abort resubmits aborted requests on the vllm engine only; use "
+                             "wait or keep with sglang")
         if self.max_inflight_groups < 1:
             raise ValueError(f"generator.max_inflight_groups must be >= 1, got {self.max_inflight_groups}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

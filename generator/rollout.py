@@ -324,7 +324,8 @@ class RolloutLoop:
     async def _send_stats(self) -> None:
         """To the learner (not after "done": it has stopped listening, and the request would wait out its timeout),
         and to MLflow."""
-        metrics = self.stats.snapshot(self.engine.version)
+        metrics = {**self.stats.snapshot(self.engine.version),
+                   "rollout/resumed_turns": float(self.engine.resumed_requests)}
         if not self.done:
             try:
                 await self.client.report(metrics, timeout_s=STATS_TIMEOUT_S)

@@ -3,7 +3,8 @@
 Engines: `vllm` (AsyncLLM), `sglang` (sglang.Engine, CUDA only), `hf` (plain transformers, the reference).
 They share this interface:
   await start(); await sample(prompt_ids, sampling, n) -> list[Completion];
-  await load_weights(staged, fallback); await close(); attribute `version`.
+  await load_weights(staged, fallback); await close(); attributes `version` and `resumed_requests` (requests a
+  weight update aborted and the engine resubmitted with their prefix: vLLM's update_mode=abort).
 `staged` is a complete, verified version in the generator's staging mapping (weightsync/receiver.py); `fallback` is
 the last good one (None: the model's own files). A load either completes or goes back to `fallback` and raises
 WeightLoadError; if going back fails too, it raises EngineBroken and never samples again. No engine ever samples

@@ -34,6 +34,7 @@ class HfEngine:
         self.max_batch_seqs = max_batch_seqs
         self.batch_wait_s = batch_wait_s
         self.version = 0
+        self.resumed_requests = 0  # aborted-and-resubmitted requests: never here (it loads between batches)
         self._generator = torch.Generator().manual_seed(seed)
         self._lock = asyncio.Lock()  # one batch at a time, and never during a weight load
         self._pending: list = []

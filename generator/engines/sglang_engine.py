@@ -45,6 +45,7 @@ class SglangEngine:
         self.kv_cache_gib = kv_cache_gib
         self.seed = seed
         self.update_mode = update_mode
+        self.resumed_requests = 0  # aborted-and-resubmitted requests: never here (vLLM's update_mode=abort only)
         self.trust_remote_code = trust_remote_code
         self.engine_factory = engine_factory or AsyncSglangEngine
         self.timeout_s = timeout_s

@@ -1,6 +1,7 @@
 """vLLM engine through `AsyncLLM`: streaming deltas, token ids in and out, processed logprobs.
 
-Weight updates follow docs/platform.md: pause (weightsync.update_mode: wait, keep or abort) -> every worker loads
+Weight updates follow docs/platform.md: pause (generator.update_mode: wait, keep or abort, whose aborted requests
+are resubmitted with what they sampled as their prefix) -> every worker loads
 the staged version from the generator's staging mapping (vllm_worker.py; `reload_weights` is the only way that works
 after CPU weight prepacking) -> `reset_prefix_cache` (otherwise cached KV from old weights is reused) -> resume. A
 failed load is followed by a reload of the last good version, because a half-loaded CPU engine dies on its next
@@ -39,6 +40,7 @@ class VllmEngine:
         self.in_flight: dict = {}  # request id -> its Completion so far
         self._expected: dict = {}  # checkpoint name -> shape, what every version must match
         self.broken: str | None = None  # set when even the fallback failed: sampling raises instead of waiting
+        self.resumed_requests = 0  # requests aborted by a weight update and resubmitted (update_mode=abort)
 
     async def start(self) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -69,23 +71,38 @@ class VllmEngine:
         return list(await asyncio.gather(*(self._one(prompt_ids, sampling) for _ in range(n))))
 
     async def _one(self, prompt_ids: list, sampling) -> Completion:
+        """One completion. With update_mode=abort a request aborted by a weight update is resubmitted, everything
+        it sampled so far appended to its prompt, once the new weights are in (AReaL's interruptible rollout): the
+        tokens already sampled keep their versions and logprobs, the rest is sampled by the new weights."""
+        completion = Completion()
+        while True:
+            await self._generate(list(prompt_ids) + completion.token_ids, sampling,
+                                 sampling.max_tokens - len(completion.token_ids), completion)
+            if (completion.finish_reason != "abort" or self.update_mode != "abort"
+                    or len(completion.token_ids) >= sampling.max_tokens):
+                return completion
+            self.resumed_requests += 1
+            await self._loaded.wait()  # the load that aborted it is over (or failed: then the old weights go on)
+            if self.broken:
+                raise EngineBroken(self.broken)
+            completion.finish_reason = "length"
+
+    async def _generate(self, prompt_ids: list, sampling, max_tokens: int, completion: Completion) -> None:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
             temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            max_tokens=sampling.max_tokens, logprobs=0, output_kind=RequestOutputKind.DELTA,
+            max_tokens=max_tokens, logprobs=0, output_kind=RequestOutputKind.DELTA,
         )
-        completion = Completion()
         request_id = uuid.uuid4().hex
         self.in_flight[request_id] = completion  # partial completions, readable while they grow
         try:
-            async for output in self._engine.generate({"prompt_token_ids": list(prompt_ids)}, params,
+            async for output in self._engine.generate({"prompt_token_ids": prompt_ids}, params,
                                                       request_id=request_id):
                 self._take(output, completion)
         finally:
             self.in_flight.pop(request_id, None)
-        return completion
 
     def _take(self, output, completion: Completion) -> None:
         """Append one streamed delta. Tokens are tagged with the engine's version when they reach us; that is the

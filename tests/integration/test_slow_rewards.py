@@ -32,6 +32,7 @@ class OneAtATimeEngine:
     """A device that decodes one group at a time, 0.1 s each; answers "9" and "7" alternately."""
 
     version = 0
+    resumed_requests = 0
 
     def __init__(self):
         self.device = asyncio.Lock()

