@@ -66,3 +66,44 @@ def test_the_fleet_reports_the_reward_of_everything_sampled_and_the_groups_filte
     out = fleet_metrics(reports)
     assert out["reward/sampled_mean"] == pytest.approx(0.4) and out["generator/filtered_groups"] == 3.0
     assert "reward/sampled_mean" not in fleet_metrics([{"perf/generator/tokens_per_s": 1.0}])
+
+
+def test_the_fleet_averages_episode_metrics_and_sums_their_errors_keeping_families_bounded():
+    reports = [
+        {"rollout/turns/mean": 2.0, "rollout/tool_use_frac": 1.5, "rollout/tool_errors/timeout": 2.0,
+         "timing/tool/add_s": 0.1, "rollout/resumed_turns": 3.0, "generator/reward_errors": 1.0},
+        {"rollout/turns/mean": 4.0, "rollout/tool_use_frac": 0.5, "rollout/tool_errors/timeout": 1.0,
+         "rollout/tool_errors/error": 5.0, "timing/tool/add_s": 0.3, "rollout/env_errors/bad_result": 1.0,
+         **{f"rollout/tool_errors/junk{index:03d}": 1.0 for index in range(100)},
+         **{f"timing/tool/t{index:03d}_s": 1.0 for index in range(100)}, "timing/tool/" + "x" * 300: 1.0},
+    ]
+    out = fleet_metrics(reports)
+    assert out["rollout/turns/mean"] == 3.0 and out["rollout/tool_use_frac"] == 0.75  # 1.5 is clamped to 1 first
+    assert out["rollout/tool_errors/timeout"] == 3.0 and out["rollout/tool_errors/error"] == 5.0
+    assert abs(out["timing/tool/add_s"] - 0.2) < 1e-12 and out["rollout/resumed_turns"] == 3.0
+    assert out["rollout/env_errors/bad_result"] == 1.0 and out["generator/reward_errors"] == 1.0
+    assert not any("junk" in key for key in out)  # only the reasons the generator has
+    assert len([key for key in out if key.startswith("timing/tool/")]) == 16
+    assert not any(len(key) > 100 for key in out)
+
+
+def test_the_fleet_knows_every_error_reason_the_generator_counts():
+    """The reasons written in generator/ appear in ERROR_REASONS (else the learner would drop them)."""
+    import os
+    import re
+
+    from asyncrl.buffer.fleet_stats import ERROR_REASONS
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sources = {name: open(os.path.join(root, "generator", name)).read()
+               for name in ("agents/tools.py", "agents/episode.py", "agents/openai_agent.py")}
+    tool = set(re.findall(r'self\.failed\("([a-z_]+)"', sources["agents/tools.py"]))
+    tool |= {"malformed", "unknown_tool", "bad_arguments"}  # the parser's, through rejected()
+    env = set(re.findall(r'_failed\("([a-z_]+)"', sources["agents/episode.py"]))
+    env |= set(re.findall(r'failure = "([a-z_]+)"', sources["agents/openai_agent.py"]))
+    env |= set(re.findall(r'env_errors\["([a-z_]+)"\]', open(os.path.join(root, "generator", "rollout.py")).read()))
+    assert tool and env
+    assert tool <= set(ERROR_REASONS["rollout/tool_errors/"]), tool
+    assert env <= set(ERROR_REASONS["rollout/env_errors/"]), env
+    # the scorer's three (tests/unit/test_scoring.py provokes each)
+    assert {"timeout", "error", "bad_value"} <= set(ERROR_REASONS["generator/reward_errors/"])
