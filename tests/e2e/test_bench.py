@@ -33,6 +33,23 @@ def test_time_to_reward_bench_runs_asyncrl_and_trl_on_a_tiny_setting(tmp_path, d
 
 
 @pytest.mark.slow
+def test_tool_latency_bench_runs_episodes_at_two_etas_on_a_tiny_setting(tmp_path, demo_assets, demo_cache):
+    overrides = [f"demo.cache_dir={demo_cache}", *TINY_DEMO, f"buffer.port={free_port()}"]
+    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.tool_latency", "--seeds", "0", "--etas", "0", "1",
+                          "--steps", "4", "--slow-s", "0.3", "--slow-p", "0.5", "--inflight", "4", *overrides],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "tool_latency" and result["ratio"]["1"] > 0
+    for eta in ("0", "1"):
+        (run,) = result["runs"][eta]
+        assert run["steps"] == 4 and run["samples_per_s"] > 0
+        # episodes answered, waited on the tool, answered again; a first answer cut by max_tokens ends its episode
+        assert 1.0 < run["turns_mean"] <= 2.0
+    assert "| η = 1 |" in out.stdout
+
+
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_generator_speed_bench_runs_every_contender_on_a_tiny_setting(tmp_path, demo_assets, demo_cache):
     out = subprocess.run([sys.executable, "-m", "asyncrl.bench.generator_speed", "--rounds", "1",
