@@ -51,10 +51,11 @@ def test_an_infinite_loop_is_stopped_by_its_cpu_limit():
 
 
 def test_a_sleep_past_the_timeout_is_killed_with_what_it_started():
+    before = descendants()  # other tests' session fixtures (a vLLM engine core) may be children of this process
     result, elapsed = run("import subprocess, time\nsubprocess.Popen(['sleep', '60'])\ntime.sleep(60)")
     assert "did not finish within its time limit" in result.text()
     assert 3.5 < elapsed < 8.0
-    assert not descendants()
+    assert descendants() <= before
 
 
 def test_a_huge_allocation_fails_inside_the_code():
@@ -70,13 +71,14 @@ def test_100_mb_of_output_is_cut_off():
 @pytest.mark.skipif(not processes_bounded(), reason="as root without a writable pids cgroup only the timeout "
                                                     "bounds processes")
 def test_a_fork_bomb_is_contained_and_nothing_survives_it():
+    before = descendants()
     result, elapsed = run("import os\nwhile True:\n    os.fork()")
     assert result.exit_code != 0 or result.error == "timeout"
     assert ("BlockingIOError" in result.text() or "Resource temporarily unavailable" in result.text()
             or "time limit" in result.text())
     assert elapsed < 8.0
     time.sleep(0.2)
-    assert not descendants()
+    assert descendants() <= before
 
 
 def network_namespace_possible() -> bool:

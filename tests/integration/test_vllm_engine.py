@@ -118,35 +118,38 @@ def test_an_openai_client_agent_on_the_endpoint_records_what_vllm_sampled(vllm_e
     tokenizer = load_tokenizer(demo_assets[0])
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}<eos>" \
                               "{% endif %}{% endfor %}"
-    sampling = Sampling(temperature=0.7, max_tokens=8)
+    sampling = Sampling(temperature=0.7, max_tokens=12)
 
     async def agent(row, client):
         messages = list(row["prompt"])
-        for task in ("sort:31=", None):
-            reply = await client.chat.completions.create(model="asyncrl", messages=messages)
-            messages.append({"role": "assistant", "content": reply.choices[0].message.content})
-            if task:
-                messages.append({"role": "user", "content": task})
+        reply = await client.chat.completions.create(model="asyncrl", messages=messages)
+        if reply.choices[0].finish_reason == "length":
+            return 0.0  # a turn cut by max_tokens cannot be continued (the endpoint would refuse)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": "sort:31="}]
+        await client.chat.completions.create(model="asyncrl", messages=messages)
         return 1.0
 
     async def scenario():
         endpoint = OpenAIEndpoint(vllm_engine, "asyncrl", sampling)
         await endpoint.start()
         try:
-            runner = OpenAIAgentRunner(endpoint, agent, tokenizer, EpisodeBudget(4, 0, 64, 16), max_tokens=8,
+            runner = OpenAIAgentRunner(endpoint, agent, tokenizer, EpisodeBudget(4, 0, 64, 16), max_tokens=12,
                                        timeout_s=60)
             row = PromptRow("p", [], "asyncrl/sort_digits", "0125", {},
                             messages=[{"role": "user", "content": "sort:5021="}])
-            return await asyncio.gather(*(runner.run(row, sampling) for _ in range(3)))
+            return await asyncio.gather(*(runner.run(row, sampling) for _ in range(8)))
         finally:
             await endpoint.close()
 
-    episodes = [episode for episode in event_loop_runner.run_until_complete(scenario()) if episode.turns == 2]
-    assert episodes
+    episodes = event_loop_runner.run_until_complete(scenario())
+    assert all(episode.env_error == "" for episode in episodes), [episode.env_error for episode in episodes]
+    episodes = [episode for episode in episodes if episode.turns == 2]
+    assert episodes, "no first turn of 8 ended with the stop token"
     model = load_model(demo_assets[0]).eval()
     with torch.no_grad():
         for episode in episodes:
-            assert episode.rewards == [1.0] and episode.env_tokens > 0
+            assert episode.rewards == [1.0] and episode.env_tokens > 0 and episode.finish_reason in ("stop", "length")
             prompt, after = episode.sequence[:episode.prompt_len], episode.sequence[episode.prompt_len:]
             expected = np.array(learner_logprobs(model, prompt, after, 0.7))
             mask = np.array(episode.loss_mask, dtype=bool)
