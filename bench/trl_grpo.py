@@ -86,6 +86,7 @@ def run_trl(job_dir: str, seed: int, steps: int, overrides: list, threads: int) 
         weight_decay=cfg.learner.weight_decay, adam_beta1=cfg.learner.adam_beta1, adam_beta2=cfg.learner.adam_beta2,
         max_grad_norm=cfg.learner.grad_clip, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", beta=0.0,
         num_iterations=1, logging_steps=1, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+        bf16=False, gradient_checkpointing=False,  # TRL 1.16 defaults both to True; asyncrl trains fp32, no checkpointing
     )
     progress = ProgressWriter(os.path.join(job_dir, "progress.jsonl"))
     trainer = GRPOTrainer(model=model, reward_funcs=[reward_function(cfg)], args=args, train_dataset=dataset,
