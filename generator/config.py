@@ -151,8 +151,8 @@ class SandboxConfig:
             raise ValueError("tools.sandbox limits must be positive")
 
 
-BUILTIN_TOOLS = ("python",)
-"""Tools asyncrl provides (tools.builtins): `python`, code run in the sandbox."""
+BUILTIN_TOOLS = ("python", "calculator")
+"""Tools asyncrl provides (tools.builtins): `python`, code run in the sandbox; `calculator`, arithmetic."""
 
 
 @dataclass
@@ -169,7 +169,7 @@ class ToolsConfig:
     generator and its tools are offered as they are listed."""
     builtins: List[str] = field(default_factory=list)
     """Built-in tools to offer as well: `python` (the model's code runs in a fresh sandboxed interpreter per call,
-    with the limits of tools.sandbox)."""
+    with the limits of tools.sandbox) and `calculator` (bounded arithmetic, generator/agents/calculator.py)."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     parser: str = "hermes"
     """Tool-call format: `hermes` (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Qwen's)."""

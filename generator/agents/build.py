@@ -2,6 +2,7 @@
 (env.path) or a user's OpenAI-API agent (agent.path), with the chat template checked for appending before any
 sampling starts."""
 from asyncrl.buffer.group import Sampling
+from asyncrl.generator.agents.calculator import calculator
 from asyncrl.generator.agents.chat_render import ChatAppender
 from asyncrl.generator.agents.environment import load_environment_class
 from asyncrl.generator.agents.episode import EpisodeBudget, EpisodeRunner
@@ -29,6 +30,7 @@ def build_episode_runner(tools_cfg, env_cfg, agent_cfg, rollout_cfg, *, max_mode
                                  budget, rollout_cfg.max_tokens, agent_cfg.timeout_s)
     if tools_cfg.offered():
         builtins = [python_tool(tools_cfg.sandbox)] if "python" in tools_cfg.builtins else []
+        builtins += [calculator] if "calculator" in tools_cfg.builtins else []
         toolbox = ToolBox(tools_cfg.functions, tool_workers, tools_cfg.timeout_s, tools_cfg.max_output_chars,
                           builtins=builtins, mcp_servers=tools_cfg.mcp_servers)
         parser = TOOL_CALL_PARSERS[tools_cfg.parser]()
