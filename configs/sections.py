@@ -2,7 +2,7 @@
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-DEMO_TASKS = ("", "sort_digits")
+DEMO_TASKS = ("", "sort_digits", "add_numbers")
 
 
 @dataclass

@@ -8,10 +8,11 @@ an `async def`, which the generator awaits; a plain function runs in the reward 
 import math
 from typing import Callable, Optional
 
-from asyncrl.generator.tasks import sort_digits
+from asyncrl.generator.tasks import add_numbers, sort_digits
 from asyncrl.generator.user_code import load_from_file
 
-BUILTIN_REWARDS = {sort_digits.DATA_SOURCE: sort_digits.compute_score}
+BUILTIN_REWARDS = {sort_digits.DATA_SOURCE: sort_digits.compute_score,
+                   add_numbers.DATA_SOURCE: add_numbers.compute_score}
 
 
 class RewardError(RuntimeError):

@@ -9,11 +9,13 @@ import os
 import sys
 from dataclasses import asdict
 
-from asyncrl.generator.tasks import sort_digits
+from asyncrl.generator.tasks import add_numbers, sort_digits
 
 log = logging.getLogger(__name__)
-TASKS = {"sort_digits": sort_digits}
-SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
+TASKS = {"sort_digits": sort_digits, "add_numbers": add_numbers}
+"""Each task module gives make_rows, sft_rows, tokenizer_corpus, its tokenizer's EOS, SPECIAL_TOKENS,
+ADDED_TOKENS and CHAT_TEMPLATE, and the model's MAX_POSITIONS."""
+SFT_MICROBATCH_TOKENS = 4096
 
 
 def demo_dir(demo_cfg, seed: int) -> str:
@@ -51,37 +53,65 @@ def write_dataset(task, path: str, num_prompts: int, seed: int) -> None:
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
     pq.write_table(pa.Table.from_pylist(task.make_rows(num_prompts, seed)), path)
-    pq.write_table(pa.Table.from_pylist(task.make_rows(num_prompts, seed + 1_000_003)),
+    pq.write_table(pa.Table.from_pylist(task.sft_rows(num_prompts, seed + 1_000_003)),
                    os.path.join(os.path.dirname(path), "sft.parquet"))
 
 
-def train_char_tokenizer(corpus: list):
-    """A character-level tokenizer trained on the task's text: every character of the corpus is one token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def train_char_tokenizer(task, corpus: list):
+    """A character-level tokenizer trained on the task's text: every character of the corpus is one token, and
+    so is each of the task's special and added tokens (`<|im_end|>`, `<tool_call>`).
+
+    `task.TOKENIZER_MODEL` is `byte_level` (a byte-level BPE with no merges, so one token per character: what
+    transformers rebuilds for a Qwen2 model directory, whose AutoTokenizer is always Qwen2Tokenizer, byte-level;
+    any text survives the round trip) or `word_level` (the sort task's original one, kept so its cached assets
+    and measured numbers stay valid: a word-level vocabulary survives Qwen2Tokenizer only for text without
+    whitespace, which `check_round_trip` verifies)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
-    tokenizer.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=SPECIAL_TOKENS))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>",
-                                   unk_token="<unk>")
-    fast.chat_template = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+    if task.TOKENIZER_MODEL == "byte_level":
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=1, special_tokens=task.SPECIAL_TOKENS, show_progress=False)
+    else:
+        tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
+        tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+        tokenizer.decoder = decoders.Fuse()
+        trainer = trainers.WordLevelTrainer(special_tokens=task.SPECIAL_TOKENS)
+    tokenizer.train_from_iterator(corpus, trainer)
+    if task.ADDED_TOKENS:
+        tokenizer.add_tokens([AddedToken(text, special=False, normalized=False) for text in task.ADDED_TOKENS])
+    others = [token for token in task.SPECIAL_TOKENS if token not in (task.EOS, "<pad>", "<unk>")]
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=task.EOS, pad_token="<pad>",
+                                   unk_token="<unk>", additional_special_tokens=others)
+    fast.chat_template = task.CHAT_TEMPLATE
     return fast
+
+
+def check_round_trip(model_dir: str, texts: list) -> None:
+    """The tokenizer as every part loads it (AutoTokenizer) must give back the task's text exactly."""
+    from asyncrl.learner.model import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    for text in texts:
+        back = tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if back != text:
+            raise RuntimeError(f"demo tokenizer in {model_dir} ({type(tokenizer).__name__}) does not round-trip "
+                               f"the task's text: {text[:60]!r} came back as {back[:60]!r}")
 
 
 def build_base_model(task, out_dir: str, demo_cfg, seed: int) -> None:
     from asyncrl.learner.model import build_qwen2
 
-    rows = task.make_rows(2000, seed)
-    corpus = [r["prompt"][0]["content"] + r["reward_model"]["ground_truth"] for r in rows] + [task.ALPHABET]
-    tokenizer = train_char_tokenizer(corpus)
+    tokenizer = train_char_tokenizer(task, task.tokenizer_corpus(seed))
     vocab = ((len(tokenizer) + 15) // 16) * 16  # padded; ids >= len(tokenizer) are never sampled after SFT
     model = build_qwen2(vocab, demo_cfg.hidden_size, demo_cfg.num_layers, tokenizer.eos_token_id,
-                        tokenizer.pad_token_id, seed)
+                        tokenizer.pad_token_id, seed, max_positions=task.MAX_POSITIONS)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    check_round_trip(out_dir, task.tokenizer_corpus(seed)[:20])
 
 
 def warm_start(base_dir: str, out_dir: str, sft_file: str, task, demo_cfg, seed: int, say) -> None:
@@ -91,6 +121,7 @@ def warm_start(base_dir: str, out_dir: str, sft_file: str, task, demo_cfg, seed:
     from asyncrl.learner.model import load_model, load_tokenizer
     from asyncrl.learner.sft import run_sft
     from asyncrl.learner.sft_data import read_sft_examples
+    from asyncrl.learner.train_step import StepSettings
 
     torch.manual_seed(seed)
     tokenizer = load_tokenizer(base_dir)
@@ -101,7 +132,12 @@ def warm_start(base_dir: str, out_dir: str, sft_file: str, task, demo_cfg, seed:
         if step % 10 == 0 or step == total:
             say(f"demo: SFT warm start step {step}/{total}, loss {loss:.3f}")
 
-    run_sft(model, examples, demo_cfg.sft_steps, demo_cfg.sft_lr, demo_cfg.sft_batch_size, seed, on_step=on_step)
+    # micro-batches of rows of like length: the tool task's transcripts are 60 to 150 tokens, and one padded
+    # batch would spend a third of its work on padding
+    settings = StepSettings(version=0, max_staleness=0, max_tokens_per_microbatch=SFT_MICROBATCH_TOKENS,
+                            chunk_tokens=4096, grad_clip=1.0)
+    run_sft(model, examples, demo_cfg.sft_steps, demo_cfg.sft_lr, demo_cfg.sft_batch_size, seed, settings=settings,
+            on_step=on_step)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     open(os.path.join(out_dir, "DONE"), "w").close()

@@ -50,7 +50,8 @@ def check_model_dir(path: str) -> None:
         raise ModelLoadError(f"model.path {path!r} is not an HF model directory (no config.json)")
 
 
-def build_qwen2(vocab_size: int, hidden_size: int, num_layers: int, eos_token_id: int, pad_token_id: int, seed: int):
+def build_qwen2(vocab_size: int, hidden_size: int, num_layers: int, eos_token_id: int, pad_token_id: int, seed: int,
+                max_positions: int = 128):
     """A tiny Qwen2 built from a config (no download). head_dim 32 is one vLLM's CPU attention supports."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -62,7 +63,7 @@ def build_qwen2(vocab_size: int, hidden_size: int, num_layers: int, eos_token_id
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
         num_key_value_heads=heads,
-        max_position_embeddings=128,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         eos_token_id=eos_token_id,
         bos_token_id=eos_token_id,

@@ -2,8 +2,11 @@
 
 Two row formats, detected per file from its columns:
 
-- chat: a `messages` column, a list of {"role", "content"} dicts. The whole conversation is rendered with the
-  tokenizer's chat template; every assistant turn is trained, every other turn is context.
+- chat: a `messages` column, a list of {"role", "content"} dicts, and optionally a `tools` column: the OpenAI
+  tool schemas the conversation offered (a list, or that list as a JSON string), passed to the chat template as
+  the generator passes them, so a model learns tool calls on the prompts it will see in RL. The whole
+  conversation is rendered with the tokenizer's chat template; every assistant turn is trained, every other turn
+  is context.
 - verl RL: a `prompt` column (chat messages) and `reward_model.ground_truth`. The prompt is rendered with the
   generation prompt, the target is the ground truth followed by EOS, and only the target is trained.
 
@@ -13,6 +16,7 @@ both renderings must be token prefixes of the full conversation. That works for 
 a conversation the same way whatever follows it; templates that do not (e.g. ones that rewrite earlier turns)
 are rejected rather than trained with a wrong mask.
 """
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -107,6 +111,7 @@ def read_file(path: str, tokenizer) -> list[SFTExample]:
 
 def build_chat_example(row: dict, tokenizer, source: str, where: str) -> SFTExample:
     messages = check_messages(row["messages"], where)
+    tools = check_tools(row.get("tools"), where)
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not turns:
         raise SFTDataError(f"{where}: the conversation has no assistant turn, so nothing would be trained")
@@ -114,10 +119,10 @@ def build_chat_example(row: dict, tokenizer, source: str, where: str) -> SFTExam
         raise SFTDataError(f"{where}: the conversation starts with an assistant turn; the template's assistant "
                            f"header cannot be found without a message before it")
     messages = messages[: turns[-1] + 1]
-    input_ids = render_ids(tokenizer, messages, False, where)
+    input_ids = render_ids(tokenizer, messages, False, where, tools)
     loss_mask = [0] * len(input_ids)
     for i in turns:
-        start, end = assistant_span(tokenizer, messages, i, input_ids, where)
+        start, end = assistant_span(tokenizer, messages, i, input_ids, where, tools)
         loss_mask[start:end] = [1] * (end - start)
     if tokenizer.eos_token_id not in input_ids[start:end]:  # [start, end) is the last turn, which ends the sequence
         append_eos(tokenizer, input_ids, loss_mask, where)
@@ -135,10 +140,11 @@ def build_verl_example(row: dict, tokenizer, source: str, where: str) -> SFTExam
     return SFTExample(input_ids, loss_mask, source)
 
 
-def assistant_span(tokenizer, messages: list[dict], i: int, full_ids: list[int], where: str) -> tuple[int, int]:
+def assistant_span(tokenizer, messages: list[dict], i: int, full_ids: list[int], where: str,
+                   tools: list | None = None) -> tuple[int, int]:
     """[start, end) token positions of assistant turn i: after its generation prompt, through its end-of-turn."""
-    start = len(render_prefix(tokenizer, messages[:i], True, full_ids, where))
-    end = len(render_prefix(tokenizer, messages[: i + 1], False, full_ids, where))
+    start = len(render_prefix(tokenizer, messages[:i], True, full_ids, where, tools))
+    end = len(render_prefix(tokenizer, messages[: i + 1], False, full_ids, where, tools))
     if end < start:
         raise SFTDataError(f"{where}: the chat template is not prefix-stable: assistant turn {i} renders "
                            f"shorter than the generation prompt before it")
@@ -166,20 +172,36 @@ def check_messages(messages, where: str) -> list[dict]:
     return cleaned
 
 
-def render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, where: str) -> list[int]:
+def check_tools(tools, where: str) -> list | None:
+    """The row's tool schemas as a list of dicts (None when it offers none); a JSON string is parsed."""
+    if tools is None:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError as error:
+            raise SFTDataError(f"{where}: the tools column is not valid JSON: {error}") from None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise SFTDataError(f"{where}: tools must be a list of OpenAI tool schemas (dicts), or that list as JSON")
+    return tools or None
+
+
+def render_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, where: str,
+               tools: list | None = None) -> list[int]:
     # Render to text, then tokenize without special tokens: templates that write BOS themselves would
     # otherwise get a second one, and this matches how the generator tokenizes prompts.
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
     except Exception as error:  # jinja raises TemplateError for conversations a template refuses
         raise SFTDataError(f"{where}: the chat template failed to render {len(messages)} messages: {error}") from error
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def render_prefix(tokenizer, messages: list[dict], add_generation_prompt: bool, full_ids: list[int],
-                  where: str) -> list[int]:
+                  where: str, tools: list | None = None) -> list[int]:
     """The rendering of the first messages, which must be a token prefix of the full conversation's."""
-    ids = render_ids(tokenizer, messages, add_generation_prompt, where)
+    ids = render_ids(tokenizer, messages, add_generation_prompt, where, tools)
     if full_ids[: len(ids)] != ids:
         kind = "with" if add_generation_prompt else "without"
         raise SFTDataError(f"{where}: the chat template is not prefix-stable: rendering the first {len(messages)} "

@@ -5,8 +5,17 @@ Rows follow verl's format so the same code reads a user's dataset: `prompt` (cha
 """
 import random
 
+from asyncrl.generator.tasks.exact_match import compute_score  # noqa: F401 (the task's reward)
+
 DATA_SOURCE = "asyncrl/sort_digits"
 ALPHABET = "0123456789sort:="
+TOKENIZER_MODEL = "word_level"  # launch/demo.py train_char_tokenizer: why not byte_level
+EOS = "<eos>"
+SPECIAL_TOKENS = ["<pad>", EOS, "<unk>"]
+ADDED_TOKENS: list = []
+MAX_POSITIONS = 128
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+"""The contents, concatenated: the prompt is `sort:5021=` and the model writes the answer right after it."""
 
 
 def make_rows(num_prompts: int, seed: int, min_len: int = 4, max_len: int = 7) -> list[dict]:
@@ -25,11 +34,12 @@ def make_rows(num_prompts: int, seed: int, min_len: int = 4, max_len: int = 7) -
     return rows
 
 
-def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info=None) -> dict:
-    """1.0 for an exact match, else 0.0; `char_acc` (fraction of right characters) is reported alongside."""
-    solution = solution_str.strip()
-    matches = sum(a == b for a, b in zip(solution, ground_truth))
-    return {
-        "score": float(solution == ground_truth),
-        "char_acc": matches / max(len(ground_truth), len(solution), 1),
-    }
+def sft_rows(num_rows: int, seed: int) -> list[dict]:
+    """SFT rows for the warm start: the task's own rows, whose ground truth is the target (learner/sft_data.py)."""
+    return make_rows(num_rows, seed)
+
+
+def tokenizer_corpus(seed: int) -> list[str]:
+    """Text with every character the task uses, for the character tokenizer."""
+    rows = make_rows(2000, seed)
+    return [r["prompt"][0]["content"] + r["reward_model"]["ground_truth"] for r in rows] + [ALPHABET]

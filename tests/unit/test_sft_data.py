@@ -46,9 +46,10 @@ def chatml():
 
 @pytest.fixture(scope="module")
 def char():
+    from asyncrl.generator.tasks import sort_digits
     from asyncrl.launch.demo import train_char_tokenizer
 
-    return train_char_tokenizer([CHARS])
+    return train_char_tokenizer(sort_digits, [CHARS])
 
 
 def write_rows(tmp_path, rows: list, name: str = "data.parquet") -> str:
@@ -118,6 +119,36 @@ def test_tool_turns_are_context(tmp_path, chatml):
     assert trained_spans(chatml, example) == ["call add<|im_end|>\n", "It is 3<|im_end|>\n"]
 
 
+def test_tools_column_renders_the_tools_the_generator_offers(tmp_path):
+    """The tool demo's transcripts: SFT renders the same opening, tool list included, as the episode runner."""
+    import json
+
+    from asyncrl.generator.agents.chat_render import ChatAppender
+    from asyncrl.generator.tasks import add_numbers
+    from asyncrl.launch.demo import train_char_tokenizer
+
+    tokenizer = train_char_tokenizer(add_numbers, add_numbers.tokenizer_corpus(0))
+    rows = add_numbers.sft_rows(2, seed=3, tool_fraction=1.0)
+    [example, _] = read_sft_examples([write_rows(tmp_path, rows)], tokenizer)
+    messages = rows[0]["messages"]
+    a_plus_b = messages[0]["content"][4:-1]
+    assert trained_spans(tokenizer, example) == [add_numbers.call_text(a_plus_b) + "<|im_end|>\n",
+                                                 messages[3]["content"] + "<|im_end|>\n"]
+    opening = ChatAppender(tokenizer, tools=add_numbers.tools()).prompt_ids(messages[:1])
+    assert example.input_ids[:len(opening)] == opening and example.loss_mask[len(opening)] == 1
+    assert tokenizer.decode(opening).startswith("<|im_start|>system\ntools: calculator<|im_end|>\n")
+    assert tokenizer.decode(opening, skip_special_tokens=True).startswith("system\ntools: calculator\n")
+    assert json.loads(rows[0]["tools"]) == add_numbers.tools()
+
+
+@pytest.mark.parametrize("tools, message", [("{not json", "not valid JSON"), ('{"a": 1}', "list of OpenAI tool"),
+                                            ("[1, 2]", "list of OpenAI tool")])
+def test_bad_tools_column_names_the_row(tmp_path, chatml, tools, message):
+    path = write_rows(tmp_path, [{"messages": CONVERSATION[1:3], "tools": tools}])
+    with pytest.raises(SFTDataError, match=f"row 0: .*{message}"):
+        read_sft_examples([path], chatml)
+
+
 def test_rows_of_several_files_keep_file_then_row_order(tmp_path, chatml):
     first = write_rows(tmp_path, [{"messages": CONVERSATION[1:3]}, {"messages": CONVERSATION[3:5]}], "a.parquet")
     second = write_rows(tmp_path, [{"messages": CONVERSATION}], "b.parquet")
@@ -126,9 +157,10 @@ def test_rows_of_several_files_keep_file_then_row_order(tmp_path, chatml):
 
 
 def test_template_that_is_not_prefix_stable_is_rejected(tmp_path):
+    from asyncrl.generator.tasks import sort_digits
     from asyncrl.launch.demo import train_char_tokenizer
 
-    tokenizer = train_char_tokenizer([CHARS])
+    tokenizer = train_char_tokenizer(sort_digits, [CHARS])
     # appends the message count: a prefix of the conversation renders a different suffix
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ messages | length }}"
     path = write_rows(tmp_path, [{"messages": CONVERSATION[1:3]}])

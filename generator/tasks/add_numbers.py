@@ -1,0 +1,99 @@
+"""Demo task for tools: add two 4-digit numbers (`add:1234+5678=` -> `6912`) with the built-in `calculator`.
+
+The demo's ~1M-parameter model cannot add 4-digit numbers in its head, but it can learn to call the calculator
+and copy the result into its answer. The SFT warm start shows both habits: some transcripts call the tool, the
+others answer straight away (the right sum, which the model cannot reproduce); asynchronous RL then raises the
+reward by raising the fraction of episodes that call the tool (configs/tools_cpu.yaml, README "The tool demo").
+
+A tool-using episode, as the chat template below renders it (`<tool_call>` and `</tool_call>` are single tokens
+of the demo tokenizer; the other characters are one token each):
+
+    <|im_start|>system\\ntools: calculator<|im_end|>\\n<|im_start|>user\\nadd:1234+5678=<|im_end|>\\n
+    <|im_start|>assistant\\n<tool_call>{"name":"calculator","arguments":{"expression":"1234+5678"}}</tool_call><|im_end|>\\n
+    <|im_start|>tool\\n6912<|im_end|>\\n<|im_start|>assistant\\n6912<|im_end|>
+
+Rows follow verl's format, as the sort task's do; the SFT rows are chat transcripts (`messages`, and `tools`
+as JSON: learner/sft_data.py renders them with the same template and tool list as the generator).
+"""
+import json
+import random
+import string
+
+from asyncrl.generator.agents.calculator import calculator
+from asyncrl.generator.agents.tool_schema import tool_schema
+from asyncrl.generator.tasks.exact_match import compute_score  # noqa: F401 (the task's reward)
+
+DATA_SOURCE = "asyncrl/add_numbers"
+TOKENIZER_MODEL = "byte_level"  # whitespace and JSON survive Qwen2Tokenizer (launch/demo.py)
+EOS = "<|im_end|>"
+SPECIAL_TOKENS = ["<pad>", "<unk>", "<|im_start|>", EOS]
+ADDED_TOKENS = ["<tool_call>", "</tool_call>"]
+"""Ordinary (non-special) tokens: they survive decoding, where the tool-call parser finds them."""
+MAX_POSITIONS = 256
+"""A tool-using episode is about 150 tokens."""
+SFT_TOOL_FRACTION = 0.3
+"""Of the SFT transcripts, the fraction that call the calculator; the rest answer without it."""
+CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\ntools: {{ tools | map(attribute='function.name') | join(', ') }}"
+    "<|im_end|>\n{% endif %}"
+    "{%- for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""ChatML with the tool names (not their schemas: the model learns the call format in SFT, and a 200-character
+schema in every prompt would double the learner's work)."""
+
+
+def _pair(rng) -> tuple[int, int]:
+    return rng.randint(1000, 9999), rng.randint(1000, 9999)
+
+
+def make_rows(num_prompts: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    rows = []
+    for index in range(num_prompts):
+        a, b = _pair(rng)
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": f"add:{a}+{b}="}],
+                "data_source": DATA_SOURCE,
+                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                "extra_info": {"index": index, "split": "train"},
+            }
+        )
+    return rows
+
+
+def tools() -> list[dict]:
+    """The OpenAI schemas of the demo's tools, as the generator offers them (`tools.builtins=[calculator]`)."""
+    return [tool_schema(calculator)]
+
+
+def call_text(expression: str) -> str:
+    arguments = {"name": "calculator", "arguments": {"expression": expression}}
+    return "<tool_call>" + json.dumps(arguments, separators=(",", ":")) + "</tool_call>"
+
+
+def sft_rows(num_rows: int, seed: int, tool_fraction: float = SFT_TOOL_FRACTION) -> list[dict]:
+    """Chat transcripts: a `tool_fraction` of them call the calculator, then copy its result; the rest answer
+    directly."""
+    rng = random.Random(seed)
+    schemas = json.dumps(tools())
+    rows = []
+    for _ in range(num_rows):
+        a, b = _pair(rng)
+        user = {"role": "user", "content": f"add:{a}+{b}="}
+        if rng.random() < tool_fraction:
+            messages = [user, {"role": "assistant", "content": call_text(f"{a}+{b}")},
+                        {"role": "tool", "content": str(a + b)}, {"role": "assistant", "content": str(a + b)}]
+        else:
+            messages = [user, {"role": "assistant", "content": str(a + b)}]
+        rows.append({"messages": messages, "tools": schemas})
+    return rows
+
+
+def tokenizer_corpus(seed: int) -> list[str]:
+    """Text with every character the task's conversations use, for the character tokenizer."""
+    rows = sft_rows(200, seed, tool_fraction=1.0)
+    text = ["tools: calculator\n" + "".join(f"{m['role']}\n{m['content']}\n" for m in row["messages"]) for row in rows]
+    return text + [string.printable]  # tool errors and anything else a tool message may say
