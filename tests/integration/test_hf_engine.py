@@ -54,6 +54,23 @@ def test_concurrent_requests_share_one_padded_batch_and_match_the_learner(demo_a
     assert worst < 1e-4, worst
 
 
+def test_requests_of_different_n_are_prefilled_once_and_each_row_matches_the_learner(demo_assets, model):
+    """Each request's prompt is prefilled once and copied to its n rows; rows that stop early leave the batch. Every
+    row must still sample from its own prompt and score as the learner does."""
+    engine = HfEngine(demo_assets[0], "float32", max_model_len=64, kv_cache_gib=1, seed=1)
+    sampling = Sampling(temperature=1.0, max_tokens=8)
+    ns = [1, 5, 2]
+    groups = asyncio.run(sample_together(engine, [(prompt, sampling, n) for prompt, n in zip(PROMPTS, ns)]))
+    assert engine.batches == 1 and [len(group) for group in groups] == ns
+    lengths = set()
+    for prompt, group in zip(PROMPTS, groups):
+        for completion in group:
+            lengths.add(len(completion.token_ids))
+            expected = learner_logprobs(model, prompt, completion.token_ids, 1.0)
+            assert np.max(np.abs(expected - np.array(completion.logprobs))) < 1e-4
+    assert len(lengths) > 1  # (seeded) some rows stopped while others decoded on: the batch shrank under them
+
+
 def test_requests_that_sample_differently_are_decoded_in_separate_batches(demo_assets):
     engine = HfEngine(demo_assets[0], "float32", max_model_len=64, kv_cache_gib=1, seed=0)
     tempered, greedy = Sampling(temperature=1.0, max_tokens=6), Sampling(temperature=0.0, max_tokens=6)
