@@ -2,10 +2,11 @@
 
 Each of `max_inflight_groups` workers repeats: ask the learner for admission -> load the newest weights it has
 heard of (docs/architecture.md §4: before sampling a new group) -> sample n completions -> score them (off the
-event loop: generator/scoring.py) -> send the group. It talks to the learner only through `interface.GeneratorBuffer` (either backend), whose typed replies it
-reads. It waits on: admission (polls with backoff while the learner says no), weight loads, and the learner's
-replies (each bounded by a timeout). It stops when the learner says the job is done (buffer/done.py), or fails when
-the learner is gone.
+event loop: generator/scoring.py) -> send the group. It talks to the learner only through
+`interface.GeneratorBuffer` (either backend), whose typed replies it reads. It waits on: admission
+(generator/admission.py: every waiting worker's in one request, polled with backoff while the learner says no),
+weight loads, and the learner's replies (each bounded by a timeout). It stops when the learner says the job is done
+(buffer/done.py), or fails when the learner is gone.
 """
 import asyncio
 import logging
@@ -19,6 +20,7 @@ from asyncrl.buffer.done import JobEnd
 from asyncrl.buffer.group import Group, Sample, Sampling, new_group_id
 from asyncrl.buffer.interface import Status
 from asyncrl.configs.sections import RewardConfig
+from asyncrl.generator.admission import AdmissionGate
 from asyncrl.generator.agents.episode import PromptTooLong, episodes_to_samples
 from asyncrl.generator.engines.base import EngineBroken, WeightLoadError
 from asyncrl.generator.rewards import overlong_penalty
@@ -124,6 +126,8 @@ class RolloutLoop:
         self.latest_weights: dict = {}
         self.job_end = JobEnd()
         self._weights_lock = asyncio.Lock()
+        self.admission = AdmissionGate(client, self.note_reply)
+        """Every waiting worker's admission in one request, so the grants of a reply are sampled in one batch."""
 
     @property
     def done(self) -> bool:
@@ -147,6 +151,7 @@ class RolloutLoop:
                 for task in finished - {heard_done}:
                     task.result()  # a worker's error ends the run
         finally:
+            await self.admission.close()
             tasks = (reporter, heard_done, *workers)
             for task in tasks:
                 task.cancel()
@@ -165,15 +170,8 @@ class RolloutLoop:
                       reply.rejected.count, reply.rejected.last_error)
 
     async def _worker(self) -> None:
-        backoff = 0.01
         while not self.done:
-            reply = await self.client.admit(1)
-            self.note_reply(reply)
-            if not reply.granted:
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 0.2)
-                continue
-            backoff = 0.01
+            await self.admission.take()
             await self.ensure_latest_weights()
             with self.stats.busy:  # sampling and scoring: the generator's work; the rest is waiting
                 group = await self._sample_group(next(self.prompts))

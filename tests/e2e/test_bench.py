@@ -34,8 +34,10 @@ def test_time_to_reward_bench_runs_asyncrl_and_trl_on_a_tiny_setting(tmp_path, d
 
 @pytest.mark.slow
 def test_tool_latency_bench_runs_episodes_at_two_etas_on_a_tiny_setting(tmp_path, demo_assets, demo_cache):
-    # episode metrics travel in the generator's log window: a 1 s window reaches the learner within 4 short steps
-    overrides = [f"demo.cache_dir={demo_cache}", *TINY_DEMO, f"buffer.port={free_port()}", "generator.log_every_s=1"]
+    # episode metrics travel in the generator's log window: 4 short steps can take under a second, so the window is
+    # a fifth of one (with 1 s, a run whose steps all fell inside the first window had no episode metrics)
+    overrides = [f"demo.cache_dir={demo_cache}", *TINY_DEMO, f"buffer.port={free_port()}",
+                 "generator.log_every_s=0.2"]
     out = subprocess.run([sys.executable, "-m", "asyncrl.bench.tool_latency", "--seeds", "0", "--etas", "0", "1",
                           "--steps", "4", "--slow-s", "0.3", "--slow-p", "0.5", "--inflight", "4", *overrides],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
