@@ -14,10 +14,7 @@ starts waiting (it may bring a released admission with it). One request is in fl
 while waiting takes nothing with it: a grant that finds its caller gone is released again.
 """
 import asyncio
-import logging
 from collections import deque
-
-log = logging.getLogger(__name__)
 
 
 class AdmissionGate:

@@ -102,10 +102,11 @@ class HfEngine:
         stopped = torch.zeros(rows, dtype=torch.bool)
         eos = torch.tensor(self.eos_token_id)
         live_rows = torch.arange(rows)  # the batch rows still decoding, in the order of the model's rows
-        tokens_out = torch.zeros(rows, max(int(limits.max()), 0), dtype=torch.long)
-        logprobs_out = torch.zeros(rows, max(int(limits.max()), 0))
+        steps = max(int(limits.max()), 0)
+        tokens_out = torch.zeros(rows, steps, dtype=torch.long)
+        logprobs_out = torch.zeros(rows, steps)
         lengths = torch.zeros(rows, dtype=torch.long)
-        for step in range(int(limits.max().clamp(min=0))):
+        for step in range(steps):
             log_probs = processed_log_probs(output.logits[:, -1].float(), sampling)
             tokens = torch.multinomial(log_probs.exp(), 1, generator=self._generator).squeeze(-1)
             tokens_out[live_rows, step] = tokens
