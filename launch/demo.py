@@ -1,5 +1,6 @@
 """Demo assets, built on first use and cached: a character tokenizer trained with `tokenizers`, a tiny Qwen2, the
-task's parquet dataset, and the SFT warm start. The cache key is the demo settings, so changing them rebuilds.
+task's parquet dataset, and the SFT warm start. The cache key is the demo settings and the task's code, so changing
+either rebuilds.
 """
 import fcntl
 import hashlib
@@ -19,7 +20,12 @@ SFT_MICROBATCH_TOKENS = 4096
 
 
 def demo_dir(demo_cfg, seed: int) -> str:
-    key = hashlib.sha256(json.dumps({**asdict(demo_cfg), "seed": seed, "v": 1}, sort_keys=True).encode()).hexdigest()
+    """The cache key is the demo settings, the seed and the task module's source, so a change to the task's data
+    or tokenizer rebuilds too."""
+    with open(TASKS[demo_cfg.task].__file__, "rb") as source:
+        task_code = hashlib.sha256(source.read()).hexdigest()
+    settings = {**asdict(demo_cfg), "seed": seed, "v": 1, "task_code": task_code}
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
     return os.path.join(os.path.expanduser(demo_cfg.cache_dir), f"{demo_cfg.task}-{key[:12]}")
 
 
