@@ -1,16 +1,20 @@
-"""Demo task for tools: add two 4-digit numbers (`add:1234+5678=` -> `6912`) with the built-in `calculator`.
+"""Demo task for tools: add two 4-digit numbers (`add:1234+3678=` -> `4912`) with the built-in `calculator`.
 
 The demo's ~1M-parameter model cannot add 4-digit numbers in its head, but it can learn to call the calculator
-and copy the result into its answer. The SFT warm start shows both habits: some transcripts call the tool, the
-others answer straight away (the right sum, which the model cannot reproduce); asynchronous RL then raises the
-reward by raising the fraction of episodes that call the tool (configs/tools_cpu.yaml, README "The tool demo").
+and copy the result into its answer. The SFT warm start shows both habits: half the transcripts call the tool and
+copy its result, the others guess a number; asynchronous RL then raises the reward by raising the fraction of
+episodes that call the tool and copy right (configs/tools_cpu.yaml, README "The tool demo").
 
-A tool-using episode, as the chat template below renders it (`<tool_call>` and `</tool_call>` are single tokens
-of the demo tokenizer; the other characters are one token each):
+A tool-using episode, as the chat template below renders it (the added tokens are single tokens of the demo
+tokenizer; every other character is one token):
 
-    <|im_start|>system\\ntools: calculator<|im_end|>\\n<|im_start|>user\\nadd:1234+5678=<|im_end|>\\n
-    <|im_start|>assistant\\n<tool_call>{"name":"calculator","arguments":{"expression":"1234+5678"}}</tool_call><|im_end|>\\n
-    <|im_start|>tool\\n6912<|im_end|>\\n<|im_start|>assistant\\n6912<|im_end|>
+    <|im_start|>system\\ntools: calculator<|im_end|>\\n<|im_start|>user\\nadd:1234+3678=<|im_end|>\\n
+    <|im_start|>assistant\\n<tool_call>{"name":"calculator","arguments":{"expression":"1234+3678"}}</tool_call><|im_end|>\\n
+    <|im_start|>tool\\n4912<|im_end|>\\n<|im_start|>assistant\\n4912<|im_end|>
+
+What the measured recipe depends on: the operands are at most 4999, so every result has 4 digits and the model
+copies at fixed offsets (with 4- and 5-digit results mixed it learned one offset and copied half of the answers
+wrong); the guesses are random, not the sum, which the model would otherwise half learn and use after a call too.
 
 Rows follow verl's format, as the sort task's do; the SFT rows are chat transcripts (`messages`, and `tools`
 as JSON: learner/sft_data.py renders them with the same template and tool list as the generator).
@@ -27,12 +31,15 @@ DATA_SOURCE = "asyncrl/add_numbers"
 TOKENIZER_MODEL = "byte_level"  # whitespace and JSON survive Qwen2Tokenizer (launch/demo.py)
 EOS = "<|im_end|>"
 SPECIAL_TOKENS = ["<pad>", "<unk>", "<|im_start|>", EOS]
-ADDED_TOKENS = ["<tool_call>", "</tool_call>"]
-"""Ordinary (non-special) tokens: they survive decoding, where the tool-call parser finds them."""
+ADDED_TOKENS = ["<tool_call>", "</tool_call>", '"name"', '"arguments"', '"expression"', "calculator", "assistant",
+                "system", "tools", "user"]
+"""Ordinary (non-special) tokens: they survive decoding, where the tool-call parser finds them. The words are
+single tokens as a BPE vocabulary would have them: a call is 25 tokens instead of 60, which halves the distance
+over which the model copies the operands into it."""
 MAX_POSITIONS = 256
-"""A tool-using episode is about 150 tokens."""
-SFT_TOOL_FRACTION = 0.3
-"""Of the SFT transcripts, the fraction that call the calculator; the rest answer without it."""
+"""A tool-using episode is about 80 tokens."""
+SFT_TOOL_FRACTION = 0.5
+"""Of the SFT transcripts, the fraction that call the calculator; the rest guess an answer."""
 CHAT_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\ntools: {{ tools | map(attribute='function.name') | join(', ') }}"
     "<|im_end|>\n{% endif %}"
@@ -45,7 +52,8 @@ schema in every prompt would double the learner's work)."""
 
 
 def _pair(rng) -> tuple[int, int]:
-    return rng.randint(1000, 9999), rng.randint(1000, 9999)
+    """Operands whose sum has 4 digits too: the tool's result, and so the answer, always has the same length."""
+    return rng.randint(1000, 4999), rng.randint(1000, 4999)
 
 
 def make_rows(num_prompts: int, seed: int) -> list[dict]:
@@ -86,8 +94,8 @@ def sft_rows(num_rows: int, seed: int, tool_fraction: float = SFT_TOOL_FRACTION)
         if rng.random() < tool_fraction:
             messages = [user, {"role": "assistant", "content": call_text(f"{a}+{b}")},
                         {"role": "tool", "content": str(a + b)}, {"role": "assistant", "content": str(a + b)}]
-        else:
-            messages = [user, {"role": "assistant", "content": str(a + b)}]
+        else:  # a guess: were it the sum, the model would learn half an adder that it then uses after a call too
+            messages = [user, {"role": "assistant", "content": str(rng.randint(2000, 9998))}]
         rows.append({"messages": messages, "tools": schemas})
     return rows
 
