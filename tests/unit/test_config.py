@@ -114,6 +114,11 @@ def test_shipped_recipes_load(recipe):
     assert cfg.demo.task == "sort_digits"
 
 
+def test_the_tool_demo_recipe_loads():
+    cfg = load_config("tools_cpu.yaml")
+    assert cfg.demo.task == "add_numbers" and cfg.tools.builtins == ["calculator"] and cfg.rollout.max_turns == 3
+
+
 def test_config_names_match_the_algos_registries():
     from dataclasses import fields
 
