@@ -1,7 +1,6 @@
 """End to end: the tool demo (configs/tools_cpu.yaml) for a few steps: its assets are built (a byte-level
 character tokenizer, SFT on transcripts that call the calculator), the generator runs multi-turn episodes with the
-built-in calculator, on the recipe's hf engine and on the real vLLM CPU engine, and the episode metrics reach the
-progress log and MLflow."""
+built-in calculator on the hf engine, and the episode metrics reach the progress log and MLflow."""
 import json
 import subprocess
 import sys
@@ -9,21 +8,20 @@ import sys
 import pytest
 
 from tests.conftest import free_port
-from tests.e2e.test_run import VLLM_OVERRIDES, job_env, mlflow_metric_keys, read_progress
+from tests.e2e.test_run import job_env, mlflow_metric_keys, read_progress
 
 EPISODE_METRICS = ("gen-0/rollout/turns/mean", "gen-0/rollout/tool_calls/mean", "gen-0/rollout/tool_use_frac",
                    "gen-0/rollout/env_tokens/mean")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
-def test_tool_demo_runs_episodes_with_the_calculator(tmp_path, engine):
+def test_tool_demo_runs_episodes_with_the_calculator(tmp_path):
     job_dir = tmp_path / "job"
     env = {**job_env(tmp_path), "ASYNCRL_JOB_DIR": str(job_dir)}
     overrides = [f"demo.cache_dir={tmp_path / 'demo'}", "demo.sft_steps=30", "demo.sft_batch_size=32",
                  "demo.num_prompts=128", f"buffer.port={free_port()}", "learner.total_steps=3",
                  "buffer.groups_per_step=2", "rollout.n=4", "generator.max_inflight_groups=2",
-                 "generator.log_every_s=1", "algo.dynamic_sampling=false"] + (VLLM_OVERRIDES if engine == "vllm" else [])
+                 "generator.log_every_s=1", "algo.dynamic_sampling=false"]
     out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "run", "--config", "tools_cpu.yaml", *overrides],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
