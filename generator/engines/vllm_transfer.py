@@ -1,0 +1,149 @@
+"""asyncrl's shared-memory staging as one more engine of vLLM's public weight-transfer API.
+
+vLLM receives weights for RL through `init_weight_transfer_engine`, `start_weight_update`, `update_weights` and
+`finish_weight_update(weight_version=...)`, and picks the transport from `WeightTransferConfig.backend` out of its
+`WeightTransferEngineFactory` registry (`nccl`, `sparse_nccl` and `ipc` ship with vLLM). This module adds
+`asyncrl_shm`: each `update_weights` call names one bucket of a complete, checksummed version in the generator's
+staging mapping (weightsync/receiver.py), and the worker hands vLLM typed views of its bytes, without a copy before
+vLLM's own. It is registered in every vLLM process through vLLM's plugin entry point (`vllm.general_plugins`, in
+setup.py), so the CPU tests drive exactly the calls a GPU engine receives.
+
+Loading follows vLLM's layerwise reload (what its own `nccl` engine does): `start_weight_update` opens it, every
+bucket's tensors go through `model.load_weights`, `finish_weight_update` finalizes it. That is the reload that also
+works after the CPU backend's weight prepacking (docs/platform.md).
+
+Never half-loaded: if a bucket fails (a shape vLLM refuses, a staging slot rewritten underneath), the engine
+finalizes the reload it opened before raising. Layers that were complete hold the new weights, the others their
+old ones or a partial mix, but no layer is left on the meta device with buffered weights that a later reload would
+replay. The generator then reloads its last good version through the same calls before it samples again
+(vllm_engine.py), which overwrites every tensor.
+"""
+import json
+from dataclasses import dataclass, field
+
+import torch
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+
+from asyncrl.weightsync.layout import from_message
+from asyncrl.weightsync.receiver import STAGING_SLOTS
+from asyncrl.weightsync.shm_ring import ShmRing
+
+BACKEND = "asyncrl_shm"
+"""The name this engine is registered under in vLLM's WeightTransferEngineFactory."""
+
+
+@dataclass
+class ShmInitInfo(WeightTransferInitInfo):
+    """Nothing to rendezvous: the staging mapping is named by each update."""
+
+
+@dataclass
+class ShmUpdateInfo(WeightTransferUpdateInfo):
+    """One bucket of a staged version, or (with `path`) the model's own safetensors files, the last good version
+    of a generator that has loaded nothing else yet."""
+
+    version: int = -1
+    ring_path: str = ""
+    slot: int = -1
+    bucket: int = -1
+    message_json: str = ""
+    """The control message's layout (names, dtypes, shapes, buckets, offsets, sizes, fingerprint) as JSON."""
+    path: str = ""
+    names: list = field(default_factory=list)
+    """Only with `path`: which tensors of the files to load ([] = all)."""
+
+    def __post_init__(self):
+        if not self.path and (self.version < 0 or not self.ring_path or self.slot < 0 or self.bucket < 0
+                              or not self.message_json):
+            raise ValueError("an asyncrl_shm update names a staged bucket (version, ring_path, slot, bucket, "
+                             "message_json) or a model directory (path)")
+
+
+class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
+    init_info_cls = ShmInitInfo
+    update_info_cls = ShmUpdateInfo
+
+    def __init__(self, config, vllm_config, device, model):
+        super().__init__(config, vllm_config, device, model)
+        self._rings: dict = {}  # ring path -> ShmRing, mapped once per layout
+
+    def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
+        return None
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict) -> None:
+        """The base class's update_weights plus the consistency guarantee of this module's docstring. (It also
+        skips the base class's `torch.accelerator.synchronize()`, which raises on a machine without an
+        accelerator; these copies are synchronous.)"""
+        try:
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException as err:
+            try:
+                self.finish_weight_update()
+            except Exception as again:  # the worker cannot vouch for the model: the generator reloads or breaks
+                raise RuntimeError(f"{err}; closing the reload after it failed too: {again}") from err
+            raise
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def receive_weights(self, update_info: ShmUpdateInfo) -> None:
+        if update_info.path:
+            self.model.load_weights(_safetensors(update_info.path, set(update_info.names)))
+            return
+        layout = from_message(json.loads(update_info.message_json))
+        ring = self._rings.get(update_info.ring_path)
+        if ring is None or ring.layout.fingerprint != layout.fingerprint:
+            if ring is not None:
+                ring.close()
+            ring = ShmRing(update_info.ring_path, layout, STAGING_SLOTS, create=False)
+            self._rings[update_info.ring_path] = ring
+        where = f"bucket {update_info.bucket} of {len(layout.bucket_sizes)} of v{update_info.version}"
+        before = ring.stamp(update_info.slot)
+        if before[0] % 2 or before[1] != update_info.version:
+            raise RuntimeError(f"{where}: staging slot {update_info.slot} of {update_info.ring_path} holds "
+                               f"v{before[1]} (sequence {before[0]}), not a complete v{update_info.version}")
+        try:
+            self.model.load_weights(ring.buckets(update_info.slot).tensors(update_info.bucket))
+        except Exception as err:
+            raise RuntimeError(f"{where}: {type(err).__name__}: {err}") from err
+        if ring.stamp(update_info.slot) != before:
+            raise RuntimeError(f"{where}: staging slot {update_info.slot} changed while it was loading")
+
+    def shutdown(self) -> None:
+        for ring in self._rings.values():
+            ring.close()
+        self._rings.clear()
+
+
+def _safetensors(path: str, names: set):
+    import glob
+    import os
+
+    from safetensors import safe_open
+
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():
+                if not names or name in names:
+                    yield name, handle.get_tensor(name)
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: vLLM calls it in every process it starts (its engine core and
+    workers load the general plugins), before any engine is created. Idempotent."""
+    from vllm.distributed.weight_transfer import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "ShmWeightTransferEngine")
+    except ValueError:  # registered already: plugins load once per process, but be safe
+        pass
