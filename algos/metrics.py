@@ -88,6 +88,22 @@ def compute_offpolicy_metrics(logprobs_prox: Tensor, logprobs_behav: Tensor, los
 
 
 @torch.no_grad()
+def compute_mult_prob_error(logprobs_learner: Tensor, logprobs_behav: Tensor, valid: Tensor) -> float:
+    """NeMo-RL's framework-mismatch alert: mean over the `valid` tokens of exp(|ℓlearner - ℓμ|), 1.0 for none.
+
+    ℓlearner must be the learner's pass with the weights that sampled the tokens (the step-start policy, on tokens
+    of the learner's own version): then staleness plays no part, and a value above ~1.05 (5 % average probability
+    error per token) is a bug in the pipeline (a wrong sampling temperature, a nucleus the learner did not apply,
+    misaligned tokens, weights that did not arrive), not something a correction should absorb. fp64, |Δ| clamped
+    to 20 like the other ratios.
+    """
+    if not bool(valid.any()):
+        return 1.0
+    delta = (logprobs_learner.double() - logprobs_behav.double())[valid.bool()]
+    return float(torch.exp(delta.abs().clamp(max=LOG_RATIO_CLAMP)).mean())
+
+
+@torch.no_grad()
 def compute_staleness_metrics(
     versions: Tensor, loss_mask: Tensor, learner_version: int, max_staleness: int
 ) -> dict[str, float]:

@@ -22,6 +22,7 @@ from asyncrl.learner.host import LearnerHost
 from asyncrl.learner.parallel import ParallelState, broadcast_object
 from asyncrl.learner.publish import iter_full_weights, weight_specs
 from asyncrl.learner.state import AckLedger, LearnerState
+from asyncrl.learner.step_metrics import warn_on_mismatch
 from asyncrl.learner.train_step import PoisonedBatch, StepSettings, train_step
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,8 @@ def train_one_version(cfg, model, optimizer, scheduler, host: LearnerHost | None
         return False
     state.version = version + 1
     state.skipped_in_a_row = 0
+    if host is not None:  # rank 0 speaks for the step
+        warn_on_mismatch(metrics, version)
     state.record_batch(groups, dropped)
     state.kl_coef = parts.kl_controller.value
     started = time.perf_counter()

@@ -138,14 +138,15 @@ def compute_batch_weight(batch: Batch, plan: OffPolicyPlan) -> tuple[torch.Tenso
 
 def forward_backward(model, micro: Batch, plan: OffPolicyPlan, algo, counts: StepCounts, settings: StepSettings,
                      generator: torch.Generator):
-    """Current logprobs (with grad) at the sampling temperature, the loss, backward. Returns detached pieces.
+    """Current logprobs (with grad) at the sampling temperature, the loss, backward. Returns detached pieces (the
+    current logprobs too: before the step's first optimizer update they are the step-start policy's).
     The loss is scaled by the world size because FSDP averages gradients over it (parallel.py)."""
     logprobs, entropy = settings.logprobs(model, micro, with_entropy=True)  # [b, l-1]
     prox = resolve_prox(plan, logprobs, micro, settings.version)
     loss, pg_share, kl_share, metrics = compute_micro_loss(plan, algo, logprobs, prox, micro, counts,
                                                            algo.kl_loss_coef, generator)
     (loss * settings.parallel.loss_scale).backward()
-    return pg_share, kl_share, metrics, prox.detach(), entropy
+    return pg_share, kl_share, metrics, prox.detach(), entropy, logprobs.detach()
 
 
 def placeholder_pass(model, batch: Batch, settings: StepSettings) -> None:
@@ -181,14 +182,26 @@ def optimizer_step(model, optimizer, scheduler, grad_clip: float, loss_finite: b
     return grad_norm, finite
 
 
-def gather_over_dp(parallel: ParallelState, pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts):
-    """Every DP rank's shares of the step's losses, token metrics, π_prox and entropy, so each rank reports the
-    whole batch. (SP ranks of one group hold the same values; gathering over the DP group counts each row once.)"""
+def gather_over_dp(parallel: ParallelState, pg_loss, kl_loss, token_metrics, *row_parts):
+    """Every DP rank's shares of the step's losses, token metrics and per-row parts (π_prox, entropy, step-start
+    logprobs), so each rank reports the whole batch. (SP ranks of one group hold the same values; gathering over
+    the DP group counts each row once.)"""
     if parallel.dp_group is None:
-        return pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts
-    gathered = all_gather_objects((pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts), parallel.dp_group)
+        return (pg_loss, kl_loss, token_metrics, *row_parts)
+    gathered = all_gather_objects((pg_loss, kl_loss, token_metrics, *row_parts), parallel.dp_group)
     return (sum(g[0] for g in gathered), sum(g[1] for g in gathered), [m for g in gathered for m in g[2]],
-            [p for g in gathered for p in g[3]], [e for g in gathered for e in g[4]])
+            *([p for g in gathered for p in g[index]] for index in range(3, 3 + len(row_parts))))
+
+
+def step_start_logprobs(batch: Batch, plan: OffPolicyPlan, shape: tuple, start_parts: list):
+    """The learner's logprobs with the step-start weights and the rows they cover: the recomputed π_prox (every
+    row) when the plan made one, else the current pass of the first mini-batch (before any update)."""
+    if plan.prox_source == PROX_RECOMPUTE:
+        return batch.logprobs_prox, torch.ones(shape[0], dtype=torch.bool)
+    rows = torch.zeros(shape[0], dtype=torch.bool)
+    for part_rows, _ in start_parts:
+        rows[part_rows] = True
+    return scatter_rows(shape, start_parts), rows
 
 
 def data_dependent(what: str, phase, *args):
@@ -215,6 +228,7 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
     batch.is_weight, correction_metrics = compute_batch_weight(batch, plan)
     generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + settings.version)
     pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts, grad_norms, stepped = 0.0, 0.0, [], [], [], [], 0
+    start_parts = []  # the current pass before the first optimizer update: the step-start policy's logprobs
     for mini in split_minibatches(batch, algo.ppo_minibatches):
         counts = StepCounts(tokens=float(mini.loss_mask.sum()), seqs=float((mini.loss_mask.sum(-1) > 0).sum()))
         mini_loss = 0.0
@@ -222,8 +236,10 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
             if micro is None:
                 placeholder_pass(model, mini, settings)
                 continue
-            pg_share, kl_share, metrics, prox, entropy = forward_backward(
+            pg_share, kl_share, metrics, prox, entropy, current = forward_backward(
                 model, micro.to(settings.parallel.device), plan, algo, counts, settings, generator)
+            if not grad_norms:
+                start_parts.append((micro.rows, current.cpu()))
             pg_loss, kl_loss = pg_loss + pg_share, kl_loss + kl_share
             mini_loss += pg_share + algo.kl_loss_coef * kl_share
             token_metrics.append({key: float(value) for key, value in metrics.items()})
@@ -233,12 +249,13 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
                                          losses_finite(mini_loss, settings.parallel))
         grad_norms.append(grad_norm)
         stepped += took
-    pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts = gather_over_dp(
-        settings.parallel, pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts)
+    pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts, start_parts = gather_over_dp(
+        settings.parallel, pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts, start_parts)
     shape = tuple(batch.loss_mask.shape)
     metrics = collect_step_metrics(
         batch, groups, algo, plan, settings, prox=scatter_rows(shape, prox_parts),
-        entropy=scatter_rows(shape, entropy_parts), correction_metrics=correction_metrics)
+        entropy=scatter_rows(shape, entropy_parts), correction_metrics=correction_metrics,
+        step_start=step_start_logprobs(batch, plan, shape, start_parts))
     metrics.update(combine_token_metrics(token_metrics))
     metrics.update(kl_metrics)
     minibatches = max(len(grad_norms), 1)

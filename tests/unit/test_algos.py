@@ -332,3 +332,13 @@ def test_masked_garbage_and_empty_batches_give_finite_loss_and_grads(mode, all_m
     assert all(math.isfinite(v) for v in compute_offpolicy_metrics(prox, behav, mask).values())
     if all_masked:
         assert loss.item() == 0.0 and compute_offpolicy_metrics(prox, behav, mask)["offpolicy/ess"] == 1.0
+
+
+def test_mult_prob_error_is_the_mean_of_exp_abs_delta_over_valid_tokens():
+    from asyncrl.algos.metrics import compute_mult_prob_error
+
+    learner = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -9.0, 0.0]])
+    behav = torch.tensor([[-1.5, -2.0, -1.0], [-0.3, 0.0, 0.0]])
+    valid = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert compute_mult_prob_error(learner, behav, valid) == pytest.approx((math.exp(0.5) + 1 + math.exp(0.2)) / 3)
+    assert compute_mult_prob_error(learner, behav, torch.zeros_like(valid)) == 1.0

@@ -238,3 +238,39 @@ def test_packed_rows_never_attend_across_sequences(model):
     # the same packed row with plain causal attention leaks earlier sequences into later ones
     flat = model.get_decoder()(input_ids=ids[valid][None], position_ids=position_ids[valid][None]).last_hidden_state[0]
     assert not torch.allclose(flat[3:], padded[valid][3:])
+
+
+def with_learner_logprobs(model, group, shift: float, temperature: float):
+    """The group with each sample's logprobs set to the model's own (at `temperature`) plus `shift`."""
+    for sample in group.samples:
+        ids = torch.tensor([list(group.prompt_ids) + list(sample.completion_ids)])
+        logprobs, _ = compute_logprobs(model, ids, torch.ones_like(ids), torch.tensor([temperature]), 64)
+        own = logprobs[0, len(group.prompt_ids) - 1:].detach().double().numpy()
+        sample.logprobs = np.minimum(own + shift, 0.0).astype(np.float32)
+    return group
+
+
+@pytest.mark.parametrize("algo", [AlgoConfig(), AlgoConfig(prox_logprobs="recompute"),
+                                  AlgoConfig(ppo_minibatches=2, prox_logprobs="recompute")])
+def test_token_mult_prob_error_is_one_when_the_engine_matches_and_warns_on_a_framework_gap(model, algo, caplog):
+    """NeMo-RL's alert on tokens the learner's own version sampled: exp|Δ| = 1 when the engine's logprobs are the
+    learner's; a 0.2-nat gap on every token reads e^0.2 and warns. Stale tokens (v1 at learner v2) are left out of
+    /fresh: their gap is the policy moving, which the corrections handle."""
+    from asyncrl.learner.step_metrics import warn_on_mismatch
+
+    rng = np.random.default_rng(5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    fresh = [with_learner_logprobs(model, make_group(rng, version=2), 0.0, 0.7) for _ in range(2)]
+    stale = [with_learner_logprobs(model, make_group(rng, version=1), -0.5, 0.7)]
+    metrics = train_step(model, optimizer, scheduler, fresh + stale, algo, settings(4096, version=2))
+    assert metrics["offpolicy/token_mult_prob_error/fresh"] == pytest.approx(1.0, abs=1e-5)
+    assert metrics["offpolicy/token_mult_prob_error"] > 1.2  # the stale group's 0.5 nats count here
+    assert 0 < metrics["offpolicy/token_mult_prob_error/fresh_frac"] < 1
+    assert not warn_on_mismatch(metrics, 2)
+    gap = [with_learner_logprobs(model, make_group(rng, version=2), -0.2, 0.7) for _ in range(2)]
+    metrics = train_step(model, optimizer, scheduler, gap, algo, settings(4096, version=2))
+    assert metrics["offpolicy/token_mult_prob_error/fresh"] == pytest.approx(np.exp(0.2), abs=1e-4)
+    with caplog.at_level("WARNING"):
+        assert warn_on_mismatch(metrics, 2)
+    assert "token_mult_prob_error = 1.2214" in caplog.text and "not staleness" in caplog.text
