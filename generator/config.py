@@ -74,6 +74,18 @@ class GeneratorConfig:
     """vLLM KV-cache size in GiB (without it the CPU worker reserves ~90% of RAM)."""
     max_model_len: int = 128
     """Longest prompt plus completion the engine accepts, in tokens."""
+    tensor_parallel_size: int = 1
+    """vLLM: GPUs one engine's model is split over (tensor parallelism)."""
+    gpu_memory_utilization: float = 0.0
+    """vLLM on GPU: the fraction of GPU memory (0, 1] the engine may take, weights and KV cache together, with the
+    KV cache sized to fill it (kv_cache_gib is then ignored); 0 sizes the KV cache by kv_cache_gib instead, which
+    is what a CPU engine needs."""
+    enforce_eager: bool | None = None
+    """vLLM: true runs eagerly, false captures CUDA graphs; null (the default) chooses: CUDA graphs on a GPU, eager
+    on CPU."""
+    enable_prefix_caching: bool = True
+    """vLLM: reuse the KV of shared prompt prefixes (the n samples of a group share their prompt). It is reset after
+    every weight update, so no KV of old weights is ever reused."""
     connect_timeout_s: float = 600.0
     """How long a generator waits for the learner to appear, in seconds (it may be started first)."""
     seed: int = 0
@@ -115,6 +127,11 @@ class GeneratorConfig:
             raise ValueError(f"generator.kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.max_model_len < 2:
             raise ValueError(f"generator.max_model_len must be >= 2, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"generator.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not 0.0 <= self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"generator.gpu_memory_utilization must be in [0, 1] (0: size the KV cache by "
+                             f"generator.kv_cache_gib), got {self.gpu_memory_utilization}")
         if self.reward_workers < 1 or self.tool_workers < 1:
             raise ValueError(f"generator.reward_workers and generator.tool_workers must be >= 1, got "
                              f"{self.reward_workers} and {self.tool_workers}")

