@@ -18,7 +18,11 @@ class GroupSender:
     failure (group.host.SendReport names it; the generator catches up), and a `describe` for the control message."""
 
     def __init__(self, host, timeout_s: float, advertise: str):
+        from asyncrl.weightsync.group.chain import bucket_device
+
         self.host = host
+        self.device = bucket_device(host.backend)
+        """Where the buckets this group sends must be (the publisher keeps its copy there): the GPU for NCCL."""
         self.timeout_s = timeout_s
         self.address = f"{advertise}:{host.address.rsplit(':', 1)[1]}" if advertise else host.address
         self.last_report = None

@@ -10,6 +10,11 @@ serves them from the ring.
 
 Nothing a receiver does can block `publish`: shared memory has no reader handshake, the broadcast group has
 timeouts and drops dead members (its own module), and catch-up runs on its own thread.
+
+A broadcast group on NCCL moves GPU memory only, so with one the publisher also keeps a set of buckets on the
+group's device (`group.device`, the learner's GPU): each gathered tensor is copied into its place there, device to
+device, and the group sends those, never the CPU ring. The ring still gets its copy, for generators on this host
+(shared memory) and on others (catch-up).
 """
 import logging
 import os
@@ -17,6 +22,9 @@ import queue
 import threading
 import time
 
+import torch
+
+from asyncrl.weightsync.buckets import FlatBuckets
 from asyncrl.weightsync.layout import Layout, bucket_checksum, plan_layout, to_message
 from asyncrl.weightsync.shm_ring import ShmRing
 
@@ -41,6 +49,7 @@ class WeightPublisher:
         self.host = host or os.uname().nodename
         self.ring: ShmRing | None = None
         self.layout: Layout | None = None
+        self.device_buckets: FlatBuckets | None = None  # the group's copy on its device (NCCL: the GPU)
         self.last_message: dict = {}
         self.timings: dict = {}
 
@@ -51,6 +60,9 @@ class WeightPublisher:
             os.makedirs(os.path.dirname(self.ring_path) or ".", exist_ok=True)
             self.ring = ShmRing(self.ring_path, layout, self.slots, create=True)  # once per job, then reused
             self.layout = layout
+            device = getattr(self.group, "device", None)
+            self.device_buckets = (FlatBuckets(layout, device=device)
+                                   if device is not None and torch.device(device).type != "cpu" else None)
             if self.catchup is not None:
                 self.catchup.attach(self.ring)
         return self.ring
@@ -65,13 +77,17 @@ class WeightPublisher:
         buckets = ring.buckets(slot)
         remaining = [len(layout.in_bucket(index)) for index in range(len(layout.bucket_sizes))]
         checksums = [None] * len(remaining)
-        sender = _BucketSender(self.group, version, buckets.buffers, checksums)
+        device_buckets = self.device_buckets
+        sender = _BucketSender(self.group, version, buckets.buffers, checksums,
+                               send_buffers=device_buckets.buffers if device_buckets is not None else None)
         ring.begin_write(slot)
         seen, complete = set(), False
         try:
             for name, tensor in named_tensors:
                 try:
                     entry = buckets.put(name, tensor)
+                    if device_buckets is not None:
+                        device_buckets.put(name, tensor)
                 except KeyError:
                     raise PublishError(f"weights v{version}: tensor {name!r} is not in the layout (specs and "
                                        f"tensors disagree)") from None
@@ -116,8 +132,9 @@ class _BucketSender:
     thread (with a broadcast group) sends each one down the chain as soon as it is complete. xxhash and
     torch.distributed release the GIL, so both overlap the main thread's gathers and copies."""
 
-    def __init__(self, group, version: int, buffers: list, checksums: list):
+    def __init__(self, group, version: int, buffers: list, checksums: list, send_buffers: list | None = None):
         self.group, self.version, self.buffers, self.checksums = group, version, buffers, checksums
+        self.send_buffers = send_buffers if send_buffers is not None else buffers  # the group's (its device's)
         self.queue: queue.Queue = queue.Queue()
         self.copied = [threading.Event() for _ in buffers]
         self.aborted = False
@@ -151,7 +168,7 @@ class _BucketSender:
 
     def _send(self) -> None:
         try:
-            self.group.send(self.version, self.buffers, ready=self._ready)
+            self.group.send(self.version, self.send_buffers, ready=self._ready)
         except BaseException as err:  # the version is still in the ring and the catch-up server: logged only
             self.group_error = err
 

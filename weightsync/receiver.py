@@ -150,14 +150,20 @@ class WeightStage:
         return True
 
     def _join(self, group: dict, layout: Layout) -> None:
+        from asyncrl.weightsync.group.chain import BACKENDS, bucket_device
         from asyncrl.weightsync.group.member import WeightGroupMember
 
+        backend = group.get("backend", "gloo")
+        if backend not in BACKENDS:
+            raise WeightSyncError(f"the control message names a broadcast group on backend {backend!r}; this "
+                                  f"generator knows {BACKENDS}")
         if self.member is not None:
             self.member.close()
         sizes = list(layout.bucket_sizes)
+        device = bucket_device(backend)  # NCCL receives into GPU memory; _from_group copies it into staging
         self.member = WeightGroupMember.connect(group["address"], self.name, self.catchup_timeout_s,
-                                                backend=group.get("backend", "gloo"))
-        self.member.start_receiving(lambda: [torch.empty(size, dtype=torch.uint8) for size in sizes])
+                                                backend=backend)
+        self.member.start_receiving(lambda: [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes])
         self._member_address = group["address"]
         log.info("weight sync: %s joined the broadcast group at %s", self.name, group["address"])
 

@@ -18,6 +18,28 @@ import torch
 import torch.distributed as dist
 
 BACKENDS = ("gloo", "nccl")
+BACKEND_DEVICE_TYPE = {"gloo": "cpu", "nccl": "cuda"}
+"""The only device each backend moves tensors from: NCCL refuses CPU tensors, gloo's point-to-point ops CUDA ones."""
+
+
+def bucket_device(backend: str) -> torch.device:
+    """Where the buckets that `backend` sends or receives must live: the current CUDA device for NCCL, the CPU for
+    gloo."""
+    kind = BACKEND_DEVICE_TYPE[backend]
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"a {backend} weight group needs a CUDA device, and this process has none")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
+def check_placement(backend: str, buckets: list[torch.Tensor], what: str) -> None:
+    """Raise ValueError, naming the bucket and both devices, unless every bucket is where `backend` moves tensors
+    from: a CPU bucket handed to NCCL fails inside NCCL with a message that names neither."""
+    want = BACKEND_DEVICE_TYPE[backend]
+    for k, bucket in enumerate(buckets):
+        if bucket.device.type != want:
+            raise ValueError(f"{what}: bucket {k} is on {bucket.device}, but {backend} moves {want} tensors only")
 
 
 class PeerError(RuntimeError):
@@ -39,6 +61,12 @@ def make_process_group(backend: str, store: dist.Store, rank: int, size: int, ti
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, size, options)
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def group_backend(group) -> str:
+    """"gloo" or "nccl": the backend of a group from make_process_group (or a test's stand-in with `.name()`)."""
+    name = group.name().lower() if callable(getattr(group, "name", None)) else "gloo"
+    return "nccl" if "nccl" in name else "gloo"
 
 
 def abort_process_group(group) -> None:
@@ -67,6 +95,7 @@ def send_chain(group, buckets: list[torch.Tensor], deadline: float, first_peer: 
     """Rank 0: post each bucket to rank 1 (tag = bucket index) as soon as `ready(k, deadline)` says it is complete
     (None: all are), then wait for all of them. The publisher is still gathering later buckets meanwhile."""
     what = f"send of {len(buckets)} buckets to the first chain member"
+    check_placement(group_backend(group), buckets, what)
     works = []
     for k, bucket in enumerate(buckets):
         if ready is not None and not ready(k, deadline):
@@ -89,6 +118,7 @@ def relay_chain(group, rank: int, buckets: list[torch.Tensor], deadline: float,
     the receiving, so this member still completes the version; it is returned as a message naming `downstream`
     (None when forwarding succeeded or there is no downstream).
     """
+    check_placement(group_backend(group), buckets, f"receive from {upstream}")
     forwards, forward_error = [], None
     for k, bucket in enumerate(buckets):
         try:
