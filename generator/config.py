@@ -15,9 +15,10 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature. The learner recomputes logprobs at the group's temperature."""
     top_p: float = 1.0
-    """Nucleus sampling mass. Values < 1 truncate the support, which the learner does not reproduce."""
+    """Nucleus sampling mass; 1 disables it. With values < 1 the learner computes its logprobs over the same
+    nucleus, renormalised (learner/nucleus.py), so they match the engine's (SGLang refuses it)."""
     top_k: int = -1
-    """Top-k sampling; -1 disables it."""
+    """Top-k sampling; -1 disables it. The learner applies it like top_p."""
     max_tokens: int = 16
     """Most completion tokens per sample; in a multi-turn episode, per model turn."""
     max_turns: int = 1

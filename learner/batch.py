@@ -29,6 +29,8 @@ class Batch:
     logprobs_prox: Optional[torch.Tensor] = None  # [B, L-1], filled by the proximal pass when one runs
     logprobs_ref: Optional[torch.Tensor] = None  # [B, L-1], filled when a reference model is loaded
     is_weight: Optional[torch.Tensor] = None  # [B, L-1], filled by batch-global corrections (m2po)
+    top_ks: Optional[torch.Tensor] = None  # [B] int64: the row's sampling top-k (-1 off); None: no row uses one
+    top_ps: Optional[torch.Tensor] = None  # [B] float32: the row's sampling top-p (1 off); None: no row uses one
 
     @property
     def num_rows(self) -> int:
@@ -67,6 +69,8 @@ def build_batch(groups: list) -> Batch:
     versions = np.full((batch, length - 1), -1, dtype=np.int64)
     rewards = np.zeros((batch, length - 1), dtype=np.float32)
     temps = np.zeros(batch, dtype=np.float32)
+    top_ks = np.full(batch, -1, dtype=np.int64)
+    top_ps = np.ones(batch, dtype=np.float32)
     for row, (group, sample) in enumerate(rows):
         prompt_len, comp_len = len(group.prompt_ids), len(sample.completion_ids)
         input_ids[row, :prompt_len] = group.prompt_ids
@@ -80,6 +84,8 @@ def build_batch(groups: list) -> Batch:
         if trained.size:  # outcome reward on the last token that trains (tool output may end a sample)
             rewards[row, trained[-1]] = sample.reward
         temps[row] = group.sampling.temperature
+        top_ks[row], top_ps[row] = group.sampling.top_k, group.sampling.top_p
+    nucleus = bool((top_ks > 0).any() or (top_ps < 1).any())
     return Batch(
         input_ids=torch.from_numpy(input_ids),
         attention_mask=torch.from_numpy(attention_mask),
@@ -89,6 +95,8 @@ def build_batch(groups: list) -> Batch:
         token_rewards=torch.from_numpy(rewards),
         temperatures=torch.from_numpy(temps),
         rows=torch.arange(batch),
+        top_ks=torch.from_numpy(top_ks) if nucleus else None,
+        top_ps=torch.from_numpy(top_ps) if nucleus else None,
     )
 
 

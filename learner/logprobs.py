@@ -3,7 +3,8 @@ split over a sequence-parallel group.
 
 The decoder runs once; the LM head is applied to `chunk_tokens` positions at a time, so the [B, T, V] fp32 logits
 never exist at once. Logits are divided by each row's sampling temperature before the softmax, because the
-generator's logprobs describe the distribution it actually sampled from (vLLM `processed_logprobs`).
+generator's logprobs describe the distribution it actually sampled from (vLLM `processed_logprobs`); for the same
+reason a row sampled with top-k or top-p gets its logprobs over that nucleus, renormalised (learner/nucleus.py).
 
 Whatever the layout, the decoder sees a *stream*: rows of token ids with their position ids, each position's
 target (the next token) and temperature. Padded, the stream is the batch itself. Packed, it is one row holding every
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from asyncrl.learner.nucleus import needs_nucleus, nucleus_removed
 from asyncrl.learner.ulysses import gather_sequence
 
 
@@ -28,6 +30,8 @@ class Stream:
     positions: torch.Tensor  # [R, S] int64
     targets: torch.Tensor  # [R, S] int64: the token that position predicts (0 where none)
     temps: torch.Tensor  # [R, S] float: sampling temperature of the position's sequence
+    top_ks: Optional[torch.Tensor]  # [R, S] int64: the sequence's top-k (-1 off), None when no row uses one
+    top_ps: Optional[torch.Tensor]  # [R, S] float: the sequence's top-p (1 off), None when no row uses one
     segments: Optional[torch.Tensor]  # [R, S] int64 sequence index per position (packed only)
     attention_mask: Optional[torch.Tensor]  # [R, S] 0/1 (padded only)
 
@@ -41,10 +45,14 @@ def compute_logprobs(
     with_entropy: bool = False,
     packed: bool = False,
     sp_group=None,
+    top_ks: Optional[torch.Tensor] = None,  # [B] int64, -1 off
+    top_ps: Optional[torch.Tensor] = None,  # [B] float, 1 off
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logprob of token t+1 given tokens <= t, shape [B, L-1] (fp32); and the entropy of that distribution."""
-    stream = packed_stream(input_ids, attention_mask, temperatures) if packed else padded_stream(
-        input_ids, attention_mask, temperatures)
+    """Logprob of token t+1 given tokens <= t, shape [B, L-1] (fp32); and the entropy of that distribution (over
+    the row's top-k / top-p nucleus when it has one)."""
+    nucleus = {"top_ks": top_ks, "top_ps": top_ps} if top_ks is not None or top_ps is not None else {}
+    stream = packed_stream(input_ids, attention_mask, temperatures, **nucleus) if packed else padded_stream(
+        input_ids, attention_mask, temperatures, **nucleus)
     sp_size = dist.get_world_size(sp_group) if sp_group is not None else 1
     if sp_size > 1:
         stream = pad_columns(stream, sp_size)
@@ -53,31 +61,47 @@ def compute_logprobs(
         hidden = decoder_states(model, input_ids=stream.ids[:, local], position_ids=stream.positions[:, local],
                                 segment_ids=stream.segments)  # [R, s, H]
         logprobs, entropy = head_logprobs(model, hidden, stream.targets[:, local], stream.temps[:, local],
-                                          chunk_tokens, with_entropy)
+                                          chunk_tokens, with_entropy, *local_nucleus(stream, local))
         logprobs = gather_sequence(logprobs, sp_group)  # [R, S]
         entropy = gather_sequence(entropy, sp_group) if with_entropy else None
     else:
         hidden = run_decoder(model, stream)  # [R, S, H]
-        logprobs, entropy = head_logprobs(model, hidden, stream.targets, stream.temps, chunk_tokens, with_entropy)
+        logprobs, entropy = head_logprobs(model, hidden, stream.targets, stream.temps, chunk_tokens, with_entropy,
+                                          stream.top_ks, stream.top_ps)
     unstream = unpack if packed else unpad
     return unstream(logprobs, attention_mask), unstream(entropy, attention_mask) if with_entropy else None
 
 
-def padded_stream(input_ids, attention_mask, temperatures) -> Stream:
+def per_position(values: Optional[torch.Tensor], like: torch.Tensor) -> Optional[torch.Tensor]:
+    """A per-row [B] setting as [B, L], one value per position of the row (None stays None)."""
+    return None if values is None else values[:, None].expand_as(like)
+
+
+def padded_stream(input_ids, attention_mask, temperatures, top_ks=None, top_ps=None) -> Stream:
     targets = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
     return Stream(ids=input_ids, positions=(attention_mask.long().cumsum(-1) - 1).clamp(min=0), targets=targets,
-                  temps=temperatures[:, None].expand_as(input_ids), segments=None, attention_mask=attention_mask)
+                  temps=per_position(temperatures, input_ids), top_ks=per_position(top_ks, input_ids),
+                  top_ps=per_position(top_ps, input_ids), segments=None, attention_mask=attention_mask)
 
 
-def packed_stream(input_ids, attention_mask, temperatures) -> Stream:
+def packed_stream(input_ids, attention_mask, temperatures, top_ks=None, top_ps=None) -> Stream:
     """Right-padded rows as ONE row without padding: positions restart per sequence, segments say which is which."""
     valid = attention_mask.bool()  # [B, L], a prefix of each row
     lengths = valid.sum(-1)  # [B]
     targets = torch.cat([input_ids[:, 1:], torch.zeros_like(input_ids[:, :1])], dim=1)
     positions = torch.arange(valid.shape[1]).expand_as(input_ids)
+
+    def flat(values):
+        return None if values is None else per_position(values, input_ids)[valid][None]
+
     return Stream(ids=input_ids[valid][None], positions=positions[valid][None], targets=targets[valid][None],
-                  temps=temperatures[:, None].expand_as(input_ids)[valid][None],
+                  temps=flat(temperatures), top_ks=flat(top_ks), top_ps=flat(top_ps),
                   segments=torch.repeat_interleave(torch.arange(len(lengths)), lengths)[None], attention_mask=None)
+
+
+def local_nucleus(stream: Stream, local: slice) -> tuple:
+    """This SP rank's columns of the stream's top-k and top-p (None where the stream has none)."""
+    return tuple(None if values is None else values[:, local] for values in (stream.top_ks, stream.top_ps))
 
 
 def pad_columns(stream: Stream, multiple: int) -> Stream:
@@ -96,7 +120,8 @@ def pad_columns(stream: Stream, multiple: int) -> Stream:
     positions = torch.cat([stream.positions, stream.positions[:, -1:] + torch.arange(1, extra + 1)], dim=1)
     segments = grow(stream.segments, -1)
     return Stream(ids=grow(stream.ids, 0), positions=positions, targets=grow(stream.targets, 0),
-                  temps=grow(stream.temps, 1.0), segments=segments, attention_mask=grow(stream.attention_mask, 0))
+                  temps=grow(stream.temps, 1.0), top_ks=grow(stream.top_ks, -1), top_ps=grow(stream.top_ps, 1.0),
+                  segments=segments, attention_mask=grow(stream.attention_mask, 0))
 
 
 def run_decoder(model, stream: Stream) -> torch.Tensor:
@@ -127,17 +152,20 @@ def decoder_states(model, **inputs) -> torch.Tensor:
     return out.hidden_states[-1]
 
 
-def head_logprobs(model, hidden, targets, temps, chunk_tokens: int, with_entropy: bool):
+def head_logprobs(model, hidden, targets, temps, chunk_tokens: int, with_entropy: bool, top_ks=None, top_ps=None):
     """[R, S] logprobs of `targets` (and entropies), applying the LM head `chunk_tokens` positions at a time."""
     head = model.get_output_embeddings()
     rows, length, width = hidden.shape
     flat_hidden = hidden.reshape(-1, width)
     flat_targets = targets.reshape(-1)
     flat_temps = temps.reshape(-1).to(torch.promote_types(hidden.dtype, torch.float32))
+    flat_ks = None if top_ks is None else top_ks.reshape(-1)
+    flat_ps = None if top_ps is None else top_ps.reshape(-1)
     logprob_chunks, entropy_chunks = [], []
     for start in range(0, flat_hidden.shape[0], chunk_tokens):
         stop = start + chunk_tokens
-        args = (head, flat_hidden[start:stop], flat_targets[start:stop], flat_temps[start:stop])
+        nucleus = (None if flat_ks is None else flat_ks[start:stop], None if flat_ps is None else flat_ps[start:stop])
+        args = (head, flat_hidden[start:stop], flat_targets[start:stop], flat_temps[start:stop], *nucleus)
         if torch.is_grad_enabled():
             # Recompute the chunk's logits in backward instead of keeping [chunk, V] fp32 alive for every chunk.
             logprob_chunks.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
@@ -145,7 +173,8 @@ def head_logprobs(model, hidden, targets, temps, chunk_tokens: int, with_entropy
             logprob_chunks.append(_chunk_logprobs(*args))
         if with_entropy:
             with torch.no_grad():
-                entropy_chunks.append(_chunk_entropy(head, flat_hidden[start:stop].detach(), flat_temps[start:stop]))
+                entropy_chunks.append(_chunk_entropy(head, flat_hidden[start:stop].detach(), flat_targets[start:stop],
+                                                     flat_temps[start:stop], *nucleus))
     logprobs = torch.cat(logprob_chunks).view(rows, length)
     entropy = torch.cat(entropy_chunks).view(rows, length) if with_entropy else None
     return logprobs, entropy
@@ -167,14 +196,26 @@ def unpack(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     return out.masked_scatter(valid[:, 1:], flat)
 
 
-def _chunk_logprobs(head, hidden, targets, temps):
+def _chunk_logits(head, hidden, targets, temps, top_ks, top_ps):
+    """[chunk, V] tempered logits, -inf outside each position's nucleus when it has one."""
     logits = _at_least_fp32(head(hidden)) / temps[:, None]  # [chunk, V]
+    if needs_nucleus(top_ks, top_ps, logits.shape[-1]):
+        count = logits.shape[0]
+        ks = top_ks if top_ks is not None else torch.full((count,), -1, dtype=torch.long, device=logits.device)
+        ps = top_ps if top_ps is not None else torch.ones(count, dtype=logits.dtype, device=logits.device)
+        logits = logits.masked_fill(nucleus_removed(logits.detach(), ks, ps, targets), float("-inf"))
+    return logits
+
+
+def _chunk_logprobs(head, hidden, targets, temps, top_ks=None, top_ps=None):
+    logits = _chunk_logits(head, hidden, targets, temps, top_ks, top_ps)
     return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
 
 
-def _chunk_entropy(head, hidden, temps):
-    log_probs = (_at_least_fp32(head(hidden)) / temps[:, None]).log_softmax(-1)
-    return -(log_probs.exp() * log_probs).sum(-1)
+def _chunk_entropy(head, hidden, targets, temps, top_ks=None, top_ps=None):
+    log_probs = _chunk_logits(head, hidden, targets, temps, top_ks, top_ps).log_softmax(-1)
+    # tokens outside the nucleus have probability 0 and contribute nothing (0 * -inf would be nan)
+    return -torch.where(log_probs.isfinite(), log_probs.exp() * log_probs, 0.0).sum(-1)
 
 
 def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:

@@ -71,7 +71,8 @@ class StepSettings:
     def logprobs(self, model, micro: Batch, with_entropy: bool = False):
         """Logprobs (and entropy) of a micro-batch already on the learner's device."""
         return compute_logprobs(model, micro.input_ids, micro.attention_mask, micro.temperatures, self.chunk_tokens,
-                                with_entropy=with_entropy, packed=self.packing, sp_group=self.parallel.sp_group)
+                                with_entropy=with_entropy, packed=self.packing, sp_group=self.parallel.sp_group,
+                                top_ks=micro.top_ks, top_ps=micro.top_ps)
 
 
 @torch.no_grad()

@@ -35,10 +35,31 @@ def vllm_engine(demo_assets, event_loop_runner):
     event_loop_runner.run_until_complete(engine.close())
 
 
-def learner_logprobs(model, prompt, completion, temperature):
+def learner_logprobs(model, prompt, completion, temperature, top_k=-1, top_p=1.0):
     ids = torch.tensor([prompt + completion])
-    logprobs, _ = compute_logprobs(model, ids, torch.ones_like(ids), torch.tensor([temperature]), 64)
+    logprobs, _ = compute_logprobs(model, ids, torch.ones_like(ids), torch.tensor([temperature]), 64,
+                                   top_ks=torch.tensor([top_k]), top_ps=torch.tensor([top_p]))
     return logprobs[0, len(prompt) - 1:].tolist()
+
+
+@pytest.mark.parametrize("top_k, top_p", [(-1, 0.9), (5, 1.0), (8, 0.8)])
+def test_logprobs_over_a_top_k_or_top_p_nucleus_match_vllms(vllm_engine, demo_assets, event_loop_runner, top_k,
+                                                            top_p):
+    """vLLM's processed logprobs are those of the truncated, renormalised distribution; the learner computes the
+    same over the same nucleus (learner/nucleus.py), and the full softmax does not match."""
+    model = load_model(demo_assets[0]).eval()
+    prompt = PROMPTS[1]
+    sampling = Sampling(temperature=0.7, top_k=top_k, top_p=top_p, max_tokens=8)
+    completions = event_loop_runner.run_until_complete(vllm_engine.sample(prompt, sampling, n=4))
+    worst, truncated = 0.0, False
+    with torch.no_grad():
+        for completion in completions:
+            expected = np.array(learner_logprobs(model, prompt, completion.token_ids, 0.7, top_k, top_p))
+            worst = max(worst, float(np.max(np.abs(expected - np.array(completion.logprobs)))))
+            full = np.array(learner_logprobs(model, prompt, completion.token_ids, 0.7))
+            truncated |= bool(np.max(np.abs(full - np.array(completion.logprobs))) > 1e-3)
+    assert worst < 1e-4, worst
+    assert truncated, "the nucleus never removed any mass: the test would not see a missing truncation"
 
 
 def test_n_samples_with_processed_logprobs_match_the_learner_at_temperature(vllm_engine, demo_assets,
