@@ -25,6 +25,10 @@ class ModelConfig:
     """Local HF model directory (config, safetensors, tokenizer). None with demo.task set: the demo model."""
     trust_remote_code: bool = False
     """Passed to transformers and vLLM; off unless you trust the model directory."""
+    lm_head_fp32: bool = False
+    """Compute the LM head (the last matmul, hidden -> logits) in fp32 on the learner and in vLLM
+    (`hf_overrides={"head_dtype": "float32"}`), so bf16 weights do not round the logits the two sides compare;
+    what RL training-inference consistency asks for with bf16 models. Costs one fp32 matmul per chunk of positions."""
 
 
 @dataclass

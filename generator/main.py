@@ -28,12 +28,14 @@ HELLO_TIMEOUT_S = 2.0
 """Each hello waits this long for an answer; they repeat until generator.connect_timeout_s."""
 
 
-def vllm_placement(gen) -> dict:
-    """The settings only the vLLM engine takes (generator.tensor_parallel_size, ...); none for the others."""
+def vllm_placement(gen, model) -> dict:
+    """The settings only the vLLM engine takes (generator.tensor_parallel_size, ..., model.lm_head_fp32); none for
+    the others."""
     if gen.engine != "vllm":
         return {}
     return {"tensor_parallel_size": gen.tensor_parallel_size, "gpu_memory_utilization": gen.gpu_memory_utilization,
-            "enforce_eager": gen.enforce_eager, "enable_prefix_caching": gen.enable_prefix_caching}
+            "enforce_eager": gen.enforce_eager, "enable_prefix_caching": gen.enable_prefix_caching,
+            "lm_head_fp32": model.lm_head_fp32}
 
 
 def sampling_seed(base: int, generator_id: str) -> int:
@@ -99,7 +101,8 @@ async def run_generator_async(cfg, say=print) -> int:
         engine = make_engine(cfg.generator.engine, model_path=info["model_path"], dtype=cfg.generator.dtype,
                              max_model_len=cfg.generator.max_model_len, kv_cache_gib=cfg.generator.kv_cache_gib,
                              seed=seed, update_mode=cfg.generator.update_mode,
-                             trust_remote_code=cfg.model.trust_remote_code, **vllm_placement(cfg.generator))
+                             trust_remote_code=cfg.model.trust_remote_code,
+                             **vllm_placement(cfg.generator, cfg.model))
         await engine.start()
         if wants_episodes(cfg.tools, cfg.env, cfg.agent):
             episodes = build_episode_runner(cfg.tools, cfg.env, cfg.agent, cfg.rollout,

@@ -47,6 +47,7 @@ def compute_logprobs(
     sp_group=None,
     top_ks: Optional[torch.Tensor] = None,  # [B] int64, -1 off
     top_ps: Optional[torch.Tensor] = None,  # [B] float, 1 off
+    fp32_head: bool = False,  # the LM head's matmul in fp32 (model.lm_head_fp32)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of token t+1 given tokens <= t, shape [B, L-1] (fp32); and the entropy of that distribution (over
     the row's top-k / top-p nucleus when it has one)."""
@@ -61,13 +62,14 @@ def compute_logprobs(
         hidden = decoder_states(model, input_ids=stream.ids[:, local], position_ids=stream.positions[:, local],
                                 segment_ids=stream.segments)  # [R, s, H]
         logprobs, entropy = head_logprobs(model, hidden, stream.targets[:, local], stream.temps[:, local],
-                                          chunk_tokens, with_entropy, *local_nucleus(stream, local))
+                                          chunk_tokens, with_entropy, *local_nucleus(stream, local),
+                                          fp32_head=fp32_head)
         logprobs = gather_sequence(logprobs, sp_group)  # [R, S]
         entropy = gather_sequence(entropy, sp_group) if with_entropy else None
     else:
         hidden = run_decoder(model, stream)  # [R, S, H]
         logprobs, entropy = head_logprobs(model, hidden, stream.targets, stream.temps, chunk_tokens, with_entropy,
-                                          stream.top_ks, stream.top_ps)
+                                          stream.top_ks, stream.top_ps, fp32_head=fp32_head)
     unstream = unpack if packed else unpad
     return unstream(logprobs, attention_mask), unstream(entropy, attention_mask) if with_entropy else None
 
@@ -152,9 +154,12 @@ def decoder_states(model, **inputs) -> torch.Tensor:
     return out.hidden_states[-1]
 
 
-def head_logprobs(model, hidden, targets, temps, chunk_tokens: int, with_entropy: bool, top_ks=None, top_ps=None):
+def head_logprobs(model, hidden, targets, temps, chunk_tokens: int, with_entropy: bool, top_ks=None, top_ps=None,
+                  fp32_head: bool = False):
     """[R, S] logprobs of `targets` (and entropies), applying the LM head `chunk_tokens` positions at a time."""
     head = model.get_output_embeddings()
+    if fp32_head:
+        head = Fp32Head(head)
     rows, length, width = hidden.shape
     flat_hidden = hidden.reshape(-1, width)
     flat_targets = targets.reshape(-1)
@@ -194,6 +199,21 @@ def unpack(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     flat = values[0, : int(lengths.sum())][predicts[valid]]
     out = values.new_zeros(attention_mask.shape[0], attention_mask.shape[1] - 1)
     return out.masked_scatter(valid[:, 1:], flat)
+
+
+class Fp32Head:
+    """The LM head's matmul in fp32 (at least): bf16 hidden states and weights are upcast before it, so the
+    logits carry no bf16 rounding. The weight is read while the root's forward has it unsharded (FSDP2), as the
+    plain head call does."""
+
+    def __init__(self, head):
+        self.head = head
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        bias = self.head.bias
+        return torch.nn.functional.linear(hidden.to(dtype), self.head.weight.to(dtype),
+                                          None if bias is None else bias.to(dtype))
 
 
 def _chunk_logits(head, hidden, targets, temps, top_ks, top_ps):

@@ -77,7 +77,8 @@ def train_one_version(cfg, model, optimizer, scheduler, host: LearnerHost | None
     settings = StepSettings(version=version, max_staleness=cfg.buffer.max_staleness,
                             max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch,
                             chunk_tokens=cfg.learner.logprob_chunk_tokens, grad_clip=cfg.learner.grad_clip,
-                            seed=cfg.learner.seed, packing=cfg.learner.packing, parallel=parallel)
+                            seed=cfg.learner.seed, packing=cfg.learner.packing, fp32_head=cfg.model.lm_head_fp32,
+                            parallel=parallel)
     try:
         metrics = train_step(model, optimizer, scheduler, groups, cfg.algo, settings, ref_model=parts.ref_model,
                              kl_controller=parts.kl_controller)

@@ -37,7 +37,7 @@ def run_sft_job(cfg, model_path: str, files: list, job_dir: str, parallel: Paral
     examples = read_sft_examples(files, tokenizer, cfg.sft.max_length or None, cfg.sft.truncation)
     settings = StepSettings(version=0, max_staleness=0, max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch,
                             chunk_tokens=cfg.learner.logprob_chunk_tokens, grad_clip=cfg.learner.grad_clip,
-                            packing=cfg.learner.packing, parallel=parallel)
+                            packing=cfg.learner.packing, fp32_head=cfg.model.lm_head_fp32, parallel=parallel)
 
     def on_step(step: int, total: int, loss: float) -> None:
         if step % 10 == 0 or step == total:

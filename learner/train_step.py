@@ -54,6 +54,8 @@ class StepSettings:
     seed: int = 0
     packing: bool = False
     """Pack each micro-batch's rows into one (learner.packing)."""
+    fp32_head: bool = False
+    """The LM head's matmul in fp32 (model.lm_head_fp32)."""
     parallel: ParallelState = None
     """This rank's place in the learner's mesh; None is one process."""
 
@@ -72,7 +74,7 @@ class StepSettings:
         """Logprobs (and entropy) of a micro-batch already on the learner's device."""
         return compute_logprobs(model, micro.input_ids, micro.attention_mask, micro.temperatures, self.chunk_tokens,
                                 with_entropy=with_entropy, packed=self.packing, sp_group=self.parallel.sp_group,
-                                top_ks=micro.top_ks, top_ps=micro.top_ps)
+                                top_ks=micro.top_ks, top_ps=micro.top_ps, fp32_head=self.fp32_head)
 
 
 @torch.no_grad()

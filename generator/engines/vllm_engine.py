@@ -35,7 +35,7 @@ class VllmEngine:
     def __init__(self, model_path: str, dtype: str, max_model_len: int, kv_cache_gib: float, seed: int,
                  update_mode: str = "wait", trust_remote_code: bool = False, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.0, enforce_eager: bool | None = None,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, lm_head_fp32: bool = False):
         self.model_path = model_path
         self.dtype = dtype
         self.max_model_len = max_model_len
@@ -45,7 +45,7 @@ class VllmEngine:
         self.trust_remote_code = trust_remote_code
         self.placement = {"tensor_parallel_size": tensor_parallel_size,
                           "gpu_memory_utilization": gpu_memory_utilization, "enforce_eager": enforce_eager,
-                          "enable_prefix_caching": enable_prefix_caching}
+                          "enable_prefix_caching": enable_prefix_caching, "lm_head_fp32": lm_head_fp32}
         self.version = 0
         self._engine = None
         self._loaded = asyncio.Event()
@@ -233,11 +233,11 @@ def check_vllm_version(found: str) -> None:
 
 def engine_args(model_path: str, dtype: str, max_model_len: int, kv_cache_gib: float, seed: int,
                 trust_remote_code: bool, on_gpu: bool, tensor_parallel_size: int, gpu_memory_utilization: float,
-                enforce_eager: bool | None, enable_prefix_caching: bool) -> dict:
+                enforce_eager: bool | None, enable_prefix_caching: bool, lm_head_fp32: bool = False) -> dict:
     """AsyncEngineArgs for asyncrl's use of vLLM: processed logprobs (those of the distribution sampled from), the
     `asyncrl_shm` weight-transfer engine, CUDA graphs on a GPU unless told otherwise (eager on CPU), and a KV cache
     of kv_cache_gib unless gpu_memory_utilization asks vLLM to size it (without either, the CPU worker takes ~90 %
-    of RAM)."""
+    of RAM). lm_head_fp32 runs the LM head in fp32 through vLLM's `head_dtype` override."""
     if gpu_memory_utilization > 0 and not on_gpu:
         raise ValueError(f"generator.gpu_memory_utilization={gpu_memory_utilization} sizes the KV cache from GPU "
                          f"memory, and this machine has no GPU: size it with generator.kv_cache_gib (and "
@@ -250,6 +250,7 @@ def engine_args(model_path: str, dtype: str, max_model_len: int, kv_cache_gib: f
         "enforce_eager": (not on_gpu) if enforce_eager is None else enforce_eager,
         "enable_prefix_caching": enable_prefix_caching, "logprobs_mode": "processed_logprobs",
         "disable_log_stats": True, "weight_transfer_config": {"backend": TRANSFER_BACKEND}, **memory,
+        **({"hf_overrides": {"head_dtype": "float32"}} if lm_head_fp32 else {}),
     }
 
 

@@ -53,3 +53,18 @@ def test_learner_logprobs_over_a_nucleus_are_renormalised_with_finite_gradients(
     packed, _ = compute_logprobs(model, ids, mask, temps, 4, packed=True, top_ks=torch.tensor([-1]),
                                  top_ps=torch.tensor([0.5]))
     assert torch.allclose(packed, nucleus)
+
+
+def test_an_fp32_head_removes_the_bf16_rounding_of_the_logits():
+    """With bf16 weights the plain head rounds the logits to bf16; model.lm_head_fp32 computes them from the same
+    weights in fp32, as the fp32 reference does (up to the bf16 rounding of the weights and states themselves)."""
+    model = build_qwen2(vocab_size=32, hidden_size=32, num_layers=1, eos_token_id=1, pad_token_id=0, seed=0)
+    ids = torch.tensor([[3, 7, 9, 4, 12, 30]])
+    mask, temps = torch.ones_like(ids), torch.tensor([1.0])
+    bf16 = model.to(torch.bfloat16)
+    plain, _ = compute_logprobs(bf16, ids, mask, temps, 4)
+    fp32_head, _ = compute_logprobs(bf16, ids, mask, temps, 4, fp32_head=True)
+    hidden = bf16(ids, output_hidden_states=True).hidden_states[-1][0, :-1]
+    reference = (hidden.float() @ bf16.lm_head.weight.float().T).log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+    assert torch.allclose(fp32_head[0], reference, atol=1e-5)
+    assert not torch.allclose(plain[0], reference, atol=1e-5)

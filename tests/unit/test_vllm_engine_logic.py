@@ -250,6 +250,8 @@ def test_engine_args_choose_cuda_graphs_on_gpu_eager_on_cpu_and_who_sizes_the_kv
     assert "kv_cache_memory_bytes" not in gpu and gpu["tensor_parallel_size"] == 2
     assert engine_args(**{**base, "enforce_eager": True}, on_gpu=True)["enforce_eager"] is True
     assert engine_args(**{**base, "enable_prefix_caching": False}, on_gpu=False)["enable_prefix_caching"] is False
+    assert "hf_overrides" not in cpu
+    assert engine_args(**base, on_gpu=False, lm_head_fp32=True)["hf_overrides"] == {"head_dtype": "float32"}
     with pytest.raises(ValueError, match="this machine has no GPU: size it with generator.kv_cache_gib"):
         engine_args(**{**base, "gpu_memory_utilization": 0.9}, on_gpu=False)
 
@@ -260,9 +262,11 @@ def test_vllm_placement_settings_are_validated_and_reach_only_the_vllm_engine():
 
     cfg = load_config(None, ["generator.engine=vllm", "generator.tensor_parallel_size=2",
                              "generator.enforce_eager=false"])
-    assert vllm_placement(cfg.generator) == {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.0,
-                                             "enforce_eager": False, "enable_prefix_caching": True}
-    assert vllm_placement(load_config(None, ["generator.engine=hf"]).generator) == {}
+    assert vllm_placement(cfg.generator, cfg.model) == {
+        "tensor_parallel_size": 2, "gpu_memory_utilization": 0.0, "enforce_eager": False,
+        "enable_prefix_caching": True, "lm_head_fp32": False}
+    hf = load_config(None, ["generator.engine=hf"])
+    assert vllm_placement(hf.generator, hf.model) == {}
     with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
         load_config(None, ["generator.gpu_memory_utilization=1.5"])
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
