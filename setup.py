@@ -27,6 +27,7 @@ setup(
         "pyarrow>=14",
         "safetensors",
         "xxhash>=3",  # weight-sync bucket checksums (about 10x faster than CRC32)
+        "uvloop>=0.18",  # the generator's event loop (buffer/event_loop.py); bench/buffer.py --compare-loops measures it
         "mcp>=2,<3",  # tools served by MCP servers (generator/agents/mcp_tools.py: the 2.x Client API)
     ],
     extras_require={

@@ -21,8 +21,12 @@ the runs): the consumer process's while it consumes (server thread, I/O threads 
 and the producer's while it sends (its imports and start-up excluded). CPU per group moves less than groups/s with
 the machine's load (a few tens of percent here, against 2x), so it shows what a backend costs over its raw
 transport when the ratio is lost in noise.
+The backends' producers run on the generator's event loop (`--loop`, uvloop by default, buffer/event_loop.py).
+`--compare-loops` adds, per path and size, pairs of the backend's producer on plain asyncio and on uvloop: the
+ratio is uvloop's groups/s over asyncio's, and the producer's CPU per group is the cost of the loop itself.
 Usage:
-python -m asyncrl.bench.buffer [--count N] [--repeats R] [--paths all|zmq|redis]
+python -m asyncrl.bench.buffer [--count N] [--repeats R] [--paths all|zmq|redis] [--loop uvloop|asyncio]
+                               [--compare-loops]
 """
 import argparse
 import json
@@ -104,9 +108,10 @@ def produce_raw_zmq(port: int, size: int, count: int, report) -> None:
     report.send(time.process_time() - started)
 
 
-def produce_zmq_backend(port: int, size: int, count: int, report) -> None:
+def produce_zmq_backend(port: int, size: int, count: int, loop: str, report) -> None:
     import asyncio
 
+    from asyncrl.buffer.event_loop import run as run_loop
     from asyncrl.buffer.zmq.client import ZmqBufferClient  # imported before the clock starts, as in every producer
 
     async def run():
@@ -127,7 +132,7 @@ def produce_zmq_backend(port: int, size: int, count: int, report) -> None:
         client.close()
 
     started = time.process_time()
-    asyncio.run(run())
+    run_loop(run(), loop)
     report.send(time.process_time() - started)
 
 
@@ -146,10 +151,11 @@ def produce_raw_redis(url: str, key: str, size: int, count: int, report) -> None
     report.send(time.process_time() - started)
 
 
-def produce_redis_backend(url: str, job: str, size: int, count: int, report) -> None:
+def produce_redis_backend(url: str, job: str, size: int, count: int, loop: str, report) -> None:
     """The generator's real path: RedisBufferClient.send, IN_FLIGHT at once (it pipelines them)."""
     import asyncio
 
+    from asyncrl.buffer.event_loop import run as run_loop
     from asyncrl.buffer.redis.client import RedisBufferClient
     from asyncrl.buffer.redis.conn import RedisOptions, connect
 
@@ -169,7 +175,7 @@ def produce_redis_backend(url: str, job: str, size: int, count: int, report) -> 
         client.close()
 
     started = time.process_time()
-    asyncio.run(run())
+    run_loop(run(), loop)
     report.send(time.process_time() - started)
 
 
@@ -246,7 +252,7 @@ def run_raw_zmq(size: int, count: int) -> dict:
         sock.close(linger=0)
 
 
-def run_zmq_backend(size: int, count: int) -> dict:
+def run_zmq_backend(size: int, count: int, loop: str = "uvloop") -> dict:
     from asyncrl.buffer.staleness import Coordinator
     from asyncrl.buffer.zmq.server import ZmqBufferServer
 
@@ -255,7 +261,7 @@ def run_zmq_backend(size: int, count: int) -> dict:
                              max_message_bytes=1 << 24, queue_groups=256, run_info={})
     server.start()
     server.announce_weights(published_weights())
-    proc, reader = start_producer(produce_zmq_backend, port, size, count)
+    proc, reader = start_producer(produce_zmq_backend, port, size, count, loop)
     try:
         return finish(proc, reader, consume(lambda: server.take(1.0), count, backend_stamp_of(size)), count)
     finally:
@@ -288,7 +294,7 @@ def run_raw_redis(url: str, size: int, count: int) -> dict:
         client.delete(key)
 
 
-def run_redis_backend(url: str, size: int, count: int) -> dict:
+def run_redis_backend(url: str, size: int, count: int, loop: str = "uvloop") -> dict:
     from asyncrl.buffer.redis.conn import RedisOptions, connect
     from asyncrl.buffer.redis.coordinator import RedisCoordinator
     from asyncrl.buffer.redis.server import RedisBufferServer
@@ -303,7 +309,7 @@ def run_redis_backend(url: str, size: int, count: int) -> dict:
     server.start()
     server.announce_weights(published_weights())
     receipts = []
-    proc, reader = start_producer(produce_redis_backend, url, job, size, count)
+    proc, reader = start_producer(produce_redis_backend, url, job, size, count, loop)
 
     def take():
         group = server.take(1.0)
@@ -356,41 +362,61 @@ def start_redis(directory: str) -> tuple[subprocess.Popen, str]:
     return proc, f"redis://127.0.0.1:{port}/0"
 
 
+def print_table(rows: dict, sides: tuple, ratio_label: str) -> None:
+    """One line per path and side; the ratio (second side over first) on the second side's line."""
+    print(f"{'path':<12} {'side':<8} {'groups/s':>10} {'MB/s':>8} {'p50 ms':>8} {'p99 ms':>8} {ratio_label:>7} "
+          f"{'cpu us/group: consumer':>23} {'producer':>9}")
+    for name, pair in rows.items():
+        for side in sides:
+            r = pair[side]
+            ratio = f"{pair['ratio']:.2f}" if side == sides[1] else ""
+            print(f"{name:<12} {side:<8} {r['groups_per_s']:>10.0f} {r['mb_per_s']:>8.1f} {r['p50_ms']:>8.2f} "
+                  f"{r['p99_ms']:>8.2f} {ratio:>7} {pair['cpu_us'][side]['consumer']:>23.0f} "
+                  f"{pair['cpu_us'][side]['producer']:>9.0f}")
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--count", type=int, default=2000, help="groups per 4 KB run (64 KB runs send a quarter)")
     parser.add_argument("--paths", choices=("all", "zmq", "redis"), default="all",
                         help="which transports to run (zmq alone needs no redis-server)")
     parser.add_argument("--repeats", type=int, default=5, help="raw/backend pairs per path and size (median shown)")
+    parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
+                        help="the event loop of the backends' producers (the generator's: generator.event_loop)")
+    parser.add_argument("--compare-loops", action="store_true",
+                        help="also run each backend's producer on asyncio against uvloop, in pairs")
     args = parser.parse_args(argv)
     if args.count < 2 or args.repeats < 1:
         parser.error("--count must be >= 2 and --repeats >= 1")
-    rows = {}
+    rows, loops = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         redis_proc, url = start_redis(tmp) if args.paths != "zmq" else (None, None)
         try:
             for size, count in ((4096, args.count), (65536, max(10, args.count // 4))):
                 label = f"{size // 1024}KB"
+                backends = {}
                 if args.paths != "redis":
-                    rows[f"zmq/{label}"] = repeated(args.repeats, lambda: run_raw_zmq(size, count),
-                                                    lambda: run_zmq_backend(size, count))
+                    backends["zmq"] = (lambda: run_raw_zmq(size, count),
+                                       lambda loop: run_zmq_backend(size, count, loop))
                 if args.paths != "zmq":
-                    rows[f"redis/{label}"] = repeated(args.repeats, lambda: run_raw_redis(url, size, count),
-                                                      lambda: run_redis_backend(url, size, count))
+                    backends["redis"] = (lambda: run_raw_redis(url, size, count),
+                                         lambda loop: run_redis_backend(url, size, count, loop))
+                for path, (raw, backend) in backends.items():
+                    rows[f"{path}/{label}"] = repeated(args.repeats, raw, lambda: backend(args.loop))
+                    if args.compare_loops:
+                        loops[f"{path}/{label}"] = repeated(args.repeats, lambda: backend("asyncio"),
+                                                            lambda: backend("uvloop"))
         finally:
             if redis_proc is not None:
                 redis_proc.terminate()
                 redis_proc.wait()
-    print(f"{'path':<12} {'side':<8} {'groups/s':>10} {'MB/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'vs raw':>7} "
-          f"{'cpu us/group: consumer':>23} {'producer':>9}")
-    for name, pair in rows.items():
-        for side in ("raw", "backend"):
-            r = pair[side]
-            ratio = f"{pair['ratio']:.2f}" if side == "backend" else ""
-            print(f"{name:<12} {side:<8} {r['groups_per_s']:>10.0f} {r['mb_per_s']:>8.1f} {r['p50_ms']:>8.2f} "
-                  f"{r['p99_ms']:>8.2f} {ratio:>7} {pair['cpu_us'][side]['consumer']:>23.0f} "
-                  f"{pair['cpu_us'][side]['producer']:>9.0f}")
-    result = {"bench": "buffer", "count": args.count, "repeats": args.repeats, "paths": rows}
+    print_table(rows, ("raw", "backend"), "vs raw")
+    if loops:
+        print_table({name: {"asyncio": pair["raw"], "uvloop": pair["backend"], "ratio": pair["ratio"],
+                            "cpu_us": {"asyncio": pair["cpu_us"]["raw"], "uvloop": pair["cpu_us"]["backend"]}}
+                     for name, pair in loops.items()}, ("asyncio", "uvloop"), "uv/aio")
+    result = {"bench": "buffer", "count": args.count, "repeats": args.repeats, "loop": args.loop, "paths": rows,
+              "loops": loops}
     print(json.dumps(result))
     return result
 

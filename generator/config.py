@@ -100,6 +100,8 @@ class GeneratorConfig:
     """Worker processes that run a plain (not async) reward function, one call each at a time, so a slow or hung
     reward never blocks sampling; a call waits for a free worker (back-pressure). Per generator: a bigger machine
     may run more."""
+    event_loop: str = "uvloop"
+    """The generator's event loop: `uvloop` (plain asyncio when uvloop is missing) or `asyncio`."""
     torch_threads: int = 0
     """Threads of torch's CPU pool in the generator process, where the `hf` engine decodes; 0 leaves torch's
     default (one per core). vLLM's CPU worker is a process of its own and binds its own cores."""
@@ -136,6 +138,8 @@ class GeneratorConfig:
         if self.reward_workers < 1 or self.tool_workers < 1:
             raise ValueError(f"generator.reward_workers and generator.tool_workers must be >= 1, got "
                              f"{self.reward_workers} and {self.tool_workers}")
+        if self.event_loop not in ("uvloop", "asyncio"):
+            raise ValueError(f"generator.event_loop must be uvloop or asyncio, got {self.event_loop!r}")
         if self.torch_threads < 0:
             raise ValueError(f"generator.torch_threads must be >= 0 (0: torch's default), got {self.torch_threads}")
         if self.connect_timeout_s <= 0 or self.log_every_s <= 0:

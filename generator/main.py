@@ -17,6 +17,7 @@ from asyncrl.generator.agents.mcp_tools import McpServerError
 from asyncrl.generator.agents.openai_agent import AgentLoadError
 from asyncrl.generator.agents.tools import ToolLoadError
 from asyncrl.generator.dataset import iterate_prompts, read_rows, tokenize_rows
+from asyncrl.buffer.event_loop import run as run_event_loop
 from asyncrl.generator.engines.base import EngineBroken, EngineUnsupported, make_engine
 from asyncrl.generator.rewards import RewardError, check_builtin_rewards
 from asyncrl.generator.rollout import RolloutLoop
@@ -159,7 +160,7 @@ def _metrics_logger(info: dict, generator_id: str):
 
 def run_generator(cfg, say=print) -> int:
     try:
-        return asyncio.run(run_generator_async(cfg, say))
+        return run_event_loop(run_generator_async(cfg, say), cfg.generator.event_loop)
     except EngineBroken as err:  # the engine holds weights nobody vouches for: only a fresh process can serve
         say(f"generator stopped: {err}; restart it (it joins on the current weights)")
         return 1

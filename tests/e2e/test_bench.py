@@ -80,16 +80,17 @@ def test_learner_bench_runs_on_a_tiny_setting(tmp_path):
 @pytest.mark.slow
 @pytest.mark.redis
 def test_buffer_bench_runs_on_a_tiny_setting(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.buffer", "--count", "40", "--repeats", "1"],
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.buffer", "--count", "40", "--repeats", "1",
+                          "--compare-loops"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["bench"] == "buffer"
-    assert set(result["paths"]) == {"zmq/4KB", "zmq/64KB", "redis/4KB", "redis/64KB"}
-    for pair in result["paths"].values():
+    assert result["bench"] == "buffer" and result["loop"] == "uvloop"
+    assert set(result["paths"]) == set(result["loops"]) == {"zmq/4KB", "zmq/64KB", "redis/4KB", "redis/64KB"}
+    for pair in [*result["paths"].values(), *result["loops"].values()]:
         assert pair["ratio"] > 0 and pair["backend"]["p99_ms"] >= pair["backend"]["p50_ms"] > 0
         for side in ("raw", "backend"):
             assert pair["cpu_us"][side]["consumer"] > 0 and pair["cpu_us"][side]["producer"] > 0
+    assert "uv/aio" in out.stdout
 
 
 @pytest.mark.slow
