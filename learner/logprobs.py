@@ -137,7 +137,41 @@ def run_decoder(model, stream: Stream) -> torch.Tensor:
     count = stream.ids.shape[1]
     causal = torch.ones(count, count, dtype=torch.bool).tril()
     block = (stream.segments[:, :, None] == stream.segments[:, None, :]) & causal  # [R, S, S]
-    return decoder_states(model, input_ids=stream.ids, attention_mask=block[:, None], position_ids=stream.positions)
+    masks = packed_masks(model.config, block[:, None])
+    if model.config._attn_implementation == "eager":  # eager adds the mask to the scores: it must be additive
+        dtype = model.get_input_embeddings().weight.dtype
+        masks = ({kind: additive(mask, dtype) for kind, mask in masks.items()} if isinstance(masks, dict)
+                 else additive(masks, dtype))
+    return decoder_states(model, input_ids=stream.ids, attention_mask=masks, position_ids=stream.positions)
+
+
+def additive(mask: torch.Tensor, dtype) -> torch.Tensor:
+    """A boolean keep-mask as the additive mask eager attention expects: 0 where kept, the dtype's min elsewhere."""
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def packed_masks(config, block: torch.Tensor):
+    """The packed stream's mask as the model's layers need it. A 4D mask passed to an HF model is used as given,
+    so the sliding window some layers apply (Mistral: every layer; Gemma 2: every other one, `layer_types`) must be
+    in it, or those layers would silently see the whole sequence. Models with `layer_types` take one mask per
+    type; others one mask for every layer. `block` [R, 1, S, S] bool, causal within each packed sequence."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        masks = {"full_attention": block}
+        if "sliding_attention" in layer_types:
+            masks["sliding_attention"] = block & band(block.shape[-1], window, block.device)
+        return masks
+    if window:  # no layer types: the window, when set, applies to every layer (Mistral, Mixtral)
+        return block & band(block.shape[-1], window, block.device)
+    return block
+
+
+def band(count: int, window: int, device) -> torch.Tensor:
+    """[S, S]: key j is within `window` tokens of query i (i - j < window), HF's sliding-window convention. Inside
+    one packed sequence positions are consecutive, so the index difference is the position difference."""
+    index = torch.arange(count, device=device)
+    return (index[:, None] - index[None, :]) < window
 
 
 NO_LOGITS = torch.zeros(0, dtype=torch.long)
@@ -160,6 +194,9 @@ def head_logprobs(model, hidden, targets, temps, chunk_tokens: int, with_entropy
     head = model.get_output_embeddings()
     if fp32_head:
         head = Fp32Head(head)
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+    if softcap:  # Gemma 2: the model's logits are softcap * tanh(logits / softcap), before any temperature
+        head = SoftcappedHead(head, float(softcap))
     rows, length, width = hidden.shape
     flat_hidden = hidden.reshape(-1, width)
     flat_targets = targets.reshape(-1)
@@ -214,6 +251,18 @@ class Fp32Head:
         bias = self.head.bias
         return torch.nn.functional.linear(hidden.to(dtype), self.head.weight.to(dtype),
                                           None if bias is None else bias.to(dtype))
+
+
+class SoftcappedHead:
+    """The LM head followed by the final logit soft-capping some families apply (Gemma 2's
+    `final_logit_softcapping`), as the model's own forward and vLLM do."""
+
+    def __init__(self, head, softcap: float):
+        self.head, self.softcap = head, softcap
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = _at_least_fp32(self.head(hidden))
+        return torch.tanh(logits / self.softcap) * self.softcap
 
 
 def _chunk_logits(head, hidden, targets, temps, top_ks, top_ps):

@@ -1,9 +1,12 @@
 """Model and tokenizer loading for the learner: HF causal LMs from a local directory, never from the hub."""
+import logging
 import os
 
 import torch
 
 from asyncrl.weightsync.dtypes import DTYPES
+
+log = logging.getLogger(__name__)
 
 
 class ModelLoadError(RuntimeError):
@@ -15,25 +18,32 @@ def load_model(path: str, dtype: str = "float32", trust_remote_code: bool = Fals
     resolve_attn_implementation)."""
     from transformers import AutoModelForCausalLM
 
+    from transformers import AutoConfig
+
     check_model_dir(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=DTYPES[dtype], attn_implementation=resolve_attn_implementation(attn_implementation),
+        path, dtype=DTYPES[dtype], attn_implementation=resolve_attn_implementation(attn_implementation, config),
         trust_remote_code=trust_remote_code)
     return model
 
 
-def resolve_attn_implementation(name: str) -> str:
-    """"auto" is flash-attn 2 on CUDA when it is installed (packed rows then run as varlen, no mask), else sdpa."""
-    if name != "auto":
-        return name
-    if torch.cuda.is_available():
+def resolve_attn_implementation(name: str, config=None) -> str:
+    """"auto" is flash-attn 2 on CUDA when it is installed (packed rows then run as varlen, no mask), else sdpa.
+    A model that soft-caps its attention logits (Gemma 2's `attn_logit_softcapping`) gets eager attention instead
+    of sdpa: sdpa has no soft-capping and HF's sdpa path silently skips it, which vLLM does not."""
+    if name == "auto" and torch.cuda.is_available():
         try:
             import flash_attn  # noqa: F401
 
-            return "flash_attention_2"
+            name = "flash_attention_2"
         except ImportError:
             pass
-    return "sdpa"
+    name = "sdpa" if name == "auto" else name
+    if name == "sdpa" and getattr(config, "attn_logit_softcapping", None):
+        log.info("the model soft-caps its attention logits, which sdpa cannot: eager attention instead")
+        return "eager"
+    return name
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False):

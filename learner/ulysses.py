@@ -97,16 +97,19 @@ def check_heads(config, sp_size: int) -> int:
 
 
 def ulysses_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                      segment_ids=None, sp_group=None, kv_repeat: int = 1, **kwargs):
+                      segment_ids=None, sp_group=None, kv_repeat: int = 1, sliding_window=None, softcap=None,
+                      **kwargs):
     """HF attention function. query [b, h, s, d], key/value [b, kv, s, d] (local sequence slice); returns
-    ([b, s, h, d], None) like HF's sdpa function."""
+    ([b, s, h, d], None) like HF's sdpa function. `sliding_window` and `softcap` are what the layer passes (Mistral's
+    and Gemma 2's window, Gemma 2's attention logit soft-capping), honoured on the full sequence."""
     if kv_repeat > 1:
         key = key.repeat_interleave(kv_repeat, dim=1)
         value = value.repeat_interleave(kv_repeat, dim=1)
     q = seq_to_heads(query, sp_group)  # [b, h/sp, S, d]
     k = seq_to_heads(key, sp_group)
     v = seq_to_heads(value, sp_group)
-    out = inner_attention(q, k, v, segment_ids, scaling, dropout, varlen_kernel(q.device))
+    out = inner_attention(q, k, v, segment_ids, scaling, dropout, varlen_kernel(q.device), window=sliding_window,
+                          softcap=softcap)
     out = heads_to_seq(out, sp_group)  # [b, h, s, d]
     return out.transpose(1, 2).contiguous(), None
 
@@ -132,12 +135,13 @@ def cu_seqlens(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return bounds, int((bounds[1:] - bounds[:-1]).max())
 
 
-def inner_attention(q, k, v, segment_ids, scale, dropout: float, kernel=None) -> torch.Tensor:
+def inner_attention(q, k, v, segment_ids, scale, dropout: float, kernel=None, window=None, softcap=None):
     """Causal attention over the full sequence: q [b, h, S, d], k/v [b, h_kv, S, d] -> [b, h, S, d].
-
     `segment_ids` [b, S] (packed sequences; None = each row is one sequence). With `kernel` (flash-attn's varlen
     signature) the rows/segments become cu_seqlens and no [S, S] mask exists; else sdpa with a block-diagonal
-    causal mask (CPU)."""
+    causal mask (CPU). `window`: a key more than window - 1 tokens before the query is not attended (HF's sliding
+    window); `softcap`: scores become softcap * tanh(scores / softcap) before the softmax (flash-attn has both; on
+    CPU soft-capping runs as plain matmuls, which sdpa cannot)."""
     batch, heads, length, dim = q.shape
     if kernel is not None:
         segments = segment_ids if segment_ids is not None else torch.arange(batch, device=q.device)[:, None].expand(
@@ -150,16 +154,28 @@ def inner_attention(q, k, v, segment_ids, scale, dropout: float, kernel=None) ->
             return x.transpose(1, 2).reshape(batch * length, x.shape[1], dim)
 
         out = kernel(flat(q), flat(k), flat(v), bounds, bounds, longest, longest, dropout_p=dropout,
-                     softmax_scale=scale, causal=True)
+                     softmax_scale=scale, causal=True, window_size=(window - 1, 0) if window else (-1, -1),
+                     softcap=float(softcap or 0.0))
         return out.reshape(batch, length, heads, dim).transpose(1, 2)
     if k.shape[1] != heads:  # grouped-query attention: heads stay grouped within each rank's slice
         k = k.repeat_interleave(heads // k.shape[1], dim=1)
         v = v.repeat_interleave(heads // v.shape[1], dim=1)
-    if segment_ids is None:
+    if segment_ids is None and not window and not softcap:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scale)
-    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-    mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & causal  # [b, S, S]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], dropout_p=dropout, scale=scale)
+    index = torch.arange(length, device=q.device)
+    mask = (index[:, None] >= index[None, :])[None]  # [1, S, S] causal
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])  # [b, S, S]
+    if window:  # within a row or a packed sequence, positions are consecutive: index distance is position distance
+        mask = mask & ((index[:, None] - index[None, :]) < window)[None]
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], dropout_p=dropout, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (scale if scale is not None else dim ** -0.5)
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    probs = scores.softmax(dim=-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
+    probs = F.dropout(probs, p=dropout, training=dropout > 0)
+    return torch.matmul(probs, v)
 
 
 def apply_ulysses(model, sp_group, sp_size: int) -> None:

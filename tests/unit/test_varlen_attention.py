@@ -9,9 +9,10 @@ from asyncrl.learner.ulysses import cu_seqlens, inner_attention, varlen_kernel
 
 
 def fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                softmax_scale=None, causal=False):
+                softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0):
     """flash_attn_varlen_func's contract: q [total, h, d], k/v [total, h_kv, d] (h_kv divides h), int32 cu_seqlens,
-    causal within each sequence; returns [total, h, d]."""
+    causal within each sequence, `window_size=(left, right)` (-1: unbounded; a query attends to keys at most `left`
+    before it), `softcap` (0: off; scores -> softcap * tanh(scores / softcap)); returns [total, h, d]."""
     assert cu_seqlens_q.dtype == torch.int32 and torch.equal(cu_seqlens_q, cu_seqlens_k)
     lengths = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
     assert max(lengths) == max_seqlen_q == max_seqlen_k and sum(lengths) == q.shape[0]
@@ -20,8 +21,14 @@ def fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))  # [h, s, d]
         ks = ks.repeat_interleave(qs.shape[0] // ks.shape[0], dim=0)
         vs = vs.repeat_interleave(qs.shape[0] // vs.shape[0], dim=0)
-        out[start:end] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=softmax_scale,
-                                                        dropout_p=dropout_p).transpose(0, 1)
+        index = torch.arange(end - start)
+        keep = index[:, None] >= index[None, :] if causal else torch.ones(end - start, end - start, dtype=torch.bool)
+        if window_size[0] >= 0:
+            keep = keep & (index[:, None] - index[None, :] <= window_size[0])
+        scores = qs @ ks.transpose(-1, -2) * (softmax_scale if softmax_scale is not None else qs.shape[-1] ** -0.5)
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        out[start:end] = (scores.masked_fill(~keep, float("-inf")).softmax(-1) @ vs).transpose(0, 1)
     return out
 
 
@@ -59,3 +66,20 @@ def test_real_flash_attn_varlen_matches_sdpa_on_cuda():
     expected = inner_attention(q.float(), k.float(), v.float(), segments, 0.125, 0.0, kernel=None)
     got = inner_attention(q, k, v, segments, 0.125, 0.0, kernel=kernel)
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_sliding_window_and_soft_capping_reach_the_varlen_kernel_as_on_cpu(packed):
+    """Mistral's and Gemma 2's window and Gemma 2's soft-capping: the varlen kernel's window_size / softcap give what
+    the CPU path computes with its mask and plain matmuls."""
+    torch.manual_seed(1)
+    batch, length = (1, 13) if packed else (3, 6)
+    q = torch.randn(batch, 4, length, 8, dtype=torch.float64) * 3
+    k, v = torch.randn(2, batch, 2, length, 8, dtype=torch.float64) * 3
+    segments = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1, 2, 2, 2, 2, 2]]) if packed else None
+    plain = inner_attention(q, k, v, segments, 0.3, 0.0, kernel=None)
+    for window, softcap in ((3, None), (None, 2.0), (3, 2.0)):
+        expected = inner_attention(q, k, v, segments, 0.3, 0.0, kernel=None, window=window, softcap=softcap)
+        got = inner_attention(q, k, v, segments, 0.3, 0.0, kernel=fake_varlen, window=window, softcap=softcap)
+        torch.testing.assert_close(got, expected)
+        assert not torch.allclose(expected, plain)  # each setting changes the result: none is silently dropped
