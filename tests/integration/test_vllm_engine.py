@@ -181,7 +181,10 @@ def test_an_openai_client_agent_on_the_endpoint_records_what_vllm_sampled(vllm_e
 def test_weight_update_changes_greedy_outputs_and_never_serves_stale_prefix_cache(vllm_engine, demo_assets,
                                                                                  event_loop_runner, tmp_path):
     run = event_loop_runner.run_until_complete
-    greedy = Sampling(temperature=1e-4, max_tokens=6)  # near-greedy; vLLM treats T=0 as greedy without logprobs
+    # True greedy (T = 0: vLLM's argmax, no sampling). Near-greedy sampling (T = 1e-4) picked a token up to 0.05
+    # logits below the argmax about one run in five, on the old reload path as on this one, while the logprobs at
+    # T = 0.7 and T = 1 matched the learner's within 1e-4: vLLM's CPU sampler, not the weights.
+    greedy = Sampling(temperature=0.0, max_tokens=6)
     prompt = PROMPTS[1]
     run(vllm_engine.sample(prompt, greedy, n=1))  # the prompt's KV is now in the prefix cache
     model = load_model(demo_assets[0]).eval()
@@ -190,37 +193,29 @@ def test_weight_update_changes_greedy_outputs_and_never_serves_stale_prefix_cach
         for param in model.parameters():
             param.add_(torch.randn_like(param) * 0.05)
     publisher, stage = WeightPublisher(str(tmp_path / "ring"), 3, 1 << 20), WeightStage(str(tmp_path), "t")
-    staged = stage.stage(publish(publisher, model.state_dict(), 7))
-    run(vllm_engine.load_weights(staged))
-    stage.end_load(staged, ok=True)
-    after = run(vllm_engine.sample(prompt, greedy, n=1))[0]
-    assert set(after.versions) == {7}
-    assert_near_greedy(model, prompt, after.token_ids)
-    # Stale KV of the cached prompt (computed by the old weights) would make these logprobs the old model's.
-    sampled = run(vllm_engine.sample(prompt, Sampling(temperature=0.7, max_tokens=6), n=2))
-    with torch.no_grad():
-        for completion in sampled:
-            expected_logprobs = learner_logprobs(model, prompt, completion.token_ids, 0.7)
-            assert np.max(np.abs(np.array(expected_logprobs) - np.array(completion.logprobs))) < 1e-4
-    # put the original weights back for other tests
-    original = load_model(demo_assets[0])
-    staged = stage.stage(publish(publisher, original.state_dict(), 8))
-    run(vllm_engine.load_weights(staged, stage.good))
-    stage.end_load(staged, ok=True)
-    stage.close()
-    publisher.close()
-
-
-def assert_near_greedy(model, prompt: list, tokens: list, margin: float = 0.05) -> None:
-    """Every token vLLM decoded near-greedily is the learner model's argmax after the same prefix, up to `margin`
-    in logits. (Exact equality with the learner's own greedy decode flaked about one run in five: the perturbed
-    model has a near-tie, 0.028 apart, where vLLM's decode picked the other token; its logprobs at T = 1 still
-    matched the learner's within 1e-6, so the weights were the new ones.)"""
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
-    chosen = logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
-    gaps = logits.max(dim=1).values - chosen
-    assert tokens and float(gaps.max()) <= margin, (tokens, gaps.tolist())
+    try:
+        staged = stage.stage(publish(publisher, model.state_dict(), 7))
+        run(vllm_engine.load_weights(staged))
+        stage.end_load(staged, ok=True)
+        after = run(vllm_engine.sample(prompt, greedy, n=1))[0]
+        assert set(after.versions) == {7}
+        with torch.no_grad():
+            ids = torch.tensor([prompt])
+            expected = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)[0, len(prompt):]
+        assert after.token_ids == expected.tolist()[: len(after.token_ids)]
+        # Stale KV of the cached prompt (computed by the old weights) would make these logprobs the old model's.
+        sampled = run(vllm_engine.sample(prompt, Sampling(temperature=0.7, max_tokens=6), n=2))
+        with torch.no_grad():
+            for completion in sampled:
+                expected_logprobs = learner_logprobs(model, prompt, completion.token_ids, 0.7)
+                assert np.max(np.abs(np.array(expected_logprobs) - np.array(completion.logprobs))) < 1e-4
+    finally:  # the original weights back for the other tests, whatever happened
+        original = load_model(demo_assets[0])
+        staged = stage.stage(publish(publisher, original.state_dict(), 8))
+        run(vllm_engine.load_weights(staged, stage.good))
+        stage.end_load(staged, ok=True)
+        stage.close()
+        publisher.close()
 
 
 def publish(publisher, state: dict, version: int) -> dict:
@@ -263,7 +258,7 @@ def test_a_load_failing_halfway_goes_back_to_the_last_good_version(vllm_engine, 
     The engine reloads its last good version through the same weight-transfer calls before it resumes, and samples
     exactly as before."""
     run = event_loop_runner.run_until_complete
-    greedy = Sampling(temperature=1e-4, max_tokens=6)
+    greedy = Sampling(temperature=0.0, max_tokens=6)  # vLLM's argmax (see the weight-update test)
     prompt = PROMPTS[1]
     before = run(vllm_engine.sample(prompt, greedy, n=1))[0]
     publisher, stage = WeightPublisher(str(tmp_path / "ring"), 3, 1 << 20), WeightStage(str(tmp_path), "t")
