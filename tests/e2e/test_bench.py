@@ -24,7 +24,7 @@ def test_time_to_reward_bench_runs_asyncrl_and_trl_on_a_tiny_setting(tmp_path, d
     runs = result["runs"]
     assert set(runs) == {"asyncrl eta=0", "asyncrl eta=1", "TRL GRPOTrainer"}
     for name, (run,) in runs.items():
-        assert run["steps"] == 4 and run["samples_per_s"] > 0, (name, run)
+        assert run["steps"] == 6 and run["samples_per_s"] > 0, (name, run)
         assert run["time_to_target_s"] is not None and 0 <= run["reward_final"] <= 1  # a target of 0 is reached
     (sync,), (async_,) = runs["asyncrl eta=0"], runs["asyncrl eta=1"]
     assert sync["staleness_mean"] == 0 and async_["staleness_mean"] <= 1
@@ -34,19 +34,20 @@ def test_time_to_reward_bench_runs_asyncrl_and_trl_on_a_tiny_setting(tmp_path, d
 
 @pytest.mark.slow
 def test_tool_latency_bench_runs_episodes_at_two_etas_on_a_tiny_setting(tmp_path, demo_assets, demo_cache):
-    # episode metrics travel in the generator's log window: 4 short steps can take under a second, so the window is
-    # a fifth of one (with 1 s, a run whose steps all fell inside the first window had no episode metrics)
+    # episode metrics travel in the generator's log window: short steps can take under a second, so the window is
+    # a tenth of one and the run 6 steps (with 1 s, and once with 0.2 s and 4 steps in CI, a run whose steps all fell
+    # inside the first window had no episode metrics)
     overrides = [f"demo.cache_dir={demo_cache}", *TINY_DEMO, f"buffer.port={free_port()}",
-                 "generator.log_every_s=0.2"]
+                 "generator.log_every_s=0.1"]
     out = subprocess.run([sys.executable, "-m", "asyncrl.bench.tool_latency", "--seeds", "0", "--etas", "0", "1",
-                          "--steps", "4", "--slow-s", "0.3", "--slow-p", "0.5", "--inflight", "4", *overrides],
+                          "--steps", "6", "--slow-s", "0.3", "--slow-p", "0.5", "--inflight", "4", *overrides],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "tool_latency" and result["ratio"]["1"] > 0
     for eta in ("0", "1"):
         (run,) = result["runs"][eta]
-        assert run["steps"] == 4 and run["samples_per_s"] > 0
+        assert run["steps"] == 6 and run["samples_per_s"] > 0
         # episodes answered, waited on the tool, answered again; a first answer cut by max_tokens ends its episode
         assert 1.0 < run["turns_mean"] <= 2.0
     assert "| η = 1 |" in out.stdout
