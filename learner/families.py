@@ -3,8 +3,8 @@
 Each keeps what makes its family different, at a size a 2-core machine trains in seconds: Qwen3's q/k norms,
 Llama 3's rope scaling, Mistral's sliding window, Gemma 2's logit soft-capping (attention and final), alternating
 sliding / full layers and embedding scale, Qwen3-MoE's routed experts. The tests run each one through the learner
-(FSDP2, Ulysses), vLLM and export (tests/integration/test_families.py). head_dim 32 is one vLLM's CPU attention
-supports.
+(FSDP2, Ulysses), vLLM and export (tests/unit/test_families.py, tests/integration/test_parallel.py and
+tests/integration/test_families_vllm.py). head_dim 32 is one vLLM's CPU attention supports.
 """
 import torch
 

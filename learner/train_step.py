@@ -241,7 +241,7 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
                 continue
             pg_share, kl_share, metrics, prox, entropy, current = forward_backward(
                 model, micro.to(settings.parallel.device), plan, algo, counts, settings, generator)
-            if not grad_norms:
+            if not grad_norms and plan.prox_source != PROX_RECOMPUTE:  # else the recomputed π_prox is the start
                 start_parts.append((micro.rows, current.cpu()))
             pg_loss, kl_loss = pg_loss + pg_share, kl_loss + kl_share
             mini_loss += pg_share + algo.kl_loss_coef * kl_share

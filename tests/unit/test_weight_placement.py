@@ -4,7 +4,7 @@ A CPU machine cannot run NCCL, so these tests use a strict stand-in for a proces
 gloo do, a tensor on the wrong device for its backend; the chain code must refuse such buckets itself, with a
 message naming them, before posting anything. The publisher must hand a device group the copy it keeps on the
 group's device, never the CPU ring ("meta" stands in for the GPU: it has a device type of its own and copies into
-it are free). The real NCCL path runs in scripts/test_gpu.
+it are free). The real NCCL path has not run yet: it needs a GPU (README, "What has run on a GPU").
 """
 import pytest
 import torch
