@@ -38,6 +38,8 @@ setup(
         # which still moves between releases, and refuses any other release (TESTED_VLLM_VERSIONS)
         "gpu": ["vllm==0.32.0", "sglang", "flash-attn"],
         "redis": ["redis>=5", "hiredis"],
+        # learner.sp_impl=deepspeed: DeepSpeed's DistributedAttention carries Ulysses (learner/ulysses_deepspeed.py)
+        "deepspeed": ["deepspeed==0.19.8"],
         # bench/time_to_reward.py's peer (bench/trl_grpo.py); nothing outside bench/ imports it
         "bench": ["trl==1.16.0"],
         "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6",

@@ -23,7 +23,7 @@ def build_policy(cfg, model_path: str, parallel: ParallelState):
     model = load_model(model_path, cfg.learner.dtype, cfg.model.trust_remote_code, cfg.learner.attn_implementation)
     model.to(parallel.device)
     if parallel.sp_size > 1:
-        apply_ulysses(model, parallel.sp_group, parallel.sp_size)
+        apply_ulysses(model, parallel.sp_group, parallel.sp_size, cfg.learner.sp_impl)
     return apply_fsdp(model, parallel, param_dtype=cfg.learner.param_dtype or cfg.learner.dtype,
                       reduce_dtype=cfg.learner.reduce_dtype, cpu_offload=cfg.learner.cpu_offload,
                       activation_checkpointing=cfg.learner.activation_checkpointing)

@@ -39,6 +39,10 @@ class LearnerConfig:
     sp_size: int = 1
     """Ulysses sequence-parallel size: ranks that split each sequence (must divide the number of ranks and the
     attention heads). The data-parallel size is ranks / sp_size."""
+    sp_impl: str = "native"
+    """Which all-to-all carries Ulysses: "native" (asyncrl's, learner/ulysses.py) or "deepspeed" (DeepSpeed's
+    `DistributedAttention`, the `deepspeed` extra; its first use compiles a shared-memory op, about 40 s on CPU,
+    cached after). Both wrap the same inner attention and agree bit for bit on gloo."""
     param_dtype: str = ""
     """FSDP2 MixedPrecisionPolicy: dtype of the gathered parameters in forward/backward ("" = learner.dtype)."""
     reduce_dtype: str = "float32"
@@ -88,6 +92,8 @@ class LearnerConfig:
                              f"{self.attn_implementation!r}")
         if self.sp_size < 1:
             raise ValueError(f"learner.sp_size must be >= 1, got {self.sp_size}")
+        if self.sp_impl not in ("native", "deepspeed"):
+            raise ValueError(f"learner.sp_impl must be native or deepspeed, got {self.sp_impl!r}")
         for key in ("param_dtype", "reduce_dtype"):
             value = getattr(self, key)
             if value and value not in ("float32", "bfloat16", "float16"):

@@ -1,9 +1,11 @@
 """Ulysses sequence parallelism: each rank of an SP group holds a contiguous slice of the sequence, and attention
 swaps that for a slice of the heads with one all-to-all before and one after (DeepSpeed-Ulysses).
 
-It is our own all-to-all (`all_to_all_single` in an autograd Function) rather than DeepSpeed's
-`DistributedAttention`: that needs `deepspeed.comm` initialised beside torch.distributed and JIT-compiles a
-shared-memory op on first use (24 s on CPU), for the same two collectives. Both are bit-exact on gloo.
+By default (`learner.sp_impl=native`) it is our own all-to-all (`all_to_all_single` in an autograd Function);
+`learner.sp_impl=deepspeed` hands the two all-to-alls to DeepSpeed's `DistributedAttention`
+(learner/ulysses_deepspeed.py), around the same inner attention. Native is the default because DeepSpeed needs
+`deepspeed.comm` initialised beside torch.distributed and compiles a shared-memory op on first use (about 40 s on
+CPU) for the same two collectives; both are bit-exact on gloo.
 
 The function is plugged into HF models with `transformers.AttentionInterface.register` under ATTN_NAME and
 selected per model (`set_attn_implementation`), never by patching a module. Every rank passes its *global*
@@ -98,13 +100,19 @@ def check_heads(config, sp_size: int) -> int:
 
 def ulysses_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                       segment_ids=None, sp_group=None, kv_repeat: int = 1, sliding_window=None, softcap=None,
-                      **kwargs):
+                      exchange=None, **kwargs):
     """HF attention function. query [b, h, s, d], key/value [b, kv, s, d] (local sequence slice); returns
     ([b, s, h, d], None) like HF's sdpa function. `sliding_window` and `softcap` are what the layer passes (Mistral's
-    and Gemma 2's window, Gemma 2's attention logit soft-capping), honoured on the full sequence."""
+    and Gemma 2's window, Gemma 2's attention logit soft-capping), honoured on the full sequence. `exchange`:
+    DeepSpeed's `DistributedAttention` (learner/ulysses_deepspeed.py) instead of our all-to-all."""
     if kv_repeat > 1:
         key = key.repeat_interleave(kv_repeat, dim=1)
         value = value.repeat_interleave(kv_repeat, dim=1)
+    if exchange is not None:
+        out = exchange(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), 0,
+                       segment_ids=segment_ids, scale=scaling, dropout=dropout, window=sliding_window,
+                       softcap=softcap)
+        return out.contiguous(), None
     q = seq_to_heads(query, sp_group)  # [b, h/sp, S, d]
     k = seq_to_heads(key, sp_group)
     v = seq_to_heads(value, sp_group)
@@ -178,15 +186,25 @@ def inner_attention(q, k, v, segment_ids, scale, dropout: float, kernel=None, wi
     return torch.matmul(probs, v)
 
 
-def apply_ulysses(model, sp_group, sp_size: int) -> None:
-    """Route `model`'s attention through Ulysses over `sp_group`. Models must not share a config object (two
-    models built from one config share it in transformers 5, and this would flip both): load_model builds each
+def apply_ulysses(model, sp_group, sp_size: int, impl: str = "native"):
+    """Route `model`'s attention through Ulysses over `sp_group`, with our all-to-all (`impl="native"`) or
+    DeepSpeed's (`"deepspeed"`); returns the attention function registered. Models must not share a config object
+    (two models built from one config share it in transformers 5, and this would flip both): load_model builds each
     model's own."""
     import functools
 
     from transformers import AttentionInterface
 
     kv_repeat = check_heads(model.config, sp_size)
-    AttentionInterface.register(ATTN_NAME, functools.partial(ulysses_attention, sp_group=sp_group,
-                                                             kv_repeat=kv_repeat))
+    if impl == "native":
+        exchange = None
+    elif impl == "deepspeed":
+        from asyncrl.learner.ulysses_deepspeed import deepspeed_exchange
+
+        exchange = deepspeed_exchange(sp_group)
+    else:
+        raise ValueError(f"learner.sp_impl must be native or deepspeed, got {impl!r}")
+    attention = functools.partial(ulysses_attention, sp_group=sp_group, kv_repeat=kv_repeat, exchange=exchange)
+    AttentionInterface.register(ATTN_NAME, attention)
     model.set_attn_implementation(ATTN_NAME)
+    return attention

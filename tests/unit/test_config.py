@@ -29,6 +29,7 @@ def test_default_recipe_is_the_cpu_demo():
     (["generator.engine=hf", "generator.update_mode=abort"], "generator.update_mode"),
     (["generator.engine=sglang", "generator.update_mode=abort"], "vllm engine only"),
     (["generator.torch_threads=-1"], "generator.torch_threads"),
+    (["learner.sp_impl=megatron"], "learner.sp_impl"),
 ])
 def test_unknown_keys_and_bad_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
