@@ -3,6 +3,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 DEMO_TASKS = ("", "sort_digits", "add_numbers")
+DEMO_SHAPES = ("tiny", "qwen2-0.5b")
 
 
 @dataclass
@@ -81,6 +82,11 @@ class DemoConfig:
     """Demo model width."""
     num_layers: int = 4
     """Demo model depth."""
+    model_shape: str = "tiny"
+    """"tiny": a Qwen2 of demo.hidden_size x demo.num_layers (the CPU demo). "qwen2-0.5b": Qwen2-0.5B's published
+    body (24 layers, 896 wide, 14 query and 2 KV heads of 64, 4864 MLP, rope theta 1e6, tied embeddings), randomly
+    initialised, for GPU checks (scripts/test_gpu); its vocabulary is the task's tokenizer's, not Qwen's 151936,
+    whose ids a locally trained tokenizer could not decode."""
     sft_steps: int = 60
     """Steps of the SFT warm start (steps, not seconds, so every machine starts from the same point)."""
     sft_lr: float = 1e-3
@@ -91,5 +97,7 @@ class DemoConfig:
     def __post_init__(self):
         if self.task not in DEMO_TASKS:
             raise ValueError(f"demo.task must be one of {DEMO_TASKS}, got {self.task!r}")
+        if self.model_shape not in DEMO_SHAPES:
+            raise ValueError(f"demo.model_shape must be one of {DEMO_SHAPES}, got {self.model_shape!r}")
         if self.num_prompts < 1 or self.sft_steps < 0 or self.sft_batch_size < 1:
             raise ValueError("demo.num_prompts and demo.sft_batch_size must be >= 1 and demo.sft_steps >= 0")

@@ -108,12 +108,16 @@ def check_round_trip(model_dir: str, texts: list) -> None:
 
 
 def build_base_model(task, out_dir: str, demo_cfg, seed: int) -> None:
-    from asyncrl.learner.model import build_qwen2
+    from asyncrl.learner.model import build_qwen2, build_qwen2_05b
 
     tokenizer = train_char_tokenizer(task, task.tokenizer_corpus(seed))
     vocab = ((len(tokenizer) + 15) // 16) * 16  # padded; ids >= len(tokenizer) are never sampled after SFT
-    model = build_qwen2(vocab, demo_cfg.hidden_size, demo_cfg.num_layers, tokenizer.eos_token_id,
-                        tokenizer.pad_token_id, seed, max_positions=task.MAX_POSITIONS)
+    if demo_cfg.model_shape == "qwen2-0.5b":
+        model = build_qwen2_05b(vocab, tokenizer.eos_token_id, tokenizer.pad_token_id, seed,
+                                max_positions=task.MAX_POSITIONS)
+    else:
+        model = build_qwen2(vocab, demo_cfg.hidden_size, demo_cfg.num_layers, tokenizer.eos_token_id,
+                            tokenizer.pad_token_id, seed, max_positions=task.MAX_POSITIONS)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

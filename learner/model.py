@@ -83,6 +83,25 @@ def build_qwen2(vocab_size: int, hidden_size: int, num_layers: int, eos_token_id
     return Qwen2ForCausalLM(config)
 
 
+QWEN2_05B_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                       num_key_value_heads=2, rms_norm_eps=1e-6)
+"""Qwen2-0.5B's published body (its config.json), without its 151936-token vocabulary."""
+
+
+def build_qwen2_05b(vocab_size: int, eos_token_id: int, pad_token_id: int, seed: int, max_positions: int = 128,
+                    dtype: torch.dtype = torch.float32):
+    """A randomly initialised model of Qwen2-0.5B's shape (QWEN2_05B_SHAPE, rope theta 1e6, tied embeddings) for
+    GPU checks, built from a config (no download) in `dtype`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=vocab_size, max_position_embeddings=max_positions, tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                         eos_token_id=eos_token_id, bos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                         **QWEN2_05B_SHAPE)
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config).to(dtype)
+
+
 def model_positions(model) -> int:
     """The longest sequence the model takes (HF configs name it max_position_embeddings; a model without the
     field sets no bound here)."""

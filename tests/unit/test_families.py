@@ -37,3 +37,18 @@ def test_gemma2s_attention_soft_capping_gets_eager_attention_not_sdpa():
     assert resolve_attn_implementation("eager", gemma) == "eager"
     with pytest.raises(ValueError, match="unknown model family 'gpt2'"):
         family_config("gpt2", 40)
+
+
+def test_the_gpu_checks_model_has_qwen2_05b_published_body():
+    """demo.model_shape=qwen2-0.5b (scripts/test_gpu): Qwen2-0.5B's layers, widths and heads, built on the meta
+    device here (no memory); with its 151936-token vocabulary it would count Qwen2-0.5B's 494M parameters."""
+    from asyncrl.learner.model import build_qwen2_05b
+
+    with torch.device("meta"):
+        model = build_qwen2_05b(151936, eos_token_id=1, pad_token_id=0, seed=0)
+    config = model.config
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+            config.intermediate_size) == (24, 896, 14, 2, 4864)
+    assert model.model.layers[0].self_attn.head_dim == 64
+    assert config.tie_word_embeddings and config.rope_parameters["rope_theta"] == 1e6
+    assert abs(sum(p.numel() for p in model.parameters()) / 1e6 - 494) < 1

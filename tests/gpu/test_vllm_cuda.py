@@ -1,0 +1,65 @@
+"""vLLM on CUDA with asyncrl's weight path: the engine started with the GPU settings (CUDA graphs on, a share of
+the GPU's memory), samples whose logprobs are the learner's, and a version loaded through the generator's staging
+and vLLM's weight-transfer API (`asyncrl_shm`), after which the logprobs are the new weights' and every token is
+tagged with the new version. Needs CUDA and the `gpu` extra's vLLM; scripts/test_gpu runs it."""
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from asyncrl.buffer.group import Sampling
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+PROMPT = [4, 6, 8, 2, 10, 11]
+BF16_TOLERANCE = 0.05  # logprobs of two bf16 implementations of the same model differ by a few 1e-2
+
+
+def learner_logprobs(model, completion) -> np.ndarray:
+    from asyncrl.learner.logprobs import compute_logprobs
+
+    ids = torch.tensor([PROMPT + completion], device="cuda")
+    logprobs, _ = compute_logprobs(model, ids, torch.ones_like(ids), torch.tensor([0.7], device="cuda"), 64)
+    return logprobs[0, len(PROMPT) - 1:].float().cpu().numpy()
+
+
+def worst_gap(model, completions) -> float:
+    with torch.no_grad():
+        return max(float(np.max(np.abs(learner_logprobs(model, c.token_ids) - np.array(c.logprobs))))
+                   for c in completions)
+
+
+def test_vllm_on_cuda_samples_the_learners_distribution_and_takes_a_staged_version(demo_assets, tmp_path):
+    pytest.importorskip("vllm")
+    from asyncrl.generator.engines.vllm_engine import VllmEngine
+    from asyncrl.learner.model import load_model
+    from asyncrl.weightsync.publisher import WeightPublisher
+    from asyncrl.weightsync.receiver import WeightStage
+
+    engine = VllmEngine(demo_assets[0], dtype="bfloat16", max_model_len=64, kv_cache_gib=0.25, seed=0,
+                        gpu_memory_utilization=0.2)
+    loop = asyncio.new_event_loop()
+    run = loop.run_until_complete
+    run(engine.start())
+    publisher, stage = WeightPublisher(str(tmp_path / "ring"), 2, 1 << 24), WeightStage(str(tmp_path), "cuda")
+    try:
+        sampling = Sampling(temperature=0.7, max_tokens=8)
+        model = load_model(demo_assets[0]).to("cuda", torch.bfloat16).eval()
+        assert worst_gap(model, run(engine.sample(PROMPT, sampling, n=4))) < BF16_TOLERANCE
+        generator = torch.Generator(device="cuda").manual_seed(1)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(0.05 * torch.randn(param.shape, generator=generator, device="cuda", dtype=param.dtype))
+        state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
+        specs = [(name, "bfloat16", tuple(tensor.shape)) for name, tensor in state.items()]
+        staged = stage.stage(publisher.publish(iter(state.items()), 3, specs))
+        run(engine.load_weights(staged))
+        stage.end_load(staged, ok=True)
+        after = run(engine.sample(PROMPT, sampling, n=4))
+        assert all(set(c.versions) == {3} for c in after)
+        assert worst_gap(model, after) < BF16_TOLERANCE  # the new weights' distribution, prefix cache included
+    finally:
+        run(engine.close())
+        loop.close()
+        stage.close()
+        publisher.close()
