@@ -59,20 +59,39 @@ def drop_reason(group, batch_filter: BatchFilter) -> str | None:
     return None
 
 
+def waiting_message(buffer, out: Collected, groups_per_step: int, version: int, waited_s: float) -> str:
+    """Why the batch is not full yet, in the learner's words: the groups in hand, what was dropped here, the
+    generators heard from, and the zero-variance groups they dropped before sending (algo.dynamic_sampling) --
+    an untrained or collapsed policy that scores every sample alike fills no batch, and says so."""
+    live = buffer.live_generators()
+    filtered = int(buffer.metrics().get("generator/filtered_groups", 0))
+    message = (f"learner v{version}: {len(out.groups)}/{groups_per_step} groups after {waited_s:.0f} s "
+               f"(dropped so far: {dict(out.dropped) or 'none'}); generators seen recently: {live or 'none'}")
+    if not live:
+        message += " (start one with `asyncrl generator --config ...`)"
+    if filtered:
+        message += (f"; they dropped {filtered} groups whose samples all scored alike before sending "
+                    f"(algo.dynamic_sampling: a policy that scores every sample the same fills no batch)")
+    return message
+
+
 def collect_batch(buffer, groups_per_step: int, max_staleness: int, version: int, timeout_s: float,
-                  batch_filter: BatchFilter | None = None) -> Collected:
+                  batch_filter: BatchFilter | None = None, report_every_s: float = 30.0) -> Collected:
     """Take groups from `buffer` (an `interface.LearnerBuffer`) until `groups_per_step` usable ones are in hand.
-    Dropped groups are counted and given back."""
+    Dropped groups are counted and given back. A wait longer than `report_every_s` says why in the log, again
+    each `report_every_s`, so a starved learner is never silent until its timeout."""
     started = time.monotonic()
+    next_report = started + report_every_s
     out = Collected(groups=[])
     while len(out.groups) < groups_per_step:
-        remaining = timeout_s - (time.monotonic() - started)
+        now = time.monotonic()
+        remaining = timeout_s - (now - started)
         if remaining <= 0:
-            live = buffer.live_generators()
-            raise BatchTimeout(
-                f"learner v{version}: only {len(out.groups)}/{groups_per_step} groups after {timeout_s:.0f} s "
-                f"(dropped so far: {dict(out.dropped) or 'none'}); generators seen recently: {live or 'none'} "
-                f"(start one with `asyncrl generator --config ...`)")
+            raise BatchTimeout(f"only {waiting_message(buffer, out, groups_per_step, version, timeout_s)}")
+        if now >= next_report:
+            log.warning("still waiting for a batch: %s", waiting_message(buffer, out, groups_per_step, version,
+                                                                         now - started))
+            next_report = now + report_every_s
         group = buffer.take(min(remaining, 1.0))
         if group is None:
             continue

@@ -41,6 +41,9 @@ class QueueServer:
     def live_generators(self):
         return ["gen"]
 
+    def metrics(self):
+        return {"generator/filtered_groups": 5.0}
+
     def give_back(self, group):
         self.given_back.append(group.group_id)
 
@@ -72,6 +75,16 @@ def test_batch_timeout_names_what_was_dropped():
     with pytest.raises(BatchTimeout, match="zero_variance"):
         collect_batch(QueueServer([make_group([1, 1, 1])]), 2, 1, 0, timeout_s=0.3,
                       batch_filter=BatchFilter(dynamic_sampling=True))
+
+
+def test_a_starved_learner_says_why_while_it_waits_and_when_it_gives_up(caplog):
+    """An untrained policy under dynamic sampling: the generators drop every group before sending, and the learner
+    says so every report_every_s instead of waiting in silence until its timeout."""
+    with caplog.at_level("WARNING", logger="asyncrl.learner.collect"):
+        with pytest.raises(BatchTimeout, match=r"0/2 groups.*'gen'.*dropped 5 groups whose samples all scored alike"):
+            collect_batch(QueueServer([]), 2, 1, 0, timeout_s=0.5, report_every_s=0.1)
+    reports = [r.getMessage() for r in caplog.records if "still waiting for a batch" in r.getMessage()]
+    assert len(reports) >= 2 and "algo.dynamic_sampling" in reports[0]
 
 
 def test_outcome_reward_sits_on_the_last_trained_token():

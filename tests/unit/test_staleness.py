@@ -86,6 +86,9 @@ class SimulatedFleet:
     def live_generators(self) -> list[str]:
         return [str(g) for g in range(self.generators)]
 
+    def metrics(self) -> dict:
+        return {}  # the simulated fleet filters nothing before sending
+
     # --- the generators --------------------------------------------------------------------------------------
     def advance(self, ticks: int) -> None:
         for _ in range(ticks):
