@@ -11,6 +11,7 @@ above 1.05 a framework bug, not staleness).
 
     scripts/test_gpu                 # on a GPU machine with `pip install -e ".[gpu,dev]"`
     scripts/test_gpu --rehearse      # the same steps on CPU with the tiny demo model (what CI runs)
+    scripts/test_gpu model.lm_head_fp32=true   # key=value overrides go to the smoke run
 
 Exit status 0 only when nothing failed; a part that cannot run (no CUDA, vLLM not installed) is "skipped" with the
 reason, never "passed". The last line of output is one JSON object with every row.
@@ -144,7 +145,8 @@ def run_supervised(command: list, env: dict, timeout_s: float) -> tuple[int | No
         return returncode, log.read()
 
 
-def smoke_run(workdir: str, steps: int, rehearse: bool, timeout_s: float, port: int) -> tuple[list, dict]:
+def smoke_run(workdir: str, steps: int, rehearse: bool, timeout_s: float, port: int,
+              overrides: list) -> tuple[list, dict]:
     import torch
 
     if not rehearse and not torch.cuda.is_available():
@@ -153,7 +155,7 @@ def smoke_run(workdir: str, steps: int, rehearse: bool, timeout_s: float, port: 
     env = {**os.environ, "ASYNCRL_JOB_DIR": job_dir, "HF_HUB_OFFLINE": "1",
            "MLFLOW_TRACKING_URI": f"sqlite:///{workdir}/mlflow.db"}
     command = [sys.executable, "-m", "asyncrl.launch.cli", "run", *smoke_command(steps, rehearse, port),
-               f"demo.cache_dir={os.path.join(workdir, 'demo')}"]
+               f"demo.cache_dir={os.path.join(workdir, 'demo')}", *overrides]
     started = time.monotonic()
     returncode, output = run_supervised(command, env, timeout_s)
     seconds = time.monotonic() - started
@@ -196,13 +198,15 @@ def main(argv=None) -> int:
     parser.add_argument("--tests-timeout-s", type=float, default=300.0)
     parser.add_argument("--smoke-timeout-s", type=float, default=300.0)
     parser.add_argument("--workdir", help="keep the smoke run's job directory and reports here")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides for the smoke run (after its own)")
     args = parser.parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix="asyncrl-gpu-check-")
     os.makedirs(workdir, exist_ok=True)
     rows = environment()
     if not args.no_tests:
         rows += gpu_tests(workdir, args.tests_timeout_s)
-    smoke_rows, numbers = smoke_run(workdir, args.steps, args.rehearse, args.smoke_timeout_s, free_port())
+    smoke_rows, numbers = smoke_run(workdir, args.steps, args.rehearse, args.smoke_timeout_s, free_port(),
+                                  args.overrides)
     rows += smoke_rows
     print_table(rows)
     failed = [r["check"] for r in rows if r["status"] == "failed"]
