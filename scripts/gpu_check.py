@@ -17,6 +17,7 @@ Exit status 0 only when nothing failed; a part that cannot run (no CUDA, vLLM no
 reason, never "passed". The last line of output is one JSON object with every row.
 """
 import argparse
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -132,14 +133,10 @@ def run_supervised(command: list, env: dict, timeout_s: float) -> tuple[int | No
         except subprocess.TimeoutExpired:
             returncode = None
             process.send_signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):  # still there after 60 s: the SIGKILL below
                 process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(process.pid, signal.SIGKILL)  # the group is ours alone (start_new_session)
-            except ProcessLookupError:
-                pass
+            with contextlib.suppress(ProcessLookupError):  # the group has already exited
+                os.killpg(process.pid, signal.SIGKILL)  # the group of the process we started (start_new_session)
             process.wait()
         log.seek(0)
         return returncode, log.read()
