@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from asyncrl.weightsync.group.chain import PeerError, abort_process_group, make_process_group, send_chain
 from asyncrl.weightsync.group.protocol import ACK_POLL_S, KEEP_ANNOUNCEMENTS, describe_member, timedelta_s
+from asyncrl.weightsync.group.roster import Roster
 
 
 @dataclass
@@ -43,11 +44,9 @@ class WeightGroupHost:
         self.store = dist.TCPStore(host, port, None, True, timedelta_s(store_timeout_s), wait_for_workers=False)
         self.address = f"{host}:{self.store.port}"
         """host:port of the store, for the control plane to hand to generators."""
-        self.store.add("ws/tickets", 0)
+        self.roster = Roster(self.store, "ws", heartbeat_timeout_s)
+        self._members = self.roster.members  # ticket -> registration, of members not yet dropped
         self.store.add("ws/send_seq", 0)
-        self._members: dict[int, dict] = {}  # ticket -> registration, of members not yet dropped
-        self._scanned = 0  # highest ticket whose registration was read
-        self._heartbeats: dict[int, tuple[int, float]] = {}  # ticket -> (last count, monotonic time it changed)
         self._chain: list[int] = []  # tickets of the current generation, in rank order
         self._group = None
         self._generation = 0
@@ -88,36 +87,17 @@ class WeightGroupHost:
 
     def _select_live_members(self, report: SendReport) -> list[int]:
         """Read new registrations and drop members that left, were replaced by a restart, or stopped beating."""
-        newest = int(self.store.add("ws/tickets", 0))
-        for ticket in range(self._scanned + 1, newest + 1):
-            if not self.store.check([f"ws/member/{ticket}"]):
-                break  # registration not written yet; read it next time
-            info = json.loads(self.store.get(f"ws/member/{ticket}"))
-            for old, other in list(self._members.items()):
-                if other["member_id"] == info["member_id"]:
-                    self._members.pop(old)  # restarted: the new ticket replaces the old one
-            self._members[ticket] = info
-            self._scanned = ticket
-        for ticket, info in list(self._members.items()):
-            if self.store.check([f"ws/left/{ticket}"]):
-                self._members.pop(ticket)
-            elif self._heartbeat_stale(ticket):
-                self._drop(ticket, f"{describe_member(info)}: no heartbeat for {self.heartbeat_timeout_s} s", report)
-        return sorted(self._members)
+        def dropped(info: dict, reason: str) -> None:
+            report.failed[info["member_id"]] = reason
+            report.dropped.append(info["member_id"])
+
+        return self.roster.live(dropped)
 
     def _heartbeat_stale(self, ticket: int) -> bool:
-        count = int(self.store.add(f"ws/hb/{ticket}", 0))
-        now = time.monotonic()
-        last = self._heartbeats.get(ticket)
-        if last is None or last[0] != count:
-            self._heartbeats[ticket] = (count, now)
-            return False
-        return now - last[1] > self.heartbeat_timeout_s
+        return self.roster.stale(ticket)
 
     def _drop(self, ticket: int, reason: str, report: SendReport) -> None:
-        info = self._members.pop(ticket)
-        self._heartbeats.pop(ticket, None)
-        self.store.set(f"ws/dropped/{ticket}", reason)
+        info = self.roster.drop(ticket, reason)
         report.failed[info["member_id"]] = reason
         report.dropped.append(info["member_id"])
 

@@ -1,8 +1,6 @@
 """A generator's side of the weight group (rank >= 1): registration, heartbeat, and receiving each announced
 version from its upstream neighbour while relaying it downstream. The protocol is in protocol.py."""
 import json
-import os
-import socket
 import threading
 import time
 from collections import deque
@@ -13,6 +11,7 @@ import torch.distributed as dist
 from asyncrl.weightsync.group.chain import PeerError, abort_process_group, make_process_group, relay_chain
 from asyncrl.weightsync.group.protocol import (ANNOUNCEMENT_POLL_S, KEEP_ANNOUNCEMENTS, NoAnnouncement, describe_member,
                                            timedelta_s)
+from asyncrl.weightsync.group.roster import register, start_heartbeat
 
 
 class WeightGroupMember:
@@ -26,9 +25,8 @@ class WeightGroupMember:
         self._group, self._generation, self._next_seq = None, 0, 1
         self._stop = threading.Event()
         self._register()
-        self._heartbeat = threading.Thread(target=self._beat, args=(self._client(),), daemon=True,
-                                           name=f"weightsync-heartbeat-{member_id}")
-        self._heartbeat.start()
+        self._heartbeat = start_heartbeat(address, "ws", lambda: self.info["ticket"], heartbeat_s, self._stop,
+                                          f"weightsync-heartbeat-{member_id}")
         self._receiver = None
         self._lock = threading.Lock()
         self._latest, self._free = None, []
@@ -49,22 +47,9 @@ class WeightGroupMember:
                             f"{timeout_s} s ({exc})") from exc
         return cls(store, address, member_id, backend, heartbeat_s)
 
-    def _client(self) -> dist.TCPStore:
-        host, port = self.address.rsplit(":", 1)
-        return dist.TCPStore(host, int(port), None, False, timedelta_s(30), wait_for_workers=False)
-
     def _register(self) -> None:
-        ticket = int(self.store.add("ws/tickets", 1))
-        self.info = {"member_id": self.member_id, "ticket": ticket, "pid": os.getpid(), "host": socket.gethostname()}
-        self.store.set(f"ws/member/{ticket}", json.dumps(self.info))
+        self.info = register(self.store, "ws", self.member_id)
         self._next_seq = max(1, int(self.store.add("ws/send_seq", 0)))
-
-    def _beat(self, store: dist.TCPStore) -> None:
-        while not self._stop.wait(self.heartbeat_s):
-            try:
-                store.add(f"ws/hb/{self.info['ticket']}", 1)
-            except Exception:  # noqa: BLE001 - the learner is gone; the receiver reports it
-                return
 
     def receive(self, buckets: list[torch.Tensor], timeout_s: float) -> int:
         """Wait up to `timeout_s` for a version that includes this member, fill `buckets` in place (forwarding

@@ -1,0 +1,99 @@
+"""Membership in the learner's TCPStore, shared by both weight data planes that have members: the chain relay
+(host.py / member.py, keys under "ws/") and the push into inference engines (weightsync/engine_push, keys under
+"ep/").
+
+Under a prefix P:
+- A member registers: `ticket = add("P/tickets", 1)`, then sets "P/member/{ticket}" (id, host, pid, and whatever
+  the data plane needs). While it lives, a heartbeat thread bumps "P/hb/{ticket}". It sets "P/left/{ticket}" when it
+  closes. A restart registers again under the same member id; the new ticket replaces the old one.
+- The learner drops a member whose heartbeat stopped, or that failed a transfer, by setting "P/dropped/{ticket}"
+  (the reason); a member that wakes up and sees it registers again.
+"""
+import json
+import os
+import socket
+import threading
+import time
+
+import torch.distributed as dist
+
+from asyncrl.weightsync.group.protocol import describe_member, timedelta_s
+
+
+class Roster:
+    """The learner's view of the members under one prefix. Not thread-safe: one thread reads and drops."""
+
+    def __init__(self, store: dist.TCPStore, prefix: str, heartbeat_timeout_s: float):
+        self.store, self.prefix, self.heartbeat_timeout_s = store, prefix, heartbeat_timeout_s
+        self.store.add(f"{prefix}/tickets", 0)
+        self.members: dict[int, dict] = {}  # ticket -> registration, of members not yet dropped
+        self._scanned = 0  # highest ticket whose registration was read
+        self._heartbeats: dict[int, tuple[int, float]] = {}  # ticket -> (last count, monotonic time it changed)
+
+    def live(self, on_drop) -> list[int]:
+        """Read new registrations, forget members that left or were replaced by a restart, and drop those whose
+        heartbeat stopped (`on_drop(info, reason)` for each). Returns the live tickets in order."""
+        newest = int(self.store.add(f"{self.prefix}/tickets", 0))
+        for ticket in range(self._scanned + 1, newest + 1):
+            if not self.store.check([f"{self.prefix}/member/{ticket}"]):
+                break  # registration not written yet; read it next time
+            info = json.loads(self.store.get(f"{self.prefix}/member/{ticket}"))
+            for old, other in list(self.members.items()):
+                if other["member_id"] == info["member_id"]:
+                    self.members.pop(old)  # restarted: the new ticket replaces the old one
+            self.members[ticket] = info
+            self._scanned = ticket
+        for ticket, info in list(self.members.items()):
+            if self.store.check([f"{self.prefix}/left/{ticket}"]):
+                self.members.pop(ticket)
+            elif self.stale(ticket):
+                reason = f"{describe_member(info)}: no heartbeat for {self.heartbeat_timeout_s} s"
+                on_drop(self.drop(ticket, reason), reason)
+        return sorted(self.members)
+
+    def stale(self, ticket: int) -> bool:
+        count = int(self.store.add(f"{self.prefix}/hb/{ticket}", 0))
+        now = time.monotonic()
+        last = self._heartbeats.get(ticket)
+        if last is None or last[0] != count:
+            self._heartbeats[ticket] = (count, now)
+            return False
+        return now - last[1] > self.heartbeat_timeout_s
+
+    def drop(self, ticket: int, reason: str) -> dict:
+        """Remove a member and tell it why (it registers again if it is still alive); returns its registration."""
+        info = self.members.pop(ticket)
+        self._heartbeats.pop(ticket, None)
+        self.store.set(f"{self.prefix}/dropped/{ticket}", reason)
+        return info
+
+
+def register(store: dist.TCPStore, prefix: str, member_id: str, extra: dict | None = None) -> dict:
+    """Register under `prefix`; returns the registration (member_id, ticket, pid, host, and `extra`)."""
+    ticket = int(store.add(f"{prefix}/tickets", 1))
+    info = {"member_id": member_id, "ticket": ticket, "pid": os.getpid(), "host": socket.gethostname(),
+            **(extra or {})}
+    store.set(f"{prefix}/member/{ticket}", json.dumps(info))
+    return info
+
+
+def start_heartbeat(address: str, prefix: str, ticket_of, period_s: float, stop: threading.Event,
+                    name: str) -> threading.Thread:
+    """Bump "prefix/hb/{ticket_of()}" every `period_s` on a store client of its own (a thread blocked on the
+    member's main client must not stop the beat) until `stop` is set or the learner is gone."""
+    host, port = address.rsplit(":", 1)
+
+    def beat():
+        try:
+            store = dist.TCPStore(host, int(port), None, False, timedelta_s(30), wait_for_workers=False)
+        except Exception:  # noqa: BLE001 - the learner is gone; the member's own waits report it
+            return
+        while not stop.wait(period_s):
+            try:
+                store.add(f"{prefix}/hb/{ticket_of()}", 1)
+            except Exception:  # noqa: BLE001
+                return
+
+    thread = threading.Thread(target=beat, daemon=True, name=name)
+    thread.start()
+    return thread
