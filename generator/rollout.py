@@ -23,6 +23,7 @@ from asyncrl.configs.sections import RewardConfig
 from asyncrl.generator.admission import AdmissionGate
 from asyncrl.generator.agents.episode import PromptTooLong, episodes_to_samples
 from asyncrl.generator.engines.base import EngineBroken, WeightLoadError
+from asyncrl.generator.pushed_weights import join_push
 from asyncrl.generator.rewards import overlong_penalty
 from asyncrl.telemetry.timing import BusyClock, idle_fraction
 from asyncrl.weightsync.receiver import WeightSyncError
@@ -126,6 +127,7 @@ class RolloutLoop:
         self.latest_weights: dict = {}
         self.job_end = JobEnd()
         self._weights_lock = asyncio.Lock()
+        self.push_member = None  # weightsync/engine_push member, once a control message names a push
         self.admission = AdmissionGate(client, self.note_reply)
         """Every waiting worker's admission in one request, so the grants of a reply are sampled in one batch."""
 
@@ -151,6 +153,8 @@ class RolloutLoop:
                 for task in finished - {heard_done}:
                     task.result()  # a worker's error ends the run
         finally:
+            if self.push_member is not None:
+                self.push_member.close()
             await self.admission.close()
             tasks = (reporter, heard_done, *workers)
             for task in tasks:
@@ -188,6 +192,10 @@ class RolloutLoop:
         """Load the newest announced version if the engine is behind; one load at a time."""
         async with self._weights_lock:
             target = self.latest_weights
+            if self.push_member is None and target.get("engines") and self.stage is not None:
+                self.push_member = await join_push(target, self.engine, self._weights_lock,
+                                                   lambda: self.latest_weights, self.stage, self.generator_id,
+                                                   self.stage.catchup_timeout_s)
             if not target or target["version"] <= self.engine.version:
                 return
             started = time.monotonic()

@@ -1,8 +1,9 @@
 """Building the weight-sync ends from `weightsync.*`: the learner's publisher (ring, catch-up server, and with
-backend=broadcast the chain-relay group) and the generator's stage (which joins the group when the control message
-names one)."""
+backend=broadcast the chain-relay group, with backend=engine_push the push into vLLM engines) and the generator's
+stage (which joins the group when the control message names one)."""
 import logging
 import os
+import time
 
 import torch
 
@@ -27,14 +28,53 @@ class GroupSender:
         self.address = f"{advertise}:{host.address.rsplit(':', 1)[1]}" if advertise else host.address
         self.last_report = None
 
+    message_key = "group"
+    """Where the control message names this data plane (WeightStage joins it from there)."""
+
     def describe(self) -> dict:
         return {"address": self.address, "backend": self.host.backend}
 
-    def send(self, version: int, buffers: list, ready=None) -> None:
+    def send(self, version: int, buffers: list, ready=None, layout=None) -> None:
         report = self.host.send(version, buffers, self.timeout_s, ready=ready)
         self.last_report = report
         if report.failed:
             log.warning("weight sync v%d: %d generators got it by broadcast; failed: %s (they catch up)", version,
+                        len(report.delivered), report.failed)
+
+    def close(self) -> None:
+        self.host.close()
+
+
+class EnginePusher:
+    """The publisher's view of the push into engines (engine_push/host.py): once every bucket of a version is on
+    the learner's GPU, push it to every registered vLLM engine; never raises for a generator's failure."""
+
+    def __init__(self, host, timeout_s: float, device=None):
+        from asyncrl.weightsync.group.chain import bucket_device
+
+        self.host = host
+        self.device = device if device is not None else bucket_device("nccl")
+        self.timeout_s = timeout_s
+        self.address = host.address
+        self.last_report = None
+
+    message_key = "engines"
+    """Where the control message names this data plane (the generator's rollout loop registers from there)."""
+
+    def describe(self) -> dict:
+        return {"address": self.address}
+
+    def send(self, version: int, buffers: list, ready=None, layout=None) -> None:
+        from asyncrl.weightsync.buckets import FlatBuckets
+
+        deadline = time.monotonic() + self.timeout_s
+        for k in range(len(buffers)):
+            if ready is not None and not ready(k, deadline):
+                raise RuntimeError(f"push of v{version}: bucket {k} was never completed by the publisher")
+        report = self.host.send(version, FlatBuckets(layout, buffers), max(deadline - time.monotonic(), 0.001))
+        self.last_report = report
+        if report.failed:
+            log.warning("weight sync v%d: pushed into %d engines; failed: %s (they load it from staging)", version,
                         len(report.delivered), report.failed)
 
     def close(self) -> None:
@@ -54,4 +94,13 @@ def make_publisher(ws, job: str) -> WeightPublisher:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         host = WeightGroupHost(ws.catchup_host, ws.broadcast_port, backend=backend, store_timeout_s=ws.timeout_s)
         group = GroupSender(host, ws.timeout_s, ws.catchup_advertise)
+    elif ws.backend == "engine_push":
+        from asyncrl.weightsync.engine_push.host import EnginePushHost
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("weightsync.backend=engine_push sends from the learner's GPU over NCCL, and this "
+                               "learner has no CUDA device; use shm or broadcast on a CPU machine")
+        host = EnginePushHost(ws.catchup_host, ws.broadcast_port, advertise=ws.catchup_advertise,
+                              store_timeout_s=ws.timeout_s)
+        group = EnginePusher(host, ws.timeout_s)
     return WeightPublisher(ring_path, ws.keep_versions, int(ws.bucket_mb * 2**20), group=group, catchup=catchup)

@@ -1,7 +1,7 @@
 """Weight-sync settings (stdlib only)."""
 from dataclasses import dataclass
 
-BACKENDS = ("shm", "broadcast")
+BACKENDS = ("shm", "broadcast", "engine_push")
 
 
 @dataclass
@@ -9,7 +9,9 @@ class WeightSyncConfig:
     backend: str = "shm"
     """Data plane for the steady fleet. `shm`: a persistent shared-memory mapping on the learner's host (generators
     elsewhere use the catch-up server). `broadcast`: also a torch.distributed group (gloo on CPU, NCCL on GPU) that
-    relays each version along a chain of generators."""
+    relays each version along a chain of generators. `engine_push` (GPU learner, vLLM generators): each version goes
+from the learner's GPU straight into every vLLM engine over vLLM's own NCCL weight-transfer engine, one group per
+engine (weightsync/engine_push); generators that miss a push load it from staging as with `shm`."""
     shm_dir: str = "/dev/shm"
     """Where the learner's ring and each generator's staging mapping live; tmpfs, for memory-speed copies."""
     keep_versions: int = 3
@@ -26,7 +28,7 @@ class WeightSyncConfig:
     catchup_advertise: str = ""
     """Host name generators on other machines use to reach the catch-up server ("" = catchup_host)."""
     broadcast_port: int = 0
-    """backend=broadcast: port of the group's rendezvous store on the learner (0: any free port)."""
+    """backend=broadcast or engine_push: port of the rendezvous store on the learner (0: any free port)."""
     timeout_s: float = 60.0
     """Longest any weight-sync wait may take (a fetch, a broadcast, a rendezvous) before it fails naming the peer."""
     every_steps: int = 1

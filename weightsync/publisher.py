@@ -37,8 +37,8 @@ class PublishError(RuntimeError):
 
 class WeightPublisher:
     """`ring_path`: the persistent mapping (on tmpfs); `slots`: versions kept readable at once (>= 2);
-    `group`: an optional broadcast group with `send(version, buckets, ready)` (backends.GroupSender), where
-    `ready(k, deadline)` waits for bucket k; `catchup`: an optional server told about each complete version."""
+    `group`: an optional data plane with `send(version, buckets, ready, layout)` (backends.GroupSender, the chain;
+    backends.EnginePusher, the push into engines), where `ready(k, deadline)` waits for bucket k; `catchup`: an optional server told about each complete version."""
 
     def __init__(self, ring_path: str, slots: int, bucket_bytes: int, group=None, catchup=None, host: str = ""):
         self.ring_path = ring_path
@@ -79,7 +79,8 @@ class WeightPublisher:
         checksums = [None] * len(remaining)
         device_buckets = self.device_buckets
         sender = _BucketSender(self.group, version, buckets.buffers, checksums,
-                               send_buffers=device_buckets.buffers if device_buckets is not None else None)
+                               send_buffers=device_buckets.buffers if device_buckets is not None else None,
+                               layout=layout)
         ring.begin_write(slot)
         seen, complete = set(), False
         try:
@@ -109,7 +110,7 @@ class WeightPublisher:
                                                               "slots": self.slots},
                              published_at=time.time())
         if self.group is not None:
-            message["group"] = self.group.describe()
+            message[self.group.message_key] = self.group.describe()
         if self.catchup is not None:
             message["catchup"] = self.catchup.address
             self.catchup.announce(message)
@@ -132,8 +133,10 @@ class _BucketSender:
     thread (with a broadcast group) sends each one down the chain as soon as it is complete. xxhash and
     torch.distributed release the GIL, so both overlap the main thread's gathers and copies."""
 
-    def __init__(self, group, version: int, buffers: list, checksums: list, send_buffers: list | None = None):
+    def __init__(self, group, version: int, buffers: list, checksums: list, send_buffers: list | None = None,
+                 layout: Layout | None = None):
         self.group, self.version, self.buffers, self.checksums = group, version, buffers, checksums
+        self.layout = layout
         self.send_buffers = send_buffers if send_buffers is not None else buffers  # the group's (its device's)
         self.queue: queue.Queue = queue.Queue()
         self.copied = [threading.Event() for _ in buffers]
@@ -168,7 +171,7 @@ class _BucketSender:
 
     def _send(self) -> None:
         try:
-            self.group.send(self.version, self.send_buffers, ready=self._ready)
+            self.group.send(self.version, self.send_buffers, ready=self._ready, layout=self.layout)
         except BaseException as err:  # the version is still in the ring and the catch-up server: logged only
             self.group_error = err
 

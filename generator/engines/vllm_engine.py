@@ -132,7 +132,7 @@ class VllmEngine:
             try:
                 apply_version_spans(completion.versions, start, delta.weight_versions)
             except EngineBroken as err:  # the engine's versions and ours disagree: no token of it can be trusted
-                self._break(str(err))
+                self.mark_broken(str(err))
                 raise
         if delta.finish_reason is not None:
             completion.finish_reason = "stop" if delta.finish_reason == "stop" else (
@@ -163,7 +163,7 @@ class VllmEngine:
             await asyncio.sleep(0)  # any delta generated before the pause is consumed under the old version
             self.version = staged.version
         except EngineBroken as err:
-            self._break(str(err))
+            self.mark_broken(str(err))
             raise
         except WeightLoadError:
             await self._engine.resume_generation()
@@ -172,12 +172,62 @@ class VllmEngine:
         except Exception as err:  # the pause or a cache reset failed: nobody knows what the engine holds now
             broken = EngineBroken(f"vLLM failed around the load of v{staged.version} ({type(err).__name__}: "
                                   f"{err}); the engine cannot serve")
-            self._break(str(broken))
+            self.mark_broken(str(broken))
             raise broken from err
         await self._engine.resume_generation()
         self._loaded.set()
 
-    def _break(self, reason: str) -> None:
+    # --- versions pushed from the learner's GPU (weightsync/engine_push), driven by generator/pushed_weights.py ---
+
+    async def push_init(self, init_info: dict) -> None:
+        """Join the learner's NCCL group for this engine (vLLM's `NCCLWeightTransferInitInfo` keywords)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={"nccl": init_info}))
+
+    async def push_begin(self) -> None:
+        """Pause (generator.update_mode) and open the reload; samplers wait until `push_commit` or
+        `push_recover`. A failed pause leaves the engine in an unknown state: EngineBroken."""
+        self._loaded.clear()
+        try:
+            await self._engine.pause_generation(mode=self.update_mode, clear_cache=True)
+            await self._engine.start_weight_update()
+        except Exception as err:
+            self.mark_broken(f"vLLM failed to prepare for a pushed version ({type(err).__name__}: {err})")
+            raise EngineBroken(self.broken) from err
+
+    async def push_receive(self, update_info: dict) -> None:
+        """Receive one pushed version (vLLM's `NCCLWeightTransferUpdateInfo` keywords) while the learner sends
+        it. On failure the worker has closed its reload already (vllm_transfer.py); call `push_recover`."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        await self._engine.update_weights(WeightTransferUpdateRequest(update_info={"nccl": update_info}))
+
+    async def push_commit(self, version: int) -> None:
+        """Commit the received version: vLLM stamps it on every token sampled from here on."""
+        await self._engine.finish_weight_update(weight_version=str(version))
+        await self._engine.reset_prefix_cache()
+        await asyncio.sleep(0)  # any delta generated before the pause is consumed under the old version
+        self.version = version
+        await self._engine.resume_generation()
+        self._loaded.set()
+
+    async def push_recover(self, staged) -> None:
+        """After a push failed between `push_begin` and `push_commit`: load `staged` in full (a complete version
+        from the staging paths; None: the model's own files) before sampling again. EngineBroken if that fails."""
+        try:
+            await self._load(staged)
+            await self._engine.reset_prefix_cache()
+        except Exception as err:
+            self.mark_broken(f"vLLM could not reload a complete version after a failed push ({type(err).__name__}: "
+                        f"{err}); the engine cannot serve")
+            raise EngineBroken(self.broken) from err
+        if staged is not None:
+            self.version = staged.version
+        await self._engine.resume_generation()
+        self._loaded.set()
+
+    def mark_broken(self, reason: str) -> None:
         """Stay paused for good: samplers waiting for the load wake up and raise, and so does every later one."""
         self.broken = reason
         self._loaded.set()

@@ -12,6 +12,12 @@ Loading follows vLLM's layerwise reload (what its own `nccl` engine does): `star
 bucket's tensors go through `model.load_weights`, `finish_weight_update` finalizes it. That is the reload that also
 works after the CPU backend's weight prepacking (docs/platform.md).
 
+On a GPU the same engine also takes versions pushed from the learner's GPU over vLLM's own NCCL engine
+(weightsync/engine_push): an init naming `nccl` opens a `NCCLWeightTransferEngine` inside this one (vLLM's public
+class, composed, not copied), and an update naming `nccl` is received by it. One registered backend serves both
+because vLLM configures one per engine, and a generator needs the staging path too: to catch up on a version it
+missed, and to go back to its last good version after a push that failed half-way.
+
 Never half-loaded: if a bucket fails (a shape vLLM refuses, a staging slot rewritten underneath), the engine
 finalizes the reload it opened before raising. Layers that were complete hold the new weights, the others their
 old ones or a partial mix, but no layer is left on the meta device with buffered weights that a later reload would
@@ -35,7 +41,10 @@ BACKEND = "asyncrl_shm"
 
 @dataclass
 class ShmInitInfo(WeightTransferInitInfo):
-    """Nothing to rendezvous: the staging mapping is named by each update."""
+    """Nothing to rendezvous for staging (the mapping is named by each update). `nccl`: the keywords of vLLM's
+    `NCCLWeightTransferInitInfo`, to join the learner's NCCL group for pushed versions."""
+
+    nccl: dict | None = None
 
 
 @dataclass
@@ -52,12 +61,14 @@ class ShmUpdateInfo(WeightTransferUpdateInfo):
     path: str = ""
     names: list = field(default_factory=list)
     """Only with `path`: which tensors of the files to load ([] = all)."""
+    nccl: dict | None = None
+    """A pushed version: the keywords of vLLM's `NCCLWeightTransferUpdateInfo` (names, dtype_names, shapes)."""
 
     def __post_init__(self):
-        if not self.path and (self.version < 0 or not self.ring_path or self.slot < 0 or self.bucket < 0
+        if not self.path and self.nccl is None and (self.version < 0 or not self.ring_path or self.slot < 0 or self.bucket < 0
                               or not self.message_json):
             raise ValueError("an asyncrl_shm update names a staged bucket (version, ring_path, slot, bucket, "
-                             "message_json) or a model directory (path)")
+                             "message_json), a model directory (path) or a pushed version (nccl)")
 
 
 class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
@@ -67,9 +78,18 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
         self._rings: dict = {}  # ring path -> ShmRing, mapped once per layout
+        self._nccl = None  # vLLM's NCCLWeightTransferEngine, once the learner's group was joined
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
-        return None
+        """Join the learner's NCCL group (a new one replaces the old: the learner opens one after a failure)."""
+        if init_info.nccl is None:
+            return
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        self._shutdown_nccl()
+        engine = NCCLWeightTransferEngine(self.config, self.vllm_config, self.device, self.model)
+        engine.init_transfer_engine(engine.parse_init_info(init_info.nccl))
+        self._nccl = engine
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -97,6 +117,12 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             torch.cuda.synchronize()
 
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
+        if update_info.nccl is not None:
+            if self._nccl is None:
+                raise RuntimeError("a pushed version arrived before the learner's NCCL group was joined")
+            self._nccl.model, self._nccl.model_config = self.model, self.model_config  # the current target
+            self._nccl.receive_weights(self._nccl.parse_update_info(update_info.nccl))
+            return
         if update_info.path:
             self.model.load_weights(_safetensors(update_info.path, set(update_info.names)))
             return
@@ -120,9 +146,15 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             raise RuntimeError(f"{where}: staging slot {update_info.slot} changed while it was loading")
 
     def shutdown(self) -> None:
+        self._shutdown_nccl()
         for ring in self._rings.values():
             ring.close()
         self._rings.clear()
+
+    def _shutdown_nccl(self) -> None:
+        if self._nccl is not None:
+            engine, self._nccl = self._nccl, None
+            engine.shutdown()
 
 
 def _safetensors(path: str, names: set):

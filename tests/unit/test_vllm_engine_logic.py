@@ -271,3 +271,30 @@ def test_vllm_placement_settings_are_validated_and_reach_only_the_vllm_engine():
         load_config(None, ["generator.gpu_memory_utilization=1.5"])
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         load_config(None, ["generator.tensor_parallel_size=0"])
+
+
+def test_the_transfer_engine_hands_a_pushed_version_to_vllms_nccl_engine_and_refuses_one_before_init():
+    """vllm_transfer.py composes vLLM's NCCLWeightTransferEngine for pushed versions (engine_push); here the inner
+    engine is a recorder, since joining an NCCL group needs a GPU."""
+    from asyncrl.generator.engines.vllm_transfer import ShmUpdateInfo, ShmWeightTransferEngine
+
+    class Inner:
+        def __init__(self):
+            self.got, self.model = [], None
+
+        def parse_update_info(self, info):
+            return ("parsed", info["names"])
+
+        def receive_weights(self, parsed):
+            self.got.append((parsed, self.model))
+
+    engine = ShmWeightTransferEngine.__new__(ShmWeightTransferEngine)
+    engine.model, engine.model_config, engine._nccl, engine._rings = "the model", None, None, {}
+    pushed = ShmUpdateInfo(nccl={"names": ["w"], "dtype_names": ["float32"], "shapes": [[2]]})
+    with pytest.raises(RuntimeError, match="before the learner's NCCL group was joined"):
+        engine.receive_weights(pushed)
+    engine._nccl = Inner()
+    engine.receive_weights(pushed)
+    assert engine._nccl.got == [(("parsed", ["w"]), "the model")]
+    with pytest.raises(ValueError, match="pushed version"):
+        ShmUpdateInfo()

@@ -88,10 +88,12 @@ class DeviceGroupSender:
         self.device = torch.device(device)
         self.sent = []
 
+    message_key = "group"
+
     def describe(self) -> dict:
         return {"address": "127.0.0.1:1", "backend": "nccl"}
 
-    def send(self, version, buffers, ready=None):
+    def send(self, version, buffers, ready=None, layout=None):
         for k in range(len(buffers)):
             assert ready is None or ready(k, 1e12)
         self.sent.append((version, [(b.device.type, b.data_ptr() if b.device.type == "cpu" else None)

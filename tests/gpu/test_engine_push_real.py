@@ -1,0 +1,88 @@
+"""The engine push for real (weightsync.backend=engine_push): the learner side in this process on GPU 0 with vLLM's
+NCCL trainer engine, a generator in a child process on GPU 1 (NCCL wants one GPU per rank) with vLLM on CUDA,
+registered through generator/pushed_weights.py. A version perturbed on the learner is pushed; after it the engine
+samples the new weights' distribution and tags every token with the new version. Needs two GPUs and the `gpu`
+extra's vLLM; scripts/test_gpu runs it (skipped on one GPU)."""
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PROMPT = [4, 6, 8, 2, 10, 11]
+
+
+async def generator_side(model_path: str, address: str, shm_dir: str) -> None:
+    """The child: a vLLM engine on its GPU, registered for pushes; prints one JSON line after each version."""
+    from asyncrl.buffer.group import Sampling
+    from asyncrl.generator.engines.vllm_engine import VllmEngine
+    from asyncrl.generator.pushed_weights import join_push
+    from asyncrl.weightsync.receiver import WeightStage
+
+    engine = VllmEngine(model_path, dtype="bfloat16", max_model_len=64, kv_cache_gib=0.25, seed=0,
+                        gpu_memory_utilization=0.2)
+    await engine.start()
+    member = await join_push({"engines": {"address": address}}, engine, asyncio.Lock(), lambda: {},
+                             WeightStage(shm_dir, "push-gpu"), "push-gpu", 60.0)
+    print(json.dumps({"ready": True}), flush=True)
+    seen = 0
+    while engine.version < 1:
+        await asyncio.sleep(0.1)
+    while seen < 1:
+        completion, = await engine.sample(PROMPT, Sampling(temperature=0.7, max_tokens=8), n=1)
+        print(json.dumps({"version": engine.version, "tokens": completion.token_ids,
+                          "logprobs": completion.logprobs, "versions": completion.versions}), flush=True)
+        seen += 1
+    member.close()
+    await engine.close()
+
+
+def test_a_version_pushed_over_vllms_nccl_engine_is_what_the_engine_samples(demo_assets, tmp_path):
+    pytest.importorskip("vllm")
+    from asyncrl.learner.model import load_model
+    from asyncrl.weightsync.buckets import FlatBuckets
+    from asyncrl.weightsync.engine_push.host import EnginePushHost
+    from asyncrl.weightsync.layout import plan_layout
+
+    torch.cuda.set_device(0)
+    host = EnginePushHost(heartbeat_timeout_s=30.0)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import asyncio, sys; from tests.gpu.test_engine_push_real import generator_side; "
+                               "asyncio.run(generator_side(*sys.argv[1:]))", demo_assets[0], host.address,
+         str(tmp_path)],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "1"})
+    try:
+        assert json.loads(child.stdout.readline()).get("ready")
+        model = load_model(demo_assets[0]).to("cuda", torch.bfloat16).eval()
+        generator = torch.Generator(device="cuda").manual_seed(1)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(0.05 * torch.randn(param.shape, generator=generator, device="cuda", dtype=param.dtype))
+        state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+        layout = plan_layout([(name, "bfloat16", tuple(t.shape)) for name, t in state.items()], 1 << 24)
+        buckets = FlatBuckets(layout, device="cuda")
+        for name, tensor in state.items():
+            buckets.put(name, tensor)
+        report = host.send(1, buckets, timeout_s=120)
+        assert report.ok and report.delivered == ["push-gpu"], report
+        line = json.loads(child.stdout.readline())
+        assert line["version"] == 1 and set(line["versions"]) == {1}
+        from tests.gpu.test_vllm_cuda import BF16_TOLERANCE, learner_logprobs
+
+        with torch.no_grad():
+            gap = float((learner_logprobs(model, line["tokens"]) - torch.tensor(line["logprobs"]).numpy()).__abs__()
+                        .max())
+        assert gap < BF16_TOLERANCE  # the pushed weights' distribution
+    finally:
+        host.close()
+        child.stdin and child.stdin.close()
+        try:
+            child.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()

@@ -1,0 +1,222 @@
+"""The engine push's learner side (weightsync/engine_push/host.py) and its store control plane (calls.py,
+member.py) with a real TCPStore and members that answer every call, in threads of this process.
+
+NCCL needs a GPU (one per rank), so the trainer side is `WireTrainer`: the control flow of vLLM's
+`NCCLTrainerWeightTransferEngine` step for step (trainer_init runs the engine's init on a side thread while it opens
+its endpoint; send_weights runs start, then update on a thread while it broadcasts, then finish), with the NCCL
+broadcast replaced by an in-process wire that the members' fake engines read from. The real thing is
+tests/gpu/test_engine_push_real.py."""
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from asyncrl.weightsync.buckets import FlatBuckets
+from asyncrl.weightsync.engine_push.host import EnginePushHost
+from asyncrl.weightsync.engine_push.member import EnginePushMember
+from asyncrl.weightsync.layout import plan_layout
+
+SPECS = [("embed.weight", "float32", (64, 16)), ("layers.0.w", "bfloat16", (16, 16)), ("head.bias", "float32", (7,))]
+
+
+class Wire:
+    """The stand-in for NCCL: one queue per group (keyed by the port the trainer opened)."""
+
+    def __init__(self):
+        self.channels: dict[int, queue.Queue] = {}
+        self.lock = threading.Lock()
+
+    def open(self, port: int) -> queue.Queue:
+        with self.lock:
+            return self.channels.setdefault(port, queue.Queue())
+
+
+class WireTrainer:
+    def __init__(self, wire: Wire, master_address, master_port, world_size, client, source):
+        self.client, self.source, self.shut = client, source, False
+        self.world_size = world_size
+        with ThreadPoolExecutor(max_workers=1) as exe:
+            future = exe.submit(client.init_weight_transfer_engine, {
+                "master_address": master_address, "master_port": master_port, "rank_offset": 1,
+                "world_size": world_size, "packed": True})
+            self.channel = wire.open(master_port)
+            future.result()
+
+    def send_weights(self):
+        meta = self.source.metadata()
+        update_info = {"names": [m.name for m in meta], "dtype_names": [str(m.dtype).split(".")[-1] for m in meta],
+                       "shapes": [list(m.shape) for m in meta]}
+        self.client.start_weight_update()
+        exe = ThreadPoolExecutor(max_workers=1)
+        try:
+            future = exe.submit(self.client.update_weights, update_info)
+            for _, tensor in self.source:
+                self.channel.put(tensor.clone())
+            future.result()
+        finally:
+            exe.shutdown(wait=False)
+        self.client.finish_weight_update()
+
+    def shutdown(self):
+        self.shut = True
+
+
+class FakeEngine:
+    """A generator's engine as the member's handler sees it: records each call; `hang_update` never returns from
+    an update (workers stuck in the receive), `fail` makes one op raise."""
+
+    def __init__(self, wire: Wire, hang_update: bool = False, fail: str = ""):
+        self.wire, self.hang_update, self.fail = wire, hang_update, fail
+        self.calls: list[tuple] = []
+        self.channel = None
+        self.received: dict = {}
+        self.version = 0
+        self.never = threading.Event()
+
+    def handle(self, op: str, args: dict, timeout_s: float) -> None:
+        self.calls.append((op, args))
+        if op == self.fail:
+            raise RuntimeError(f"{op} refused by the test")
+        if op == "init":
+            self.channel = self.wire.open(args["init_info"]["master_port"])
+        elif op == "update":
+            if self.hang_update:
+                self.never.wait(timeout_s)
+                raise TimeoutError("stuck")
+            info = args["update_info"]
+            self.received = {name: self.channel.get(timeout=timeout_s) for name in info["names"]}
+        elif op == "finish":
+            self.version = args["version"]
+
+
+def version_buckets(seed: int) -> FlatBuckets:
+    layout = plan_layout(SPECS, 1024)
+    buckets = FlatBuckets(layout)
+    generator = torch.Generator().manual_seed(seed)
+    for name, dtype, shape in SPECS:
+        buckets.put(name, torch.randn(shape, generator=generator).to(getattr(torch, dtype)))
+    return buckets
+
+
+@pytest.fixture
+def push():
+    wire = Wire()
+    trainers = []
+
+    def factory(*args):
+        trainer = WireTrainer(wire, *args)
+        trainers.append(trainer)
+        return trainer
+
+    host = EnginePushHost(heartbeat_timeout_s=1.0, trainer_factory=factory)
+    members = []
+
+    def join(member_id: str, engine: FakeEngine, ranks: int = 1) -> EnginePushMember:
+        member = EnginePushMember.connect(host.address, member_id, ranks, engine.handle, timeout_s=10)
+        members.append(member)
+        return member
+
+    yield host, wire, trainers, join
+    for member in members:
+        member.close()
+    host.close()
+
+
+def test_every_engine_gets_each_version_in_full_over_its_own_group(push):
+    host, wire, trainers, join = push
+    engines = {name: FakeEngine(wire) for name in ("gen-a", "gen-b")}
+    join("gen-a", engines["gen-a"], ranks=2)
+    join("gen-b", engines["gen-b"])
+    for version in (1, 2):
+        buckets = version_buckets(version)
+        report = host.send(version, buckets, timeout_s=20)
+        assert report.ok and sorted(report.delivered) == ["gen-a", "gen-b"], report
+        for engine in engines.values():
+            assert engine.version == version
+            for entry in buckets.layout.entries:
+                assert torch.equal(engine.received[entry.name], buckets.view(entry)), entry.name
+    for engine in engines.values():  # one init per engine, then start/update/finish per version
+        assert [op for op, _ in engine.calls] == ["init", "start", "update", "finish", "start", "update", "finish"]
+    inits = {name: engine.calls[0][1]["init_info"] for name, engine in engines.items()}
+    assert inits["gen-a"]["world_size"] == 3 and inits["gen-b"]["world_size"] == 2  # the learner + its ranks
+    assert inits["gen-a"]["master_port"] != inits["gen-b"]["master_port"]  # a group each
+    assert engines["gen-a"].calls[2][1]["update_info"]["dtype_names"] == ["float32", "bfloat16", "float32"]
+
+
+def test_a_stuck_engine_is_named_aborted_and_never_holds_back_the_others(push):
+    host, wire, trainers, join = push
+    good, stuck = FakeEngine(wire), FakeEngine(wire, hang_update=True)
+    join("good", good)
+    join("stuck", stuck)
+    started = time.monotonic()
+    report = host.send(1, version_buckets(1), timeout_s=2.0)
+    took = time.monotonic() - started
+    assert took < 4.0, f"the send took {took:.1f} s with a 2 s timeout"
+    assert report.delivered == ["good"] and good.version == 1
+    assert "stuck" in report.failed and "'stuck'" in report.failed["stuck"], report.failed
+    stuck_trainer = next(t for t in trainers if t.client.who.startswith("member 'stuck'"))
+    assert stuck_trainer.shut  # its communicator was aborted (vLLM's shutdown)
+    stuck.hang_update = False
+    report = host.send(2, version_buckets(2), timeout_s=10)
+    assert sorted(report.delivered) == ["good", "stuck"], report
+    assert [op for op, _ in stuck.calls].count("init") == 2  # a new group after the abort
+    assert stuck.version == 2
+
+
+def test_a_refused_call_fails_that_engine_only_naming_it_and_why(push):
+    host, wire, trainers, join = push
+    join("ok", FakeEngine(wire))
+    join("refuses", FakeEngine(wire, fail="start"))
+    report = host.send(1, version_buckets(1), timeout_s=10)
+    assert report.delivered == ["ok"]
+    assert "start refused by the test" in report.failed["refuses"] and "'refuses'" in report.failed["refuses"]
+
+
+def test_a_dead_engine_is_dropped_after_its_heartbeat_stops_and_a_restart_rejoins(push):
+    host, wire, trainers, join = push
+    join("alive", FakeEngine(wire))
+    dead = join("dead", FakeEngine(wire))
+    assert sorted(host.send(1, version_buckets(1), timeout_s=10).delivered) == ["alive", "dead"]
+    dead._stop.set()  # kill -9 as the store sees it: no heartbeat, no answers, no "left"
+    time.sleep(1.5)
+    report = host.send(2, version_buckets(2), timeout_s=3)
+    assert report.delivered == ["alive"] and report.dropped == ["dead"], report
+    restarted = FakeEngine(wire)
+    join("dead", restarted)
+    report = host.send(3, version_buckets(3), timeout_s=10)
+    assert sorted(report.delivered) == ["alive", "dead"] and restarted.version == 3
+
+
+def test_the_publisher_pushes_each_complete_version_and_names_the_push_in_its_message(push, tmp_path):
+    from asyncrl.weightsync.backends import EnginePusher
+    from asyncrl.weightsync.publisher import WeightPublisher
+
+    host, wire, trainers, join = push
+    engine = FakeEngine(wire)
+    join("gen-a", engine)
+    pusher = EnginePusher(host, timeout_s=10, device="cpu")  # on a GPU: the learner's device
+    publisher = WeightPublisher(str(tmp_path / "ring"), slots=3, bucket_bytes=1024, group=pusher)
+    try:
+        source = version_buckets(7)
+        message = publisher.publish(((e.name, source.view(e)) for e in source.layout.entries), 7, SPECS)
+        assert message["engines"] == {"address": host.address} and "group" not in message
+        assert pusher.last_report.delivered == ["gen-a"] and engine.version == 7
+        for entry in source.layout.entries:
+            assert torch.equal(engine.received[entry.name], source.view(entry))
+    finally:
+        publisher.ring.close(unlink=True)
+
+
+def test_engine_push_is_refused_where_it_cannot_work(tmp_path):
+    from asyncrl.configs import load_config
+    from asyncrl.weightsync.backends import make_publisher
+    from asyncrl.weightsync.config import WeightSyncConfig
+
+    with pytest.raises(Exception, match="engine_push pushes into vLLM"):
+        load_config(None, ["weightsync.backend=engine_push", "generator.engine=hf"])
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="no CUDA device"):
+            make_publisher(WeightSyncConfig(backend="engine_push", shm_dir=str(tmp_path)), "t")

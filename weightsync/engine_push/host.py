@@ -1,0 +1,170 @@
+"""The learner's side of the engine push: each version goes straight from the learner's GPU into every
+registered generator's vLLM engine over vLLM's own NCCL weight-transfer engine, one NCCL group per engine.
+
+Per engine (a generator registered under "ep/", see group/roster.py, with the number of ranks its engine has):
+- the first send opens vLLM's trainer endpoint (`NCCLTrainerWeightTransferEngine.trainer_init`, rank 0 of a group
+  of 1 + the engine's ranks, on a fresh port) while the generator's engine joins it
+  (`init_weight_transfer_engine`, driven through calls.py);
+- every version runs vLLM's `send_weights()`: start, update (the engine's workers receive while the learner
+  broadcasts vLLM's packed buffers), finish with the version, which vLLM stamps on every token it samples after.
+The tensors are typed views of the publisher's buckets on the learner's GPU (`BucketSource`), filled once per
+version from the FSDP gathers and cast once.
+
+Why a group per engine and not one for the fleet: an NCCL group cannot lose a member. With one group, a generator
+killed mid-broadcast would hang every other engine's receive; with one per engine it hangs only its own, and the
+watchdog ends it. The learner's GPU sends the bytes once per engine (in parallel threads); for a handful of
+engines on NVLink or InfiniBand that is well below a training step.
+
+No hangs: NCCL calls have no timeout of their own, so each engine's round runs in a thread with a deadline. Past
+it the learner aborts that engine's communicator (vLLM's `shutdown`, which runs `ncclCommAbort`), names the member
+in the report, and the next version opens a new group. The generator, whose workers may be stuck in the receive,
+sees its own deadline pass and stops its engine (generator/pushed_weights.py). Every engine that missed a version
+loads it from the staging paths (shared memory, catch-up) like any generator that missed a broadcast.
+"""
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.weightsync.buckets import FlatBuckets
+from asyncrl.weightsync.engine_push.calls import StoreEngineClient
+from asyncrl.weightsync.group.host import SendReport
+from asyncrl.weightsync.group.protocol import describe_member, timedelta_s
+from asyncrl.weightsync.group.roster import Roster
+
+
+def bucket_source(buckets: FlatBuckets):
+    """vLLM's `WeightSource` over typed views of the publisher's buckets: `metadata()` from the layout, iteration
+    yields each tensor in layout order (no gather here: the publisher did it)."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    from asyncrl.weightsync.dtypes import DTYPES
+
+    class BucketSource(WeightSource):
+        def metadata(self) -> list:
+            return [ParamMeta(e.name, DTYPES[e.dtype], tuple(e.shape)) for e in buckets.layout.entries]
+
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            return ((entry.name, buckets.view(entry)) for entry in buckets.layout.entries)
+
+    return BucketSource()
+
+
+def vllm_nccl_trainer(master_address: str, master_port: int, world_size: int, client, source):
+    """vLLM's dense NCCL trainer engine, packed (its default wire format)."""
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
+
+    info = NCCLTrainerInitInfo(master_address=master_address, master_port=master_port, world_size=world_size,
+                               rank=0)
+    return NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class EnginePushHost:
+    """Owns the store generators register in and one vLLM trainer engine per registered engine.
+
+    `trainer_factory(master_address, master_port, world_size, client, source)` opens the trainer side (default: vLLM's
+    NCCL engine; CPU tests pass a faithful stand-in). Not thread-safe: call `send` from the publisher's thread.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise: str = "", heartbeat_timeout_s: float = 5.0,
+                 store_timeout_s: float = 30.0, trainer_factory=vllm_nccl_trainer):
+        self.store = dist.TCPStore(host, port, None, True, timedelta_s(store_timeout_s), wait_for_workers=False)
+        self.bind_host = host
+        self.advertise = advertise or host
+        self.address = f"{self.advertise}:{self.store.port}"
+        self.roster = Roster(self.store, "ep", heartbeat_timeout_s)
+        self.trainer_factory = trainer_factory
+        self._trainers: dict[int, object] = {}  # ticket -> trainer engine (its group), until it fails
+        self._clients: dict[int, StoreEngineClient] = {}  # ticket -> client: its call numbers outlive any group
+        self._buckets: FlatBuckets | None = None
+
+    def send(self, version: int, buckets: FlatBuckets, timeout_s: float) -> SendReport:
+        """Push `buckets` (complete) to every live engine in parallel; returns within about `timeout_s`, naming
+        every engine that did not take the version."""
+        start = time.monotonic()
+        deadline = start + timeout_s
+        report = SendReport(version, 0)
+        self._buckets = buckets
+        tickets = self.roster.live(lambda info, reason: self._forget(info, reason, report))
+        for ticket in list(self._clients):
+            if ticket not in tickets:  # left, or replaced by a restart
+                self._close_trainer(ticket)
+                self._clients.pop(ticket)
+        results: dict[int, str | None] = {}
+        threads = [threading.Thread(target=self._push_one, args=(ticket, version, deadline, results), daemon=True,
+                                    name=f"asyncrl-engine-push-{ticket}") for ticket in tickets]
+        for thread in threads:
+            thread.start()
+        for ticket, thread in zip(tickets, threads):
+            thread.join(max(deadline - time.monotonic(), 0.0))
+            info = self.roster.members[ticket]
+            if thread.is_alive():  # the watchdog: abort the communicator the round is stuck in
+                self._close_trainer(ticket)
+                report.failed[info["member_id"]] = (f"{describe_member(info)}: push of v{version} still running "
+                                                    f"after {timeout_s:.1f} s; its NCCL group was aborted")
+            elif results.get(ticket) is not None:
+                self._close_trainer(ticket)
+                report.failed[info["member_id"]] = results[ticket]
+            else:
+                report.delivered.append(info["member_id"])
+        report.seconds = time.monotonic() - start
+        return report
+
+    def _push_one(self, ticket: int, version: int, deadline: float, results: dict) -> None:
+        info = self.roster.members[ticket]
+        who = describe_member(info)
+        try:
+            client = self._clients.setdefault(ticket, StoreEngineClient(self.store, ticket, who))
+            client.deadline, client.version = deadline, version
+            trainer = self._trainers.get(ticket)
+            if trainer is None:
+                world_size = 1 + int(info.get("ranks", 1))
+                trainer = self.trainer_factory(self.advertise, free_port(self.bind_host), world_size, client,
+                                               bucket_source(_Current(self)))
+                self._trainers[ticket] = trainer
+            trainer.send_weights()
+            results[ticket] = None
+        except Exception as err:  # noqa: BLE001 - named in the report; the engine catches up from staging
+            results[ticket] = f"{who}: push of v{version} failed: {type(err).__name__}: {err}"
+
+    def _forget(self, info: dict, reason: str, report: SendReport) -> None:
+        report.failed[info["member_id"]] = reason
+        report.dropped.append(info["member_id"])
+        self._close_trainer(info["ticket"])
+        self._clients.pop(info["ticket"], None)
+
+    def _close_trainer(self, ticket: int) -> None:
+        trainer = self._trainers.pop(ticket, None)
+        if trainer is not None:
+            try:
+                trainer.shutdown()  # vLLM's: ncclCommAbort, bounded by its own 5 s join
+            except Exception:  # noqa: BLE001 - the group is being thrown away either way
+                pass
+
+    def close(self) -> None:
+        for ticket in list(self._trainers):
+            self._close_trainer(ticket)
+
+
+class _Current:
+    """The host's current buckets, read at each iteration: a trainer engine keeps its source for its lifetime,
+    and the publisher hands a new set when the layout changes."""
+
+    def __init__(self, host: EnginePushHost):
+        self.host = host
+
+    @property
+    def layout(self):
+        return self.host._buckets.layout
+
+    def view(self, entry):
+        return self.host._buckets.view(entry)
