@@ -5,9 +5,7 @@ import threading
 import torch.distributed as dist
 
 from asyncrl.weightsync.engine_push.calls import serve_calls
-from asyncrl.weightsync.group.chain import PeerError
-from asyncrl.weightsync.group.roster import register, start_heartbeat
-from asyncrl.weightsync.group.protocol import timedelta_s
+from asyncrl.weightsync.group.roster import connect_store, register, start_heartbeat
 
 
 class EnginePushMember:
@@ -27,13 +25,7 @@ class EnginePushMember:
     @classmethod
     def connect(cls, address: str, member_id: str, ranks: int, handle, timeout_s: float) -> "EnginePushMember":
         """Register at the learner's store ("host:port"); `handle(op, args, timeout_s)` runs each call."""
-        host, port = address.rsplit(":", 1)
-        try:
-            store = dist.TCPStore(host, int(port), None, False, timedelta_s(timeout_s), wait_for_workers=False)
-        except Exception as exc:  # noqa: BLE001
-            raise PeerError(f"engine push {member_id!r}: cannot reach the learner's store at {address} within "
-                            f"{timeout_s} s ({exc})") from exc
-        return cls(store, address, member_id, ranks, handle)
+        return cls(connect_store(address, f"engine push {member_id!r}", timeout_s), address, member_id, ranks, handle)
 
     def _serve(self) -> None:
         try:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from asyncrl.weightsync.group.chain import PeerError, abort_process_group, make_process_group, relay_chain
 from asyncrl.weightsync.group.protocol import (ANNOUNCEMENT_POLL_S, KEEP_ANNOUNCEMENTS, NoAnnouncement, describe_member,
                                            timedelta_s)
-from asyncrl.weightsync.group.roster import register, start_heartbeat
+from asyncrl.weightsync.group.roster import connect_store, register, start_heartbeat
 
 
 class WeightGroupMember:
@@ -39,12 +39,7 @@ class WeightGroupMember:
     def connect(cls, address: str, member_id: str, timeout_s: float, backend: str = "gloo",
                 heartbeat_s: float = 0.5) -> "WeightGroupMember":
         """Join the learner's store at "host:port" and register; joins the group at the next `send`."""
-        host, port = address.rsplit(":", 1)
-        try:
-            store = dist.TCPStore(host, int(port), None, False, timedelta_s(timeout_s), wait_for_workers=False)
-        except Exception as exc:  # noqa: BLE001
-            raise PeerError(f"member {member_id!r}: cannot reach the learner's store at {address} within "
-                            f"{timeout_s} s ({exc})") from exc
+        store = connect_store(address, f"member {member_id!r}", timeout_s)
         return cls(store, address, member_id, backend, heartbeat_s)
 
     def _register(self) -> None:

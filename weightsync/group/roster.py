@@ -68,6 +68,17 @@ class Roster:
         return info
 
 
+def connect_store(address: str, who: str, timeout_s: float) -> dist.TCPStore:
+    """A client of the learner's store at "host:port", or PeerError naming `who` and the address."""
+    from asyncrl.weightsync.group.chain import PeerError
+
+    host, port = address.rsplit(":", 1)
+    try:
+        return dist.TCPStore(host, int(port), None, False, timedelta_s(timeout_s), wait_for_workers=False)
+    except Exception as exc:  # noqa: BLE001
+        raise PeerError(f"{who}: cannot reach the learner's store at {address} within {timeout_s} s ({exc})") from exc
+
+
 def register(store: dist.TCPStore, prefix: str, member_id: str, extra: dict | None = None) -> dict:
     """Register under `prefix`; returns the registration (member_id, ticket, pid, host, and `extra`)."""
     ticket = int(store.add(f"{prefix}/tickets", 1))
