@@ -88,9 +88,9 @@ def check_sections_agree(cfg: "RunConfig") -> None:
             f"admission stays at the last published version, so after {lead + 1} unpublished steps "
             f"no generator may start a group and the learner would wait for a batch forever; use every_steps <= "
             f"{lead_key.split('.')[1]} + 1 (or raise {lead_key})")
-    if cfg.weightsync.backend == "engine_push" and cfg.generator.engine != "vllm":
-        raise ValueError(f"weightsync.backend=engine_push pushes into vLLM's weight-transfer engine; generator.engine"
-                         f"={cfg.generator.engine} has none (use shm or broadcast)")
+    if cfg.weightsync.backend == "engine_push" and cfg.generator.engine not in ("vllm", "sglang"):
+        raise ValueError(f"weightsync.backend=engine_push pushes into vLLM's or SGLang's weight-update calls; "
+                         f"generator.engine={cfg.generator.engine} has none (use shm or broadcast)")
     if cfg.reward.overlong_buffer_len >= cfg.rollout.max_tokens:
         raise ValueError(f"reward.overlong_buffer_len ({cfg.reward.overlong_buffer_len}) must be smaller than "
                          f"rollout.max_tokens ({cfg.rollout.max_tokens})")

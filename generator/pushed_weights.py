@@ -1,5 +1,5 @@
-"""Versions pushed from the learner's GPU straight into this generator's vLLM engine (weightsync.backend=
-engine_push; the learner's side is weightsync/engine_push/host.py).
+"""Versions pushed from the learner's GPU straight into this generator's engine, vLLM or SGLang
+(weightsync.backend=engine_push; the learner's side is weightsync/engine_push/host.py).
 
 The learner drives vLLM's update round through the store (init, start, update, finish); `PushedWeights.handle`
 runs each call on the generator's event loop, under the same lock as the staged loads of rollout.py, so a push and
@@ -145,9 +145,8 @@ async def join_push(target: dict, engine, lock: asyncio.Lock, recover_target, st
     from asyncrl.weightsync.engine_push.member import EnginePushMember
 
     pushed = PushedWeights(engine, lock, recover_target, stage, asyncio.get_running_loop(), generator_id)
-    ranks = int(engine.placement.get("tensor_parallel_size", 1))
-    member = await asyncio.to_thread(EnginePushMember.connect, engines["address"], generator_id, ranks,
-                                     pushed.handle, timeout_s)
+    member = await asyncio.to_thread(EnginePushMember.connect, engines["address"], generator_id, engine.push_ranks,
+                                     pushed.handle, timeout_s, engine.push_kind)
     member.pushed = pushed
     log.info("generator %s: its engine takes versions pushed from the learner at %s", generator_id,
              engines["address"])

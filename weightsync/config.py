@@ -9,9 +9,10 @@ class WeightSyncConfig:
     backend: str = "shm"
     """Data plane for the steady fleet. `shm`: a persistent shared-memory mapping on the learner's host (generators
     elsewhere use the catch-up server). `broadcast`: also a torch.distributed group (gloo on CPU, NCCL on GPU) that
-    relays each version along a chain of generators. `engine_push` (GPU learner, vLLM generators): each version goes
-from the learner's GPU straight into every vLLM engine over vLLM's own NCCL weight-transfer engine, one group per
-engine (weightsync/engine_push); generators that miss a push load it from staging as with `shm`."""
+    relays each version along a chain of generators. `engine_push` (GPU learner, vLLM or SGLang generators, a GPU per
+process): each version goes from the learner's GPU straight into every engine over NCCL, with vLLM's own NCCL
+weight-transfer engine or SGLang's distributed update, one group per engine (weightsync/engine_push); generators
+that miss a push load it from staging as with `shm`."""
     shm_dir: str = "/dev/shm"
     """Where the learner's ring and each generator's staging mapping live; tmpfs, for memory-speed copies."""
     keep_versions: int = 3

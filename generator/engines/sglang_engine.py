@@ -6,10 +6,10 @@ Written against SGLang 0.5.x (>= 0.5.6 for pause modes), from sgl-project/sglang
 unit tests use `tests/fakes/fake_sglang.py` and `tests/gpu/test_sglang_real.py` runs the real one.
 
 Simplifications and why:
-  * Weights come in one way: `load_weights(staged, fallback)` sends a version from the generator's staging to
-    `update_weights_from_tensor`, and a failed load goes back to `fallback` or to the model's own files
-    (sglang_receiver.py). SGLang's distributed and disk paths are not used for new versions: the GPU issue
-    rebuilds SGLang's weight path.
+  * Weights come in two ways (sglang_receiver.py): `load_weights(staged, fallback)` sends a version from the
+    generator's staging to `update_weights_from_tensor`, and with weightsync.backend=engine_push the learner
+    pushes versions from its GPU through `init_weights_update_group` + `update_weights_from_distributed` (the
+    `push_*` methods). A failed load goes back to a complete version or to the model's own files.
   * `sglang.Engine`'s control methods (`update_weights_from_tensor`, `flush_cache`, ...) call
     `loop.run_until_complete`, which cannot run inside our event loop, and `pause_generation` /
     `continue_generation` exist only on its tokenizer manager (and as HTTP routes). `AsyncSglangEngine` awaits
@@ -114,6 +114,37 @@ class SglangEngine:
         `update_weights_from_tensor`; a failure goes back to `fallback` (see sglang_receiver.py)."""
         await self.receiver.load_staged(staged, fallback)
 
+    # --- versions pushed from the learner's GPU (weightsync/engine_push), driven by generator/pushed_weights.py ---
+
+    push_kind = "sglang"
+    """Which trainer side the learner opens for this engine (weightsync/engine_push/host.py)."""
+
+    @property
+    def push_ranks(self) -> int:
+        return int(self.extra_server_args.get("tp_size", 1))
+
+    @property
+    def broken(self) -> str | None:
+        return self.receiver.broken if self.receiver is not None else None
+
+    def mark_broken(self, reason: str) -> None:
+        self.receiver.mark_broken(reason)
+
+    async def push_init(self, init_info: dict) -> None:
+        await self.receiver.push_join(init_info)
+
+    async def push_begin(self) -> None:
+        await self.receiver.push_begin()
+
+    async def push_receive(self, update_info: dict) -> None:
+        await self.receiver.push_receive(update_info)
+
+    async def push_commit(self, version: int) -> None:
+        await self.receiver.push_commit(version)
+
+    async def push_recover(self, staged) -> None:
+        await self.receiver.push_recover(staged)
+
     async def close(self) -> None:
         if self._engine is not None:
             self._engine.shutdown()
@@ -185,6 +216,35 @@ class AsyncSglangEngine:
                                                weight_version=weight_version,
                                                abort_all_requests=abort_all_requests, flush_cache=flush_cache)
         return await self.tokenizer_manager.update_weights_from_disk(request, None)
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "weight_update_group",
+                                        backend: str = "nccl"):
+        """Join the learner's torch.distributed group (rank `rank_offset` + TP rank); answers (success, message)."""
+        from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput
+
+        request = InitWeightsUpdateGroupReqInput(master_address=master_address, master_port=master_port,
+                                                 rank_offset=rank_offset, world_size=world_size,
+                                                 group_name=group_name, backend=backend)
+        return await self.tokenizer_manager.init_weights_update_group(request, None)
+
+    async def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list,
+                                              group_name: str = "weight_update_group", flush_cache: bool = True,
+                                              weight_version: str | None = None):
+        """Receive one broadcast per tensor, in `names` order, from rank 0 of the group; answers (success,
+        message)."""
+        from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
+
+        request = UpdateWeightsFromDistributedReqInput(names=names, dtypes=dtypes, shapes=shapes,
+                                                       group_name=group_name, flush_cache=flush_cache,
+                                                       weight_version=weight_version)
+        return await self.tokenizer_manager.update_weights_from_distributed(request, None)
+
+    async def destroy_weights_update_group(self, group_name: str):
+        from sglang.srt.managers.io_struct import DestroyWeightsUpdateGroupReqInput
+
+        return await self.tokenizer_manager.destroy_weights_update_group(
+            DestroyWeightsUpdateGroupReqInput(group_name=group_name), None)
 
     async def pause_generation(self, mode: str = "abort"):
         from sglang.srt.managers.io_struct import PauseGenerationReqInput

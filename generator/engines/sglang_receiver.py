@@ -5,10 +5,15 @@ Written against SGLang 0.5.x (pause modes need >= 0.5.6; checked against sgl-pro
 `docs/advanced_features/sglang_for_rl.md`). The engine handle is anything with the async methods of
 `sglang_engine.AsyncSglangEngine` (the real engine) or `tests/fakes/fake_sglang.FakeSglangEngine`.
 
-The only way in is a version the generator has staged (weightsync/receiver.py `Staged`: complete, checksummed, in
-a slot nobody writes to); its tensors go to SGLang with `update_weights_from_tensor`. SGLang's other ways in (a
-torch.distributed weight-update group, a directory on disk) are not used for new versions: the GPU issue rebuilds
-SGLang's weight path. `update_weights_from_disk` serves only to go back to the model's own files.
+Two ways in, one per situation:
+  * a version the generator has staged (weightsync/receiver.py `Staged`: complete, checksummed, in a slot nobody
+    writes to), sent with `update_weights_from_tensor`: generators on the learner's host or fed by catch-up;
+  * with weightsync.backend=engine_push on GPUs, a version pushed from the learner's GPU: SGLang joins the
+    learner's group (`init_weights_update_group`) and receives each version with
+    `update_weights_from_distributed` while the learner broadcasts (weightsync/engine_push/sglang_trainer.py),
+    wrapped in the same pause and resume (`push_begin`, `push_receive`, `push_commit`); a push that fails
+    half-way is followed by a full load from staging (`push_recover`).
+`update_weights_from_disk` serves only to go back to the model's own files.
 
 What a version costs, and what it guarantees (docs/architecture.md §6):
   * Admission closes, generation pauses, `update_weights_from_tensor(..., flush_cache=True)` loads every tensor
@@ -81,6 +86,7 @@ class SglangWeightReceiver:
         self._idle = asyncio.Event()
         self._idle.set()
         self._lock = asyncio.Lock()  # one load at a time
+        self._push_group: str | None = None  # the learner's weight-update group joined for pushes
 
     # --- the sampler's side ------------------------------------------------------------------------------
 
@@ -122,7 +128,7 @@ class SglangWeightReceiver:
             try:
                 await self._resume()
             except Exception as err:
-                self._mark_broken(f"v{version} loaded but generation could not resume ({err})")
+                self.mark_broken(f"v{version} loaded but generation could not resume ({err})")
                 raise EngineBroken(f"sglang v{version}: {self.broken}") from err
 
     def _send(self, staged, what: str, flush_cache: bool):
@@ -181,33 +187,102 @@ class SglangWeightReceiver:
                                          f"{self.timeout_s:g}s")
             await asyncio.sleep(0.01)
 
+    async def _reload(self, fallback) -> None:
+        """Still paused: abort what is queued, load `fallback` (None: the model's files) in full, continue."""
+        # Aborting first frees the model-update lock held by queued requests (the reload takes it).
+        await bounded(self.engine.pause_generation(mode="abort"), self.timeout_s, "abort before rollback",
+                      self.engine_peer)
+        if fallback is not None:
+            success, reason, *_ = await self._send(fallback, f"reload v{fallback.version}", flush_cache=True)
+        else:
+            success, reason, *_ = await bounded(self.engine.update_weights_from_disk(
+                model_path=self.model_path, weight_version="0", abort_all_requests=True, flush_cache=True),
+                self.timeout_s, f"reload v0 from {self.model_path}", self.engine_peer)
+        if not success:
+            raise RuntimeError(reason)
+        self.version = fallback.version if fallback is not None else 0
+        await bounded(self.engine.continue_generation(), self.timeout_s, "continue generation", self.engine_peer)
+
     async def _roll_back(self, version: int, cause: str, err: Exception, fallback) -> None:
-        """Still paused: abort what is queued, load `fallback` (or the model's files) in full, continue, raise."""
-        target = (f"v{fallback.version} from staging slot {fallback.slot}" if fallback is not None
-                  else f"v0 from {self.model_path}")
+        """Still paused: go back to `fallback` (or the model's files), continue, raise WeightLoadError."""
+        target = describe_target(fallback, self.model_path)
         try:
-            # Aborting first frees the model-update lock held by queued requests (the reload takes it).
-            await bounded(self.engine.pause_generation(mode="abort"), self.timeout_s, "abort before rollback",
-                          self.engine_peer)
-            if fallback is not None:
-                success, reason, *_ = await self._send(fallback, f"reload v{fallback.version}", flush_cache=True)
-            else:
-                success, reason, *_ = await bounded(self.engine.update_weights_from_disk(
-                    model_path=self.model_path, weight_version="0", abort_all_requests=True, flush_cache=True),
-                    self.timeout_s, f"reload {target}", self.engine_peer)
-            if not success:
-                raise RuntimeError(reason)
-            self.version = fallback.version if fallback is not None else 0
-            await bounded(self.engine.continue_generation(), self.timeout_s, "continue generation",
-                          self.engine_peer)
+            await self._reload(fallback)
         except Exception as rollback_err:
-            self._mark_broken(f"v{version} failed ({cause}) and the rollback to {target} failed too "
-                              f"({rollback_err})")
+            self.mark_broken(f"v{version} failed ({cause}) and the rollback to {target} failed too "
+                             f"({rollback_err})")
             raise EngineBroken(f"sglang could not load v{version}: {self.broken}") from err
         self._admit.set()
         raise WeightLoadError(f"sglang could not load v{version} ({cause}); reloaded {target}") from err
 
-    def _mark_broken(self, reason: str) -> None:
+    # --- the other way in: versions pushed from the learner's GPU (weightsync/engine_push) ------------------
+
+    async def push_join(self, init_info: dict) -> None:
+        """Join the learner's weight-update group for this engine (`init_weights_update_group`); a new group
+        (the learner opens one after a failure) replaces the old, which is destroyed."""
+        success, message = await bounded(self.engine.init_weights_update_group(**init_info), self.timeout_s,
+                                         f"join weight group {init_info.get('group_name')}", self.engine_peer)
+        if not success:
+            raise RuntimeError(f"SGLang could not join the learner's weight group: {message}")
+        old, self._push_group = self._push_group, init_info["group_name"]
+        if old is not None and old != self._push_group:
+            with contextlib.suppress(Exception):  # best effort: it failed, that is why there is a new one
+                await bounded(self.engine.destroy_weights_update_group(group_name=old), self.timeout_s,
+                              f"destroy weight group {old}", self.engine_peer)
+
+    async def push_begin(self) -> None:
+        """Take the load lock and pause as for a staged load; samplers wait until commit or recover."""
+        await self._lock.acquire()
+        try:
+            if self.broken:
+                raise EngineBroken(f"sglang cannot take a pushed version: {self.broken}")
+            await self._pause()
+        except EngineBroken:
+            self._lock.release()
+            raise
+        except Exception as err:
+            self.mark_broken(f"pausing for a pushed version failed ({err})")
+            self._lock.release()
+            raise EngineBroken(self.broken) from err
+
+    async def push_receive(self, update_info: dict) -> None:
+        """`update_weights_from_distributed`: SGLang receives one broadcast per tensor while the learner sends."""
+        success, message = await bounded(self.engine.update_weights_from_distributed(
+            names=update_info["names"], dtypes=update_info["dtypes"], shapes=update_info["shapes"],
+            group_name=update_info["group_name"], flush_cache=self.update_mode != "keep",
+            weight_version=update_info.get("weight_version")), self.timeout_s,
+            f"receive a pushed version over {update_info['group_name']}", self.engine_peer)
+        if not success:
+            raise RuntimeError(f"SGLang refused the pushed version: {message}")
+
+    async def push_commit(self, version: int) -> None:
+        self.version = version
+        try:
+            await self._resume()
+        except Exception as err:
+            self.mark_broken(f"v{version} pushed but generation could not resume ({err})")
+            raise EngineBroken(f"sglang v{version}: {self.broken}") from err
+        finally:
+            self._lock.release()
+
+    async def push_recover(self, staged) -> None:
+        """After a push failed half-way: load `staged` (None: the model's files) in full, then admit again."""
+        try:
+            await self._reload(staged)
+        except Exception as err:
+            self.mark_broken(f"a pushed version failed and reloading {describe_target(staged, self.model_path)} "
+                             f"failed too ({err})")
+            raise EngineBroken(f"sglang: {self.broken}") from err
+        finally:
+            self._lock.release()
+        self._admit.set()
+
+    def mark_broken(self, reason: str) -> None:
         """No good weights we can vouch for: stay paused for good; waiting and future samples raise."""
         self.broken = f"{reason}; the engine stays paused: restart it"
         self._admit.set()
+
+
+def describe_target(fallback, model_path: str) -> str:
+    return (f"v{fallback.version} from staging slot {fallback.slot}" if fallback is not None
+            else f"v0 from {model_path}")

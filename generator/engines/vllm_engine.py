@@ -179,6 +179,13 @@ class VllmEngine:
 
     # --- versions pushed from the learner's GPU (weightsync/engine_push), driven by generator/pushed_weights.py ---
 
+    push_kind = "vllm"
+    """Which trainer side the learner opens for this engine (weightsync/engine_push/host.py)."""
+
+    @property
+    def push_ranks(self) -> int:
+        return int(self.placement["tensor_parallel_size"])
+
     async def push_init(self, init_info: dict) -> None:
         """Join the learner's NCCL group for this engine (vLLM's `NCCLWeightTransferInitInfo` keywords)."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest

@@ -20,6 +20,9 @@ What it simulates, because the receiver's safety depends on it:
     waits for running requests first (it takes SGLang's model-update lock).
   * a slow load: `update_delay_s` is how long a tensor load takes, so a test can run one past a timeout.
   * every control call is recorded in `calls`, in order, as (method, keywords).
+  * the distributed path as SGLang's workers run it: `init_weights_update_group` joins the trainer's group (gloo
+    here, NCCL there), `update_weights_from_distributed` receives one broadcast per tensor in `names` order into
+    fresh tensors, then loads them.
 Not simulated: how a real load fails (SGLang 0.5.x's `update_weights_from_tensor` answers (True, "Success") or
 raises inside the scheduler, which takes the engine down; the fake answers (False, message) so the receiver's
 rollback can be driven), the serialization of the tensors to the scheduler, tensor parallelism, and the radix
@@ -76,6 +79,7 @@ class FakeSglangEngine:
         self.fail_disk_load = False
         self.step_delay_s = 0.0  # time per decode step, so tests can act while a request runs
         self.tokens_served: list = []  # (weight_version, token) of every token generated
+        self.update_groups: dict = {}  # group name -> the torch.distributed group joined for weight updates
 
     # --- generation ---------------------------------------------------------------------------------------
 
@@ -224,6 +228,57 @@ class FakeSglangEngine:
         success, message = self._finish_update(weight_version, flush_cache, "Succeeded to update model weights.")
         return success, message, 0
 
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "weight_update_group",
+                                        backend: str = "nccl"):
+        """As SGLang's workers: join the trainer's group as rank `rank_offset` (+ TP rank 0) through a TCP
+        rendezvous, under the group's name. The fake takes backend="gloo" (a CPU test); SGLang takes nccl."""
+        self.calls.append(("init_weights_update_group", {"master_port": master_port, "rank_offset": rank_offset,
+                                                         "world_size": world_size, "group_name": group_name}))
+        try:
+            group = await asyncio.to_thread(join_weights_group, master_address, master_port, rank_offset,
+                                            world_size, group_name, backend)
+        except Exception as err:  # noqa: BLE001 - SGLang answers failures, it does not raise them
+            return False, f"Failed to init process group: {err}"
+        self.update_groups[group_name] = group
+        return True, "Succeeded to initialize custom process group."
+
+    async def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list,
+                                              group_name: str = "weight_update_group", flush_cache: bool = True,
+                                              weight_version: str | None = None):
+        """As SGLang's model runner: a fresh tensor per name, one broadcast from rank 0 each (in `names` order),
+        all awaited, then loaded. A name the model lacks fails after the receive, leaving nothing written."""
+        self.calls.append(("update_weights_from_distributed", {
+            "names": list(names), "dtypes": list(dtypes), "group_name": group_name, "flush_cache": flush_cache,
+            "weight_version": weight_version, "paused": self.paused}))
+        group = self.update_groups.get(group_name)
+        if group is None:
+            return False, f"Group {group_name} not in {list(self.update_groups)}. Please call init first."
+        received = [(name, torch.empty(shape, dtype=getattr(torch, dtype)))
+                    for name, dtype, shape in zip(names, dtypes, shapes)]
+
+        def receive():
+            for work in [group.broadcast(tensor, 0) for _, tensor in received]:
+                work.wait()
+
+        try:
+            await asyncio.to_thread(receive)
+        except Exception as err:  # noqa: BLE001
+            return False, f"Failed to update parameter online: {err}. The full weights of the ModelRunner are " \
+                          f"partially updated."
+        unknown = [name for name, _ in received if name not in self.weights]
+        if unknown:
+            return False, f"Failed to update parameter online: no parameter {unknown[0]}"
+        for name, tensor in received:
+            self.weights[name] = tensor
+        return self._finish_update(weight_version, flush_cache, "Succeeded to update parameter online.")
+
+    async def destroy_weights_update_group(self, group_name: str):
+        group = self.update_groups.pop(group_name, None)
+        if group is None:
+            return False, f"Group {group_name} not found"
+        return True, "Succeeded to destroy custom process group."
+
     def _finish_update(self, weight_version, flush_cache: bool, message: str) -> tuple:
         if weight_version is not None:
             self._weight_version = weight_version
@@ -243,6 +298,22 @@ class FakeSglangEngine:
     def shutdown(self) -> None:
         self.calls.append(("shutdown", {}))
         self.dead = "shut down"
+
+
+def join_weights_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+                       backend: str, timeout_s: float = 60.0):
+    """One rank of a weight-update group over a TCP rendezvous at master_address:master_port (rank 0 hosts the
+    store), keyed by the group's name; the CPU tests' stand-in for SGLang's `init_custom_process_group`, and with
+    rank 0 for the learner's side of it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if backend != "gloo":
+        raise ValueError(f"the fake joins gloo groups only, not {backend!r}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, master_port, world_size, rank == 0, timeout)
+    return dist.ProcessGroupGloo(dist.PrefixStore(group_name, store), rank, world_size, timeout)
 
 
 def _load(path: str) -> dict:

@@ -1,8 +1,9 @@
-"""The engine push for real (weightsync.backend=engine_push): the learner side in this process on GPU 0 with vLLM's
-NCCL trainer engine, a generator in a child process on GPU 1 (NCCL wants one GPU per rank) with vLLM on CUDA,
-registered through generator/pushed_weights.py. A version perturbed on the learner is pushed; after it the engine
+"""The engine push for real (weightsync.backend=engine_push): the learner side in this process on GPU 0 (vLLM's
+NCCL trainer engine, or SGLang's weight-update group opened with SGLang's own helper), a generator in a child
+process on GPU 1 (NCCL wants one GPU per rank) with vLLM or SGLang on CUDA, registered through
+generator/pushed_weights.py. A version perturbed on the learner is pushed; after it the engine
 samples the new weights' distribution and tags every token with the new version. Needs two GPUs and the `gpu`
-extra's vLLM; scripts/test_gpu runs it (skipped on one GPU)."""
+extra's engines; scripts/test_gpu runs it (skipped on one GPU)."""
 import asyncio
 import json
 import os
@@ -17,15 +18,23 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 PROMPT = [4, 6, 8, 2, 10, 11]
 
 
-async def generator_side(model_path: str, address: str, shm_dir: str) -> None:
-    """The child: a vLLM engine on its GPU, registered for pushes; prints one JSON line after each version."""
+async def generator_side(kind: str, model_path: str, address: str, shm_dir: str) -> None:
+    """The child: a vLLM or SGLang engine on its GPU, registered for pushes; prints one JSON line after the
+    first pushed version."""
     from asyncrl.buffer.group import Sampling
-    from asyncrl.generator.engines.vllm_engine import VllmEngine
     from asyncrl.generator.pushed_weights import join_push
     from asyncrl.weightsync.receiver import WeightStage
 
-    engine = VllmEngine(model_path, dtype="bfloat16", max_model_len=64, kv_cache_gib=0.25, seed=0,
-                        gpu_memory_utilization=0.2)
+    if kind == "vllm":
+        from asyncrl.generator.engines.vllm_engine import VllmEngine
+
+        engine = VllmEngine(model_path, dtype="bfloat16", max_model_len=64, kv_cache_gib=0.25, seed=0,
+                            gpu_memory_utilization=0.2)
+    else:
+        from asyncrl.generator.engines.sglang_engine import SglangEngine
+
+        engine = SglangEngine(model_path, dtype="bfloat16", max_model_len=64, kv_cache_gib=0.25, seed=0,
+                              server_args={"mem_fraction_static": 0.2})
     await engine.start()
     member = await join_push({"engines": {"address": address}}, engine, asyncio.Lock(), lambda: {},
                              WeightStage(shm_dir, "push-gpu"), "push-gpu", 60.0)
@@ -42,8 +51,9 @@ async def generator_side(model_path: str, address: str, shm_dir: str) -> None:
     await engine.close()
 
 
-def test_a_version_pushed_over_vllms_nccl_engine_is_what_the_engine_samples(demo_assets, tmp_path):
-    pytest.importorskip("vllm")
+@pytest.mark.parametrize("kind", ["vllm", "sglang"])
+def test_a_pushed_version_is_what_the_engine_samples(kind, demo_assets, tmp_path):
+    pytest.importorskip(kind)
     from asyncrl.learner.model import load_model
     from asyncrl.weightsync.buckets import FlatBuckets
     from asyncrl.weightsync.engine_push.host import EnginePushHost
@@ -53,7 +63,7 @@ def test_a_version_pushed_over_vllms_nccl_engine_is_what_the_engine_samples(demo
     host = EnginePushHost(heartbeat_timeout_s=30.0)
     child = subprocess.Popen(
         [sys.executable, "-c", "import asyncio, sys; from tests.gpu.test_engine_push_real import generator_side; "
-                               "asyncio.run(generator_side(*sys.argv[1:]))", demo_assets[0], host.address,
+                               "asyncio.run(generator_side(*sys.argv[1:]))", kind, demo_assets[0], host.address,
          str(tmp_path)],
         cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "1"})
     try:

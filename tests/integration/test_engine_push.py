@@ -106,7 +106,8 @@ def push():
     wire = Wire()
     trainers = []
 
-    def factory(*args):
+    def factory(kind, *args):
+        assert kind == "vllm"
         trainer = WireTrainer(wire, *args)
         trainers.append(trainer)
         return trainer
@@ -215,7 +216,7 @@ def test_engine_push_is_refused_where_it_cannot_work(tmp_path):
     from asyncrl.weightsync.backends import make_publisher
     from asyncrl.weightsync.config import WeightSyncConfig
 
-    with pytest.raises(Exception, match="engine_push pushes into vLLM"):
+    with pytest.raises(Exception, match="engine_push pushes into vLLM.s or SGLang"):
         load_config(None, ["weightsync.backend=engine_push", "generator.engine=hf"])
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="no CUDA device"):

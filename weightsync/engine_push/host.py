@@ -1,5 +1,7 @@
 """The learner's side of the engine push: each version goes straight from the learner's GPU into every
-registered generator's vLLM engine over vLLM's own NCCL weight-transfer engine, one NCCL group per engine.
+registered generator's engine, one NCCL group per engine: vLLM's own NCCL weight-transfer engine for vLLM, SGLang's
+distributed update (`init_weights_update_group` + `update_weights_from_distributed`, sglang_trainer.py) for SGLang.
+The vLLM flow is described below; SGLang's is the same with its calls.
 
 Per engine (a generator registered under "ep/", see group/roster.py, with the number of ranks its engine has):
 - the first send opens vLLM's trainer endpoint (`NCCLTrainerWeightTransferEngine.trainer_init`, rank 0 of a group
@@ -21,6 +23,7 @@ in the report, and the next version opens a new group. The generator, whose work
 sees its own deadline pass and stops its engine (generator/pushed_weights.py). Every engine that missed a version
 loads it from the staging paths (shared memory, catch-up) like any generator that missed a broadcast.
 """
+import collections
 import socket
 import threading
 import time
@@ -38,10 +41,14 @@ from asyncrl.weightsync.group.roster import Roster
 
 def bucket_source(buckets: FlatBuckets):
     """vLLM's `WeightSource` over typed views of the publisher's buckets: `metadata()` from the layout, iteration
-    yields each tensor in layout order (no gather here: the publisher did it)."""
-    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
-
+    yields each tensor in layout order (no gather here: the publisher did it). A learner without vLLM (SGLang
+    generators only) gets the same two channels without vLLM's base class."""
     from asyncrl.weightsync.dtypes import DTYPES
+
+    try:
+        from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+    except ImportError:
+        ParamMeta, WeightSource = collections.namedtuple("ParamMeta", "name dtype shape"), object
 
     class BucketSource(WeightSource):
         def metadata(self) -> list:
@@ -53,8 +60,15 @@ def bucket_source(buckets: FlatBuckets):
     return BucketSource()
 
 
-def vllm_nccl_trainer(master_address: str, master_port: int, world_size: int, client, source):
-    """vLLM's dense NCCL trainer engine, packed (its default wire format)."""
+def open_trainer(engine: str, master_address: str, master_port: int, world_size: int, client, source):
+    """The trainer side for an engine of kind `engine`: vLLM's dense NCCL trainer engine (packed, its default
+    wire format), or SGLang's distributed update (sglang_trainer.py)."""
+    if engine == "sglang":
+        from asyncrl.weightsync.engine_push.sglang_trainer import SglangTrainer
+
+        return SglangTrainer(master_address, master_port, world_size, client, source)
+    if engine != "vllm":
+        raise ValueError(f"an engine of kind {engine!r} registered for the push; asyncrl pushes to vllm and sglang")
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 
     info = NCCLTrainerInitInfo(master_address=master_address, master_port=master_port, world_size=world_size,
@@ -71,12 +85,12 @@ def free_port(host: str) -> int:
 class EnginePushHost:
     """Owns the store generators register in and one vLLM trainer engine per registered engine.
 
-    `trainer_factory(master_address, master_port, world_size, client, source)` opens the trainer side (default: vLLM's
-    NCCL engine; CPU tests pass a faithful stand-in). Not thread-safe: call `send` from the publisher's thread.
+    `trainer_factory(engine kind, master_address, master_port, world_size, client, source)` opens the trainer side
+    (default `open_trainer`: vLLM's NCCL engine or SGLang's distributed update; CPU tests pass stand-ins). Not thread-safe: call `send` from the publisher's thread.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise: str = "", heartbeat_timeout_s: float = 5.0,
-                 store_timeout_s: float = 30.0, trainer_factory=vllm_nccl_trainer):
+                 store_timeout_s: float = 30.0, trainer_factory=open_trainer):
         self.store = dist.TCPStore(host, port, None, True, timedelta_s(store_timeout_s), wait_for_workers=False)
         self.bind_host = host
         self.advertise = advertise or host
@@ -128,8 +142,8 @@ class EnginePushHost:
             trainer = self._trainers.get(ticket)
             if trainer is None:
                 world_size = 1 + int(info.get("ranks", 1))
-                trainer = self.trainer_factory(self.advertise, free_port(self.bind_host), world_size, client,
-                                               bucket_source(_Current(self)))
+                trainer = self.trainer_factory(info.get("engine", "vllm"), self.advertise, free_port(self.bind_host),
+                                               world_size, client, bucket_source(_Current(self)))
                 self._trainers[ticket] = trainer
             trainer.send_weights()
             results[ticket] = None

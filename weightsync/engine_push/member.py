@@ -10,11 +10,11 @@ from asyncrl.weightsync.group.roster import connect_store, register, start_heart
 
 class EnginePushMember:
     def __init__(self, store: dist.TCPStore, address: str, member_id: str, ranks: int, handle,
-                 heartbeat_s: float = 0.5):
-        self.store, self.address, self.member_id, self.ranks = store, address, member_id, ranks
+                 heartbeat_s: float = 0.5, engine: str = "vllm"):
+        self.store, self.address, self.member_id, self.ranks, self.engine = store, address, member_id, ranks, engine
         self.handle = handle
         self._stop = threading.Event()
-        self.info = register(store, "ep", member_id, {"ranks": ranks})
+        self.info = register(store, "ep", member_id, {"ranks": ranks, "engine": engine})
         self._heartbeat = start_heartbeat(address, "ep", lambda: self.info["ticket"], heartbeat_s, self._stop,
                                           f"engine-push-heartbeat-{member_id}")
         self.fatal: BaseException | None = None
@@ -23,14 +23,18 @@ class EnginePushMember:
         self._server.start()
 
     @classmethod
-    def connect(cls, address: str, member_id: str, ranks: int, handle, timeout_s: float) -> "EnginePushMember":
-        """Register at the learner's store ("host:port"); `handle(op, args, timeout_s)` runs each call."""
-        return cls(connect_store(address, f"engine push {member_id!r}", timeout_s), address, member_id, ranks, handle)
+    def connect(cls, address: str, member_id: str, ranks: int, handle, timeout_s: float,
+                engine: str = "vllm") -> "EnginePushMember":
+        """Register at the learner's store ("host:port") an engine of `ranks` ranks and kind `engine` ("vllm",
+        "sglang": which trainer side the learner opens); `handle(op, args, timeout_s)` runs each call."""
+        return cls(connect_store(address, f"engine push {member_id!r}", timeout_s), address, member_id, ranks, handle,
+                   engine=engine)
 
     def _serve(self) -> None:
         try:
             while serve_calls(self.store, self.info["ticket"], self.handle, self._stop):
-                self.info = register(self.store, "ep", self.member_id, {"ranks": self.ranks})  # dropped: rejoin
+                self.info = register(self.store, "ep", self.member_id,
+                                     {"ranks": self.ranks, "engine": self.engine})  # dropped: rejoin
         except Exception as exc:  # noqa: BLE001 - the store is gone: nothing more will come
             self.fatal = exc
 
