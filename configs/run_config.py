@@ -91,6 +91,10 @@ def check_sections_agree(cfg: "RunConfig") -> None:
     if cfg.weightsync.backend == "engine_push" and cfg.generator.engine not in ("vllm", "sglang"):
         raise ValueError(f"weightsync.backend=engine_push pushes into vLLM's or SGLang's weight-update calls; "
                          f"generator.engine={cfg.generator.engine} has none (use shm or broadcast)")
+    if (cfg.weightsync.backend == "engine_push" and cfg.weightsync.engine_transport == "ipc"
+            and cfg.generator.engine != "vllm"):
+        raise ValueError("weightsync.engine_transport=ipc is vLLM's IPC transfer engine; use nccl with "
+                         f"generator.engine={cfg.generator.engine}")
     if cfg.reward.overlong_buffer_len >= cfg.rollout.max_tokens:
         raise ValueError(f"reward.overlong_buffer_len ({cfg.reward.overlong_buffer_len}) must be smaller than "
                          f"rollout.max_tokens ({cfg.rollout.max_tokens})")

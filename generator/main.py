@@ -99,6 +99,10 @@ async def run_generator_async(cfg, say=print) -> int:
         scorer = RewardScorer(cfg.reward.path, cfg.reward.function, cfg.generator.reward_workers,
                               cfg.reward.timeout_s, source=f"generator {generator_id}")
         await scorer.start()  # the workers import the reward function while the engine starts
+        if cfg.weightsync.backend == "engine_push" and cfg.weightsync.engine_transport == "ipc":
+            # vLLM's IPC engine decodes the learner's CUDA IPC handles only with this set (they travel pickled
+            # through the learner's store, weightsync/engine_push/calls.py); its workers inherit it at start
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         engine = make_engine(cfg.generator.engine, model_path=info["model_path"], dtype=cfg.generator.dtype,
                              max_model_len=cfg.generator.max_model_len, kv_cache_gib=cfg.generator.kv_cache_gib,
                              seed=seed, update_mode=cfg.generator.update_mode,

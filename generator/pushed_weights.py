@@ -58,13 +58,13 @@ class PushedWeights:
 
     async def _run(self, op: str, args: dict, timeout_s: float) -> None:
         if op == "init":
-            await self.engine.push_init(args["init_info"])
+            await self.engine.push_init(args["init_info"], args.get("transport", "nccl"))
         elif op == "start":
             await self._start(int(args["version"]), timeout_s)
         elif op == "update":
             self._check_pushing(op)
             try:
-                await self.engine.push_receive(args["update_info"])
+                await self.engine.push_receive(args["update_info"], args.get("transport", "nccl"))
             except Exception as err:
                 await self._recover(f"update failed: {err}")
                 raise

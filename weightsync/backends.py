@@ -100,7 +100,12 @@ def make_publisher(ws, job: str) -> WeightPublisher:
         if not torch.cuda.is_available():
             raise RuntimeError("weightsync.backend=engine_push sends from the learner's GPU over NCCL, and this "
                                "learner has no CUDA device; use shm or broadcast on a CPU machine")
+        if ws.engine_transport == "ipc" and torch.distributed.is_initialized() and \
+                torch.distributed.get_world_size() > 1:
+            raise RuntimeError("weightsync.engine_transport=ipc: vLLM's IPC trainer gathers handles over every rank "
+                               "of the learner, and asyncrl publishes from rank 0 alone; use nccl with a "
+                               "multi-rank learner")
         host = EnginePushHost(ws.catchup_host, ws.broadcast_port, advertise=ws.catchup_advertise,
-                              store_timeout_s=ws.timeout_s)
+                              store_timeout_s=ws.timeout_s, transport=ws.engine_transport)
         group = EnginePusher(host, ws.timeout_s)
     return WeightPublisher(ring_path, ws.keep_versions, int(ws.bucket_mb * 2**20), group=group, catchup=catchup)

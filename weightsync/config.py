@@ -2,6 +2,7 @@
 from dataclasses import dataclass
 
 BACKENDS = ("shm", "broadcast", "engine_push")
+ENGINE_TRANSPORTS = ("nccl", "sparse_nccl", "ipc")
 
 
 @dataclass
@@ -13,6 +14,13 @@ class WeightSyncConfig:
 process): each version goes from the learner's GPU straight into every engine over NCCL, with vLLM's own NCCL
 weight-transfer engine or SGLang's distributed update, one group per engine (weightsync/engine_push); generators
 that miss a push load it from staging as with `shm`."""
+    engine_transport: str = "nccl"
+    """backend=engine_push, vLLM generators: which of vLLM's transfer engines carries a version. `nccl`: every
+    version dense. `sparse_nccl`: only the elements that changed since the version the engine holds from the last
+    push (bf16 weights keep most elements from one step to the next), dense when that is not smaller or the engine
+    missed a push; keeps one more copy of the weights on the learner's GPU. `ipc`: CUDA IPC, for a vLLM engine on
+    the learner's own GPU (one GPU for both; a one-rank learner). SGLang generators always take the dense NCCL
+    path."""
     shm_dir: str = "/dev/shm"
     """Where the learner's ring and each generator's staging mapping live; tmpfs, for memory-speed copies."""
     keep_versions: int = 3
@@ -42,6 +50,9 @@ that miss a push load it from staging as with `shm`."""
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"weightsync.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.engine_transport not in ENGINE_TRANSPORTS:
+            raise ValueError(f"weightsync.engine_transport must be one of {ENGINE_TRANSPORTS}, got "
+                             f"{self.engine_transport!r}")
         if self.keep_versions < 2:
             raise ValueError(f"weightsync.keep_versions must be >= 2, got {self.keep_versions}")
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -130,13 +130,14 @@ class SglangEngine:
     def mark_broken(self, reason: str) -> None:
         self.receiver.mark_broken(reason)
 
-    async def push_init(self, init_info: dict) -> None:
+    async def push_init(self, init_info: dict, transport: str = "nccl") -> None:
+        """`transport` is vLLM's notion; SGLang's push is its distributed update whatever it says."""
         await self.receiver.push_join(init_info)
 
     async def push_begin(self) -> None:
         await self.receiver.push_begin()
 
-    async def push_receive(self, update_info: dict) -> None:
+    async def push_receive(self, update_info: dict, transport: str = "nccl") -> None:
         await self.receiver.push_receive(update_info)
 
     async def push_commit(self, version: int) -> None:

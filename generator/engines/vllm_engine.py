@@ -186,11 +186,13 @@ class VllmEngine:
     def push_ranks(self) -> int:
         return int(self.placement["tensor_parallel_size"])
 
-    async def push_init(self, init_info: dict) -> None:
-        """Join the learner's NCCL group for this engine (vLLM's `NCCLWeightTransferInitInfo` keywords)."""
+    async def push_init(self, init_info: dict, transport: str = "nccl") -> None:
+        """Open vLLM's transfer engine `transport` for pushed versions (nccl and sparse_nccl join the learner's
+        group; `init_info` is that engine's init info's keywords)."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={"nccl": init_info}))
+        await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(
+            init_info={"transport": transport, "info": init_info}))
 
     async def push_begin(self) -> None:
         """Pause (generator.update_mode) and open the reload; samplers wait until `push_commit` or
@@ -203,12 +205,13 @@ class VllmEngine:
             self.mark_broken(f"vLLM failed to prepare for a pushed version ({type(err).__name__}: {err})")
             raise EngineBroken(self.broken) from err
 
-    async def push_receive(self, update_info: dict) -> None:
-        """Receive one pushed version (vLLM's `NCCLWeightTransferUpdateInfo` keywords) while the learner sends
-        it. On failure the worker has closed its reload already (vllm_transfer.py); call `push_recover`."""
+    async def push_receive(self, update_info: dict, transport: str = "nccl") -> None:
+        """Receive one pushed update over `transport` (its engine's update info's keywords) while the learner
+        sends it. On failure the worker has closed its round already (vllm_transfer.py); call `push_recover`."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        await self._engine.update_weights(WeightTransferUpdateRequest(update_info={"nccl": update_info}))
+        await self._engine.update_weights(WeightTransferUpdateRequest(
+            update_info={"transport": transport, "info": update_info}))
 
     async def push_commit(self, version: int) -> None:
         """Commit the received version: vLLM stamps it on every token sampled from here on."""

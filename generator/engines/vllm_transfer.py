@@ -12,11 +12,14 @@ Loading follows vLLM's layerwise reload (what its own `nccl` engine does): `star
 bucket's tensors go through `model.load_weights`, `finish_weight_update` finalizes it. That is the reload that also
 works after the CPU backend's weight prepacking (docs/platform.md).
 
-On a GPU the same engine also takes versions pushed from the learner's GPU over vLLM's own NCCL engine
-(weightsync/engine_push): an init naming `nccl` opens a `NCCLWeightTransferEngine` inside this one (vLLM's public
-class, composed, not copied), and an update naming `nccl` is received by it. One registered backend serves both
-because vLLM configures one per engine, and a generator needs the staging path too: to catch up on a version it
-missed, and to go back to its last good version after a push that failed half-way.
+On a GPU the same engine also takes versions pushed from the learner's GPU (weightsync/engine_push) over vLLM's
+own transfer engines, composed, not copied: an init naming a `transport` (`nccl`, `sparse_nccl`, `ipc`) opens
+vLLM's engine of that name inside this one (`TRANSPORTS`), and an update naming it is received by it. One
+registered backend serves them all because vLLM configures one per engine, and a generator needs the staging path
+too: to catch up on a version it missed, and to go back to a complete version after a push that failed half-way.
+
+Each update round (start .. finish) uses one transport, fixed by its first update: the round then opens and closes
+the way that transport's own engine does (the dense ones through the layerwise reload, `sparse_nccl` in place).
 
 Never half-loaded: if a bucket fails (a shape vLLM refuses, a staging slot rewritten underneath), the engine
 finalizes the reload it opened before raising. Layers that were complete hold the new weights, the others their
@@ -37,14 +40,25 @@ from asyncrl.weightsync.shm_ring import ShmRing
 
 BACKEND = "asyncrl_shm"
 """The name this engine is registered under in vLLM's WeightTransferEngineFactory."""
+TRANSPORTS = {
+    "nccl": ("vllm.distributed.weight_transfer.nccl_engine", "NCCLWeightTransferEngine"),
+    "sparse_nccl": ("vllm.distributed.weight_transfer.sparse_nccl_engine", "SparseNCCLWeightTransferEngine"),
+    "ipc": ("vllm.distributed.weight_transfer.ipc_engine", "IPCWeightTransferEngine"),
+}
+"""vLLM's own transfer engines a pushed version can come through."""
 
 
 @dataclass
 class ShmInitInfo(WeightTransferInitInfo):
-    """Nothing to rendezvous for staging (the mapping is named by each update). `nccl`: the keywords of vLLM's
-    `NCCLWeightTransferInitInfo`, to join the learner's NCCL group for pushed versions."""
+    """Nothing to rendezvous for staging (the mapping is named by each update). With `transport`: open vLLM's
+    engine of that name for pushed versions, with `info` (its init info's keywords)."""
 
-    nccl: dict | None = None
+    transport: str = ""
+    info: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.transport and self.transport not in TRANSPORTS:
+            raise ValueError(f"unknown transport {self.transport!r}; asyncrl_shm composes {sorted(TRANSPORTS)}")
 
 
 @dataclass
@@ -61,14 +75,15 @@ class ShmUpdateInfo(WeightTransferUpdateInfo):
     path: str = ""
     names: list = field(default_factory=list)
     """Only with `path`: which tensors of the files to load ([] = all)."""
-    nccl: dict | None = None
-    """A pushed version: the keywords of vLLM's `NCCLWeightTransferUpdateInfo` (names, dtype_names, shapes)."""
+    transport: str = ""
+    """A pushed version: the transport it comes through, and `info`, its update info's keywords."""
+    info: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if not self.path and self.nccl is None and (self.version < 0 or not self.ring_path or self.slot < 0 or self.bucket < 0
+        if not self.path and not self.transport and (self.version < 0 or not self.ring_path or self.slot < 0 or self.bucket < 0
                               or not self.message_json):
             raise ValueError("an asyncrl_shm update names a staged bucket (version, ring_path, slot, bucket, "
-                             "message_json), a model directory (path) or a pushed version (nccl)")
+                             "message_json), a model directory (path) or a pushed version (transport)")
 
 
 class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
@@ -78,28 +93,47 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
         self._rings: dict = {}  # ring path -> ShmRing, mapped once per layout
-        self._nccl = None  # vLLM's NCCLWeightTransferEngine, once the learner's group was joined
+        self._pushed: dict = {}  # transport -> vLLM's engine for it, once the learner's side was joined
+        self._round: str | None = None  # the transport of the open round ("shm" for staging), None between rounds
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
-        """Join the learner's NCCL group (a new one replaces the old: the learner opens one after a failure)."""
-        if init_info.nccl is None:
+        """Open vLLM's engine for a transport (a new one replaces the old: the learner opens a new group after a
+        failure)."""
+        if not init_info.transport:
             return
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+        import importlib
 
-        self._shutdown_nccl()
-        engine = NCCLWeightTransferEngine(self.config, self.vllm_config, self.device, self.model)
-        engine.init_transfer_engine(engine.parse_init_info(init_info.nccl))
-        self._nccl = engine
+        module, name = TRANSPORTS[init_info.transport]
+        self._shutdown_pushed(init_info.transport)
+        engine = getattr(importlib.import_module(module), name)(self.config, self.vllm_config, self.device, self.model)
+        engine.init_transfer_engine(engine.parse_init_info(init_info.info))
+        self._pushed[init_info.transport] = engine
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
+        """The round opens at its first update, once its transport is known."""
+        self._round = None
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        round_, self._round = self._round, None
+        if round_ == "shm":
+            from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        finalize_layerwise_reload(self.model, self.model_config)
+            finalize_layerwise_reload(self.model, self.model_config)
+        elif round_ is not None:
+            self._pushed[round_].finish_weight_update()
+
+    def _open_round(self, transport: str) -> None:
+        if self._round == transport:
+            return
+        if self._round is not None:
+            raise RuntimeError(f"an update through {transport} inside a round opened by {self._round}")
+        if transport == "shm":
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+            initialize_layerwise_reload(self.model)
+        else:
+            self._pushed[transport].start_weight_update()
+        self._round = transport
 
     def update_weights(self, update_info: dict) -> None:
         """The base class's update_weights plus the consistency guarantee of this module's docstring. (It also
@@ -117,12 +151,16 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             torch.cuda.synchronize()
 
     def receive_weights(self, update_info: ShmUpdateInfo) -> None:
-        if update_info.nccl is not None:
-            if self._nccl is None:
-                raise RuntimeError("a pushed version arrived before the learner's NCCL group was joined")
-            self._nccl.model, self._nccl.model_config = self.model, self.model_config  # the current target
-            self._nccl.receive_weights(self._nccl.parse_update_info(update_info.nccl))
+        if update_info.transport:
+            engine = self._pushed.get(update_info.transport)
+            if engine is None:
+                raise RuntimeError(f"a version pushed over {update_info.transport} arrived before the learner's side "
+                                   f"of it was joined")
+            engine.model, engine.model_config = self.model, self.model_config  # the current target
+            self._open_round(update_info.transport)
+            engine.receive_weights(engine.parse_update_info(update_info.info))
             return
+        self._open_round("shm")
         if update_info.path:
             self.model.load_weights(_safetensors(update_info.path, set(update_info.names)))
             return
@@ -146,14 +184,15 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
             raise RuntimeError(f"{where}: staging slot {update_info.slot} changed while it was loading")
 
     def shutdown(self) -> None:
-        self._shutdown_nccl()
+        for transport in list(self._pushed):
+            self._shutdown_pushed(transport)
         for ring in self._rings.values():
             ring.close()
         self._rings.clear()
 
-    def _shutdown_nccl(self) -> None:
-        if self._nccl is not None:
-            engine, self._nccl = self._nccl, None
+    def _shutdown_pushed(self, transport: str) -> None:
+        engine = self._pushed.pop(transport, None)
+        if engine is not None:
             engine.shutdown()
 
 

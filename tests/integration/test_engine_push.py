@@ -64,6 +64,44 @@ class WireTrainer:
         self.shut = True
 
 
+class SparseWireTrainer:
+    """vLLM's SparseNCCLTrainerWeightTransferEngine's control flow (init as the dense one; send_weights(patches):
+    nothing for no patches, else start, update on a thread while indices then values of each patch are broadcast,
+    finish), over the same wire. Patches are delta.sparse_patches tuples (the host's `to_patches` is identity)."""
+
+    def __init__(self, wire: Wire, master_address, master_port, world_size, client, source):
+        self.client, self.shut, self.sent = client, False, []
+        with ThreadPoolExecutor(max_workers=1) as exe:
+            future = exe.submit(client.init_weight_transfer_engine, {
+                "master_address": master_address, "master_port": master_port, "rank_offset": 1,
+                "world_size": world_size})
+            self.channel = wire.open(master_port)
+            future.result()
+
+    def send_weights(self, patches=None):
+        patches = list(patches or [])
+        if not patches:
+            return
+        self.sent.append([name for name, *_ in patches])
+        update_info = {"names": [p[0] for p in patches], "dtype_names": [str(p[2].dtype).split(".")[-1]
+                                                                         for p in patches],
+                       "shapes": [list(p[3]) for p in patches], "num_updates_list": [p[1].numel() for p in patches]}
+        self.client.start_weight_update()
+        exe = ThreadPoolExecutor(max_workers=1)
+        try:
+            future = exe.submit(self.client.update_weights, update_info)
+            for _, indices, values, _ in patches:
+                self.channel.put(indices.clone())
+                self.channel.put(values.clone())
+            future.result()
+        finally:
+            exe.shutdown(wait=False)
+        self.client.finish_weight_update()
+
+    def shutdown(self):
+        self.shut = True
+
+
 class FakeEngine:
     """A generator's engine as the member's handler sees it: records each call; `hang_update` never returns from
     an update (workers stuck in the receive), `fail` makes one op raise."""
@@ -71,7 +109,7 @@ class FakeEngine:
     def __init__(self, wire: Wire, hang_update: bool = False, fail: str = ""):
         self.wire, self.hang_update, self.fail = wire, hang_update, fail
         self.calls: list[tuple] = []
-        self.channel = None
+        self.channels: dict = {}  # transport -> its wire
         self.received: dict = {}
         self.version = 0
         self.never = threading.Event()
@@ -81,13 +119,18 @@ class FakeEngine:
         if op == self.fail:
             raise RuntimeError(f"{op} refused by the test")
         if op == "init":
-            self.channel = self.wire.open(args["init_info"]["master_port"])
+            self.channels[args["transport"]] = self.wire.open(args["init_info"]["master_port"])
         elif op == "update":
             if self.hang_update:
                 self.never.wait(timeout_s)
                 raise TimeoutError("stuck")
-            info = args["update_info"]
-            self.received = {name: self.channel.get(timeout=timeout_s) for name in info["names"]}
+            info, channel = args["update_info"], self.channels[args["transport"]]
+            if args["transport"] == "sparse_nccl":  # patches applied in place, as vLLM's sparse engine does
+                for name in info["names"]:
+                    indices, values = channel.get(timeout=timeout_s), channel.get(timeout=timeout_s)
+                    self.received[name].view(-1)[indices.long()] = values
+            else:
+                self.received = {name: channel.get(timeout=timeout_s) for name in info["names"]}
         elif op == "finish":
             self.version = args["version"]
 
@@ -106,8 +149,8 @@ def push():
     wire = Wire()
     trainers = []
 
-    def factory(kind, *args):
-        assert kind == "vllm"
+    def factory(kind, transport, *args):
+        assert kind == "vllm" and transport == "nccl"
         trainer = WireTrainer(wire, *args)
         trainers.append(trainer)
         return trainer
@@ -218,6 +261,58 @@ def test_engine_push_is_refused_where_it_cannot_work(tmp_path):
 
     with pytest.raises(Exception, match="engine_push pushes into vLLM.s or SGLang"):
         load_config(None, ["weightsync.backend=engine_push", "generator.engine=hf"])
+    with pytest.raises(Exception, match="engine_transport=ipc is vLLM's IPC"):
+        load_config(None, ["weightsync.backend=engine_push", "weightsync.engine_transport=ipc",
+                           "generator.engine=sglang"])
+    with pytest.raises(Exception, match="engine_transport must be one of"):
+        load_config(None, ["weightsync.engine_transport=pigeon"])
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="no CUDA device"):
             make_publisher(WeightSyncConfig(backend="engine_push", shm_dir=str(tmp_path)), "t")
+
+
+def test_sparse_nccl_sends_only_what_changed_to_engines_that_hold_the_previous_version(tmp_path):
+    wire, sparse_trainers = Wire(), []
+
+    def factory(kind, transport, *args):
+        if transport == "sparse_nccl":
+            sparse_trainers.append(SparseWireTrainer(wire, *args))
+            return sparse_trainers[-1]
+        return WireTrainer(wire, *args)
+
+    host = EnginePushHost(heartbeat_timeout_s=5.0, trainer_factory=factory, transport="sparse_nccl",
+                          to_patches=lambda patches: patches)
+    steady, flaky = FakeEngine(wire), FakeEngine(wire)
+    members = [EnginePushMember.connect(host.address, name, 1, engine.handle, timeout_s=10)
+               for name, engine in (("steady", steady), ("flaky", flaky))]
+    try:
+        versions = {1: version_buckets(1)}
+        assert sorted(host.send(1, versions[1], timeout_s=20).delivered) == ["flaky", "steady"]  # dense: no base
+        for version in (2, 3):
+            versions[version] = version_buckets(1)
+            with torch.no_grad():
+                for k, entry in enumerate(versions[version].layout.entries):
+                    versions[version].view(entry).view(-1)[version + k] += 1  # one element of each tensor moves
+        flaky.fail = "update"  # flaky misses v2: its base is gone, so v3 reaches it dense
+        report = host.send(2, versions[2], timeout_s=20)
+        assert report.delivered == ["steady"] and "flaky" in report.failed
+        flaky.fail = ""
+        report = host.send(3, versions[3], timeout_s=20)
+        assert sorted(report.delivered) == ["flaky", "steady"], report
+        sparse_updates = [args["update_info"] for op, args in steady.calls
+                          if op == "update" and args["transport"] == "sparse_nccl"]
+        # v1 -> v2 moved one element per tensor; v2 -> v3 moved that one back and another
+        assert [u["num_updates_list"] for u in sparse_updates] == [[1, 1, 1], [2, 2, 2]]
+        # v1 dense, v2 sparse (refused), v3 dense again: after the failure its base was unknown
+        assert [args["transport"] for op, args in flaky.calls if op == "update"] == ["nccl", "sparse_nccl", "nccl"]
+        for engine in (steady, flaky):
+            assert engine.version == 3
+            for entry in versions[3].layout.entries:
+                assert torch.equal(engine.received[entry.name], versions[3].view(entry)), entry.name
+        report = host.send(4, versions[3], timeout_s=20)  # nothing changed: an empty round commits v4
+        assert sorted(report.delivered) == ["flaky", "steady"] and steady.version == 4
+        assert [op for op, _ in steady.calls[-2:]] == ["start", "finish"]
+    finally:
+        for member in members:
+            member.close()
+        host.close()

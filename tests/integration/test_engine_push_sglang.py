@@ -25,7 +25,7 @@ def gloo_rank0(master_address, master_port, world_size, group_name, backend):
     return join_weights_group(master_address, master_port, 0, world_size, group_name, backend)
 
 
-def sglang_on_gloo(kind, *args):
+def sglang_on_gloo(kind, transport, *args):
     assert kind == "sglang"
     return SglangTrainer(*args, open_group=gloo_rank0, backend="gloo")
 

@@ -26,14 +26,14 @@ class FakeEngine:
         if name == self.fail:
             raise RuntimeError(f"{name} failed in the test")
 
-    async def push_init(self, info):
+    async def push_init(self, info, transport="nccl"):
         await self._op("init", info)
 
     async def push_begin(self):
         self.paused = True
         await self._op("begin")
 
-    async def push_receive(self, info):
+    async def push_receive(self, info, transport="nccl"):
         await self._op("receive", info)
 
     async def push_commit(self, version):

@@ -276,7 +276,7 @@ def test_vllm_placement_settings_are_validated_and_reach_only_the_vllm_engine():
 def test_the_transfer_engine_hands_a_pushed_version_to_vllms_nccl_engine_and_refuses_one_before_init():
     """vllm_transfer.py composes vLLM's NCCLWeightTransferEngine for pushed versions (engine_push); here the inner
     engine is a recorder, since joining an NCCL group needs a GPU."""
-    from asyncrl.generator.engines.vllm_transfer import ShmUpdateInfo, ShmWeightTransferEngine
+    from asyncrl.generator.engines.vllm_transfer import ShmInitInfo, ShmUpdateInfo, ShmWeightTransferEngine
 
     class Inner:
         def __init__(self):
@@ -288,13 +288,33 @@ def test_the_transfer_engine_hands_a_pushed_version_to_vllms_nccl_engine_and_ref
         def receive_weights(self, parsed):
             self.got.append((parsed, self.model))
 
+        def start_weight_update(self):
+            self.got.append("start")
+
+        def finish_weight_update(self):
+            self.got.append("finish")
+
     engine = ShmWeightTransferEngine.__new__(ShmWeightTransferEngine)
-    engine.model, engine.model_config, engine._nccl, engine._rings = "the model", None, None, {}
-    pushed = ShmUpdateInfo(nccl={"names": ["w"], "dtype_names": ["float32"], "shapes": [[2]]})
-    with pytest.raises(RuntimeError, match="before the learner's NCCL group was joined"):
+    engine.model, engine.model_config, engine._rings, engine._pushed = "the model", None, {}, {}
+    engine._round = None
+    pushed = ShmUpdateInfo(transport="nccl", info={"names": ["w"], "dtype_names": ["float32"], "shapes": [[2]]})
+    with pytest.raises(RuntimeError, match="before the learner's side of it was joined"):
         engine.receive_weights(pushed)
-    engine._nccl = Inner()
+    inner = engine._pushed["nccl"] = Inner()
+    engine.start_weight_update()
     engine.receive_weights(pushed)
-    assert engine._nccl.got == [(("parsed", ["w"]), "the model")]
+    engine.receive_weights(pushed)
+    engine.finish_weight_update()
+    assert inner.got == ["start", (("parsed", ["w"]), "the model"), (("parsed", ["w"]), "the model"), "finish"]
+    engine.start_weight_update()
+    engine.finish_weight_update()  # an empty round (a sparse version with nothing changed) opens nothing
+    assert inner.got[-1] == "finish" and len(inner.got) == 4
+    engine.start_weight_update()
+    engine.receive_weights(pushed)
+    engine._pushed["ipc"] = Inner()
+    with pytest.raises(RuntimeError, match="inside a round opened by nccl"):
+        engine.receive_weights(ShmUpdateInfo(transport="ipc", info={"names": []}))
     with pytest.raises(ValueError, match="pushed version"):
         ShmUpdateInfo()
+    with pytest.raises(ValueError, match="unknown transport"):
+        ShmInitInfo(transport="carrier-pigeon")

@@ -30,16 +30,18 @@ class StoreEngineClient:
         self.store, self.ticket, self.who = store, ticket, who
         self.deadline = time.monotonic() + 60.0
         self.version = 0
+        self.transport = "nccl"
+        """Which of vLLM's transfer engines the calls are for (the generator composes one per transport)."""
         self._n = 0
 
     def init_weight_transfer_engine(self, init_info: dict) -> None:
-        self._call("init", {"init_info": init_info})
+        self._call("init", {"init_info": init_info, "transport": self.transport})
 
     def start_weight_update(self) -> None:
         self._call("start", {"version": self.version})
 
     def update_weights(self, update_info: dict) -> None:
-        self._call("update", {"update_info": update_info})
+        self._call("update", {"update_info": json_safe(update_info), "transport": self.transport})
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self._call("finish", {"version": int(weight_version) if weight_version is not None else self.version})
@@ -64,6 +66,20 @@ class StoreEngineClient:
         self.store.delete_key(f"ep/call/{self.ticket}/{n}")
         if not reply.get("ok"):
             raise PeerError(f"{op} on {self.who}: {reply.get('error')}")
+
+
+def json_safe(update_info: dict) -> dict:
+    """vLLM's IPC trainer hands raw CUDA IPC handles (tuples of non-JSON objects): they travel pickled and base64
+    encoded as `ipc_handles_pickled`, the field vLLM's own IPC engine decodes (it asks for
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1 on the engine's side). Other updates carry JSON already."""
+    if update_info.get("ipc_handles") is None:
+        return update_info
+    import base64
+    import pickle
+
+    safe = {key: value for key, value in update_info.items() if key != "ipc_handles"}
+    safe["ipc_handles_pickled"] = base64.b64encode(pickle.dumps(update_info["ipc_handles"])).decode()
+    return safe
 
 
 def serve_calls(store: dist.TCPStore, ticket: int, handle, stop) -> bool:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from asyncrl.weightsync.buckets import FlatBuckets
 from asyncrl.weightsync.engine_push.calls import StoreEngineClient
+from asyncrl.weightsync.engine_push.delta import sparse_patches
 from asyncrl.weightsync.group.host import SendReport
 from asyncrl.weightsync.group.protocol import describe_member, timedelta_s
 from asyncrl.weightsync.group.roster import Roster
@@ -60,20 +61,44 @@ def bucket_source(buckets: FlatBuckets):
     return BucketSource()
 
 
-def open_trainer(engine: str, master_address: str, master_port: int, world_size: int, client, source):
-    """The trainer side for an engine of kind `engine`: vLLM's dense NCCL trainer engine (packed, its default
-    wire format), or SGLang's distributed update (sglang_trainer.py)."""
+def open_trainer(engine: str, transport: str, master_address: str, master_port: int, world_size: int, client,
+                 source):
+    """The trainer side for an engine of kind `engine` over `transport`: vLLM's own trainer engines (`nccl`,
+    dense and packed, its default wire format; `sparse_nccl`, patches only; `ipc`, no rendezvous), or SGLang's
+    distributed update (sglang_trainer.py, whatever the transport)."""
     if engine == "sglang":
         from asyncrl.weightsync.engine_push.sglang_trainer import SglangTrainer
 
         return SglangTrainer(master_address, master_port, world_size, client, source)
     if engine != "vllm":
         raise ValueError(f"an engine of kind {engine!r} registered for the push; asyncrl pushes to vllm and sglang")
+    if transport == "ipc":
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo, IPCTrainerWeightTransferEngine
+
+        return IPCTrainerWeightTransferEngine.trainer_init(IPCTrainerInitInfo(rank=0), client=client, source=source)
+    if transport == "sparse_nccl":
+        from vllm.distributed.weight_transfer.sparse_nccl_engine import (SparseNCCLTrainerInitInfo,
+                                                                         SparseNCCLTrainerWeightTransferEngine)
+
+        info = SparseNCCLTrainerInitInfo(master_address=master_address, master_port=master_port,
+                                         world_size=world_size, rank=0)
+        return SparseNCCLTrainerWeightTransferEngine.trainer_init(info, client=client)
     from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 
     info = NCCLTrainerInitInfo(master_address=master_address, master_port=master_port, world_size=world_size,
                                rank=0)
     return NCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
+
+
+def vllm_patches(patches) -> list:
+    """delta.sparse_patches output as vLLM's `SparseWeightPatch`es."""
+    from vllm.distributed.weight_transfer.sparse_nccl_engine import SparseWeightPatch
+
+    return [SparseWeightPatch(name=name, indices=indices, values=values, full_shape=shape)
+            for name, indices, values, shape in patches]
+
+
+TRANSPORTS = ("nccl", "sparse_nccl", "ipc")
 
 
 def free_port(host: str) -> int:
@@ -85,21 +110,32 @@ def free_port(host: str) -> int:
 class EnginePushHost:
     """Owns the store generators register in and one vLLM trainer engine per registered engine.
 
-    `trainer_factory(engine kind, master_address, master_port, world_size, client, source)` opens the trainer side
-    (default `open_trainer`: vLLM's NCCL engine or SGLang's distributed update; CPU tests pass stand-ins). Not thread-safe: call `send` from the publisher's thread.
+    `transport` (weightsync.engine_transport): `nccl`, `sparse_nccl` (patches of what changed to every vLLM engine
+    that holds the previous version, pushed by us; dense otherwise and for SGLang) or `ipc` (vLLM on the learner's
+    GPU). `trainer_factory(engine kind, transport, master_address, master_port, world_size, client, source)` opens
+    a trainer side (default `open_trainer`; CPU tests pass stand-ins). Not thread-safe: call `send` from the
+    publisher's thread.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise: str = "", heartbeat_timeout_s: float = 5.0,
-                 store_timeout_s: float = 30.0, trainer_factory=open_trainer):
+                 store_timeout_s: float = 30.0, trainer_factory=open_trainer, transport: str = "nccl",
+                 to_patches=vllm_patches):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"engine push transport must be one of {TRANSPORTS}, got {transport!r}")
+        self.transport = transport
+        self.to_patches = to_patches
         self.store = dist.TCPStore(host, port, None, True, timedelta_s(store_timeout_s), wait_for_workers=False)
         self.bind_host = host
         self.advertise = advertise or host
         self.address = f"{self.advertise}:{self.store.port}"
         self.roster = Roster(self.store, "ep", heartbeat_timeout_s)
         self.trainer_factory = trainer_factory
-        self._trainers: dict[int, object] = {}  # ticket -> trainer engine (its group), until it fails
+        self._trainers: dict[tuple, object] = {}  # (ticket, transport) -> trainer side (its group), until it fails
         self._clients: dict[int, StoreEngineClient] = {}  # ticket -> client: its call numbers outlive any group
         self._buckets: FlatBuckets | None = None
+        self._holds: dict[int, int] = {}  # ticket -> the version its engine holds from our last push to it
+        self._previous: FlatBuckets | None = None  # sparse_nccl: the last version pushed (on the learner's GPU)
+        self._previous_version: int | None = None
 
     def send(self, version: int, buckets: FlatBuckets, timeout_s: float) -> SendReport:
         """Push `buckets` (complete) to every live engine in parallel; returns within about `timeout_s`, naming
@@ -113,9 +149,10 @@ class EnginePushHost:
             if ticket not in tickets:  # left, or replaced by a restart
                 self._close_trainer(ticket)
                 self._clients.pop(ticket)
+        patches = self._patches(buckets, tickets)
         results: dict[int, str | None] = {}
-        threads = [threading.Thread(target=self._push_one, args=(ticket, version, deadline, results), daemon=True,
-                                    name=f"asyncrl-engine-push-{ticket}") for ticket in tickets]
+        threads = [threading.Thread(target=self._push_one, args=(ticket, version, deadline, results, patches),
+                                    daemon=True, name=f"asyncrl-engine-push-{ticket}") for ticket in tickets]
         for thread in threads:
             thread.start()
         for ticket, thread in zip(tickets, threads):
@@ -130,25 +167,66 @@ class EnginePushHost:
                 report.failed[info["member_id"]] = results[ticket]
             else:
                 report.delivered.append(info["member_id"])
+                self._holds[ticket] = version
+        if self.transport == "sparse_nccl":
+            self._keep_previous(version, buckets)
         report.seconds = time.monotonic() - start
         return report
 
-    def _push_one(self, ticket: int, version: int, deadline: float, results: dict) -> None:
+    def _patches(self, buckets: FlatBuckets, tickets: list[int]):
+        """sparse_nccl: the patches from the previous version to this one, if any vLLM engine holds the previous
+        one (computed once for all of them); None: every engine gets the version dense."""
+        if self.transport != "sparse_nccl" or self._previous is None:
+            return None
+        if not any(self._holds.get(t) == self._previous_version and self.roster.members[t].get("engine", "vllm")
+                   == "vllm" for t in tickets):
+            return None
+        found = sparse_patches(self._previous, buckets)
+        return None if found is None else self.to_patches(found)
+
+    def _keep_previous(self, version: int, buckets: FlatBuckets) -> None:
+        if self._previous is None or self._previous.layout.fingerprint != buckets.layout.fingerprint:
+            self._previous = FlatBuckets(buckets.layout, device=buckets.buffers[0].device)
+        for mine, theirs in zip(self._previous.buffers, buckets.buffers):
+            mine.copy_(theirs)
+        self._previous_version = version
+
+    def _push_one(self, ticket: int, version: int, deadline: float, results: dict, patches) -> None:
         info = self.roster.members[ticket]
         who = describe_member(info)
         try:
             client = self._clients.setdefault(ticket, StoreEngineClient(self.store, ticket, who))
             client.deadline, client.version = deadline, version
-            trainer = self._trainers.get(ticket)
-            if trainer is None:
-                world_size = 1 + int(info.get("ranks", 1))
-                trainer = self.trainer_factory(info.get("engine", "vllm"), self.advertise, free_port(self.bind_host),
-                                               world_size, client, bucket_source(_Current(self)))
-                self._trainers[ticket] = trainer
-            trainer.send_weights()
+            kind = info.get("engine", "vllm")
+            if patches is not None and kind == "vllm" and self._holds.get(ticket) == self._previous_version:
+                self._send_patches(self._trainer(ticket, "sparse_nccl", info, client), client, patches)
+            else:
+                self._trainer(ticket, "ipc" if self.transport == "ipc" else "nccl", info, client).send_weights()
             results[ticket] = None
         except Exception as err:  # noqa: BLE001 - named in the report; the engine catches up from staging
+            self._holds.pop(ticket, None)
             results[ticket] = f"{who}: push of v{version} failed: {type(err).__name__}: {err}"
+
+    def _trainer(self, ticket: int, transport: str, info: dict, client: StoreEngineClient):
+        """The open trainer side for this engine and transport, opened now if needed; `client` then names it."""
+        client.transport = transport
+        trainer = self._trainers.get((ticket, transport))
+        if trainer is None:
+            trainer = self.trainer_factory(info.get("engine", "vllm"), transport, self.advertise,
+                                           free_port(self.bind_host), 1 + int(info.get("ranks", 1)), client,
+                                           bucket_source(_Current(self)))
+            self._trainers[(ticket, transport)] = trainer
+        return trainer
+
+    @staticmethod
+    def _send_patches(trainer, client: StoreEngineClient, patches: list) -> None:
+        """vLLM's sparse round; with nothing changed it sends nothing, so the new version is committed by an
+        empty round of our own (start, finish)."""
+        if patches:
+            trainer.send_weights(patches)
+        else:
+            client.start_weight_update()
+            client.finish_weight_update()
 
     def _forget(self, info: dict, reason: str, report: SendReport) -> None:
         report.failed[info["member_id"]] = reason
@@ -157,15 +235,17 @@ class EnginePushHost:
         self._clients.pop(info["ticket"], None)
 
     def _close_trainer(self, ticket: int) -> None:
-        trainer = self._trainers.pop(ticket, None)
-        if trainer is not None:
+        """Abort every trainer side of this engine (after a failure its state is unknown: the next push is dense)."""
+        self._holds.pop(ticket, None)
+        for key in [key for key in self._trainers if key[0] == ticket]:
+            trainer = self._trainers.pop(key)
             try:
                 trainer.shutdown()  # vLLM's: ncclCommAbort, bounded by its own 5 s join
             except Exception:  # noqa: BLE001 - the group is being thrown away either way
                 pass
 
     def close(self) -> None:
-        for ticket in list(self._trainers):
+        for ticket in {key[0] for key in self._trainers}:
             self._close_trainer(ticket)
 
 
