@@ -13,12 +13,12 @@ import sys
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPT = [4, 6, 8, 2, 10, 11]
 
 
-async def generator_side(kind: str, model_path: str, address: str, shm_dir: str) -> None:
+async def generator_side(kind: str, model_path: str, address: str, shm_dir: str, last: str) -> None:
     """The child: a vLLM or SGLang engine on its GPU, registered for pushes; prints one JSON line after the
     first pushed version."""
     from asyncrl.buffer.group import Sampling
@@ -40,7 +40,7 @@ async def generator_side(kind: str, model_path: str, address: str, shm_dir: str)
                              WeightStage(shm_dir, "push-gpu"), "push-gpu", 60.0)
     print(json.dumps({"ready": True}), flush=True)
     seen = 0
-    while engine.version < 1:
+    while engine.version < int(last):
         await asyncio.sleep(0.1)
     while seen < 1:
         completion, = await engine.sample(PROMPT, Sampling(temperature=0.7, max_tokens=8), n=1)
@@ -51,21 +51,28 @@ async def generator_side(kind: str, model_path: str, address: str, shm_dir: str)
     await engine.close()
 
 
-@pytest.mark.parametrize("kind", ["vllm", "sglang"])
-def test_a_pushed_version_is_what_the_engine_samples(kind, demo_assets, tmp_path):
+@pytest.mark.parametrize("kind, transport", [("vllm", "nccl"), ("vllm", "sparse_nccl"), ("sglang", "nccl"),
+                                             ("vllm", "ipc")])
+def test_a_pushed_version_is_what_the_engine_samples(kind, transport, demo_assets, tmp_path):
+    """NCCL wants one GPU per rank (the engine on GPU 1); IPC wants the engine on the learner's GPU (GPU 0)."""
     pytest.importorskip(kind)
+    if transport != "ipc" and torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0" if transport == "ipc" else "1"}
+    if transport == "ipc":
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # as generator/main.py sets it
     from asyncrl.learner.model import load_model
     from asyncrl.weightsync.buckets import FlatBuckets
     from asyncrl.weightsync.engine_push.host import EnginePushHost
     from asyncrl.weightsync.layout import plan_layout
 
     torch.cuda.set_device(0)
-    host = EnginePushHost(heartbeat_timeout_s=30.0)
+    host = EnginePushHost(heartbeat_timeout_s=30.0, transport=transport)
     child = subprocess.Popen(
         [sys.executable, "-c", "import asyncio, sys; from tests.gpu.test_engine_push_real import generator_side; "
                                "asyncio.run(generator_side(*sys.argv[1:]))", kind, demo_assets[0], host.address,
-         str(tmp_path)],
-        cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": "1"})
+         str(tmp_path), "2" if transport == "sparse_nccl" else "1"],
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert json.loads(child.stdout.readline()).get("ready")
         model = load_model(demo_assets[0]).to("cuda", torch.bfloat16).eval()
@@ -80,8 +87,18 @@ def test_a_pushed_version_is_what_the_engine_samples(kind, demo_assets, tmp_path
             buckets.put(name, tensor)
         report = host.send(1, buckets, timeout_s=120)
         assert report.ok and report.delivered == ["push-gpu"], report
+        last = 1
+        if transport == "sparse_nccl":  # v1 went dense (nothing to diff against); v2 goes as patches
+            with torch.no_grad():
+                head = next(p for n, p in model.named_parameters() if n.endswith("lm_head.weight") or "embed" in n)
+                head.view(-1)[:64] += 0.5
+            for name, tensor in model.state_dict().items():
+                buckets.put(name, tensor)
+            report = host.send(2, buckets, timeout_s=120)
+            assert report.ok, report
+            last = 2
         line = json.loads(child.stdout.readline())
-        assert line["version"] == 1 and set(line["versions"]) == {1}
+        assert line["version"] == last and set(line["versions"]) == {last}
         from tests.gpu.test_vllm_cuda import BF16_TOLERANCE, learner_logprobs
 
         with torch.no_grad():
