@@ -161,7 +161,7 @@ class EnginePushHost:
             if thread.is_alive():  # the watchdog: abort the communicator the round is stuck in
                 self._close_trainer(ticket)
                 report.failed[info["member_id"]] = (f"{describe_member(info)}: push of v{version} still running "
-                                                    f"after {timeout_s:.1f} s; its NCCL group was aborted")
+                                                    f"after {timeout_s:.1f} s; its transfer was aborted")
             elif results.get(ticket) is not None:
                 self._close_trainer(ticket)
                 report.failed[info["member_id"]] = results[ticket]
