@@ -8,11 +8,34 @@ an `async def`, which the generator awaits; a plain function runs in the reward 
 import math
 from typing import Callable, Optional
 
+from asyncrl.generator.scorers import code_tests, gsm8k, math_answer, multiple_choice
 from asyncrl.generator.tasks import add_numbers, sort_digits
 from asyncrl.generator.user_code import load_from_file
 
-BUILTIN_REWARDS = {sort_digits.DATA_SOURCE: sort_digits.compute_score,
-                   add_numbers.DATA_SOURCE: add_numbers.compute_score}
+MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math_dapo",
+                "numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc",
+                "numina_cn_k12", "numina_olympiads")
+CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")
+CHOICE_SOURCES = ("multiple_choice", "cais/mmlu", "allenai/ai2_arc", "Idavidrein/gpqa", "tau/commonsense_qa")
+BUILTIN_REWARDS = {
+    sort_digits.DATA_SOURCE: sort_digits.compute_score,
+    add_numbers.DATA_SOURCE: add_numbers.compute_score,
+    "openai/gsm8k": gsm8k.compute_score,
+    **{source: math_answer.compute_score for source in MATH_SOURCES},
+    **{source: code_tests.compute_score for source in CODE_SOURCES},
+    **{source: multiple_choice.compute_score for source in CHOICE_SOURCES},
+}
+"""Built-in scorers by data_source, under the names verl's `default_compute_score` uses, so a verl parquet works
+unchanged (plus the demo tasks, and hub names for multiple choice, which verl has no scorer for)."""
+BUILTIN_PREFIXES = {"aime": math_answer.compute_score}
+"""data_source prefixes with a scorer (verl scores every "aime*" source as math)."""
+
+
+def builtin_for(data_source: str) -> Callable | None:
+    fn = BUILTIN_REWARDS.get(data_source)
+    if fn is None:
+        fn = next((f for prefix, f in BUILTIN_PREFIXES.items() if str(data_source).startswith(prefix)), None)
+    return fn
 
 
 class RewardError(RuntimeError):
@@ -35,14 +58,14 @@ def load_reward_fn(path: Optional[str], function: str) -> Callable:
 def check_builtin_rewards(data_sources) -> None:
     """Without reward.path every data_source of the dataset needs a built-in reward: say so at start, not when the
     first group of a missing one is scored."""
-    missing = sorted(set(data_sources) - set(BUILTIN_REWARDS))
+    missing = sorted(source for source in set(data_sources) if builtin_for(source) is None)
     if missing:
         raise RewardError(f"no built-in reward for data_source {', '.join(map(repr, missing))}; set reward.path and "
                           f"reward.function (built-ins: {sorted(BUILTIN_REWARDS)})")
 
 
 def builtin_reward(data_source, solution_str, ground_truth, extra_info=None):
-    fn = BUILTIN_REWARDS.get(data_source)
+    fn = builtin_for(data_source)
     if fn is None:
         raise RewardError(
             f"no built-in reward for data_source {data_source!r}; set reward.path and reward.function "
