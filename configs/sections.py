@@ -1,4 +1,5 @@
 """Config sections that belong to no single part: the job, the model, the data, the reward and the demo."""
+import math
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -47,6 +48,27 @@ class DataConfig:
 
 
 @dataclass
+class RewardFunction:
+    """One named, weighted component of the reward (reward.functions)."""
+
+    name: str = ""
+    """Logged as `reward/<name>/mean`; letters, digits, `_`, `-` and `.`."""
+    weight: float = 1.0
+    """The reward is the weighted sum of the components."""
+    path: Optional[str] = None
+    """Python file with the function; None: the built-in scorer of the row's data_source."""
+    function: str = "compute_score"
+    """Name of the function in `path` (verl's signature)."""
+
+    def __post_init__(self):
+        if not self.name or not all(c.isalnum() or c in "_-." for c in self.name):
+            raise ValueError(f"reward.functions: each needs a name of letters, digits, '_', '-' or '.', got "
+                             f"{self.name!r}")
+        if not math.isfinite(self.weight):
+            raise ValueError(f"reward.functions[{self.name}].weight must be finite, got {self.weight}")
+
+
+@dataclass
 class RewardConfig:
     path: Optional[str] = None
     """Python file with the reward function; None uses the built-in reward of the row's data_source."""
@@ -60,8 +82,19 @@ class RewardConfig:
     timeout_s: float = 30.0
     """Longest one reward call may take, in seconds; past it the worker is killed, the sample scores 0, and
     `generator/reward_errors/timeout` counts it."""
+    functions: List[RewardFunction] = field(default_factory=list)
+    """Several reward functions, each with a name and a weight: the reward is their weighted sum, each component is
+    logged (`reward/<name>/mean`), and all of them run in one call per sample (one timeout for the whole). Empty:
+    `path` and `function` (or the built-in scorer) alone. A component that fails fails the sample (it scores 0,
+    counted), since the sum would be wrong without it."""
 
     def __post_init__(self):
+        names = [f.name for f in self.functions]
+        if len(set(names)) != len(names):
+            raise ValueError(f"reward.functions: names must be unique, got {names}")
+        if self.functions and self.path is not None:
+            raise ValueError("set reward.functions or reward.path, not both (put the reward.path function in "
+                             "reward.functions with a name and a weight)")
         if not self.timeout_s > 0:
             raise ValueError(f"reward.timeout_s must be > 0, got {self.timeout_s}")
         if self.overlong_buffer_len < 0:

@@ -94,10 +94,11 @@ async def run_generator_async(cfg, say=print) -> int:
         rows, skipped = tokenize_rows(read_rows(info["train_files"]), tokenizer, cfg.data.max_prompt_tokens)
         if skipped:
             log.warning("generator %s: skipped %d prompts longer than data.max_prompt_tokens", generator_id, skipped)
-        if cfg.reward.path is None:
+        if (cfg.reward.path is None and not cfg.reward.functions) or any(
+                f.path is None for f in cfg.reward.functions):
             check_builtin_rewards({row.data_source for row in rows})
         scorer = RewardScorer(cfg.reward.path, cfg.reward.function, cfg.generator.reward_workers,
-                              cfg.reward.timeout_s, source=f"generator {generator_id}")
+                              cfg.reward.timeout_s, source=f"generator {generator_id}", functions=cfg.reward.functions)
         await scorer.start()  # the workers import the reward function while the engine starts
         if cfg.weightsync.backend == "engine_push" and cfg.weightsync.engine_transport == "ipc":
             # vLLM's IPC engine decodes the learner's CUDA IPC handles only with this set (they travel pickled

@@ -5,6 +5,8 @@ or a dict with a `score` key; the other numeric entries travel with the sample a
 an `async def`, which the generator awaits; a plain function runs in the reward worker processes
 (generator/scoring.py), so it never blocks sampling.
 """
+import asyncio
+import inspect
 import math
 from typing import Callable, Optional
 
@@ -85,6 +87,31 @@ def build_reward_call(path: Optional[str], function: str) -> Callable:
     fn = load_reward_fn(path, function)
     return lambda data_source, solution_str, ground_truth, extra_info: score(fn, data_source, solution_str,
                                                                                ground_truth, extra_info)
+
+
+def build_combined_call(specs: tuple) -> Callable:
+    """What a reward worker runs with reward.functions: `specs` is ((name, weight, path, function), ...); each
+    function is loaded once (path None: the built-in scorer), and a call returns the weighted sum with each
+    component in reward_info as `reward/<name>` (what the learner logs as `reward/<name>/mean`) and each
+    function's own entries as `<name>/<key>`. A component that raises fails the whole call, naming it."""
+    loaded = [(name, float(weight), load_reward_fn(path, function)) for name, weight, path, function in specs]
+
+    def call(data_source, solution_str, ground_truth, extra_info):
+        total, info = 0.0, {}
+        for name, weight, fn in loaded:
+            try:
+                result = fn(data_source, solution_str, ground_truth, extra_info)
+                if inspect.isawaitable(result):  # an async def: this worker process has no loop of its own
+                    result = asyncio.run(result)
+                reward, extra = normalize_score(result, data_source)
+            except Exception as err:
+                raise RewardError(f"reward function {name!r}: {type(err).__name__}: {err}") from None
+            total += weight * reward
+            info[f"reward/{name}"] = reward
+            info.update({f"{name}/{key}": value for key, value in extra.items()})
+        return total, info
+
+    return call
 
 
 def normalize_score(result, data_source: str) -> tuple[float, dict]:

@@ -27,13 +27,18 @@ class RewardScorer:
     """`await score(data_source, text, ground_truth, extra_info)` -> (reward, reward_info), never raising for what
     the reward function did. `seconds` accumulates the wall time of reward calls (`timing/reward_s`)."""
 
-    def __init__(self, path: Optional[str], function: str, workers: int, timeout_s: float, source: str = "generator"):
-        fn = load_reward_fn(path, function)  # a missing file or function fails here, before any sampling
+    def __init__(self, path: Optional[str], function: str, workers: int, timeout_s: float, source: str = "generator",
+                 functions=()):
+        """`functions`: reward.functions (named, weighted components, all run in the worker pool, an async one
+        on the worker's own loop); empty: `path` and `function` alone."""
+        specs = tuple((f.name, f.weight, f.path, f.function) for f in functions)
+        for _, _, fn_path, fn_name in specs or ((None, None, path, function),):
+            fn = load_reward_fn(fn_path, fn_name)  # a missing file or function fails here, before any sampling
         self.timeout_s = timeout_s
-        self.async_fn = fn if inspect.iscoroutinefunction(fn) else None
-        self.pool = None if self.async_fn else ProcessCallPool(
-            CallTarget("asyncrl.generator.rewards:build_reward_call", (path, function)), workers, timeout_s,
-            name="asyncrl-reward")
+        self.async_fn = fn if not specs and inspect.iscoroutinefunction(fn) else None
+        target = (CallTarget("asyncrl.generator.rewards:build_combined_call", (specs,)) if specs else
+                  CallTarget("asyncrl.generator.rewards:build_reward_call", (path, function)))
+        self.pool = None if self.async_fn else ProcessCallPool(target, workers, timeout_s, name="asyncrl-reward")
         self.failures = RejectionLog(log, "its reward", area=source, verb="scored 0 for")
         self.seconds = 0.0
         self.calls = 0

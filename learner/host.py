@@ -11,6 +11,7 @@ from asyncrl.learner.model import model_positions
 from asyncrl.learner.objective import resolved_hyperparameters
 from asyncrl.learner.parallel import ParallelState
 from asyncrl.learner.state import LearnerState
+from asyncrl.learner.step_metrics import component_means
 from asyncrl.telemetry.mlflow_logger import MetricsLogger, create_or_attach_run, resolve_tracking_uri
 from asyncrl.telemetry.progress import ProgressDisplay
 from asyncrl.telemetry.timing import share
@@ -80,6 +81,7 @@ class LearnerHost:
         metrics["buffer/dropped_stale"] = float(collected.dropped["stale"])
         metrics["buffer/consumed_total"] = float(state.groups_consumed)
         metrics["learner/skipped_steps"] = float(state.skipped_steps)
+        metrics.update(component_means(groups, [f.name for f in self.cfg.reward.functions]))
         self.rewards.append(metrics["reward/mean"])
         self.metrics_log.log(metrics, step=state.version)
         self.progress.update(state.version, metrics)

@@ -55,6 +55,21 @@ def collect_step_metrics(batch: Batch, groups: list, algo, plan: OffPolicyPlan, 
     return metrics
 
 
+def component_means(groups, names) -> dict:
+    """`reward/<name>/mean` for each reward.functions component in `names` (reward_info["reward/<name>"]), over
+    the samples that carry it (a failed reward call carries none). Only the configured names: reward_info comes
+    from generators, and keys of their choosing must not become metrics."""
+    keys = {f"reward/{name}" for name in names}
+    sums: dict = {}
+    for group in groups:
+        for sample in group.samples:
+            for key, value in sample.reward_info.items():
+                if key in keys:
+                    total, count = sums.get(key, (0.0, 0))
+                    sums[key] = (total + value, count + 1)
+    return {f"{key}/mean": total / count for key, (total, count) in sorted(sums.items())}
+
+
 def mult_prob_error_metrics(batch: Batch, version: int, step_start) -> dict:
     """offpolicy/token_mult_prob_error over every trained token the step-start pass covers, and /fresh over those
     the learner's own version sampled (where it is a pure framework check, compute_mult_prob_error), with the

@@ -274,3 +274,19 @@ def test_token_mult_prob_error_is_one_when_the_engine_matches_and_warns_on_a_fra
     with caplog.at_level("WARNING"):
         assert warn_on_mismatch(metrics, 2)
     assert "token_mult_prob_error = 1.2214" in caplog.text and "not staleness" in caplog.text
+
+
+def test_each_reward_component_is_averaged_over_the_samples_that_carry_it():
+    """reward.functions: the generator puts each component in reward_info as reward/<name>; a failed reward call
+    carries none and is left out of the means."""
+    from asyncrl.learner.step_metrics import component_means
+
+    rng = np.random.default_rng(0)
+    groups = [make_group(rng), make_group(rng)]
+    infos = [{"reward/correct": 1.0, "reward/format": 0.5, "correct/answer_found": 1.0},
+             {"reward/correct": 0.0, "reward/format": 1.0, "reward/made_up_by_a_generator": 3.0},
+             {"reward_error": 1.0}]
+    for group in groups:
+        for sample, info in zip(group.samples, infos):
+            sample.reward_info = dict(info)
+    assert component_means(groups, ["correct", "format"]) == {"reward/correct/mean": 0.5, "reward/format/mean": 0.75}

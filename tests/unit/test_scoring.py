@@ -238,5 +238,47 @@ def test_a_missing_reward_file_or_function_fails_before_any_sampling(reward_path
     with pytest.raises(RewardError, match="nope"):
         RewardScorer(reward_path, "nope", workers=1, timeout_s=1.0)
     check_builtin_rewards({"asyncrl/sort_digits"})
-    with pytest.raises(RewardError, match="'openai/gsm8k'"):
-        check_builtin_rewards({"asyncrl/sort_digits", "openai/gsm8k"})
+    with pytest.raises(RewardError, match="'my/own_dataset'"):
+        check_builtin_rewards({"asyncrl/sort_digits", "my/own_dataset"})
+
+
+def test_several_named_weighted_functions_sum_with_each_component_in_reward_info(reward_path):
+    """reward.functions: the built-in GSM8K scorer and two of the user's (one async), in real worker processes."""
+    from asyncrl.configs.sections import RewardFunction
+
+    functions = [RewardFunction("correct", 1.0), RewardFunction("length", 0.1, reward_path, "judge"),
+                 RewardFunction("async_len", -0.5, reward_path, "judge_async")]
+
+    async def scenario():
+        scorer = RewardScorer(None, "compute_score", workers=1, timeout_s=10.0, functions=functions)
+        await scorer.start()
+        try:
+            good = await scorer.score("openai/gsm8k", "#### 72", "72", None)
+            broken = await scorer.score("openai/gsm8k", "raise", "72", None)
+            return good, broken, scorer.error_counts()
+        finally:
+            await scorer.close()
+
+    (reward, info), broken, errors = asyncio.run(scenario())
+    assert info["reward/correct"] == 1.0 and info["reward/length"] == 7.0 and info["reward/async_len"] == 7.0
+    assert info["correct/answer_found"] == 1.0
+    assert reward == pytest.approx(1.0 + 0.1 * 7.0 - 0.5 * 7.0)
+    assert broken == (0.0, {"reward_error": 1.0}) and errors == {"bad_value": 1}  # a component failed: the sample
+
+
+def test_reward_functions_are_checked_when_the_config_loads(tmp_path):
+    from asyncrl.configs import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="names must be unique"):
+        load_config(None, ["reward.functions=[{name: a}, {name: a}]"])
+    with pytest.raises(ConfigError, match="each needs a name"):
+        load_config(None, ["reward.functions=[{name: 'has space'}]"])
+    with pytest.raises(ConfigError, match="not both"):
+        load_config(None, ["reward.functions=[{name: a}]", "reward.path=r.py"])
+    with pytest.raises(ConfigError, match="weight must be finite"):
+        load_config(None, ["reward.functions=[{name: a, weight: .inf}]"])
+    from asyncrl.configs.sections import RewardFunction
+    from asyncrl.generator.rewards import RewardError
+
+    with pytest.raises(RewardError, match="absent.py"):  # before any worker starts
+        RewardScorer(None, "compute_score", 1, 1.0, functions=[RewardFunction("a", 1.0, str(tmp_path / "absent.py"))])
