@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("--generators", type=int, default=1,
                              help="generator processes, named gen-0, gen-1, ... (default 1)")
     add_export_parser(sub)
+    add_data_parser(sub)
     return parser
 
 
@@ -95,10 +96,37 @@ def add_export_parser(sub) -> None:
                      help="dtype of the exported weights (default: the config's dtype, else float32)")
 
 
+def add_data_parser(sub) -> None:
+    """`data` reads a local dataset file, not a recipe (launch/datasets.py)."""
+    help_text = "turn a local copy of GSM8K or MATH (jsonl or parquet, the dataset's columns) into verl parquet"
+    cmd = sub.add_parser("data", help=help_text, description=help_text)
+    cmd.add_argument("dataset", choices=["gsm8k", "math"])
+    cmd.add_argument("--input", required=True, help="the dataset file: .jsonl or .parquet")
+    cmd.add_argument("--out", required=True, help="output directory; writes <split>.parquet there")
+    cmd.add_argument("--split", default="train", help="split name: the file name and extra_info.split")
+    cmd.add_argument("--data-source", default="DigitalLearningGmbH/MATH-lighteval",
+                     help="math only: the data_source to write (a name the built-in math scorer knows)")
+
+
+def cmd_data(args) -> int:
+    from asyncrl.launch.datasets import DataPrepError, convert
+
+    try:
+        path, written, skipped = convert(args.dataset, args.input, args.out, args.split, args.data_source)
+    except DataPrepError as err:
+        print(f"asyncrl data: {err}", file=sys.stderr)
+        return 2
+    print(f"data: wrote {written} rows to {os.path.abspath(path)}" +
+          (f"; skipped {skipped} without a usable answer" if skipped else ""))
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "export":
         return cmd_export(args)
+    if args.command == "data":
+        return cmd_data(args)
     from asyncrl.configs import ConfigError, load_config, to_yaml
 
     if getattr(args, "resume", None):
