@@ -41,6 +41,8 @@ setup(
         "redis": ["redis>=5", "hiredis"],
         # learner.sp_impl=deepspeed: DeepSpeed's DistributedAttention carries Ulysses (learner/ulysses_deepspeed.py)
         "deepspeed": ["deepspeed==0.19.8"],
+        # data.source=reasoning_gym: procedurally generated tasks with their own verifiers
+        "reasoning": ["reasoning-gym==0.1.25"],
         # bench/time_to_reward.py's peer (bench/trl_grpo.py); nothing outside bench/ imports it
         "bench": ["trl==1.16.0"],
         "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6",

@@ -5,6 +5,7 @@ from typing import List, Optional
 
 DEMO_TASKS = ("", "sort_digits", "add_numbers")
 DEMO_SHAPES = ("tiny", "qwen2-0.5b")
+DATA_SOURCES = ("files", "reasoning_gym")
 
 
 @dataclass
@@ -41,10 +42,24 @@ class DataConfig:
     """Prompts longer than this, in tokens, are skipped and counted."""
     shuffle: bool = True
     """Shuffle prompts each epoch."""
+    source: str = "files"
+    """Where prompts come from. `files`: data.train_files. `reasoning_gym`: generated procedurally by the
+    `reasoning-gym` package for data.reasoning_gym_tasks and scored by its own verifiers (the `reasoning`
+    extra); real reasoning tasks that need no download."""
+    reasoning_gym_tasks: List[str] = field(default_factory=list)
+    """data.source=reasoning_gym: the task names (reasoning_gym.create_dataset's), e.g. [basic_arithmetic]."""
+    reasoning_gym_size: int = 1000
+    """data.source=reasoning_gym: prompts generated per task (from job.seed, the same on every generator)."""
 
     def __post_init__(self):
         if self.max_prompt_tokens < 1:
             raise ValueError(f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        if self.source not in DATA_SOURCES:
+            raise ValueError(f"data.source must be one of {DATA_SOURCES}, got {self.source!r}")
+        if self.source == "reasoning_gym" and not self.reasoning_gym_tasks:
+            raise ValueError("data.source=reasoning_gym needs data.reasoning_gym_tasks, e.g. [basic_arithmetic]")
+        if self.reasoning_gym_size < 1:
+            raise ValueError(f"data.reasoning_gym_size must be >= 1, got {self.reasoning_gym_size}")
 
 
 @dataclass

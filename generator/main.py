@@ -20,6 +20,7 @@ from asyncrl.generator.dataset import iterate_prompts, read_rows, tokenize_rows
 from asyncrl.buffer.event_loop import run as run_event_loop
 from asyncrl.generator.engines.base import EngineBroken, EngineUnsupported, make_engine
 from asyncrl.generator.rewards import RewardError, check_builtin_rewards
+from asyncrl.generator.scorers.reasoning_gym_score import reasoning_gym_rows
 from asyncrl.generator.rollout import RolloutLoop
 from asyncrl.generator.scoring import RewardScorer
 from asyncrl.weightsync.receiver import WeightStage
@@ -91,7 +92,9 @@ async def run_generator_async(cfg, say=print) -> int:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(info["model_path"], trust_remote_code=cfg.model.trust_remote_code)
-        rows, skipped = tokenize_rows(read_rows(info["train_files"]), tokenizer, cfg.data.max_prompt_tokens)
+        raw_rows = (reasoning_gym_rows(cfg.data.reasoning_gym_tasks, cfg.data.reasoning_gym_size, cfg.job.seed)
+                    if cfg.data.source == "reasoning_gym" else read_rows(info["train_files"]))
+        rows, skipped = tokenize_rows(raw_rows, tokenizer, cfg.data.max_prompt_tokens)
         if skipped:
             log.warning("generator %s: skipped %d prompts longer than data.max_prompt_tokens", generator_id, skipped)
         if (cfg.reward.path is None and not cfg.reward.functions) or any(

@@ -10,7 +10,7 @@ import inspect
 import math
 from typing import Callable, Optional
 
-from asyncrl.generator.scorers import code_tests, gsm8k, math_answer, multiple_choice
+from asyncrl.generator.scorers import code_tests, gsm8k, math_answer, multiple_choice, reasoning_gym_score
 from asyncrl.generator.tasks import add_numbers, sort_digits
 from asyncrl.generator.user_code import load_from_file
 
@@ -29,8 +29,9 @@ BUILTIN_REWARDS = {
 }
 """Built-in scorers by data_source, under the names verl's `default_compute_score` uses, so a verl parquet works
 unchanged (plus the demo tasks, and hub names for multiple choice, which verl has no scorer for)."""
-BUILTIN_PREFIXES = {"aime": math_answer.compute_score}
-"""data_source prefixes with a scorer (verl scores every "aime*" source as math)."""
+BUILTIN_PREFIXES = {"aime": math_answer.compute_score, reasoning_gym_score.PREFIX: reasoning_gym_score.compute_score}
+"""data_source prefixes with a scorer (verl scores every "aime*" source as math; data.source=reasoning_gym rows are
+"reasoning_gym/<task>", scored by the package's own verifiers)."""
 
 
 def builtin_for(data_source: str) -> Callable | None:
