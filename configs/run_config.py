@@ -11,7 +11,7 @@ from typing import List, Optional
 
 from asyncrl.algos.config import GROUP_ADVANTAGES, AlgoConfig
 from asyncrl.buffer.config import BufferConfig
-from asyncrl.configs.sections import DataConfig, DemoConfig, JobConfig, ModelConfig, RewardConfig
+from asyncrl.configs.sections import DataConfig, DemoConfig, EvalConfig, JobConfig, ModelConfig, RewardConfig
 from asyncrl.generator.config import AgentConfig, EnvConfig, GeneratorConfig, RolloutConfig, ToolsConfig
 from asyncrl.learner.config import LearnerConfig, SFTConfig
 from asyncrl.telemetry.config import TelemetryConfig
@@ -44,6 +44,7 @@ class RunConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     weightsync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self):
         check_sections_agree(self)
@@ -113,6 +114,7 @@ def recipe_path(name_or_path: Optional[str]) -> str:
 
 def load_config(recipe: Optional[str] = None, overrides: Optional[List[str]] = None) -> RunConfig:
     """Recipe YAML, then `a.b=value` overrides, validated. Unknown keys and bad values raise ConfigError."""
+    import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -123,7 +125,12 @@ def load_config(recipe: Optional[str] = None, overrides: Optional[List[str]] = N
         for item in overrides or []:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not of the form key=value")
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([item]))
+            try:
+                parsed = OmegaConf.from_dotlist([item])
+            except yaml.YAMLError as err:  # the value is not YAML (an unclosed bracket, a stray quote)
+                raise ConfigError(f"override {item!r}: its value is not valid YAML "
+                                  f"({_first_line(err)}); quote or bracket it as YAML wants") from None
+            cfg = OmegaConf.merge(cfg, parsed)
         return OmegaConf.to_object(cfg)
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None)

@@ -119,6 +119,33 @@ class RewardConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Evaluation on held-out prompts (generator/evaluation.py; `asyncrl eval`)."""
+
+    files: List[str] = field(default_factory=list)
+    """Parquet files in verl's row format (several data sources welcome: metrics are per data_source)."""
+    n: int = 1
+    """Samples per prompt."""
+    temperature: float = 0.0
+    """0: greedy."""
+    max_tokens: int = 0
+    """Completion length cap; 0: rollout.max_tokens."""
+    k_values: List[int] = field(default_factory=lambda: [1])
+    """pass@k for each k (<= n), with the unbiased estimator."""
+    pass_threshold: float = 1.0
+    """A sample passes when its reward is at least this (1.0: the built-in scorers' "right")."""
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"eval.n must be >= 1, got {self.n}")
+        if self.temperature < 0 or self.max_tokens < 0:
+            raise ValueError("eval.temperature and eval.max_tokens must be >= 0")
+        bad = [k for k in self.k_values if not 1 <= k <= self.n]
+        if bad:
+            raise ValueError(f"eval.k_values must lie in [1, eval.n={self.n}], got {bad}")
+
+
+@dataclass
 class DemoConfig:
     task: str = ""
     """Built-in demo task whose tokenizer, model, dataset and SFT warm start are built and cached; '' = off."""

@@ -1,6 +1,7 @@
 """The `asyncrl` command line. Parse, build, run, close; torch and vLLM are imported only after parsing, so
 `--help` and `--dry-run` answer fast."""
 import argparse
+import json
 import logging
 import os
 import signal
@@ -12,6 +13,7 @@ COMMANDS = {
     "learner": "the learner (hosts the embedded buffer)",
     "generator": "one generator; start as many as you like, whenever you like",
     "sft": "supervised fine-tuning on the learner's stack",
+    "eval": "evaluate a checkpoint or an exported model on eval.files and print a table per data source",
 }
 
 
@@ -26,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. buffer.max_staleness=4 learner.lr=1e-6")
         if name in ("learner", "sft"):
             add_launch_arguments(cmd, resume=name == "learner")
+        if name == "eval":
+            cmd.add_argument("--checkpoint", required=True,
+                             help="an HF model directory (asyncrl export's output) or a learner checkpoint")
+            cmd.add_argument("--files", nargs="+", default=None, help="parquet prompts (same as eval.files=[...])")
         if name == "run":
             cmd.add_argument("--nproc", type=int, default=1, help="learner ranks (torchrun; default 1)")
             cmd.add_argument("--generators", type=int, default=1,
@@ -129,6 +135,11 @@ def main(argv=None) -> int:
         return cmd_data(args)
     from asyncrl.configs import ConfigError, load_config, to_yaml
 
+    if args.command == "eval" and args.files:
+        # `--files a b key=value`: argparse hands the overrides after --files to it; they are overrides
+        args.overrides += [item for item in args.files if "=" in item]
+        files = [item for item in args.files if "=" not in item]
+        args.overrides.append(f"eval.files=[{','.join(json.dumps(f) for f in files)}]")
     if getattr(args, "resume", None):
         if "=" in args.resume and not os.path.exists(args.resume):  # `--resume a.b=c`: an override, not a path
             args.overrides, args.resume = [args.resume, *args.overrides], "auto"
@@ -324,7 +335,14 @@ def print_summary(summary: dict) -> None:
           f"(mlflow ui --backend-store-uri {summary['mlflow_tracking_uri']})")
 
 
-COMMAND_FUNCS = {"run": cmd_run, "learner": cmd_learner, "generator": cmd_generator, "sft": cmd_sft}
+def cmd_eval(cfg, args) -> int:
+    from asyncrl.launch.evaluate import cmd_eval as evaluate_command
+
+    return evaluate_command(cfg, args)
+
+
+COMMAND_FUNCS = {"run": cmd_run, "learner": cmd_learner, "generator": cmd_generator, "sft": cmd_sft,
+                 "eval": cmd_eval}
 
 if __name__ == "__main__":
     sys.exit(main())

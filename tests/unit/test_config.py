@@ -170,3 +170,10 @@ def test_the_end_of_job_grace_is_one_buffer_setting():
     assert load_config(None, ["buffer.done_grace_s=3"]).buffer.done_grace_s == 3
     with pytest.raises(ConfigError, match="learner.done_grace_s"):
         load_config(None, ["learner.done_grace_s=3"])  # the old key: one setting bounds the whole handshake
+
+
+def test_an_override_whose_value_is_not_yaml_is_a_config_error_naming_it():
+    from asyncrl.configs import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"override 'data.train_files=\[a,\[b\]': its value is not valid YAML"):
+        load_config(None, ["data.train_files=[a,[b]"])

@@ -1,0 +1,98 @@
+"""`asyncrl eval --checkpoint DIR --files a.parquet ...`: evaluate a checkpoint or an exported model offline and print
+a table per data source (generator/evaluation.py), then one JSON line with every metric.
+
+DIR is an HF model directory (`asyncrl export`'s output, or any model) or a learner checkpoint (a step-* directory
+or a checkpoint root), which is exported to a temporary directory first. The engine, its settings and the reward
+are the recipe's (generator.*, reward.*), so the numbers are those training optimises.
+"""
+import asyncio
+import json
+import os
+import re
+import sys
+import tempfile
+
+
+def model_dir_for(path: str, workdir: str) -> str:
+    """An HF model directory for `path`: itself if it is one, else the learner checkpoint exported into workdir."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    from asyncrl.learner.export import export_checkpoint
+
+    return export_checkpoint(path, os.path.join(workdir, "model"), None)
+
+
+async def run_eval(cfg, model_path: str, say=print) -> dict:
+    from transformers import AutoTokenizer
+
+    from asyncrl.generator.dataset import read_rows, tokenize_rows
+    from asyncrl.generator.engines.base import make_engine
+    from asyncrl.generator.evaluation import evaluate
+    from asyncrl.generator.main import vllm_placement
+    from asyncrl.generator.rewards import check_builtin_rewards
+    from asyncrl.generator.scoring import RewardScorer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    rows, skipped = tokenize_rows(read_rows(cfg.eval.files), tokenizer, cfg.data.max_prompt_tokens)
+    if skipped:
+        say(f"eval: skipped {skipped} prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
+    if cfg.reward.path is None and (not cfg.reward.functions or any(f.path is None for f in cfg.reward.functions)):
+        check_builtin_rewards({row.data_source for row in rows})
+    scorer = RewardScorer(cfg.reward.path, cfg.reward.function, cfg.generator.reward_workers, cfg.reward.timeout_s,
+                          source="eval", functions=cfg.reward.functions)
+    engine = make_engine(cfg.generator.engine, model_path=model_path, dtype=cfg.generator.dtype,
+                         max_model_len=cfg.generator.max_model_len, kv_cache_gib=cfg.generator.kv_cache_gib,
+                         seed=cfg.job.seed, trust_remote_code=cfg.model.trust_remote_code,
+                         **vllm_placement(cfg.generator, cfg.model))
+    await scorer.start()
+    try:
+        await engine.start()
+        step = max(len(rows) // 10, 1)
+        return await evaluate(engine, scorer, tokenizer, rows, cfg.eval.n, cfg.eval.temperature,
+                              cfg.eval.max_tokens or cfg.rollout.max_tokens, list(cfg.eval.k_values),
+                              cfg.eval.pass_threshold,
+                              on_done=lambda done, total: say(f"eval: {done}/{total} prompts")
+                              if done % step == 0 or done == total else None)
+    finally:
+        await engine.close()
+        await scorer.close()
+
+
+METRIC_NAME = re.compile(r"prompts|mean_reward|length/mean|mean@\d+|pass@\d+")
+"""What follows `eval/<data_source>/` in eval_metrics' keys (data sources may contain "/" themselves)."""
+
+
+def format_table(metrics: dict) -> str:
+    """One row per data source (all last), one column per metric name."""
+    sources = sorted((key[len("eval/"):-len("/prompts")] for key in metrics if key.endswith("/prompts")),
+                     key=lambda s: (s == "all", s))
+    columns = sorted({key[len(f"eval/{source}/"):] for source in sources for key in metrics
+                      if key.startswith(f"eval/{source}/") and METRIC_NAME.fullmatch(key[len(f"eval/{source}/"):])})
+    width = max(len(s) for s in sources + ["data_source"])
+    lines = ["  ".join(["data_source".ljust(width), *(c.rjust(12) for c in columns)])]
+    for source in sources:
+        cells = [f"{metrics[f'eval/{source}/{c}']:.4g}".rjust(12) if f"eval/{source}/{c}" in metrics else
+                 "-".rjust(12) for c in columns]
+        lines.append("  ".join([source.ljust(width), *cells]))
+    return "\n".join(lines)
+
+
+def cmd_eval(cfg, args) -> int:
+    if not cfg.eval.files:
+        print("asyncrl eval: give the prompts with --files or eval.files=[...]", file=sys.stderr)
+        return 2
+    if not os.path.exists(args.checkpoint):
+        print(f"asyncrl eval: {args.checkpoint} does not exist", file=sys.stderr)
+        return 2
+    from asyncrl.generator.dataset import DatasetError
+    from asyncrl.learner.checkpoint import CheckpointError
+
+    with tempfile.TemporaryDirectory(prefix="asyncrl-eval-") as workdir:
+        try:
+            metrics = asyncio.run(run_eval(cfg, model_dir_for(args.checkpoint, workdir)))
+        except (CheckpointError, DatasetError) as err:
+            print(f"asyncrl eval: {err}", file=sys.stderr)
+            return 2
+    print(format_table(metrics))
+    print(json.dumps(metrics, sort_keys=True))
+    return 0
