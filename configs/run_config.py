@@ -114,7 +114,6 @@ def recipe_path(name_or_path: Optional[str]) -> str:
 
 def load_config(recipe: Optional[str] = None, overrides: Optional[List[str]] = None) -> RunConfig:
     """Recipe YAML, then `a.b=value` overrides, validated. Unknown keys and bad values raise ConfigError."""
-    import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -127,7 +126,9 @@ def load_config(recipe: Optional[str] = None, overrides: Optional[List[str]] = N
                 raise ConfigError(f"override {item!r} is not of the form key=value")
             try:
                 parsed = OmegaConf.from_dotlist([item])
-            except yaml.YAMLError as err:  # the value is not YAML (an unclosed bracket, a stray quote)
+            except Exception as err:  # PyYAML's errors, without importing PyYAML here (omegaconf wraps it)
+                if not type(err).__module__.startswith("yaml"):
+                    raise
                 raise ConfigError(f"override {item!r}: its value is not valid YAML "
                                   f"({_first_line(err)}); quote or bracket it as YAML wants") from None
             cfg = OmegaConf.merge(cfg, parsed)

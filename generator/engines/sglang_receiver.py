@@ -124,12 +124,16 @@ class SglangWeightReceiver:
                     raise RuntimeError(f"SGLang refused v{version} from staging slot {staged.slot}: {reason}")
             except Exception as err:
                 await self._roll_back(version, str(err), err, fallback)
-            self.version = version
-            try:
-                await self._resume()
-            except Exception as err:
-                self.mark_broken(f"v{version} loaded but generation could not resume ({err})")
-                raise EngineBroken(f"sglang v{version}: {self.broken}") from err
+            await self._commit(version, "loaded")
+
+    async def _commit(self, version: int, how: str) -> None:
+        """The version is in: record it and resume; a failed resume leaves the engine broken."""
+        self.version = version
+        try:
+            await self._resume()
+        except Exception as err:
+            self.mark_broken(f"v{version} {how} but generation could not resume ({err})")
+            raise EngineBroken(f"sglang v{version}: {self.broken}") from err
 
     def _send(self, staged, what: str, flush_cache: bool):
         """`update_weights_from_tensor` with the staged slot's tensors, bounded; SGLang answers (success, message)."""
@@ -205,15 +209,20 @@ class SglangWeightReceiver:
 
     async def _roll_back(self, version: int, cause: str, err: Exception, fallback) -> None:
         """Still paused: go back to `fallback` (or the model's files), continue, raise WeightLoadError."""
+        await self._reload_or_break(fallback, f"v{version} failed ({cause})", f"sglang could not load v{version}",
+                                    err)
+        raise WeightLoadError(f"sglang could not load v{version} ({cause}); reloaded "
+                              f"{describe_target(fallback, self.model_path)}") from err
+
+    async def _reload_or_break(self, fallback, what_failed: str, headline: str, cause: Exception) -> None:
+        """`_reload`, then admit again; if the reload fails too, the engine is broken (EngineBroken)."""
         target = describe_target(fallback, self.model_path)
         try:
             await self._reload(fallback)
-        except Exception as rollback_err:
-            self.mark_broken(f"v{version} failed ({cause}) and the rollback to {target} failed too "
-                             f"({rollback_err})")
-            raise EngineBroken(f"sglang could not load v{version}: {self.broken}") from err
+        except Exception as reload_err:
+            self.mark_broken(f"{what_failed} and the rollback to {target} failed too ({reload_err})")
+            raise EngineBroken(f"{headline}: {self.broken}") from cause
         self._admit.set()
-        raise WeightLoadError(f"sglang could not load v{version} ({cause}); reloaded {target}") from err
 
     # --- the other way in: versions pushed from the learner's GPU (weightsync/engine_push) ------------------
 
@@ -256,26 +265,17 @@ class SglangWeightReceiver:
             raise RuntimeError(f"SGLang refused the pushed version: {message}")
 
     async def push_commit(self, version: int) -> None:
-        self.version = version
         try:
-            await self._resume()
-        except Exception as err:
-            self.mark_broken(f"v{version} pushed but generation could not resume ({err})")
-            raise EngineBroken(f"sglang v{version}: {self.broken}") from err
+            await self._commit(version, "pushed")
         finally:
             self._lock.release()
 
     async def push_recover(self, staged) -> None:
         """After a push failed half-way: load `staged` (None: the model's files) in full, then admit again."""
         try:
-            await self._reload(staged)
-        except Exception as err:
-            self.mark_broken(f"a pushed version failed and reloading {describe_target(staged, self.model_path)} "
-                             f"failed too ({err})")
-            raise EngineBroken(f"sglang: {self.broken}") from err
+            await self._reload_or_break(staged, "a pushed version failed", "sglang", None)
         finally:
             self._lock.release()
-        self._admit.set()
 
     def mark_broken(self, reason: str) -> None:
         """No good weights we can vouch for: stay paused for good; waiting and future samples raise."""

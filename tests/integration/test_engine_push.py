@@ -34,6 +34,21 @@ class Wire:
             return self.channels.setdefault(port, queue.Queue())
 
 
+def wire_round(client, channel, update_info: dict, tensors: list) -> None:
+    """One round as vLLM's trainer engines run it: start, the engine's update on a side thread while the tensors
+    go out (here: onto the wire), then finish."""
+    client.start_weight_update()
+    exe = ThreadPoolExecutor(max_workers=1)
+    try:
+        future = exe.submit(client.update_weights, update_info)
+        for tensor in tensors:
+            channel.put(tensor.clone())
+        future.result()
+    finally:
+        exe.shutdown(wait=False)
+    client.finish_weight_update()
+
+
 class WireTrainer:
     def __init__(self, wire: Wire, master_address, master_port, world_size, client, source):
         self.client, self.source, self.shut = client, source, False
@@ -49,16 +64,7 @@ class WireTrainer:
         meta = self.source.metadata()
         update_info = {"names": [m.name for m in meta], "dtype_names": [str(m.dtype).split(".")[-1] for m in meta],
                        "shapes": [list(m.shape) for m in meta]}
-        self.client.start_weight_update()
-        exe = ThreadPoolExecutor(max_workers=1)
-        try:
-            future = exe.submit(self.client.update_weights, update_info)
-            for _, tensor in self.source:
-                self.channel.put(tensor.clone())
-            future.result()
-        finally:
-            exe.shutdown(wait=False)
-        self.client.finish_weight_update()
+        wire_round(self.client, self.channel, update_info, [tensor for _, tensor in self.source])
 
     def shutdown(self):
         self.shut = True
@@ -86,17 +92,8 @@ class SparseWireTrainer:
         update_info = {"names": [p[0] for p in patches], "dtype_names": [str(p[2].dtype).split(".")[-1]
                                                                          for p in patches],
                        "shapes": [list(p[3]) for p in patches], "num_updates_list": [p[1].numel() for p in patches]}
-        self.client.start_weight_update()
-        exe = ThreadPoolExecutor(max_workers=1)
-        try:
-            future = exe.submit(self.client.update_weights, update_info)
-            for _, indices, values, _ in patches:
-                self.channel.put(indices.clone())
-                self.channel.put(values.clone())
-            future.result()
-        finally:
-            exe.shutdown(wait=False)
-        self.client.finish_weight_update()
+        wire_round(self.client, self.channel, update_info, [t for _, indices, values, _ in patches
+                                                            for t in (indices, values)])
 
     def shutdown(self):
         self.shut = True
