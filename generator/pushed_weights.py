@@ -39,6 +39,7 @@ class PushedWeights:
         self.recover_target, self.stage, self.generator_id = recover_target, stage, generator_id
         self.pushing: int | None = None  # the version between start and finish
         self._expiry: asyncio.TimerHandle | None = None
+        self._holding = False  # this round holds the weights lock
         self.counts = {"pushed": 0, "failed": 0, "busy": 0}
 
     def handle(self, op: str, args: dict, timeout_s: float) -> None:
@@ -73,6 +74,9 @@ class PushedWeights:
             try:
                 await self.engine.push_commit(int(args["version"]))
                 self.counts["pushed"] += 1
+            except EngineBroken:  # the engine gave up already (a resume failed): nothing to recover into
+                self._end()
+                raise
             except Exception as err:
                 await self._recover(f"finish failed: {err}")
                 raise
@@ -86,6 +90,7 @@ class PushedWeights:
             self.counts["busy"] += 1
             raise PushBusy(f"generator {self.generator_id} is loading a staged version; v{version} comes by "
                            f"staging") from None
+        self._holding = True
         self.pushing = version
         try:
             await self.engine.push_begin()
@@ -131,7 +136,8 @@ class PushedWeights:
         if self._expiry is not None:
             self._expiry.cancel()
             self._expiry = None
-        if self.lock.locked():
+        if self._holding:
+            self._holding = False
             self.lock.release()
 
 

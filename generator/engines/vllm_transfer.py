@@ -110,8 +110,10 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         self._pushed[init_info.transport] = engine
 
     def start_weight_update(self) -> None:
-        """The round opens at its first update, once its transport is known."""
-        self._round = None
+        """The round opens at its first update, once its transport is known. A round left open (a push whose
+        learner never finished it) is closed first, so no reload is ever opened twice."""
+        if self._round is not None:
+            self.finish_weight_update()
 
     def finish_weight_update(self) -> None:
         round_, self._round = self._round, None

@@ -151,3 +151,21 @@ def test_a_failed_recovery_breaks_the_engine(loop):
     with pytest.raises((EngineBroken, RuntimeError)):
         pushed.handle("update", {"update_info": {}}, 5)
     assert engine.broken and "ring gone" in engine.broken
+
+
+def test_a_broken_commit_is_not_recovered_into_and_never_releases_a_lock_it_does_not_hold(loop):
+    engine = FakeEngine()
+
+    async def broken_commit(version):
+        raise EngineBroken("resume failed")
+
+    engine.push_commit = broken_commit
+    pushed, lock, stage = make(loop, engine, latest={"version": 1})
+    pushed.handle("start", {"version": 2}, 5)
+    pushed.handle("update", {"update_info": {}}, 5)
+    with pytest.raises(EngineBroken):
+        pushed.handle("finish", {"version": 2}, 5)
+    assert not lock.locked() and stage.staged == [] and ("recover", 1) not in engine.calls
+    asyncio.run_coroutine_threadsafe(lock.acquire(), loop).result()  # a staged load takes it now
+    asyncio.run_coroutine_threadsafe(pushed._recover("late expiry"), loop).result()  # a stray recovery
+    assert lock.locked()  # still the staged load's

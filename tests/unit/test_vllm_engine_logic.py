@@ -314,6 +314,8 @@ def test_the_transfer_engine_hands_a_pushed_version_to_vllms_nccl_engine_and_ref
     engine._pushed["ipc"] = Inner()
     with pytest.raises(RuntimeError, match="inside a round opened by nccl"):
         engine.receive_weights(ShmUpdateInfo(transport="ipc", info={"names": []}))
+    engine.start_weight_update()  # a round left open (its learner never finished it) is closed, not reopened
+    assert inner.got[-1] == "finish" and engine._round is None
     with pytest.raises(ValueError, match="pushed version"):
         ShmUpdateInfo()
     with pytest.raises(ValueError, match="unknown transport"):
