@@ -144,16 +144,16 @@ class PushedWeights:
 async def join_push(target: dict, engine, lock: asyncio.Lock, recover_target, stage, generator_id: str,
                     timeout_s: float):
     """Register this generator's engine for the push the control message `target` names ("engines"); returns
-    the member (close it when done), or None if the message names none or the engine cannot take pushes."""
+    (the member, close it when done; the PushedWeights, whose counts say what came), or (None, None) if the
+    message names none or the engine cannot take pushes."""
     engines = target.get("engines")
     if not engines or not hasattr(engine, "push_init"):
-        return None
+        return None, None
     from asyncrl.weightsync.engine_push.member import EnginePushMember
 
     pushed = PushedWeights(engine, lock, recover_target, stage, asyncio.get_running_loop(), generator_id)
     member = await asyncio.to_thread(EnginePushMember.connect, engines["address"], generator_id, engine.push_ranks,
                                      pushed.handle, timeout_s, engine.push_kind)
-    member.pushed = pushed
     log.info("generator %s: its engine takes versions pushed from the learner at %s", generator_id,
              engines["address"])
-    return member
+    return member, pushed

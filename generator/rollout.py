@@ -52,6 +52,7 @@ class RolloutStats:
         self.filtered_groups = 0  # zero-variance groups dropped here (algo.dynamic_sampling), never sent
         self.skipped_prompts = 0  # prompts whose episode opening was longer than data.max_prompt_tokens
         self.episode_counts: list = []  # per episode this window: (turns, tool calls, environment tokens)
+        self.pushes = None  # generator/pushed_weights.py PushedWeights, once the learner pushes to this engine
         self._last = (self.started, 0, 0.0)
         self._reward_last = (0.0, 0)
 
@@ -70,6 +71,8 @@ class RolloutStats:
             "timing/generator/wait_for_weights_s": self.weight_wait_s,
             "timing/generator/idle_frac": idle_fraction(busy - busy_then, now - then),
             **({"reward/mean": float(np.mean(rewards))} if rewards else {}),
+            **({f"generator/weight_pushes/{kind}": float(count) for kind, count in self.pushes.counts.items()}
+               if self.pushes is not None else {}),
         }
 
     def _episode_metrics(self) -> dict:
@@ -193,9 +196,9 @@ class RolloutLoop:
         async with self._weights_lock:
             target = self.latest_weights
             if self.push_member is None and target.get("engines") and self.stage is not None:
-                self.push_member = await join_push(target, self.engine, self._weights_lock,
-                                                   lambda: self.latest_weights, self.stage, self.generator_id,
-                                                   self.stage.catchup_timeout_s)
+                self.push_member, self.stats.pushes = await join_push(
+                    target, self.engine, self._weights_lock, lambda: self.latest_weights, self.stage,
+                    self.generator_id, self.stage.catchup_timeout_s)
             if not target or target["version"] <= self.engine.version:
                 return
             started = time.monotonic()

@@ -36,8 +36,8 @@ async def generator_side(kind: str, model_path: str, address: str, shm_dir: str,
         engine = SglangEngine(model_path, dtype="bfloat16", max_model_len=64, kv_cache_gib=0.25, seed=0,
                               server_args={"mem_fraction_static": 0.2})
     await engine.start()
-    member = await join_push({"engines": {"address": address}}, engine, asyncio.Lock(), lambda: {},
-                             WeightStage(shm_dir, "push-gpu"), "push-gpu", 60.0)
+    member, _ = await join_push({"engines": {"address": address}}, engine, asyncio.Lock(), lambda: {},
+                                WeightStage(shm_dir, "push-gpu"), "push-gpu", 60.0)
     print(json.dumps({"ready": True}), flush=True)
     seen = 0
     while engine.version < int(last):

@@ -62,7 +62,7 @@ def test_sglang_takes_pushed_versions_and_goes_back_to_a_complete_one_after_a_fa
             return await join_push({"engines": {"address": host.address}}, engine, asyncio.Lock(),
                                    lambda: latest, stage, "gen-s", 10.0)
 
-        member = on_loop(join())
+        member, pushed = on_loop(join())
         v1 = weights_without_eos(1)
         report = host.send(1, as_buckets(v1), timeout_s=30)
         assert report.ok and report.delivered == ["gen-s"], report
@@ -93,6 +93,7 @@ def test_sglang_takes_pushed_versions_and_goes_back_to_a_complete_one_after_a_fa
         assert report.ok, report
         assert [name for name, _ in fake.calls].count("init_weights_update_group") == 2
         assert engine.version == 3 and all(torch.equal(fake.weights[n], t) for n, t in v3.items())
+        assert pushed.counts == {"pushed": 2, "failed": 1, "busy": 0}
     finally:
         if member is not None:
             member.close()

@@ -169,3 +169,16 @@ def test_a_broken_commit_is_not_recovered_into_and_never_releases_a_lock_it_does
     asyncio.run_coroutine_threadsafe(lock.acquire(), loop).result()  # a staged load takes it now
     asyncio.run_coroutine_threadsafe(pushed._recover("late expiry"), loop).result()  # a stray recovery
     assert lock.locked()  # still the staged load's
+
+
+def test_the_generators_stats_report_its_pushes():
+    from types import SimpleNamespace
+
+    from asyncrl.generator.rollout import RolloutStats
+
+    stats = RolloutStats()
+    assert not any(key.startswith("generator/weight_pushes/") for key in stats.snapshot(0))
+    stats.pushes = SimpleNamespace(counts={"pushed": 4, "failed": 1, "busy": 2})
+    snapshot = stats.snapshot(5)
+    assert (snapshot["generator/weight_pushes/pushed"], snapshot["generator/weight_pushes/failed"],
+            snapshot["generator/weight_pushes/busy"]) == (4.0, 1.0, 2.0)
