@@ -25,7 +25,7 @@ from asyncrl.buffer.plausibility import Implausible, JobLimits, check_shape, che
 
 REJECT_REASONS = ("too_large", "malformed", "schema", "length_mismatch", "token_out_of_range", "bad_logprob",
                   "bad_version", "bad_reward", "bad_finish_reason", "empty", "group_size", "too_long", "sampling",
-                  "future_version", "generator_id")
+                  "future_version", "generator_id", "unknown_deal")
 """Every `CodecError.reason`; each is a metric key suffix under `buffer/rejected/`."""
 
 _GROUP_KEYS = frozenset(

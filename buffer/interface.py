@@ -65,6 +65,9 @@ class HelloReply(Status):
 class AdmitReply(Status):
     granted: int = 0
     """Groups this generator may start now (0: the staleness budget is used up; ask again later)."""
+    deals: list = field(default_factory=list)
+    """When the learner deals the prompts (buffer/dealer.py): one `DealtPrompt` per grant, the prompt to sample;
+    [] when the generator walks its own copy of the dataset (a learner without data, or the Redis backend)."""
 
 
 @dataclass
@@ -99,12 +102,15 @@ class GeneratorBuffer(Protocol):
     async def admit(self, want: int = 1) -> AdmitReply:
         """Ask to start up to `want` groups (the staleness budget, buffer/staleness.py)."""
 
-    async def send(self, group_id: str, payload: bytes) -> SendReply:
-        """Deliver one encoded group (buffer/codec.py); idempotent on group_id."""
+    async def send(self, group_id: str, payload: bytes, deal: str = "") -> SendReply:
+        """Deliver one encoded group (buffer/codec.py); idempotent on group_id. `deal`: the id of the dealt prompt
+        it answers (buffer/dealer.py), "" when none was dealt."""
 
-    async def release(self, count: int = 1) -> Status:
+    async def release(self, count: int = 1, deals: list | None = None, outcome: str = "unused") -> Status:
         """Give back `count` admissions this generator holds and will not deliver (groups its own filter dropped,
-        algo.dynamic_sampling), so their capacity returns now; never more than it holds."""
+        algo.dynamic_sampling), so their capacity returns now; never more than it holds. `deals`: the dealt
+        prompts' ids, and what became of them (`outcome`): `unused` grants go back to the epoch, `zero_variance`
+        and `skipped` prompts are consumed (buffer/dealer.py)."""
 
     async def report(self, metrics: dict, timeout_s: float | None = None) -> Status:
         """This generator's statistics, for the learner's metrics."""
@@ -129,9 +135,9 @@ class LearnerBuffer(Protocol):
         """The next valid `Group`, or None after `timeout_s`. Invalid groups met on the way are rejected, counted
         under buffer/rejected/<reason> and logged; they never reach the caller."""
 
-    def give_back(self, group) -> None:
-        """A taken group that will never be trained (stale, filtered): its admission frees capacity, if it held
-        one."""
+    def give_back(self, group, reason: str = "stale") -> None:
+        """A taken group that will never be trained (`reason`: stale, zero_variance, ...): its admission frees
+        capacity, if it held one, and its dealt prompt goes back to the epoch (or, filtered, stays consumed)."""
 
     def quarantine(self, groups: list, reason: str) -> None:
         """Taken groups whose step failed (a NaN, a batch that could not be built): they are never trained or

@@ -8,10 +8,11 @@ paid its per-step cost for each. Asked for together, the grants of one reply sta
 batch.
 
 Contract of `AdmissionGate.take()`: it returns once this caller holds one admission (which it must later use or
-release); it raises what the learner's client raised. It waits on: the learner's reply to the pooled request, and
+release), with the prompt the learner dealt for it (buffer/dealer.py; None when the learner deals none); it raises
+what the learner's client raised. It waits on: the learner's reply to the pooled request, and
 while the learner says no, a backoff (`min_backoff_s` doubling to `max_backoff_s`) cut short when another worker
 starts waiting (it may bring a released admission with it). One request is in flight at a time. A caller cancelled
-while waiting takes nothing with it: a grant that finds its caller gone is released again.
+while waiting takes nothing with it: a grant that finds its caller gone is released again, with its prompt.
 """
 import asyncio
 from collections import deque
@@ -32,14 +33,14 @@ class AdmissionGate:
         self._arrived = asyncio.Event()
         self._pump: asyncio.Task | None = None
 
-    async def take(self) -> None:
-        """Wait until this caller holds one admission."""
+    async def take(self):
+        """Wait until this caller holds one admission; returns its dealt prompt (a DealtPrompt) or None."""
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         self._arrived.set()
         if self._pump is None or self._pump.done():
             self._pump = asyncio.create_task(self._run())
-        await waiter
+        return await waiter
 
     async def close(self) -> None:
         """Stop asking (the job is over or the loop is stopping); waiting callers are cancelled."""
@@ -70,7 +71,7 @@ class AdmissionGate:
                 self.on_reply(reply)
                 granted = max(0, min(int(reply.granted), want))
                 self.granted += granted
-                await self._hand_out(granted)
+                await self._hand_out(granted, reply.deals)
                 if granted:
                     backoff = self.min_backoff_s
                     continue
@@ -86,15 +87,17 @@ class AdmissionGate:
                     waiter.set_exception(err)
             self._waiters.clear()
 
-    async def _hand_out(self, granted: int) -> None:
-        """One admission to each of the oldest `granted` waiters; grants whose caller was cancelled meanwhile go
-        back to the learner."""
-        unused = granted
-        while unused and self._waiters:
+    async def _hand_out(self, granted: int, deals: list) -> None:
+        """One admission, with its dealt prompt if any, to each of the oldest `granted` waiters; grants whose caller
+        was cancelled meanwhile go back to the learner, and their prompts to the epoch."""
+        deals = list(deals)
+        handed = 0
+        while handed < granted and self._waiters:
             waiter = self._waiters.popleft()
             if waiter.done():
                 continue
-            waiter.set_result(None)
-            unused -= 1
-        if unused:
-            self.on_reply(await self.client.release(unused))
+            waiter.set_result(deals[handed] if handed < len(deals) else None)
+            handed += 1
+        if handed < granted:
+            unused = [deal.deal_id for deal in deals[handed:granted]]
+            self.on_reply(await self.client.release(granted - handed, deals=unused))

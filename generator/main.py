@@ -92,14 +92,12 @@ async def run_generator_async(cfg, say=print) -> int:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(info["model_path"], trust_remote_code=cfg.model.trust_remote_code)
-        raw_rows = (reasoning_gym_rows(cfg.data.reasoning_gym_tasks, cfg.data.reasoning_gym_size, cfg.job.seed)
-                    if cfg.data.source == "reasoning_gym" else read_rows(info["train_files"]))
-        rows, skipped = tokenize_rows(raw_rows, tokenizer, cfg.data.max_prompt_tokens)
-        if skipped:
-            log.warning("generator %s: skipped %d prompts longer than data.max_prompt_tokens", generator_id, skipped)
+        prompts, data_sources = None, info.get("data_sources")
+        if not info.get("deals"):  # a learner without data, or the Redis backend: walk a copy of the dataset
+            prompts, data_sources = local_prompts(cfg, info, tokenizer, seed, generator_id)
         if (cfg.reward.path is None and not cfg.reward.functions) or any(
                 f.path is None for f in cfg.reward.functions):
-            check_builtin_rewards({row.data_source for row in rows})
+            check_builtin_rewards(set(data_sources or ()))
         scorer = RewardScorer(cfg.reward.path, cfg.reward.function, cfg.generator.reward_workers,
                               cfg.reward.timeout_s, source=f"generator {generator_id}", functions=cfg.reward.functions)
         await scorer.start()  # the workers import the reward function while the engine starts
@@ -123,7 +121,7 @@ async def run_generator_async(cfg, say=print) -> int:
         stage = WeightStage(cfg.weightsync.shm_dir, generator_id, cfg.weightsync.timeout_s)
         metrics_log = _metrics_logger(info, generator_id)
         rollout = RolloutLoop(
-            client, engine, iterate_prompts(rows, cfg.data.shuffle, seed), scorer, tokenizer, cfg.rollout,
+            client, engine, prompts, scorer, tokenizer, cfg.rollout,
             cfg.generator.max_inflight_groups, generator_id, reward_shaping=cfg.reward,
             on_stats=(lambda m: metrics_log.log(m, step=engine.version)) if metrics_log else None,
             stats_every_s=cfg.generator.log_every_s, stage=stage, drop_zero_variance=cfg.algo.dynamic_sampling,
@@ -154,6 +152,17 @@ async def run_generator_async(cfg, say=print) -> int:
         if episodes is not None:
             await episodes.close()
         client.close()
+
+
+def local_prompts(cfg, info: dict, tokenizer, seed: int, generator_id: str):
+    """This generator's own endless walk over the dataset, when the learner deals no prompts (with Redis), and the
+    data sources in it. Shuffled with this generator's seed: not exactly once across the fleet."""
+    raw_rows = (reasoning_gym_rows(cfg.data.reasoning_gym_tasks, cfg.data.reasoning_gym_size, cfg.job.seed)
+                if cfg.data.source == "reasoning_gym" else read_rows(info["train_files"]))
+    rows, skipped = tokenize_rows(raw_rows, tokenizer, cfg.data.max_prompt_tokens)
+    if skipped:
+        log.warning("generator %s: skipped %d prompts longer than data.max_prompt_tokens", generator_id, skipped)
+    return iterate_prompts(rows, cfg.data.shuffle, seed), sorted({row.data_source for row in rows})
 
 
 def _metrics_logger(info: dict, generator_id: str):

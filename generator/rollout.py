@@ -16,6 +16,7 @@ import time
 import numpy as np
 
 from asyncrl.buffer.codec import encode_group
+from asyncrl.buffer.dealer import DealtPrompt
 from asyncrl.buffer.done import JobEnd
 from asyncrl.buffer.group import Group, Sample, Sampling, new_group_id
 from asyncrl.buffer.interface import Status
@@ -110,7 +111,7 @@ class RolloutLoop:
         self.client = client
         self.engine = engine
         self.stage = stage  # weightsync.receiver.WeightStage: verified copies of announced versions
-        self.prompts = prompts  # endless iterator of PromptRow
+        self.prompts = prompts  # endless iterator of PromptRow; None when the learner deals them (buffer/dealer.py)
         self.scorer = scorer  # generator/scoring.py RewardScorer: `await score(...)`, never blocking the loop
         self.tokenizer = tokenizer
         self.rollout = rollout_cfg
@@ -178,16 +179,21 @@ class RolloutLoop:
 
     async def _worker(self) -> None:
         while not self.done:
-            await self.admission.take()
+            dealt = await self.admission.take()
+            if dealt is None and self.prompts is None:
+                raise RuntimeError("the learner granted an admission without a prompt, but it deals the prompts "
+                                   "(the learner and this generator run different asyncrl versions?)")
+            row = dealt if dealt is not None else next(self.prompts)
+            deals = [dealt.deal_id] if dealt is not None else None
             await self.ensure_latest_weights()
             with self.stats.busy:  # sampling and scoring: the generator's work; the rest is waiting
-                group = await self._sample_group(next(self.prompts))
+                group = await self._sample_group(row)
             if group is None:  # nothing to send for this prompt: its admission goes back at once
-                self.note_reply(await self.client.release(1))
+                self.note_reply(await self.client.release(1, deals=deals, outcome="skipped"))
                 continue
             if self.drop_zero_variance and group.zero_variance():
                 self.stats.filtered_groups += 1  # its rewards are in stats.rewards: reward/mean is the fleet's
-                self.note_reply(await self.client.release(1))
+                self.note_reply(await self.client.release(1, deals=deals, outcome="zero_variance"))
                 continue
             await self._send(group)
 
@@ -229,6 +235,8 @@ class RolloutLoop:
         sampling = Sampling(self.rollout.temperature, self.rollout.top_p, self.rollout.top_k, self.rollout.max_tokens)
         created = time.time()
         meta = {"data_source": row.data_source}
+        if isinstance(row, DealtPrompt):  # the learner accepts the group only under its deal
+            meta["deal"] = row.deal_id
         if self.episodes is not None:
             return await self._sample_episodes(row, sampling, created, meta)
         sampled = self.engine.sample(row.prompt_ids, sampling, self.rollout.n)
@@ -316,7 +324,7 @@ class RolloutLoop:
     async def _send(self, group: Group) -> None:
         payload = encode_group(group)
         while True:
-            reply = await self.client.send(group.group_id, payload)
+            reply = await self.client.send(group.group_id, payload, deal=str(group.meta.get("deal", "")))
             self.note_reply(reply)
             if reply.accepted or not reply.retry:
                 if not reply.accepted:

@@ -233,10 +233,22 @@ def locate_job(cfg, parallel, resolve) -> tuple:
     return broadcast_object(where, parallel)
 
 
+def prompt_loader(cfg, model_path: str, files: list):
+    """What the learner deals (buffer/dealer.py): the job's prompts, loaded on rank 0 when it builds its buffer;
+    None for a job without data (its generators are scripted clients that bring their own prompts)."""
+    if cfg.data.source != "reasoning_gym" and not files:
+        return None
+    from asyncrl.generator.dataset import load_prompt_rows
+
+    return lambda: load_prompt_rows(cfg.data, cfg.job.seed, model_path, files, cfg.model.trust_remote_code)
+
+
 def cmd_learner(cfg, args) -> int:
     """Parse (done), join the ranks, build and run the learner, close."""
     if args.nproc * args.nnodes > 1 and "LOCAL_RANK" not in os.environ:
         return exec_torchrun(cfg, args, module="asyncrl.learner", command_name="learner")
+    from asyncrl.buffer.dealer import DealError
+    from asyncrl.generator.dataset import DatasetError
     from asyncrl.learner.checkpoint import CheckpointError
     from asyncrl.learner.loop import TrainingPoisoned, run_learner
 
@@ -246,8 +258,9 @@ def cmd_learner(cfg, args) -> int:
     try:
         model_path, files, job_dir = locate_job(cfg, parallel, resolve_rl_inputs)
         try:
-            summary = run_learner(cfg, model_path, files, job_dir, parallel)
-        except CheckpointError as err:
+            summary = run_learner(cfg, model_path, files, job_dir, parallel,
+                                  load_prompts=prompt_loader(cfg, model_path, files))
+        except (CheckpointError, DatasetError, DealError) as err:  # a checkpoint or data it cannot use
             print(f"asyncrl learner: {err}", file=sys.stderr)
             return 2
         except TrainingPoisoned as err:

@@ -31,6 +31,8 @@ class Collected:
     dropped: Counter = field(default_factory=Counter)
     """reason -> groups dropped while assembling this batch (stale, zero_variance, no_baseline, empty)."""
     wait_s: float = 0.0
+    final: bool = False
+    """The data ran out (data.epochs, buffer/dealer.py): these groups, however few, are the job's last."""
 
     @property
     def dropped_stale(self) -> int:
@@ -76,8 +78,10 @@ def waiting_message(buffer, out: Collected, groups_per_step: int, version: int, 
 
 
 def collect_batch(buffer, groups_per_step: int, max_staleness: int, version: int, timeout_s: float,
-                  batch_filter: BatchFilter | None = None, report_every_s: float = 30.0) -> Collected:
-    """Take groups from `buffer` (an `interface.LearnerBuffer`) until `groups_per_step` usable ones are in hand.
+                  batch_filter: BatchFilter | None = None, report_every_s: float = 30.0,
+                  data_done=None) -> Collected:
+    """Take groups from `buffer` (an `interface.LearnerBuffer`) until `groups_per_step` usable ones are in hand,
+    or, once `data_done()` says every prompt of the last epoch was taken, with what is in hand (`final`).
     Dropped groups are counted and given back. A wait longer than `report_every_s` says why in the log, again
     each `report_every_s`, so a starved learner is never silent until its timeout."""
     started = time.monotonic()
@@ -92,8 +96,11 @@ def collect_batch(buffer, groups_per_step: int, max_staleness: int, version: int
             log.warning("still waiting for a batch: %s", waiting_message(buffer, out, groups_per_step, version,
                                                                          now - started))
             next_report = now + report_every_s
-        group = buffer.take(min(remaining, 1.0))
+        group = buffer.take(min(remaining, 0.2 if data_done is not None else 1.0))
         if group is None:
+            if data_done is not None and data_done():
+                out.final = True
+                break
             continue
         oldest = group.min_version()
         if oldest < 0:  # no completion tokens at all: nothing to learn from
@@ -107,7 +114,7 @@ def collect_batch(buffer, groups_per_step: int, max_staleness: int, version: int
                 log.warning("learner v%d: dropping group %s from %s (%s)", version, group.group_id,
                             group.generator_id, reason)
             out.dropped[reason] += 1
-            buffer.give_back(group)
+            buffer.give_back(group, reason)
             continue
         out.groups.append(group)
         out.staleness.append(group_staleness(version, oldest))

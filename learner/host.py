@@ -6,7 +6,9 @@ import os
 import time
 
 from asyncrl.buffer.backends import make_learner_buffer
+from asyncrl.buffer.dealer import DealError, PromptDealer
 from asyncrl.configs import flatten, shared_hash, shared_sections, to_yaml
+from asyncrl.learner.checkpoint import CheckpointError
 from asyncrl.learner.model import model_positions
 from asyncrl.learner.objective import resolved_hyperparameters
 from asyncrl.learner.parallel import ParallelState
@@ -25,7 +27,7 @@ DROP_REASONS = ("stale", "zero_variance", "no_baseline", "empty", "poisoned_step
 
 class LearnerHost:
     def __init__(self, cfg, model, model_path: str, train_files: list, job_dir: str, parallel: ParallelState,
-                 state: LearnerState, resumed_from: str | None):
+                 state: LearnerState, resumed_from: str | None, load_prompts=None):
         self.cfg = cfg
         self.job_dir = job_dir
         self.tracking_uri = resolve_tracking_uri(cfg.telemetry.tracking_uri)
@@ -38,10 +40,15 @@ class LearnerHost:
         run_info = {"model_path": os.path.abspath(model_path), "train_files": [os.path.abspath(f) for f in train_files],
                     "mlflow_run_id": self.run_id, "tracking_uri": self.tracking_uri,
                     "job_dir": os.path.abspath(job_dir), "job": cfg.job.name}
+        self.overlong_prompts = 0
+        self.dealer = self._build_dealer(load_prompts, state.data_cursor)
+        if self.dealer is not None:  # generators sample what they are dealt and need no copy of the data
+            run_info.update(deals=True, data_sources=self.dealer.data_sources)
         self.buffer = make_learner_buffer(cfg, vocab_size=model.get_input_embeddings().num_embeddings,
                                           max_positions=model_positions(model), config_hash=shared_hash(cfg),
                                           shared_config=shared_sections(cfg), run_info=run_info,
-                                          start_version=state.version, fresh=resumed_from is None)
+                                          start_version=state.version, fresh=resumed_from is None,
+                                          dealer=self.dealer)
         self.groups_path = os.path.join(job_dir, "trained_groups.jsonl")
         self.progress = ProgressDisplay(cfg.learner.total_steps, os.path.join(job_dir, "progress.jsonl"),
                                         enabled=cfg.telemetry.progress)
@@ -50,6 +57,36 @@ class LearnerHost:
         self._step_ended = time.monotonic()  # reset by start(); a step's wall time runs from the previous step's end
         if resumed_from is not None:
             log.info("learner: resumed from %s at version %d", resumed_from, state.version)
+
+    def _build_dealer(self, load_prompts, cursor: dict) -> PromptDealer | None:
+        """The prompts dealt with the admissions (buffer/dealer.py), carrying on from the checkpoint's cursor. None
+        without data (a learner fed by scripted generators) and with Redis, whose generators still walk their own
+        copy of the data (its admission runs in Redis, without the learner)."""
+        if load_prompts is None:
+            return None
+        data = self.cfg.data
+        if self.cfg.buffer.backend != "zmq":
+            log.warning("learner: with buffer.backend=redis each generator walks its own shuffle of the prompts; "
+                        "exactly-once dealing (data.epochs) needs the zmq backend for now")
+            return None
+        rows, self.overlong_prompts = load_prompts()
+        if self.overlong_prompts:
+            log.warning("learner: %d prompts longer than data.max_prompt_tokens=%d are left out", self.overlong_prompts,
+                        data.max_prompt_tokens)
+        dealer = PromptDealer(rows, shuffle=data.shuffle, seed=self.cfg.job.seed if data.seed is None else data.seed,
+                              epochs=data.epochs, timeout_s=data.deal_timeout_s)
+        if cursor:
+            try:
+                dealer.restore(cursor)
+            except DealError as err:
+                raise CheckpointError(str(err)) from None
+        log.info("learner: dealing %d prompts (epoch %.2f%s)", dealer.size, dealer.metrics()["data/epoch"],
+                 f" of {data.epochs}" if data.epochs else "")
+        return dealer
+
+    def data_done(self) -> bool:
+        """Every prompt of the last epoch (data.epochs) was taken: the job ends with the batch in hand."""
+        return self.dealer is not None and self.dealer.exhausted()
 
     def start(self) -> None:
         self.buffer.start()
@@ -62,8 +99,11 @@ class LearnerHost:
         self.buffer.set_version(version)
 
     def after_step(self, state: LearnerState, groups: list, collected, metrics: dict) -> None:
-        """The step's audit trail, metrics, progress line."""
-        self.record_groups(state.version, [group.group_id for group in groups])
+        """The step's audit trail, metrics, progress line, and the data cursor the next checkpoint keeps."""
+        self.record_groups(state.version, groups)
+        if self.dealer is not None:
+            state.data_cursor = self.dealer.snapshot()  # between steps: every prompt taken so far is trained
+            metrics["data/overlong_filtered"] = float(self.overlong_prompts)
         buffer_metrics = self.buffer.metrics()
         metrics.update(buffer_metrics)
         prefix = "buffer/rejected/"
@@ -86,11 +126,14 @@ class LearnerHost:
         self.metrics_log.log(metrics, step=state.version)
         self.progress.update(state.version, metrics)
 
-    def record_groups(self, step: int, group_ids: list) -> None:
-        """job_dir/trained_groups.jsonl: which groups each step trained on (an audit trail: with the Redis
-        backend every admitted group appears exactly once across restarts)."""
+    def record_groups(self, step: int, groups: list) -> None:
+        """job_dir/trained_groups.jsonl: which groups, of which prompts, each step trained on (an audit trail:
+        with the Redis backend every admitted group appears exactly once across restarts; with dealt prompts,
+        every prompt once per epoch, counting for each step the learner's last life that trained it)."""
+        record = {"step": step, "groups": [group.group_id for group in groups],
+                  "prompts": [group.prompt_id for group in groups]}
         with open(self.groups_path, "a") as handle:
-            handle.write(json.dumps({"step": step, "groups": group_ids}) + "\n")
+            handle.write(json.dumps(record) + "\n")
 
     def close(self, status: str) -> None:
         """The end-of-job handshake (buffer/done.py) when the job finished, then everything is released."""

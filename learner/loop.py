@@ -33,9 +33,10 @@ class TrainingPoisoned(RuntimeError):
 
 
 def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
-                parallel: ParallelState | None = None) -> dict | None:
+                parallel: ParallelState | None = None, load_prompts=None) -> dict | None:
     """Trains the whole job on this rank; returns the summary on rank 0 (also written to job_dir/summary.json),
-    None on the others."""
+    None on the others. `load_prompts()` returns the job's prompt rows and how many were too long; with it, rank 0
+    deals them to the generators (buffer/dealer.py) and the job also ends when data.epochs are trained."""
     parallel = parallel or ParallelState()
     torch.manual_seed(cfg.learner.seed)
     if cfg.learner.torch_threads:
@@ -46,19 +47,21 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
     resume_from = find_resume_point(cfg, job_dir)
     state = load_checkpoint(resume_from, model, optimizer, scheduler) if resume_from else LearnerState()
     parts.restore(state)
-    host = LearnerHost(cfg, model, model_path, train_files, job_dir, parallel, state, resumed_from=resume_from) \
-        if parallel.is_main else None
+    host = LearnerHost(cfg, model, model_path, train_files, job_dir, parallel, state, resumed_from=resume_from,
+                       load_prompts=load_prompts) if parallel.is_main else None
     acks = AckLedger(host.buffer if host is not None else None, state)
     start_version, status = state.version, "FAILED"
     try:
         publish_weights(model, parallel, host, state.version, cfg)
         if host is not None:
             host.start()
-        while state.version < cfg.learner.total_steps:
-            trained = train_one_version(cfg, model, optimizer, scheduler, host, parallel, state, parts)
+        data_left = True
+        while state.version < cfg.learner.total_steps and data_left:
+            trained, data_left = train_one_version(cfg, model, optimizer, scheduler, host, parallel, state, parts)
             acks.note_taken()
             if trained:  # a skipped step left the version where it was: nothing new to save
-                checkpoint_if_due(cfg, job_dir, model_path, model, optimizer, scheduler, state, acks)
+                checkpoint_if_due(cfg, job_dir, model_path, model, optimizer, scheduler, state, acks,
+                                  last=not data_left)
         wait_for_pending_save()
         acks.all_saved()
         status = "FINISHED"
@@ -69,11 +72,14 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
 
 
 def train_one_version(cfg, model, optimizer, scheduler, host: LearnerHost | None, parallel: ParallelState,
-                      state: LearnerState, parts: StepParts) -> bool:
-    """Take a batch, train on it (state.version -> +1), publish when due, and (rank 0) log the step. Returns False
-    when the batch poisoned the step (skip_poisoned_step): nothing moved."""
+                      state: LearnerState, parts: StepParts) -> tuple[bool, bool]:
+    """Take a batch, train on it (state.version -> +1), publish when due, and (rank 0) log the step. Returns
+    (trained: False when the batch poisoned the step (skip_poisoned_step) or the data had ended with nothing left:
+    nothing moved, data left: False once the dealer's last epoch is taken)."""
     version = state.version
-    groups, dropped, collected = next_batch(cfg, host, parallel, version, parts)
+    groups, dropped, collected, final = next_batch(cfg, host, parallel, version, parts)
+    if not groups:  # the data ended with the previous batch
+        return False, False
     settings = StepSettings(version=version, max_staleness=cfg.buffer.max_staleness,
                             max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch,
                             chunk_tokens=cfg.learner.logprob_chunk_tokens, grad_clip=cfg.learner.grad_clip,
@@ -90,7 +96,7 @@ def train_one_version(cfg, model, optimizer, scheduler, host: LearnerHost | None
         raise
     if cause is not None:
         skip_poisoned_step(host, state, parts, groups, dropped, cause, cfg.learner.max_consecutive_skips)
-        return False
+        return False, True
     state.version = version + 1
     state.skipped_in_a_row = 0
     if host is not None:  # rank 0 speaks for the step
@@ -98,14 +104,14 @@ def train_one_version(cfg, model, optimizer, scheduler, host: LearnerHost | None
     state.record_batch(groups, dropped)
     state.kl_coef = parts.kl_controller.value
     started = time.perf_counter()
-    published = should_publish(state.version, cfg.weightsync.every_steps, cfg.learner.total_steps)
+    published = final or should_publish(state.version, cfg.weightsync.every_steps, cfg.learner.total_steps)
     if published:
         publish_weights(model, parallel, host, state.version, cfg)
     if host is not None:
         if published:
             metrics["timing/weightsync/publish_s"] = time.perf_counter() - started
         host.after_step(state, groups, collected, metrics)
-    return True
+    return True, not final
 
 
 def skip_poisoned_step(host: LearnerHost | None, state: LearnerState, parts: StepParts, groups: list,
@@ -158,22 +164,24 @@ class BatchUnavailable(RuntimeError):
 
 def next_batch(cfg, host: LearnerHost | None, parallel: ParallelState, version: int, parts: StepParts):
     """Rank 0 collects the step's groups from the buffer and sends them, with what it dropped on the way, to every
-    rank, so every rank's LearnerState stays the same. Returns (groups, dropped counts, Collected on rank 0 / None).
+    rank, so every rank's LearnerState stays the same. Returns (groups, dropped counts, Collected on rank 0 / None,
+    whether the data ended with these groups).
     A failure on rank 0 is sent too, so no rank waits in a collective forever."""
     collected, message = None, None
     if host is not None:
         try:
             collected = collect_batch(host.buffer, cfg.buffer.groups_per_step, cfg.buffer.max_staleness, version,
-                                      cfg.learner.wait_for_batch_timeout_s, parts.batch_filter)
-            message = ("groups", (collected.groups, dict(collected.dropped)))
+                                      cfg.learner.wait_for_batch_timeout_s, parts.batch_filter,
+                                      data_done=host.data_done)
+            message = ("groups", (collected.groups, dict(collected.dropped), collected.final))
         except Exception as err:
             broadcast_object(("error", f"{type(err).__name__}: {err}"), parallel)
             raise
     kind, payload = broadcast_object(message, parallel)
     if kind == "error":
         raise BatchUnavailable(f"rank 0 could not assemble batch v{version}: {payload}")
-    groups, dropped = payload
-    return groups, Counter(dropped), collected
+    groups, dropped, final = payload
+    return groups, Counter(dropped), collected, final
 
 
 def publish_weights(model, parallel: ParallelState, host: LearnerHost | None, version: int, cfg) -> None:
@@ -190,14 +198,14 @@ def publish_weights(model, parallel: ParallelState, host: LearnerHost | None, ve
 
 
 def checkpoint_if_due(cfg, job_dir: str, model_path: str, model, optimizer, scheduler, state: LearnerState,
-                      acks: AckLedger) -> None:
-    """Every learner.checkpoint_every steps and after the last; with checkpoints off, the buffer may forget each
-    batch at once (there is nothing to resume from)."""
+                      acks: AckLedger, last: bool = False) -> None:
+    """Every learner.checkpoint_every steps and after the last (learner.total_steps, or `last`: the data ended);
+    with checkpoints off, the buffer may forget each batch at once (there is nothing to resume from)."""
     every = cfg.learner.checkpoint_every
     if not every:
         acks.checkpointed(background=False)
         return
-    if state.version % every and state.version != cfg.learner.total_steps:
+    if state.version % every and state.version != cfg.learner.total_steps and not last:
         return
     save_checkpoint(checkpoint_root(cfg, job_dir), model, optimizer, scheduler, state, cfg.learner.checkpoint_keep,
                     model_dir=model_path, async_save=cfg.learner.checkpoint_async)

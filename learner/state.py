@@ -34,8 +34,8 @@ class LearnerState:
     skipped_in_a_row: int = 0
     """Of those, how many in a row up to now (learner.max_consecutive_skips stops the job)."""
     data_cursor: dict = field(default_factory=dict)
-    """Reserved for the dataset cursor (which prompts of the epoch were handed out); empty until the coordinator
-    owns the cursor. Saved and restored like the rest."""
+    """The prompt dealer's cursor (buffer/dealer.py `snapshot`): the epoch, how far it was dealt, the prompts to
+    deal again; empty for a job without dealt data. Saved and restored like the rest."""
 
     def record_batch(self, groups: list, dropped: dict) -> None:
         """A batch was trained on `groups`; `dropped` (reason -> count) were dropped while assembling it."""

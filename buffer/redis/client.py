@@ -59,13 +59,14 @@ class RedisBufferClient:
         reply = await self._request("admit", want=want)
         return AdmitReply(**_status(reply), granted=reply["granted"])
 
-    async def send(self, group_id: str, payload: bytes) -> SendReply:
+    async def send(self, group_id: str, payload: bytes, deal: str = "") -> SendReply:
         if self.max_message_bytes and len(payload) > self.max_message_bytes:
             return too_large_reply(len(payload), self.max_message_bytes, self._weights[1])
         reply = await self._deliver(group_id, payload)
         return SendReply(**_status(reply), accepted=reply["accepted"], error=reply.get("error", ""))
 
-    async def release(self, count: int = 1) -> Status:
+    async def release(self, count: int = 1, deals: list | None = None, outcome: str = "unused") -> Status:
+        """With Redis the learner deals no prompts (buffer/dealer.py), so `deals` is always empty here."""
         return Status(**_status(await self._request("release", count=count)))
 
     async def report(self, metrics: dict, timeout_s: float | None = None) -> Status:

@@ -213,9 +213,9 @@ class RedisBufferServer:
             self.stream.trim()
         return acked
 
-    def give_back(self, group) -> None:
+    def give_back(self, group, reason: str = "stale") -> None:
         """A taken group the learner will not train: its admission frees capacity if it held one (idempotent on its
-        group id)."""
+        group id). `reason` is for a dealer's accounting; with Redis the generators walk the data themselves."""
         _, leased = self._held_admission.pop(group.group_id, (None, False))
         if leased:
             self.coordinator.give_back(1, token=group.group_id)

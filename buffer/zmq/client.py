@@ -17,6 +17,7 @@ from collections import deque
 
 import zmq
 
+from asyncrl.buffer.dealer import decode_prompt
 from asyncrl.buffer.interface import (AdmitReply, GeneratorRefused, HelloReply, LearnerUnavailable, SendReply,
                                      Status, too_large_reply)
 from asyncrl.buffer.zmq.wire import pack, status_fields, unpack_reply
@@ -61,18 +62,22 @@ class ZmqBufferClient:
     async def admit(self, want: int = 1) -> AdmitReply:
         reply = await self._request("admit", want=want)
         granted = reply.get("granted") if reply.get("ok") else 0
-        return AdmitReply(**status_fields(reply), granted=granted if isinstance(granted, int) else 0)
+        deals = reply.get("deals") if reply.get("ok") else None
+        deals = [decode_prompt(*deal) if isinstance(deal, list) and len(deal) == 2 else decode_prompt(None, None)
+                 for deal in deals] if isinstance(deals, list) else []
+        return AdmitReply(**status_fields(reply), granted=granted if isinstance(granted, int) else 0, deals=deals)
 
-    async def send(self, group_id: str, payload: bytes) -> SendReply:
+    async def send(self, group_id: str, payload: bytes, deal: str = "") -> SendReply:
         if self.max_message_bytes and len(payload) > self.max_message_bytes:
             return too_large_reply(len(payload), self.max_message_bytes, self.weights)
-        reply = await self._request("group", body=payload, group_id=group_id)
+        reply = await self._request("group", body=payload, group_id=group_id, deal=deal)
         accepted = reply.get("ok") is True and reply.get("accepted") is True
         return SendReply(**status_fields(reply), accepted=accepted, retry=not accepted and reply.get("retry") is True,
                          reason=str(reply.get("reason", "")), error=str(reply.get("error", "")))
 
-    async def release(self, count: int = 1) -> Status:
-        return Status(**status_fields(await self._request("release", count=count)))
+    async def release(self, count: int = 1, deals: list | None = None, outcome: str = "unused") -> Status:
+        fields = {"deals": list(deals), "outcome": outcome} if deals else {}
+        return Status(**status_fields(await self._request("release", count=count, **fields)))
 
     async def report(self, metrics: dict, timeout_s: float | None = None) -> Status:
         return Status(**status_fields(await self._request("stats", timeout_s=timeout_s, metrics=metrics)))
@@ -168,6 +173,7 @@ class ZmqBufferClient:
         header = {"op": op, "req": req, "gen": self.generator_id, "wid": self.weights_id, **fields}
         if len(batch) > 1:
             header["reqs"] = [entry[1] for entry in batch]
+            header["deals"] = [entry[2].get("deal", "") for entry in batch]
         return [pack(header)] + [entry[3] for entry in batch if entry[3] is not None]
 
     def _drain_replies(self) -> None:

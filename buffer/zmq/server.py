@@ -6,7 +6,9 @@ stats, bye) and puts each group's bytes on a queue bounded in groups and in byte
 the queue is full it tells the generator to retry: nothing is dropped and memory stays bounded. Bad input is
 rejected, counted under `buffer/rejected/<reason>`, logged at a bounded rate (rejections.py), and the generator
 that sent it is told in its next reply; it never stops either thread. A rejected or dropped group gives back an
-admission only if it held one, and a group must carry the generator id of the connection that sent it.
+admission only if it held one, and a group must carry the generator id of the connection that sent it. With a
+`PromptDealer` the admissions carry the prompts to sample, and a group is taken only under the deal it answers
+(buffer/dealer.py; docs/architecture.md §3.6).
 """
 import logging
 import queue
@@ -18,6 +20,7 @@ from collections import OrderedDict, deque
 import zmq
 
 from asyncrl.buffer.codec import CodecError, decode_group
+from asyncrl.buffer.dealer import PromptDealer
 from asyncrl.buffer.done import wait_until_told
 from asyncrl.buffer.fleet_stats import fleet_metrics
 from asyncrl.buffer.plausibility import JobLimits, check_stats
@@ -44,8 +47,10 @@ too_large itself), so only a client that ignores the limit meets libzmq's, which
 class ZmqBufferServer:
     def __init__(self, host: str, port: int, coordinator: Coordinator, *, vocab_size: int, config_hash: str,
                  max_message_bytes: int, queue_groups: int, run_info: dict, peer_timeout_s: float = 120.0,
-                 queue_bytes: int = 0, limits: JobLimits | None = None, shared_config: dict | None = None):
+                 queue_bytes: int = 0, limits: JobLimits | None = None, shared_config: dict | None = None,
+                 dealer: PromptDealer | None = None):
         self.coordinator = coordinator
+        self.dealer = dealer  # deals the prompts with the admissions (buffer/dealer.py); None: generators walk theirs
         self.vocab_size = vocab_size
         self.config_hash = config_hash
         self.shared_config = shared_config or {}  # told to a generator whose config hash differs (it names keys)
@@ -57,7 +62,8 @@ class ZmqBufferServer:
         self.limits = limits
         # Groups travel to `take` in lists, one per release (`_release`): the taking thread, when it had run dry,
         # wakes once per list instead of once per group. Each count has one writer, so `queued` needs no lock.
-        self._released: queue.SimpleQueue = queue.SimpleQueue()  # lists of (generator, bytes, held an admission)
+        self._released: queue.SimpleQueue = queue.SimpleQueue()  # lists of (generator, bytes, held an admission,
+        # the deal its header named)
         self._taking: deque = deque()  # the list being taken from: the taking thread's alone
         self._queued_in, self._queued_out = 0, 0  # groups released (server thread) and taken (taking thread)
         self._bytes_in, self._bytes_out = 0, 0  # their bytes, counted the same way
@@ -113,7 +119,7 @@ class ZmqBufferServer:
                     self._taking.extend(self._released.get(timeout=max(0.0, deadline - time.monotonic())))
             except queue.Empty:
                 return None
-            gen, data, admitted = self._taking.popleft()
+            gen, data, admitted, deal = self._taking.popleft()
             self._queued_out += 1
             self._bytes_out += len(data)
             try:
@@ -124,13 +130,23 @@ class ZmqBufferServer:
                     self.dropped_future += 1
                     if admitted:
                         self.coordinator.give_back(1)
+                    if self.dealer is not None and deal:
+                        self.dealer.reject(gen, deal)
                 else:
-                    self._reject(gen, err.reason, str(err), admitted)
+                    self._reject(gen, err.reason, str(err), admitted, deal=deal)
                 continue
             if group.generator_id != gen:  # one identity: a connection speaks only for itself
                 self._reject(gen, "generator_id", f"generator_id: {group.generator_id!r} sent by {gen!r} "
-                                                  f"[generator_id]", admitted)
+                                                  f"[generator_id]", admitted, deal=deal)
                 continue
+            if self.dealer is not None:  # a dealt prompt, delivered by the generator it was dealt to
+                problem = (f"its header names deal {deal!r}, its meta {group.meta.get('deal')!r}"
+                           if group.meta.get("deal") != deal else
+                           self.dealer.accept(gen, deal, group.prompt_id))
+                if problem is not None:
+                    self._reject(gen, "unknown_deal", f"group {group.group_id}: {problem} [unknown_deal]", admitted,
+                                 deal=deal)
+                    continue
             self._held[group.group_id] = admitted
             while len(self._held) > RECENT_TAKES:
                 self._held.popitem(last=False)
@@ -140,15 +156,18 @@ class ZmqBufferServer:
                 join["first_group_min_version"] = group.min_version()
             return group
 
-    def give_back(self, group) -> None:
+    def give_back(self, group, reason: str = "stale") -> None:
         """A taken group the learner will not train: its admission frees capacity, if it held one (a group sent
-        without asking, or after its generator's admissions were reclaimed, did not)."""
+        without asking, or after its generator's admissions were reclaimed, did not); its dealt prompt goes back
+        to the epoch, or stays consumed when the group was filtered (buffer/dealer.py)."""
         if self._held.pop(group.group_id, False):
             self.coordinator.give_back(1, token=group.group_id)
+        if self.dealer is not None:
+            self.dealer.give_back(group.meta.get("deal"), reason)
 
     def quarantine(self, groups: list, reason: str) -> None:
         for group in groups:
-            self.give_back(group)
+            self.give_back(group, reason)
             self._rejections.reject(reason, group.generator_id, f"group {group.group_id} poisoned a step")
 
     @property
@@ -194,6 +213,8 @@ class ZmqBufferServer:
                "buffer/received": float(self.received), "buffer/dropped/future_version": float(self.dropped_future)}
         for reason, count in self.rejected.items():
             out[f"buffer/rejected/{reason}"] = float(count)
+        if self.dealer is not None:
+            out.update(self.dealer.metrics())
         live = set(self.live_generators())  # a dead generator's last report no longer counts
         out.update(fleet_metrics([stats for gen, stats in list(self.generator_stats.items()) if gen in live]))
         return out
@@ -297,12 +318,18 @@ class ZmqBufferServer:
         if op == "admit":
             want = request.get("want", 1)
             want = want if isinstance(want, int) and want > 0 else 1
-            reply["granted"] = 0 if self._done else self.coordinator.try_admit(gen, want)
+            if self.dealer is None:
+                reply["granted"] = 0 if self._done else self.coordinator.try_admit(gen, want)
+            else:
+                reply["deals"] = [] if self._done else self._deal(gen, want)
+                reply["granted"] = len(reply["deals"])
         elif op == "group":
-            self._receive_groups(gen, request.get("reqs"), payload[1:], reply, accepted)
+            self._receive_groups(gen, request, payload[1:], reply, accepted)
         elif op == "release":  # admissions the generator will not deliver (buffer/staleness.py Coordinator.release)
             count = request.get("count", 1)
             reply["released"] = self.coordinator.release(gen, count) if isinstance(count, int) and count > 0 else 0
+            if self.dealer is not None and request.get("deals"):
+                self.dealer.settle(gen, request["deals"], request.get("outcome"))
         elif op == "stats":
             problem = check_stats(request.get("metrics"))
             if problem is None:
@@ -314,6 +341,14 @@ class ZmqBufferServer:
             self._forget(gen, "said bye")
         return reply
 
+    def _deal(self, gen: str, want: int) -> list:
+        """Admissions within the staleness budget, each with the prompt to sample; fewer when the data runs out."""
+        granted = self.coordinator.try_admit(gen, min(want, self.dealer.available()))
+        deals = self.dealer.deal(gen, granted)
+        if len(deals) < granted:  # the learner's thread cannot take prompts away, but never grant one without
+            self.coordinator.release(gen, granted - len(deals))
+        return deals
+
     def _hello(self, request: dict, reply: dict) -> dict:
         if request.get("config_hash") != self.config_hash:
             reply.update(ok=False, shared_config=self.shared_config, error=(
@@ -324,29 +359,38 @@ class ZmqBufferServer:
         self.joins.setdefault(request["gen"], {"hello_version": self.coordinator.version})
         return reply
 
-    def _receive_groups(self, gen: str, reqs, bodies: list, reply: dict, accepted: list) -> None:
+    def _receive_groups(self, gen: str, request: dict, bodies: list, reply: dict, accepted: list) -> None:
         """One group (no `reqs`: the reply is its result) or several, one result each in `results`."""
+        reqs = request.get("reqs")
         if reqs is None:
-            reply.update(self._receive_group(gen, bodies[0] if bodies else b"", accepted))
+            deal = request.get("deal")
+            reply.update(self._receive_group(gen, bodies[0] if bodies else b"", accepted,
+                                             deal if isinstance(deal, str) else ""))
         elif (isinstance(reqs, list) and len(reqs) == len(bodies) > 0
               and all(isinstance(req, int) for req in reqs)):
-            reply["results"] = [{"req": req, **self._receive_group(gen, body, accepted)}
-                                for req, body in zip(reqs, bodies)]
+            deals = request.get("deals")
+            if not (isinstance(deals, list) and len(deals) == len(reqs)):
+                deals = [""] * len(reqs)
+            reply["results"] = [{"req": req, **self._receive_group(gen, body, accepted,
+                                                                   deal if isinstance(deal, str) else "")}
+                                for req, body, deal in zip(reqs, bodies, deals)]
         else:
             error = f"'reqs' must list one integer request id per group frame ({len(bodies)} frames)"
             self._reject_request("malformed", f"from {gen}: {error}")
             reply.update(ok=False, error=error)
 
-    def _receive_group(self, gen: str, data: bytes, accepted: list) -> dict:
+    def _receive_group(self, gen: str, data: bytes, accepted: list, deal: str) -> dict:
         """Queue the group's bytes for `take`, which validates them; only the size is checked here, so an
-        oversized message never sits in the queue."""
+        oversized message never sits in the queue. Its deal, if out to `gen`, is marked delivered."""
         if len(data) > self.max_message_bytes:
             err = f"message: {len(data)} bytes exceeds max_message_bytes={self.max_message_bytes} [too_large]"
-            self._reject(gen, "too_large", err, self.coordinator.delivered(gen), tell=False)
+            self._reject(gen, "too_large", err, self.coordinator.delivered(gen), tell=False, deal=deal)
             return {"accepted": False, "reason": "too_large", "error": err}
         if self._queue_full(accepted, len(data)):
             return {"accepted": False, "retry": True}  # back-pressure; the generator keeps the group
-        accepted.append((gen, data, self.coordinator.delivered(gen)))
+        if self.dealer is not None and deal:
+            self.dealer.delivered(gen, deal)
+        accepted.append((gen, data, self.coordinator.delivered(gen), deal))
         self._bytes_in += len(data)
         return {"accepted": True}
 
@@ -358,12 +402,15 @@ class ZmqBufferServer:
         held_bytes = self._bytes_in - self._bytes_out
         return self.queue_bytes > 0 and queued > 0 and held_bytes + size > self.queue_bytes
 
-    def _reject(self, gen: str, reason: str, error: str, admitted: bool, tell: bool = True) -> None:
-        """Count and log a rejected group, free its admission if it held one, and (`tell`) note it for the
-        generator's next reply. A group sent without an admission gives nothing back: freeing capacity it never
-        took would let generators run further ahead than the staleness bound allows."""
+    def _reject(self, gen: str, reason: str, error: str, admitted: bool, tell: bool = True, deal: str = "") -> None:
+        """Count and log a rejected group, free its admission if it held one, return its dealt prompt to the
+        epoch, and (`tell`) note it for the generator's next reply. A group sent without an admission gives nothing
+        back: freeing capacity it never took would let generators run further ahead than the staleness bound
+        allows."""
         if admitted:
             self.coordinator.give_back(1)
+        if self.dealer is not None and deal:
+            self.dealer.reject(gen, deal)
         self._rejections.reject(reason, gen, error)
         if tell:
             with self._rejections_lock:
@@ -374,6 +421,8 @@ class ZmqBufferServer:
         self._rejections.reject(reason, "a peer", detail)
 
     def _expire_peers(self) -> None:
+        if self.dealer is not None and self.dealer.expire():
+            log.warning("buffer: dealt prompts not delivered within data.deal_timeout_s went back to the epoch")
         now = time.monotonic()
         for gen, seen in list(self.last_seen.items()):
             if now - seen > self.peer_timeout_s:
@@ -387,3 +436,5 @@ class ZmqBufferServer:
         held = self.coordinator.forget_generator(gen)
         if held:
             log.warning("buffer: generator %s %s; gave back %d admitted groups", gen, why, held)
+        if self.dealer is not None and self.dealer.forget(gen):
+            log.warning("buffer: generator %s %s; its dealt prompts went back to the epoch", gen, why)

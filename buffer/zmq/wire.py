@@ -3,11 +3,17 @@
 Requests (generator -> learner) carry `op`, `req` (request id), `gen` (generator id) and `wid` (the id of the
 weights control message the generator holds, "" for none):
   hello {config_hash}        -> {version, weights_id, run_info}       # refused if config hashes differ
-  admit {want}               -> {granted, version, weights_id, done}
-  release {count}            -> {released}                            # admissions it will not deliver (filtered)
-  group + second frame bytes -> {accepted, reason, retry, version, weights_id, done}
-  group {reqs} + one frame per group -> {version, weights_id, done, results: [{req, accepted, reason, retry}]}
-                             # several groups in one message (`reqs` lists their request ids, in frame order;
+  admit {want}               -> {granted, deals, version, weights_id, done}
+                             # deals: [[deal id, row bytes], ...], one per grant, when the learner deals the
+                             # prompts (buffer/dealer.py); absent when it does not
+  release {count, deals, outcome} -> {released}                       # admissions it will not deliver (filtered);
+                             # deals: the dealt prompts' ids, outcome: unused | zero_variance | skipped
+  group {deal} + second frame bytes -> {accepted, reason, retry, version, weights_id, done}
+                             # deal: the dealt prompt's id ("" when none), so the learner knows the group of a
+                             # generator that leaves before it is taken is coming (buffer/dealer.py)
+  group {reqs, deals} + one frame per group -> {version, weights_id, done, results: [{req, accepted, reason, retry}]}
+                             # several groups in one message (`reqs` lists their request ids, `deals` their deal
+                             # ids, in frame order;
                              # the header's other fields are the first request's); each result answers its `req`
   stats {metrics}            -> {}
   bye                        -> {}

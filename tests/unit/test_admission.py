@@ -3,6 +3,7 @@ import asyncio
 
 import pytest
 
+from asyncrl.buffer.dealer import DealtPrompt
 from asyncrl.buffer.interface import AdmitReply, Status
 from asyncrl.generator.admission import AdmissionGate
 
@@ -10,10 +11,13 @@ from asyncrl.generator.admission import AdmissionGate
 class Learner:
     """Grants up to `budget` admissions; records every request; `fail` makes the next admit raise."""
 
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, deals: bool = False):
         self.budget = budget
+        self.deals = deals  # deal a prompt with each grant, as a learner with data does (buffer/dealer.py)
+        self.dealt = 0
         self.admits: list = []
         self.released = 0
+        self.released_deals: list = []
         self.fail = None
         self.answering = asyncio.Event()
         self.answering.set()
@@ -25,10 +29,16 @@ class Learner:
         granted = min(want, self.budget)
         self.budget -= granted
         self.admits.append((want, granted))
-        return AdmitReply(granted=granted)
+        deals = []
+        if self.deals:
+            deals = [DealtPrompt(f"d{self.dealt + i}", f"p{self.dealt + i}", [5], "src", None, {})
+                     for i in range(granted)]
+            self.dealt += granted
+        return AdmitReply(granted=granted, deals=deals)
 
-    async def release(self, count=1):
+    async def release(self, count=1, deals=None, outcome="unused"):
         self.released += count
+        self.released_deals += [(deal, outcome) for deal in deals or ()]
         self.budget += count
         return Status()
 
@@ -166,3 +176,22 @@ def test_an_implausible_grant_is_clamped_to_what_was_asked(granted):
 
     run(scenario)
     assert gate.granted == 2 and learner.released == 0
+
+
+def test_each_worker_gets_its_own_dealt_prompt_and_a_cancelled_workers_prompt_goes_back():
+    learner = Learner(budget=3, deals=True)
+    gate = AdmissionGate(learner, on_reply=lambda reply: None)
+    got = []
+
+    async def scenario():
+        learner.answering.clear()
+        tasks = [asyncio.create_task(gate.take()) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        tasks[1].cancel()
+        learner.answering.set()
+        got.extend(await asyncio.gather(*tasks, return_exceptions=True))
+        await gate.close()
+
+    run(scenario)
+    assert [deal.prompt_id for deal in (got[0], got[2])] == ["p0", "p1"]  # the oldest live waiters, in order
+    assert learner.released == 1 and learner.released_deals == [("d2", "unused")]

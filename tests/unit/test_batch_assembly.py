@@ -29,6 +29,7 @@ class QueueServer:
     def __init__(self, groups):
         self.groups = queue.Queue()
         self.given_back = []
+        self.reasons = []
         for group in groups:
             self.groups.put(group)
 
@@ -44,8 +45,9 @@ class QueueServer:
     def metrics(self):
         return {"generator/filtered_groups": 5.0}
 
-    def give_back(self, group):
+    def give_back(self, group, reason="stale"):
         self.given_back.append(group.group_id)
+        self.reasons.append(reason)
 
 
 def test_dynamic_sampling_drops_zero_variance_groups_and_keeps_pulling():
@@ -54,6 +56,16 @@ def test_dynamic_sampling_drops_zero_variance_groups_and_keeps_pulling():
     out = collect_batch(server, 2, 1, 0, timeout_s=5, batch_filter=BatchFilter(dynamic_sampling=True))
     assert [g.rewards() for g in out.groups] == [[0, 1, 0], [1, 0, 1]]
     assert out.dropped["zero_variance"] == 2 and server.given_back == [groups[0].group_id, groups[2].group_id]
+    assert server.reasons == ["zero_variance", "zero_variance"]  # a dealer keeps these prompts consumed
+
+
+def test_when_the_data_ends_the_groups_in_hand_are_the_last_batch():
+    """data.epochs ran out (the dealer's last prompt was taken): one group of two is trained, not waited for."""
+    server = QueueServer([make_group([1, 0, 1])])
+    out = collect_batch(server, 2, 1, 0, timeout_s=5, data_done=lambda: server.groups.empty())
+    assert len(out.groups) == 1 and out.final
+    assert not collect_batch(QueueServer([make_group([1, 0, 1])] * 2), 2, 1, 0, timeout_s=5,
+                             data_done=lambda: False).final
 
 
 def test_without_dynamic_sampling_zero_variance_groups_train():

@@ -282,8 +282,9 @@ def test_every_reject_reason_has_a_test_above():
     tested = {"too_large", "malformed", "schema", "length_mismatch", "token_out_of_range", "bad_logprob",
               "bad_version", "bad_reward", "bad_finish_reason", "empty", "group_size", "too_long", "sampling",
               "future_version"}
-    # generator_id is a backend's check (the group against its connection): tests/unit/test_buffer_server.py
-    assert set(REJECT_REASONS) == tested | {"generator_id"}
+    # generator_id and unknown_deal are a backend's checks (the group against its connection, and against the
+    # prompt dealt to it): tests/unit/test_buffer_server.py
+    assert set(REJECT_REASONS) == tested | {"generator_id", "unknown_deal"}
 
 
 # ---------------------------------------------------------------------------------------- properties

@@ -79,7 +79,7 @@ class SimulatedFleet:
         self.taken.append(group.group_id)
         return group
 
-    def give_back(self, group: Group) -> None:
+    def give_back(self, group: Group, reason: str = "stale") -> None:
         self.given_back.append(group.group_id)
         self.coordinator.give_back(1, token=group.group_id)
 

@@ -1,0 +1,108 @@
+"""Every prompt of an epoch is trained exactly once: the learner deals the prompts (buffer/dealer.py) to two real
+generators; one is killed with -9 while it holds prompts, then the learner is killed with -9 after a checkpoint
+and resumed, with the generators started again. The job ends when the epoch (data.epochs=1) is trained, and the
+learner's trained_groups.jsonl, read as the final model saw it, lists every prompt of the file once."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import free_port
+from tests.e2e.test_run import job_env, read_progress
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = 24
+GROUPS_PER_STEP = 4
+
+
+def effective_prompts(path) -> dict:
+    """step -> prompts, as the final model saw them: a line whose step does not follow the previous one starts a
+    resumed life, which replaces what the previous life recorded from that step on."""
+    timeline, last = {}, 0
+    with open(path) as handle:
+        for line in handle:
+            row = json.loads(line)
+            if row["step"] <= last:
+                timeline = {step: prompts for step, prompts in timeline.items() if step < row["step"]}
+            timeline[row["step"]] = row["prompts"]
+            last = row["step"]
+    return timeline
+
+
+def subset_parquet(source: str, path: str, rows: int) -> list:
+    import pyarrow.parquet as pq
+
+    pq.write_table(pq.read_table(source).slice(0, rows), path)
+    return [f"{os.path.basename(path)}:{index}" for index in range(rows)]
+
+
+def wait_for(condition, proc, log_path, timeout_s=240):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert proc.poll() is None, open(log_path).read()[-3000:]
+        assert time.monotonic() < deadline, open(log_path).read()[-3000:]
+        time.sleep(0.2)
+
+
+def test_two_generators_a_generator_kill_9_and_a_learner_restart_train_each_prompt_once(demo_assets, tmp_path):
+    model_dir, files = demo_assets
+    expected = subset_parquet(files[0], str(tmp_path / "epoch.parquet"), PROMPTS)
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    overrides = [f"model.path={model_dir}", "demo.task=''", f"data.train_files=[{tmp_path / 'epoch.parquet'}]",
+                 "data.epochs=1", "learner.total_steps=100", f"buffer.port={free_port()}", "buffer.max_staleness=1",
+                 f"buffer.groups_per_step={GROUPS_PER_STEP}", "rollout.n=2", "rollout.max_tokens=8",
+                 "algo.dynamic_sampling=false", "generator.engine=hf", "generator.max_inflight_groups=2",
+                 "generator.log_every_s=1", "learner.checkpoint_every=2", "learner.torch_threads=1",
+                 "buffer.done_grace_s=5", "buffer.request_timeout_s=5", "telemetry.progress=false"]
+    env = {**job_env(tmp_path), "ASYNCRL_JOB_DIR": str(job_dir), "PYTHONUNBUFFERED": "1"}
+    procs = {}
+
+    def start(role, name, extra=()):
+        log_path = tmp_path / f"{name}.log"
+        ids = [f"generator.generator_id={name}"] if role == "generator" else []
+        procs[name] = subprocess.Popen([sys.executable, "-m", "asyncrl.launch.cli", role, *extra, *overrides, *ids],
+                                       cwd=tmp_path, env=env, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
+        return procs[name], log_path
+
+    def steps_done():
+        return len(read_progress(job_dir)) if (job_dir / "progress.jsonl").exists() else 0
+
+    try:
+        learner, learner_log = start("learner", "learner")
+        start("generator", "a")
+        start("generator", "b")
+        wait_for(lambda: steps_done() >= 1, learner, learner_log)
+        procs["b"].send_signal(signal.SIGKILL)  # holding dealt prompts
+        procs["b"].wait()
+        wait_for(lambda: (job_dir / "checkpoints" / "step-00000002" / "meta.json").exists(), learner, learner_log)
+        learner.send_signal(signal.SIGKILL)
+        learner.wait()
+        procs["a"].send_signal(signal.SIGKILL)  # it would only wait out its request timeout
+        procs["a"].wait()
+        learner, learner_log = start("learner", "learner-2", extra=["--resume"])
+        start("generator", "a-2")
+        start("generator", "b-2")
+        for name in ("learner-2", "a-2", "b-2"):
+            assert procs[name].wait(timeout=300) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    timeline = effective_prompts(job_dir / "trained_groups.jsonl")
+    trained = [prompt for step in sorted(timeline) for prompt in timeline[step]]
+    assert sorted(trained) == sorted(expected), (len(trained), len(set(trained)))  # each once, none left out
+    assert sorted(timeline) == list(range(1, PROMPTS // GROUPS_PER_STEP + 1))  # the job ended with the epoch
+    summary = json.loads((job_dir / "summary.json").read_text())
+    assert summary["start_version"] >= 2
+    last = read_progress(job_dir)[-1]
+    assert last["data/epoch"] == pytest.approx(1.0) and last["data/consumed"] == PROMPTS
+    assert last["data/returned/restart"] >= 1  # b's prompts, out when it died, were dealt again after the restart
+    print(f"exactly once: {len(trained)} prompts trained over {len(timeline)} steps, resumed at "
+          f"v{summary['start_version']}; dealt {last['data/dealt']:.0f}, returned "
+          f"{ {k: v for k, v in last.items() if k.startswith('data/returned/')} }")

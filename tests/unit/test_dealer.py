@@ -1,0 +1,210 @@
+"""The learner's dataset cursor (buffer/dealer.py): every prompt of an epoch trained once, whatever the fleet does,
+and a real zmq server and client dealing prompts with the admissions."""
+import asyncio
+import dataclasses
+import time
+
+import msgpack
+import numpy as np
+import pytest
+
+from asyncrl.buffer.codec import encode_group
+from asyncrl.buffer.dealer import DealError, PromptDealer, decode_prompt, encode_prompt, epoch_order
+from asyncrl.buffer.group import Group, Sample, Sampling
+from asyncrl.buffer.staleness import Coordinator
+from asyncrl.buffer.zmq.client import ZmqBufferClient
+from asyncrl.buffer.zmq.server import ZmqBufferServer
+from tests.conftest import free_port
+
+
+@dataclasses.dataclass
+class Row:
+    prompt_id: str
+    prompt_ids: list
+    data_source: str = "openai/gsm8k"
+    ground_truth: object = "4"
+    extra_info: dict = dataclasses.field(default_factory=dict)
+    messages: list | None = None
+
+
+def rows(count):
+    return [Row(f"f.parquet:{i}", [3, 4 + i % 5], extra_info={"index": i},
+                messages=[{"role": "user", "content": f"q{i}"}]) for i in range(count)]
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def dealer(count=6, epochs=1, timeout_s=60.0, clock=None, shuffle=True):
+    return PromptDealer(rows(count), shuffle=shuffle, seed=7, epochs=epochs, timeout_s=timeout_s,
+                        clock=clock or Clock())
+
+
+def prompt_of(deal):
+    return decode_prompt(*deal).prompt_id
+
+
+def test_a_dealt_row_round_trips_and_a_malformed_one_is_refused():
+    row = Row("a:0", [5, 6, 7], ground_truth=["x", 1], extra_info={"k": {"n": 2}}, messages=[{"role": "user"}])
+    got = decode_prompt("d1", encode_prompt(row))
+    assert (got.deal_id, got.prompt_id, got.prompt_ids, got.ground_truth, got.extra_info, got.messages) == (
+        "d1", "a:0", [5, 6, 7], ["x", 1], {"k": {"n": 2}}, [{"role": "user"}])
+    for blob in (b"\xc1", msgpack.packb([1]), msgpack.packb({"prompt_id": "a", "prompt_ids": b"\x01\x02\x03",
+                                                             "data_source": "s", "extra_info": {}})):
+        with pytest.raises(DealError):
+            decode_prompt("d", blob)
+    with pytest.raises(DealError, match="a:1"):
+        encode_prompt(Row("a:1", [1], ground_truth=object()))
+
+
+def test_one_epoch_deals_every_prompt_once_in_a_seeded_order_then_runs_dry():
+    d = dealer(6)
+    dealt = d.deal("g1", 4) + d.deal("g2", 4)
+    assert len(dealt) == 6 and d.available() == 0 and d.deal("g1", 1) == []
+    order = [int(prompt_of(deal).split(":")[1]) for deal in dealt]
+    assert order == epoch_order(6, 0, True, 7) and sorted(order) == list(range(6)) and order != list(range(6))
+    assert not d.exhausted()  # dealt, not yet delivered
+    for holder, deal in [("g1", dealt[i]) for i in range(4)] + [("g2", dealt[i]) for i in range(4, 6)]:
+        assert d.accept(holder, deal[0], prompt_of(deal)) is None
+    assert d.exhausted() and d.metrics()["data/consumed"] == 6
+
+
+def test_returned_prompts_are_dealt_again_first_and_filtered_ones_stay_consumed():
+    d = dealer(6)
+    a, b, c, e = d.deal("g1", 4)
+    d.accept("g1", a[0], prompt_of(a))
+    d.accept("g1", b[0], prompt_of(b))
+    assert d.give_back(a[0], "stale") and d.give_back(b[0], "zero_variance")
+    assert d.settle("g1", [c[0]], "unused") == 1 and d.settle("g1", [e[0]], "skipped") == 1
+    again = d.deal("g2", 2)
+    assert [prompt_of(deal) for deal in again] == [prompt_of(a), prompt_of(c)]  # returned first, in order
+    metrics = d.metrics()
+    assert metrics["data/returned/stale"] == 1 and metrics["data/returned/unused"] == 1
+    assert metrics["data/filtered/zero_variance"] == 1 and metrics["data/filtered/skipped"] == 1
+
+
+def test_a_generator_cannot_deliver_or_settle_what_it_was_not_dealt():
+    d = dealer(6)
+    (mine,) = d.deal("g1", 1)
+    assert "not out to 'g2'" in d.accept("g2", mine[0], prompt_of(mine))
+    assert "was for prompt" in d.accept("g1", mine[0], "f.parquet:99")
+    assert "not out" in d.accept("g1", "forged-1", prompt_of(mine))
+    assert d.accept("g1", 12345, "x") is not None  # not even a string
+    assert d.settle("g2", [mine[0]], "skipped") == 0 and d.settle("g1", [mine[0]] * 5, "bogus") == 0
+    assert d.settle("g1", "not-a-list", "unused") == 0
+    assert d.accept("g1", mine[0], prompt_of(mine)) is None
+    assert d.accept("g1", mine[0], prompt_of(mine)) is not None  # delivered once only
+    assert d.metrics()["data/refused"] == 5
+
+
+def test_a_dead_generators_prompts_and_expired_deals_go_back_to_the_epoch():
+    clock = Clock()
+    d = dealer(6, timeout_s=10.0, clock=clock)
+    held = d.deal("dead", 2)
+    clock.now = 5.0
+    late = d.deal("slow", 1)
+    assert d.forget("dead") == 2 and d.metrics()["data/returned/generator_gone"] == 2
+    clock.now = 16.0
+    assert d.expire() == 1 and d.metrics()["data/returned/expired"] == 1
+    assert d.accept("slow", late[0][0], prompt_of(late[0])) is not None  # its prompt was dealt again
+    assert [prompt_of(x) for x in d.deal("g", 3)] == [prompt_of(held[0]), prompt_of(held[1]), prompt_of(late[0])]
+
+
+def test_a_delivered_group_outlives_its_generator_and_an_invalid_one_returns_its_prompt():
+    clock = Clock()
+    d = dealer(6, timeout_s=10.0, clock=clock)
+    a, b, c = d.deal("g1", 3)
+    assert d.delivered("g1", a[0]) and d.delivered("g1", b[0]) and not d.delivered("g2", c[0])
+    assert d.forget("g1") == 1  # only c, which it never delivered
+    clock.now = 60.0
+    assert d.expire() == 0  # delivered deals wait for the learner, however long
+    assert d.reject("g1", b[0]) and d.metrics()["data/returned/rejected"] == 1
+    assert d.accept("g1", a[0], prompt_of(a)) is None
+    assert [prompt_of(x) for x in d.deal("g2", 2)] == [prompt_of(c), prompt_of(b)]
+
+
+def test_epochs_reshuffle_and_each_prompt_appears_once_per_epoch():
+    d = dealer(5, epochs=3)
+    seen = []
+    while d.available():
+        for deal in d.deal("g", 2):
+            assert d.accept("g", deal[0], prompt_of(deal)) is None
+            seen.append(prompt_of(deal))
+    assert len(seen) == 15 and d.exhausted() and d.metrics()["data/epoch"] == pytest.approx(3.0)
+    epochs = [seen[i * 5:(i + 1) * 5] for i in range(3)]
+    assert all(sorted(epoch) == sorted(epochs[0]) for epoch in epochs) and epochs[0] != epochs[1]
+    assert dealer(3, epochs=None).available() > 10**6  # without data.epochs it never runs dry
+
+
+def test_a_restored_cursor_deals_exactly_what_the_checkpoint_had_not_trained():
+    """Trained prompts stay trained; the prompts out at the checkpoint, and the rest of the epoch, are dealt again;
+    groups dealt before the restart are refused after it."""
+    first = dealer(8)
+    trained = []
+    for deal in first.deal("g1", 3):
+        first.accept("g1", deal[0], prompt_of(deal))
+        trained.append(prompt_of(deal))
+    out = first.deal("g2", 2)  # in flight when the checkpoint is written
+    state = first.snapshot()
+    after = first.deal("g1", 2)  # dealt after the checkpoint, lost with the learner
+    second = dealer(8)
+    second.restore(state)
+    assert second.accept("g2", out[0][0], prompt_of(out[0])) is not None  # an older incarnation's deal
+    rest = [prompt_of(deal) for deal in second.deal("g3", 10)]
+    assert rest[:2] == [prompt_of(deal) for deal in out] and prompt_of(after[0]) in rest
+    assert sorted(trained + rest) == sorted(row.prompt_id for row in rows(8))
+    assert second.metrics()["data/returned/restart"] == 2
+    with pytest.raises(DealError, match="another dataset"):
+        dealer(9).restore(state)
+
+
+def group_for(deal, gen="gen-a", reward=1.0):
+    sample = Sample(completion_ids=np.array([3, 4], np.int32), logprobs=np.array([-0.5, -1.0], np.float32),
+                    versions=np.array([0, 0], np.int32), reward=reward, finish_reason="stop")
+    return Group(group_id=f"g-{deal.deal_id}", prompt_id=deal.prompt_id, generator_id=gen,
+                 prompt_ids=np.asarray(deal.prompt_ids, np.int32), samples=[sample], sampling=Sampling(1.0),
+                 created_at=time.time(), meta={"data_source": deal.data_source, "deal": deal.deal_id})
+
+
+def test_the_zmq_buffer_deals_with_admissions_and_refuses_groups_outside_their_deal():
+    d = dealer(4, epochs=1)
+    server = ZmqBufferServer("127.0.0.1", free_port(), Coordinator(4, 2), vocab_size=16, config_hash="h",
+                             max_message_bytes=4096, queue_groups=8, run_info={}, dealer=d)
+    server.start()
+    gen_a = ZmqBufferClient(server.endpoint, "gen-a", timeout_s=5)
+    gen_b = ZmqBufferClient(server.endpoint, "gen-b", timeout_s=5)
+
+    async def scenario():
+        first = await gen_a.admit(3)
+        other = await gen_b.admit(3)  # only one prompt is left
+        undealt = dataclasses.replace(first.deals[0], deal_id="forged-9")
+        for payload in (encode_group(group_for(first.deals[0])),  # valid
+                        encode_group(group_for(other.deals[0], gen="gen-a")),  # another's deal, under its own id
+                        encode_group(group_for(undealt))):  # never dealt
+            await gen_a.send("x", payload, deal=msgpack.unpackb(payload)["meta"]["deal"])
+        await gen_a.release(1, deals=[first.deals[1].deal_id], outcome="zero_variance")
+        await gen_a.bye()  # its third prompt goes back
+        again = await gen_b.admit(3)
+        return first, other, again
+
+    try:
+        first, other, again = asyncio.run(scenario())
+        taken = server.take(1.0)
+        assert server.take(0.3) is None  # the other two were refused
+    finally:
+        gen_a.close()
+        gen_b.close()
+        server.close()
+    assert (first.granted, len(first.deals), other.granted) == (3, 3, 1)
+    assert taken.prompt_id == first.deals[0].prompt_id
+    assert server.rejected == {"unknown_deal": 2}
+    assert [deal.prompt_id for deal in again.deals] == [first.deals[2].prompt_id]
+    metrics = server.metrics()
+    # the valid group was delivered before gen-a left: it is still taken; its undelivered third prompt went back
+    assert metrics["data/filtered/zero_variance"] == 1 and metrics["data/returned/generator_gone"] == 1
+    assert metrics["data/consumed"] == 2 and metrics["buffer/rejected/unknown_deal"] == 2
