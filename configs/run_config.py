@@ -11,7 +11,8 @@ from typing import List, Optional
 
 from asyncrl.algos.config import GROUP_ADVANTAGES, AlgoConfig
 from asyncrl.buffer.config import BufferConfig
-from asyncrl.configs.sections import DataConfig, DemoConfig, EvalConfig, JobConfig, ModelConfig, RewardConfig
+from asyncrl.configs.sections import (DataConfig, DemoConfig, EvalConfig, JobConfig, ModelConfig, RewardConfig,
+                                      RewardServerConfig)
 from asyncrl.generator.config import AgentConfig, EnvConfig, GeneratorConfig, RolloutConfig, ToolsConfig
 from asyncrl.learner.config import LearnerConfig, SFTConfig
 from asyncrl.telemetry.config import TelemetryConfig
@@ -45,6 +46,7 @@ class RunConfig:
     weightsync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    reward_server: RewardServerConfig = field(default_factory=RewardServerConfig)
 
     def __post_init__(self):
         check_sections_agree(self)

@@ -1,5 +1,6 @@
 """Config sections that belong to no single part: the job, the model, the data, the reward and the demo."""
 import math
+import re
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -86,11 +87,18 @@ class RewardFunction:
     """Python file with the function; None: the built-in scorer of the row's data_source."""
     function: str = "compute_score"
     """Name of the function in `path` (verl's signature)."""
+    server: Optional[str] = None
+    """URL of a reward server (`asyncrl reward-server`: a reward model or an LLM judge), e.g.
+    http://127.0.0.1:8700; it scores the prompt and the completion. Instead of `path`."""
 
     def __post_init__(self):
         if not self.name or not all(c.isalnum() or c in "_-." for c in self.name):
             raise ValueError(f"reward.functions: each needs a name of letters, digits, '_', '-' or '.', got "
                              f"{self.name!r}")
+        if self.server is not None and (self.path is not None or not self.server.startswith(("http://",
+                                                                                             "https://"))):
+            raise ValueError(f"reward.functions[{self.name}].server must be an http(s):// URL, and without a path; "
+                             f"got server={self.server!r}, path={self.path!r}")
         if not math.isfinite(self.weight):
             raise ValueError(f"reward.functions[{self.name}].weight must be finite, got {self.weight}")
 
@@ -128,6 +136,68 @@ class RewardConfig:
             raise ValueError(f"reward.overlong_buffer_len must be >= 0, got {self.overlong_buffer_len}")
         if self.overlong_penalty_factor < 0:
             raise ValueError(f"reward.overlong_penalty_factor must be >= 0, got {self.overlong_penalty_factor}")
+
+
+SERVER_KINDS = ("classifier", "judge")
+
+
+@dataclass
+class RewardServerConfig:
+    """`asyncrl reward-server`: a reward model served to the generators (generator/reward_server/)."""
+
+    kind: str = "classifier"
+    """`classifier`: an HF sequence-classification model (one label), its logit the score, batched across
+    requests. `judge`: an LLM run by the generators' engine code, asked `template` and scored by `score_pattern`."""
+    model_path: Optional[str] = None
+    """The reward model or judge (a local directory)."""
+    host: str = "127.0.0.1"
+    port: int = 8700
+    max_batch: int = 32
+    """Most items scored in one forward pass (classifier) or sampled at once (judge)."""
+    batch_wait_s: float = 0.005
+    """How long the first item of a batch waits for others to join it."""
+    max_queue: int = 1024
+    """Items waiting at most; past it a request is refused with 503 and Retry-After (back-pressure, not memory)."""
+    request_timeout_s: float = 30.0
+    """A request not scored within this long is answered 504."""
+    max_length: int = 2048
+    """classifier: tokens of prompt + response scored (the start is cut: the response's end matters most)."""
+    engine: str = "hf"
+    """judge: the engine (`hf` or `vllm`), as a generator's."""
+    dtype: str = "float32"
+    template: str = ("Question: {prompt}\nAnswer: {response}\nReference answer: {ground_truth}\n"
+                     "Rate the answer from 0 to 10. Score:")
+    """judge: the user message the judge answers; {prompt}, {response}, {ground_truth} and {data_source} are filled
+    in (the prompt is the row's last user message)."""
+    score_pattern: str = r"(-?\d+(?:\.\d+)?)"
+    """judge: a regular expression; the first match's first group, times `score_scale`, is the score."""
+    score_scale: float = 0.1
+    unparsed_score: float = 0.0
+    """judge: the score of a verdict the pattern does not match (counted under judge/unparsed)."""
+    max_tokens: int = 16
+    """judge: tokens of the verdict."""
+    temperature: float = 0.0
+    """judge: 0 is greedy."""
+    max_model_len: int = 4096
+    kv_cache_gib: float = 0.5
+    """judge on vLLM (CPU): the KV cache's size, as generator.kv_cache_gib."""
+
+    def __post_init__(self):
+        if self.kind not in SERVER_KINDS:
+            raise ValueError(f"reward_server.kind must be one of {SERVER_KINDS}, got {self.kind!r}")
+        for key in ("max_batch", "max_queue", "max_length", "max_tokens", "max_model_len"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"reward_server.{key} must be >= 1, got {getattr(self, key)}")
+        if not (self.request_timeout_s > 0 and self.batch_wait_s >= 0):
+            raise ValueError("reward_server.request_timeout_s must be > 0 and batch_wait_s >= 0")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"reward_server.port must be a port number, got {self.port}")
+        try:
+            compiled = re.compile(self.score_pattern)
+        except re.error as err:
+            raise ValueError(f"reward_server.score_pattern is not a regular expression: {err}") from None
+        if compiled.groups < 1:
+            raise ValueError("reward_server.score_pattern needs a group around the number, e.g. (\\d+)")
 
 
 @dataclass

@@ -25,7 +25,8 @@ async def evaluate(engine, scorer, tokenizer, rows: list, n: int, temperature: f
             completions = await engine.sample(row.prompt_ids, sampling, n)
             texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
             scores = await asyncio.gather(*(scorer.score(row.data_source, text, row.ground_truth, row.extra_info,
-                                                         prompt_id=row.prompt_id) for text in texts))
+                                                         prompt_id=row.prompt_id, prompt=row.messages)
+                                            for text in texts))
         done += 1
         if on_done is not None:
             on_done(done, len(rows))

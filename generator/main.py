@@ -19,7 +19,8 @@ from asyncrl.generator.agents.tools import ToolLoadError
 from asyncrl.generator.dataset import iterate_prompts, read_rows, tokenize_rows
 from asyncrl.buffer.event_loop import run as run_event_loop
 from asyncrl.generator.engines.base import EngineBroken, EngineUnsupported, make_engine
-from asyncrl.generator.rewards import RewardError, check_builtin_rewards
+from asyncrl.generator.reward_server.client import wait_for_server
+from asyncrl.generator.rewards import RewardError, check_builtin_rewards, uses_builtin_rewards
 from asyncrl.generator.scorers.reasoning_gym_score import reasoning_gym_rows
 from asyncrl.generator.rollout import RolloutLoop
 from asyncrl.generator.scoring import RewardScorer
@@ -95,12 +96,13 @@ async def run_generator_async(cfg, say=print) -> int:
         prompts, data_sources = None, info.get("data_sources")
         if not info.get("deals"):  # a learner without data, or the Redis backend: walk a copy of the dataset
             prompts, data_sources = local_prompts(cfg, info, tokenizer, seed, generator_id)
-        if (cfg.reward.path is None and not cfg.reward.functions) or any(
-                f.path is None for f in cfg.reward.functions):
+        if uses_builtin_rewards(cfg.reward):
             check_builtin_rewards(set(data_sources or ()))
         scorer = RewardScorer(cfg.reward.path, cfg.reward.function, cfg.generator.reward_workers,
                               cfg.reward.timeout_s, source=f"generator {generator_id}", functions=cfg.reward.functions)
         await scorer.start()  # the workers import the reward function while the engine starts
+        for url in scorer.servers:  # a reward server may start after the generators
+            await wait_for_server(url, cfg.generator.connect_timeout_s, say)
         if cfg.weightsync.backend == "engine_push" and cfg.weightsync.engine_transport == "ipc":
             # vLLM's IPC engine decodes the learner's CUDA IPC handles only with this set (they travel pickled
             # through the learner's store, weightsync/engine_push/calls.py); its workers inherit it at start

@@ -58,6 +58,14 @@ def load_reward_fn(path: Optional[str], function: str) -> Callable:
     return fn
 
 
+def uses_builtin_rewards(reward_cfg) -> bool:
+    """Whether some reward is a built-in scorer (no reward.path, or a reward.functions component with neither a path
+    nor a server): then every data_source of the data needs one."""
+    if reward_cfg.functions:
+        return any(f.path is None and f.server is None for f in reward_cfg.functions)
+    return reward_cfg.path is None
+
+
 def check_builtin_rewards(data_sources) -> None:
     """Without reward.path every data_source of the dataset needs a built-in reward: say so at start, not when the
     first group of a missing one is scored."""
@@ -90,18 +98,21 @@ def build_reward_call(path: Optional[str], function: str) -> Callable:
                                                                                ground_truth, extra_info)
 
 
-def build_combined_call(specs: tuple) -> Callable:
-    """What a reward worker runs with reward.functions: `specs` is ((name, weight, path, function), ...); each
-    function is loaded once (path None: the built-in scorer), and a call returns the weighted sum with each
+def build_combined_call(specs: tuple, timeout_s: float = 30.0) -> Callable:
+    """What a reward worker runs with reward.functions: `specs` is ((name, weight, path, function, server), ...);
+    each function is loaded once (path None: the built-in scorer; server: the reward server at that URL, asked
+    about the prompt and the completion within `timeout_s`), and a call returns the weighted sum with each
     component in reward_info as `reward/<name>` (what the learner logs as `reward/<name>/mean`) and each
     function's own entries as `<name>/<key>`. A component that raises fails the whole call, naming it."""
-    loaded = [(name, float(weight), load_reward_fn(path, function)) for name, weight, path, function in specs]
+    loaded = [(name, float(weight), server_reward(server, timeout_s) if server else load_reward_fn(path, function))
+              for name, weight, path, function, server in specs]
 
-    def call(data_source, solution_str, ground_truth, extra_info):
+    def call(data_source, solution_str, ground_truth, extra_info, prompt=None):
         total, info = 0.0, {}
         for name, weight, fn in loaded:
             try:
-                result = fn(data_source, solution_str, ground_truth, extra_info)
+                result = (fn(data_source, solution_str, ground_truth, extra_info, prompt=prompt)
+                          if isinstance(fn, RemoteReward) else fn(data_source, solution_str, ground_truth, extra_info))
                 if inspect.isawaitable(result):  # an async def: this worker process has no loop of its own
                     result = asyncio.run(result)
                 reward, extra = normalize_score(result, data_source)
@@ -113,6 +124,23 @@ def build_combined_call(specs: tuple) -> Callable:
         return total, info
 
     return call
+
+
+class RemoteReward:
+    """A reward.functions component scored by a reward server (generator/reward_server/): it also gets the prompt."""
+
+    def __init__(self, url: str, timeout_s: float):
+        self.url, self.timeout_s = url, timeout_s
+
+    def __call__(self, data_source, solution_str, ground_truth, extra_info, prompt=None) -> dict:
+        from asyncrl.generator.reward_server.client import score_remote
+
+        score, info = score_remote(self.url, prompt, solution_str, data_source, ground_truth, self.timeout_s)
+        return {"score": score, **info}
+
+
+def server_reward(url: str, timeout_s: float) -> RemoteReward:
+    return RemoteReward(url.rstrip("/"), timeout_s)
 
 
 def normalize_score(result, data_source: str) -> tuple[float, dict]:

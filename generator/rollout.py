@@ -304,7 +304,7 @@ class RolloutLoop:
                 return 0.0, {**info, "env_error": 1.0}
             return reward, info
         reward, scored = await self.scorer.score(row.data_source, episode.last_text, row.ground_truth,
-                                                 row.extra_info, prompt_id=row.prompt_id)
+                                                 row.extra_info, prompt_id=row.prompt_id, prompt=row.messages)
         return reward, {**info, **scored}
 
     async def _score(self, row, completion) -> tuple[float, dict]:
@@ -312,7 +312,7 @@ class RolloutLoop:
         reward call that fails scores 0 (the scorer counts it); it never stops the generator."""
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         reward, info = await self.scorer.score(row.data_source, text, row.ground_truth, row.extra_info,
-                                               prompt_id=row.prompt_id)
+                                               prompt_id=row.prompt_id, prompt=row.messages)
         if self.reward_shaping.overlong_buffer_len > 0:
             penalty = overlong_penalty(len(completion.token_ids), self.rollout.max_tokens,
                                        self.reward_shaping.overlong_buffer_len,

@@ -31,12 +31,14 @@ class RewardScorer:
                  functions=()):
         """`functions`: reward.functions (named, weighted components, all run in the worker pool, an async one
         on the worker's own loop); empty: `path` and `function` alone."""
-        specs = tuple((f.name, f.weight, f.path, f.function) for f in functions)
-        for _, _, fn_path, fn_name in specs or ((None, None, path, function),):
-            fn = load_reward_fn(fn_path, fn_name)  # a missing file or function fails here, before any sampling
+        specs = tuple((f.name, f.weight, f.path, f.function, f.server) for f in functions)
+        for _, _, fn_path, fn_name, server in specs or ((None, None, path, function, None),):
+            fn = None if server else load_reward_fn(fn_path, fn_name)  # a missing one fails here, before sampling
         self.timeout_s = timeout_s
+        self.specs = specs
+        self.servers = sorted({server for *_, server in specs if server})
         self.async_fn = fn if not specs and inspect.iscoroutinefunction(fn) else None
-        target = (CallTarget("asyncrl.generator.rewards:build_combined_call", (specs,)) if specs else
+        target = (CallTarget("asyncrl.generator.rewards:build_combined_call", (specs, timeout_s)) if specs else
                   CallTarget("asyncrl.generator.rewards:build_reward_call", (path, function)))
         self.pool = None if self.async_fn else ProcessCallPool(target, workers, timeout_s, name="asyncrl-reward")
         self.failures = RejectionLog(log, "its reward", area=source, verb="scored 0 for")
@@ -47,14 +49,17 @@ class RewardScorer:
         if self.pool is not None:
             await self.pool.start()
 
-    async def score(self, data_source: str, text: str, ground_truth, extra_info, prompt_id: str = "?") \
-            -> tuple[float, dict]:
+    async def score(self, data_source: str, text: str, ground_truth, extra_info, prompt_id: str = "?",
+                    prompt: list | None = None) -> tuple[float, dict]:
+        """`prompt`: the row's chat messages, for reward.functions components scored by a reward server."""
         started = time.monotonic()
         try:
             if self.async_fn is not None:
                 result = await asyncio.wait_for(self.async_fn(data_source, text, ground_truth, extra_info),
                                                 self.timeout_s)
                 return normalize_score(result, data_source)
+            if self.specs:
+                return await self.pool.call(data_source, text, ground_truth, extra_info, prompt)
             return await self.pool.call(data_source, text, ground_truth, extra_info)
         except PoolBroken:
             raise  # not this call's fault: the generator stops and says why

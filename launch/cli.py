@@ -14,6 +14,7 @@ COMMANDS = {
     "generator": "one generator; start as many as you like, whenever you like",
     "sft": "supervised fine-tuning on the learner's stack",
     "eval": "evaluate a checkpoint or an exported model on eval.files and print a table per data source",
+    "reward-server": "serve a reward model (reward_server.kind=classifier) or an LLM judge (judge) to the generators",
 }
 
 
@@ -354,8 +355,23 @@ def cmd_eval(cfg, args) -> int:
     return evaluate_command(cfg, args)
 
 
+def cmd_reward_server(cfg, args) -> int:
+    """Serve until interrupted (Ctrl-C: 130, SIGTERM: 143, as every command); a model it cannot load or a port it
+    cannot bind ends it with 2 and the reason."""
+    from asyncrl.buffer.event_loop import run as run_event_loop
+    from asyncrl.generator.reward_server.app import serve
+    from asyncrl.launch.demo import say_stderr
+
+    try:
+        run_event_loop(serve(cfg.reward_server, say=say_stderr), cfg.generator.event_loop)
+    except (ValueError, OSError) as err:
+        print(f"asyncrl reward-server: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 COMMAND_FUNCS = {"run": cmd_run, "learner": cmd_learner, "generator": cmd_generator, "sft": cmd_sft,
-                 "eval": cmd_eval}
+                 "eval": cmd_eval, "reward-server": cmd_reward_server}
 
 if __name__ == "__main__":
     sys.exit(main())

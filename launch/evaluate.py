@@ -29,14 +29,15 @@ async def run_eval(cfg, model_path: str, say=print) -> dict:
     from asyncrl.generator.engines.base import make_engine
     from asyncrl.generator.evaluation import evaluate
     from asyncrl.generator.main import vllm_placement
-    from asyncrl.generator.rewards import check_builtin_rewards
+    from asyncrl.generator.reward_server.client import wait_for_server
+    from asyncrl.generator.rewards import check_builtin_rewards, uses_builtin_rewards
     from asyncrl.generator.scoring import RewardScorer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     rows, skipped = tokenize_rows(read_rows(cfg.eval.files), tokenizer, cfg.data.max_prompt_tokens)
     if skipped:
         say(f"eval: skipped {skipped} prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
-    if cfg.reward.path is None and (not cfg.reward.functions or any(f.path is None for f in cfg.reward.functions)):
+    if uses_builtin_rewards(cfg.reward):
         check_builtin_rewards({row.data_source for row in rows})
     scorer = RewardScorer(cfg.reward.path, cfg.reward.function, cfg.generator.reward_workers, cfg.reward.timeout_s,
                           source="eval", functions=cfg.reward.functions)
@@ -45,6 +46,8 @@ async def run_eval(cfg, model_path: str, say=print) -> dict:
                          seed=cfg.job.seed, trust_remote_code=cfg.model.trust_remote_code,
                          **vllm_placement(cfg.generator, cfg.model))
     await scorer.start()
+    for url in scorer.servers:
+        await wait_for_server(url, cfg.generator.connect_timeout_s, say)
     try:
         await engine.start()
         step = max(len(rows) // 10, 1)
