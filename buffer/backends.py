@@ -25,12 +25,13 @@ def job_limits(cfg, max_positions: int) -> JobLimits:
 
 
 def make_learner_buffer(cfg, *, vocab_size: int, max_positions: int, config_hash: str, shared_config: dict,
-                        run_info: dict, start_version: int, fresh: bool, dealer=None) -> LearnerBuffer:
+                        run_info: dict, start_version: int, fresh: bool, dealer=None, evals=None) -> LearnerBuffer:
     """The learner's buffer (with its staleness coordinator inside), checking every group against the job's limits.
     With Redis, a fresh start clears what an older run left under the same namespace; a resumed one keeps the
     stream (its unacked groups are still owed training) and moves the version back to the checkpoint's.
     `shared_config` (the learner's shared sections) lets a refused generator say which keys differ. `dealer`
-    (buffer/dealer.py, zmq only) deals the prompts with the admissions."""
+    (buffer/dealer.py, zmq only) deals the prompts with the admissions, `evals` (buffer/eval_rounds.py, zmq only)
+    the evaluation rounds."""
     buffer = cfg.buffer
     limits = job_limits(cfg, max_positions)
     if buffer.backend == "zmq":
@@ -42,7 +43,7 @@ def make_learner_buffer(cfg, *, vocab_size: int, max_positions: int, config_hash
         return ZmqBufferServer(buffer.host, buffer.port, coordinator, vocab_size=vocab_size, config_hash=config_hash,
                                max_message_bytes=buffer.max_message_bytes, queue_groups=buffer.queue_groups,
                                queue_bytes=int(buffer.queue_mb * 2**20), run_info=run_info, limits=limits,
-                               shared_config=shared_config, dealer=dealer)
+                               shared_config=shared_config, dealer=dealer, evals=evals)
     from asyncrl.buffer.redis.conn import check_server, configure_durability, connect
     from asyncrl.buffer.redis.coordinator import RedisCoordinator
     from asyncrl.buffer.redis.reconnect import Reconnecting

@@ -68,6 +68,23 @@ class AdmitReply(Status):
     deals: list = field(default_factory=list)
     """When the learner deals the prompts (buffer/dealer.py): one `DealtPrompt` per grant, the prompt to sample;
     [] when the generator walks its own copy of the dataset (a learner without data, or the Redis backend)."""
+    evals: list = field(default_factory=list)
+    """Held-out prompts to evaluate at a pinned weight version (`EvalTask`s, buffer/eval_rounds.py), beside the
+    grants: they take no admission."""
+
+
+@dataclass
+class EvalTask:
+    """One held-out prompt of an evaluation round: sample it `n` times at `temperature` with the weights of exactly
+    `version`, score it, and send the rewards and lengths back (`GeneratorBuffer.eval_done`)."""
+
+    deal_id: str
+    version: int
+    prompt: object
+    """A `dealer.DealtPrompt`."""
+    n: int
+    temperature: float
+    max_tokens: int
 
 
 @dataclass
@@ -99,8 +116,9 @@ class GeneratorBuffer(Protocol):
     async def hello(self, config_hash: str, timeout_s: float | None = None) -> HelloReply:
         """Join the job; raises GeneratorRefused when the learner's shared-config hash differs."""
 
-    async def admit(self, want: int = 1) -> AdmitReply:
-        """Ask to start up to `want` groups (the staleness budget, buffer/staleness.py)."""
+    async def admit(self, want: int = 1, version: int | None = None) -> AdmitReply:
+        """Ask to start up to `want` groups (the staleness budget, buffer/staleness.py). `version`: the weight
+        version the generator's engine holds, so that evaluation rounds of that version or later can be dealt."""
 
     async def send(self, group_id: str, payload: bytes, deal: str = "") -> SendReply:
         """Deliver one encoded group (buffer/codec.py); idempotent on group_id. `deal`: the id of the dealt prompt
@@ -111,6 +129,10 @@ class GeneratorBuffer(Protocol):
         algo.dynamic_sampling), so their capacity returns now; never more than it holds. `deals`: the dealt
         prompts' ids, and what became of them (`outcome`): `unused` grants go back to the epoch, `zero_variance`
         and `skipped` prompts are consumed (buffer/dealer.py)."""
+
+    async def eval_done(self, deal_id: str, rewards: list | None, lengths: list | None) -> Status:
+        """The result of an `EvalTask`: its n rewards and completion lengths; None, None gives it back (the
+        generator could not sample it at its version)."""
 
     async def report(self, metrics: dict, timeout_s: float | None = None) -> Status:
         """This generator's statistics, for the learner's metrics."""

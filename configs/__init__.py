@@ -8,6 +8,7 @@ from asyncrl.configs.run_config import (  # noqa: F401
     recipe_path,
     shared_hash,
     shared_sections,
+    training_eval_blocker,
     to_dict,
     to_yaml,
 )

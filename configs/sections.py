@@ -202,10 +202,20 @@ class RewardServerConfig:
 
 @dataclass
 class EvalConfig:
-    """Evaluation on held-out prompts (generator/evaluation.py; `asyncrl eval`)."""
+    """Evaluation on held-out prompts: during training on the generator fleet (buffer/eval_rounds.py), and offline
+    (`asyncrl eval`, generator/evaluation.py)."""
 
     files: List[str] = field(default_factory=list)
-    """Parquet files in verl's row format (several data sources welcome: metrics are per data_source)."""
+    """Parquet files in verl's row format (several data sources welcome: metrics are per data_source). The demo
+    (demo.task) evaluates on its held-out split when this is empty."""
+    every_steps: int = 0
+    """Evaluate the weights of every this many versions on the generator fleet while training goes on, logged
+    under eval/<data_source>/... at that step; 0: never during training."""
+    before_train: bool = False
+    """Also evaluate version 0 (the starting weights)."""
+    timeout_s: float = 600.0
+    """An evaluation round not finished within this long is abandoned (eval/rounds_abandoned), in s; the job's
+    end waits at most this long for the last one."""
     n: int = 1
     """Samples per prompt."""
     temperature: float = 0.0
@@ -220,8 +230,10 @@ class EvalConfig:
     def __post_init__(self):
         if self.n < 1:
             raise ValueError(f"eval.n must be >= 1, got {self.n}")
-        if self.temperature < 0 or self.max_tokens < 0:
-            raise ValueError("eval.temperature and eval.max_tokens must be >= 0")
+        if self.temperature < 0 or self.max_tokens < 0 or self.every_steps < 0:
+            raise ValueError("eval.temperature, eval.max_tokens and eval.every_steps must be >= 0")
+        if not self.timeout_s > 0:
+            raise ValueError(f"eval.timeout_s must be > 0, got {self.timeout_s}")
         bad = [k for k in self.k_values if not 1 <= k <= self.n]
         if bad:
             raise ValueError(f"eval.k_values must lie in [1, eval.n={self.n}], got {bad}")

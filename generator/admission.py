@@ -8,8 +8,9 @@ paid its per-step cost for each. Asked for together, the grants of one reply sta
 batch.
 
 Contract of `AdmissionGate.take()`: it returns once this caller holds one admission (which it must later use or
-release), with the prompt the learner dealt for it (buffer/dealer.py; None when the learner deals none); it raises
-what the learner's client raised. It waits on: the learner's reply to the pooled request, and
+release), with the prompt the learner dealt for it (buffer/dealer.py; None when the learner deals none), or with an
+evaluation prompt (an `EvalTask`, buffer/eval_rounds.py, which holds no admission); it raises what the learner's
+client raised. It waits on: the learner's reply to the pooled request, and
 while the learner says no, a backoff (`min_backoff_s` doubling to `max_backoff_s`) cut short when another worker
 starts waiting (it may bring a released admission with it). One request is in flight at a time. A caller cancelled
 while waiting takes nothing with it: a grant that finds its caller gone is released again, with its prompt.
@@ -20,8 +21,9 @@ from collections import deque
 
 class AdmissionGate:
     def __init__(self, client, on_reply, coalesce_s: float = 0.002, min_backoff_s: float = 0.01,
-                 max_backoff_s: float = 0.05):
-        self.client = client  # interface.GeneratorBuffer: admit(want) and release(count)
+                 max_backoff_s: float = 0.05, version_of=lambda: None):
+        self.client = client  # interface.GeneratorBuffer: admit(want, version), release(count), eval_done
+        self.version_of = version_of  # the engine's weight version, told with each request (evaluation rounds)
         self.on_reply = on_reply  # called with every reply (versions, "done", rejections)
         self.coalesce_s = coalesce_s
         """How long the pump waits after waking, so that workers finishing together ask together."""
@@ -34,7 +36,8 @@ class AdmissionGate:
         self._pump: asyncio.Task | None = None
 
     async def take(self):
-        """Wait until this caller holds one admission; returns its dealt prompt (a DealtPrompt) or None."""
+        """Wait until this caller holds one admission or evaluation prompt; returns its dealt prompt (a
+        DealtPrompt), an EvalTask, or None."""
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         self._arrived.set()
@@ -66,13 +69,13 @@ class AdmissionGate:
                 if not want:
                     return
                 self._arrived.clear()
-                reply = await self.client.admit(want)
+                reply = await self.client.admit(want, version=self.version_of())
                 self.requests += 1
                 self.on_reply(reply)
                 granted = max(0, min(int(reply.granted), want))
                 self.granted += granted
-                await self._hand_out(granted, reply.deals)
-                if granted:
+                await self._hand_out(granted, reply.deals, reply.evals)
+                if granted or reply.evals:
                     backoff = self.min_backoff_s
                     continue
                 if reply.done:
@@ -87,9 +90,17 @@ class AdmissionGate:
                     waiter.set_exception(err)
             self._waiters.clear()
 
-    async def _hand_out(self, granted: int, deals: list) -> None:
-        """One admission, with its dealt prompt if any, to each of the oldest `granted` waiters; grants whose caller
-        was cancelled meanwhile go back to the learner, and their prompts to the epoch."""
+    async def _hand_out(self, granted: int, deals: list, evals: list = ()) -> None:
+        """The evaluation prompts first, then one admission, with its dealt prompt if any, to each of the oldest
+        `granted` waiters; grants whose caller was cancelled meanwhile go back to the learner, their prompts to the
+        epoch, and evaluation prompts to their round."""
+        unplaced = list(evals)
+        while unplaced and self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(unplaced.pop(0))
+        for task in unplaced:
+            self.on_reply(await self.client.eval_done(task.deal_id, None, None))
         deals = list(deals)
         handed = 0
         while handed < granted and self._waiters:

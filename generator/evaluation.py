@@ -1,5 +1,5 @@
 """Evaluating a model on held-out prompts: n samples per prompt from an engine, scored by the job's reward, reduced
-to metrics per data source (eval_metrics.py). `asyncrl eval` (launch/evaluate.py) runs it offline on a checkpoint
+to metrics per data source (telemetry/eval_metrics.py). `asyncrl eval` (launch/evaluate.py) runs it offline on a checkpoint
 or an exported model.
 
 Samples come from the same engines and the same reward path as training (generator/engines, generator/scoring.py),
@@ -9,7 +9,7 @@ so an evaluation measures what training optimises; greedy by default (eval.tempe
 import asyncio
 
 from asyncrl.buffer.group import Sampling
-from asyncrl.generator.eval_metrics import eval_metrics
+from asyncrl.telemetry.eval_metrics import eval_metrics
 
 
 async def evaluate(engine, scorer, tokenizer, rows: list, n: int, temperature: float, max_tokens: int, ks: list,

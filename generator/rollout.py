@@ -12,6 +12,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import Counter
 
 import numpy as np
 
@@ -19,7 +20,7 @@ from asyncrl.buffer.codec import encode_group
 from asyncrl.buffer.dealer import DealtPrompt
 from asyncrl.buffer.done import JobEnd
 from asyncrl.buffer.group import Group, Sample, Sampling, new_group_id
-from asyncrl.buffer.interface import Status
+from asyncrl.buffer.interface import EvalTask, Status
 from asyncrl.configs.sections import RewardConfig
 from asyncrl.generator.admission import AdmissionGate
 from asyncrl.generator.agents.episode import PromptTooLong, episodes_to_samples
@@ -30,6 +31,8 @@ from asyncrl.telemetry.timing import BusyClock, idle_fraction
 from asyncrl.weightsync.receiver import WeightSyncError
 
 log = logging.getLogger(__name__)
+KEPT_WEIGHT_MESSAGES = 8
+"""Control messages of recent versions kept, so an evaluation round can load the version it is pinned to."""
 STATS_TIMEOUT_S = 5.0
 """A stats report is informational: waiting longer for its answer would only delay the next one."""
 
@@ -52,6 +55,7 @@ class RolloutStats:
         self.rejected_groups = 0  # groups refused at once (too_large, a malformed batch)
         self.filtered_groups = 0  # zero-variance groups dropped here (algo.dynamic_sampling), never sent
         self.skipped_prompts = 0  # prompts whose episode opening was longer than data.max_prompt_tokens
+        self.eval_prompts = 0  # held-out prompts sampled for the learner's evaluation rounds
         self.episode_counts: list = []  # per episode this window: (turns, tool calls, environment tokens)
         self.pushes = None  # generator/pushed_weights.py PushedWeights, once the learner pushes to this engine
         self._last = (self.started, 0, 0.0)
@@ -69,6 +73,7 @@ class RolloutStats:
             "generator/weight_failures": float(self.weight_failures),
             "generator/rejected_groups": float(self.rejected_groups),
             "generator/filtered_groups": float(self.filtered_groups),
+            "generator/eval_prompts": float(self.eval_prompts),
             "timing/generator/wait_for_weights_s": self.weight_wait_s,
             "timing/generator/idle_frac": idle_fraction(busy - busy_then, now - then),
             **({"reward/mean": float(np.mean(rewards))} if rewards else {}),
@@ -132,8 +137,11 @@ class RolloutLoop:
         self.job_end = JobEnd()
         self._weights_lock = asyncio.Lock()
         self.push_member = None  # weightsync/engine_push member, once a control message names a push
-        self.admission = AdmissionGate(client, self.note_reply)
+        self.admission = AdmissionGate(client, self.note_reply, version_of=lambda: self.engine.version)
         """Every waiting worker's admission in one request, so the grants of a reply are sampled in one batch."""
+        self.weights_by_version: dict = {}  # the last few control messages heard of, for evaluation rounds
+        self.pins: Counter = Counter()  # version -> evaluation prompts being sampled at it
+        self._unpinned = asyncio.Event()
 
     @property
     def done(self) -> bool:
@@ -172,6 +180,9 @@ class RolloutLoop:
         version = reply.weights.get("version", -1)
         if isinstance(version, int) and version > self.latest_weights.get("version", -1):
             self.latest_weights = reply.weights
+            self.weights_by_version[version] = reply.weights
+            for old in sorted(self.weights_by_version)[:-KEPT_WEIGHT_MESSAGES]:
+                del self.weights_by_version[old]
         self.job_end.hear(reply)
         if reply.rejected is not None:  # groups the learner found invalid when it took them (zmq backend)
             log.error("learner rejected %s of this generator's groups since its last reply; the last: %s",
@@ -180,6 +191,9 @@ class RolloutLoop:
     async def _worker(self) -> None:
         while not self.done:
             dealt = await self.admission.take()
+            if isinstance(dealt, EvalTask):
+                await self._evaluate(dealt)
+                continue
             if dealt is None and self.prompts is None:
                 raise RuntimeError("the learner granted an admission without a prompt, but it deals the prompts "
                                    "(the learner and this generator run different asyncrl versions?)")
@@ -198,9 +212,10 @@ class RolloutLoop:
             await self._send(group)
 
     async def ensure_latest_weights(self) -> None:
-        """Load the newest announced version if the engine is behind; one load at a time."""
+        """Load the newest announced version if the engine is behind (while evaluation prompts are pinned to a
+        version, that one instead); one load at a time."""
         async with self._weights_lock:
-            target = self.latest_weights
+            target = self.latest_weights if not self.pins else self.weights_by_version.get(min(self.pins), {})
             if self.push_member is None and target.get("engines") and self.stage is not None:
                 self.push_member, self.stats.pushes = await join_push(
                     target, self.engine, self._weights_lock, lambda: self.latest_weights, self.stage,
@@ -230,6 +245,36 @@ class RolloutLoop:
             if isinstance(err, EngineBroken):
                 raise
             log.error("generator %s: %s; continuing on v%d", self.generator_id, err, self.engine.version)
+
+    async def _evaluate(self, task: EvalTask) -> None:
+        """Sample an evaluation prompt with the weights of exactly its round's version (buffer/eval_rounds.py):
+        the engine is held there, training groups included, until this generator's prompts of that round are done;
+        rounds of later versions wait their turn. A generator already past the version gives the prompt back."""
+        self.pins[task.version] += 1
+        try:
+            while min(self.pins) != task.version:
+                self._unpinned.clear()
+                await self._unpinned.wait()
+            await self.ensure_latest_weights()
+            if self.engine.version != task.version:
+                self.note_reply(await self.client.eval_done(task.deal_id, None, None))
+                return
+            with self.stats.busy:
+                row = task.prompt
+                completions = await self.engine.sample(row.prompt_ids, Sampling(task.temperature, 1.0, -1,
+                                                                                 task.max_tokens), task.n)
+                texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+                scores = await asyncio.gather(*(self.scorer.score(row.data_source, text, row.ground_truth,
+                                                                  row.extra_info, prompt_id=row.prompt_id,
+                                                                  prompt=row.messages) for text in texts))
+            self.stats.eval_prompts += 1
+            self.note_reply(await self.client.eval_done(task.deal_id, [reward for reward, _ in scores],
+                                                        [len(c.token_ids) for c in completions]))
+        finally:
+            self.pins[task.version] -= 1
+            if not self.pins[task.version]:
+                del self.pins[task.version]
+            self._unpinned.set()
 
     async def _sample_group(self, row) -> Group | None:
         sampling = Sampling(self.rollout.temperature, self.rollout.top_p, self.rollout.top_k, self.rollout.max_tokens)

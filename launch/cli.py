@@ -244,6 +244,37 @@ def prompt_loader(cfg, model_path: str, files: list):
     return lambda: load_prompt_rows(cfg.data, cfg.job.seed, model_path, files, cfg.model.trust_remote_code)
 
 
+def eval_prompt_loader(cfg, model_path: str):
+    """The held-out prompts evaluated during training: eval.files, or the demo's held-out split; None when
+    eval.every_steps and eval.before_train are off."""
+    if not (cfg.eval.every_steps or cfg.eval.before_train):
+        return None
+    from asyncrl.configs import training_eval_blocker
+
+    blocker = training_eval_blocker(cfg)
+    if blocker is not None:
+        logging.getLogger(__name__).warning("eval.every_steps is set but this job does not evaluate while training: "
+                                            "%s (asyncrl eval evaluates its checkpoints)", blocker)
+        return None
+    files = list(cfg.eval.files)
+    if not files and cfg.demo.task:
+        from asyncrl.launch.demo import heldout_file
+
+        files = [heldout_file(cfg.demo, cfg.job.seed)]
+    from asyncrl.generator.dataset import DatasetError, read_rows, tokenize_rows
+
+    if not files:
+        raise DatasetError("eval.every_steps is set but there is nothing to evaluate on: set eval.files")
+
+    def load():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+        return tokenize_rows(read_rows(files), tokenizer, cfg.data.max_prompt_tokens)
+
+    return load
+
+
 def cmd_learner(cfg, args) -> int:
     """Parse (done), join the ranks, build and run the learner, close."""
     if args.nproc * args.nnodes > 1 and "LOCAL_RANK" not in os.environ:
@@ -260,7 +291,8 @@ def cmd_learner(cfg, args) -> int:
         model_path, files, job_dir = locate_job(cfg, parallel, resolve_rl_inputs)
         try:
             summary = run_learner(cfg, model_path, files, job_dir, parallel,
-                                  load_prompts=prompt_loader(cfg, model_path, files))
+                                  load_prompts=prompt_loader(cfg, model_path, files),
+                                  load_eval_prompts=eval_prompt_loader(cfg, model_path))
         except (CheckpointError, DatasetError, DealError) as err:  # a checkpoint or data it cannot use
             print(f"asyncrl learner: {err}", file=sys.stderr)
             return 2

@@ -53,6 +53,31 @@ def prepare_demo(demo_cfg, seed: int, say=print) -> tuple[str, list]:
     return model_dir, files
 
 
+HELDOUT_PROMPTS = 128
+"""Prompts of the demo's held-out split (data/test.parquet), none of them in the training set."""
+
+
+def heldout_file(demo_cfg, seed: int) -> str:
+    """The demo's held-out split, made from another seed with the training prompts taken out; written on first
+    use (a cache made before it existed gets it then), under the demo's lock."""
+    root = demo_dir(demo_cfg, seed)
+    path = os.path.join(root, "data", "test.parquet")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(os.path.join(root, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.isfile(path):
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            task = TASKS[demo_cfg.task]
+            seen = {str(row["prompt"]) for row in task.make_rows(demo_cfg.num_prompts, seed)}
+            rows = [row for row in task.make_rows(4 * HELDOUT_PROMPTS, seed + 2_000_003)
+                    if str(row["prompt"]) not in seen][:HELDOUT_PROMPTS]
+            pq.write_table(pa.Table.from_pylist(rows), path + ".tmp")
+            os.replace(path + ".tmp", path)
+    return path
+
+
 def write_dataset(task, path: str, num_prompts: int, seed: int) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -61,7 +61,7 @@ async def run_eval(cfg, model_path: str, say=print) -> dict:
         await scorer.close()
 
 
-METRIC_NAME = re.compile(r"prompts|mean_reward|length/mean|mean@\d+|pass@\d+")
+METRIC_NAME = re.compile(r"prompts|mean_reward|length/mean|mean_at_\d+|pass_at_\d+")
 """What follows `eval/<data_source>/` in eval_metrics' keys (data sources may contain "/" themselves)."""
 
 

@@ -6,7 +6,8 @@ import os
 import time
 
 from asyncrl.buffer.backends import make_learner_buffer
-from asyncrl.buffer.dealer import DealError, PromptDealer
+from asyncrl.buffer.dealer import DealError, PromptDealer, encode_prompt
+from asyncrl.buffer.eval_rounds import EvalRounds, eval_due, first_due
 from asyncrl.configs import flatten, shared_hash, shared_sections, to_yaml
 from asyncrl.learner.checkpoint import CheckpointError
 from asyncrl.learner.model import model_positions
@@ -14,6 +15,7 @@ from asyncrl.learner.objective import resolved_hyperparameters
 from asyncrl.learner.parallel import ParallelState
 from asyncrl.learner.state import LearnerState
 from asyncrl.learner.step_metrics import component_means
+from asyncrl.telemetry.eval_metrics import eval_metrics
 from asyncrl.telemetry.mlflow_logger import MetricsLogger, create_or_attach_run, resolve_tracking_uri
 from asyncrl.telemetry.progress import ProgressDisplay
 from asyncrl.telemetry.timing import share
@@ -27,7 +29,7 @@ DROP_REASONS = ("stale", "zero_variance", "no_baseline", "empty", "poisoned_step
 
 class LearnerHost:
     def __init__(self, cfg, model, model_path: str, train_files: list, job_dir: str, parallel: ParallelState,
-                 state: LearnerState, resumed_from: str | None, load_prompts=None):
+                 state: LearnerState, resumed_from: str | None, load_prompts=None, load_eval_prompts=None):
         self.cfg = cfg
         self.job_dir = job_dir
         self.tracking_uri = resolve_tracking_uri(cfg.telemetry.tracking_uri)
@@ -44,15 +46,19 @@ class LearnerHost:
         self.dealer = self._build_dealer(load_prompts, state.data_cursor)
         if self.dealer is not None:  # generators sample what they are dealt and need no copy of the data
             run_info.update(deals=True, data_sources=self.dealer.data_sources)
+        self.evals = self._build_evals(load_eval_prompts)
         self.buffer = make_learner_buffer(cfg, vocab_size=model.get_input_embeddings().num_embeddings,
                                           max_positions=model_positions(model), config_hash=shared_hash(cfg),
                                           shared_config=shared_sections(cfg), run_info=run_info,
                                           start_version=state.version, fresh=resumed_from is None,
-                                          dealer=self.dealer)
+                                          dealer=self.dealer, evals=self.evals)
+        self.version = state.version  # the newest published; how far training moved on when an evaluation lands
+        self._next_eval = first_due(state.version, cfg.eval.every_steps)
         self.groups_path = os.path.join(job_dir, "trained_groups.jsonl")
         self.progress = ProgressDisplay(cfg.learner.total_steps, os.path.join(job_dir, "progress.jsonl"),
                                         enabled=cfg.telemetry.progress)
         self.rewards: list = []
+        self.eval_history: list = []  # each finished evaluation's metrics, for the summary
         self.rejected: dict = {}  # reason -> groups, as of the last step (for the summary)
         self._step_ended = time.monotonic()  # reset by start(); a step's wall time runs from the previous step's end
         if resumed_from is not None:
@@ -84,6 +90,51 @@ class LearnerHost:
                  f" of {data.epochs}" if data.epochs else "")
         return dealer
 
+    def _build_evals(self, load_eval_prompts) -> EvalRounds | None:
+        """The held-out prompts evaluated on the fleet during training (buffer/eval_rounds.py); None when
+        eval.every_steps and eval.before_train are off or there are no eval prompts."""
+        if load_eval_prompts is None:
+            return None
+        rows, skipped = load_eval_prompts()
+        if skipped:
+            log.warning("learner: %d eval prompts longer than data.max_prompt_tokens are left out", skipped)
+        log.info("learner: evaluating %d held-out prompts every %d steps on the fleet", len(rows),
+                 self.cfg.eval.every_steps)
+        return EvalRounds(rows, [encode_prompt(row) for row in rows], self.cfg.eval.timeout_s)
+
+    def _open_eval_if_due(self, version: int) -> None:
+        """Version 0 with eval.before_train; then the first published version at or past each multiple of
+        eval.every_steps (with weightsync.every_steps > 1 not every multiple is published)."""
+        due, self._next_eval = eval_due(version, self._next_eval, self.cfg.eval.every_steps,
+                                        self.cfg.eval.before_train)
+        if self.evals is not None and due:
+            self.evals.open(version, self.cfg.eval.n, self.cfg.eval.temperature,
+                            self.cfg.eval.max_tokens or self.cfg.rollout.max_tokens)
+
+    def log_finished_evals(self) -> int:
+        """Log each evaluation round that finished since the last call at its own step, with eval/lag_steps (the
+        versions trained since it was asked for); returns how many are still open."""
+        if self.evals is None:
+            return 0
+        for finished in self.evals.finished():
+            metrics = eval_metrics(finished.results, list(self.cfg.eval.k_values), self.cfg.eval.pass_threshold)
+            metrics["eval/lag_steps"] = float(self.version - finished.version)
+            self.metrics_log.log(metrics, step=finished.version)
+            self.eval_history.append({"step": finished.version, **metrics})
+            log.info("learner: evaluation of v%d: mean reward %.4f over %d prompts (landed %d steps later)",
+                     finished.version, metrics["eval/all/mean_reward"], int(metrics["eval/all/prompts"]),
+                     self.version - finished.version)
+        return len(self.evals.open_versions())
+
+    def finish_evals(self) -> None:
+        """At the end of the job: wait (at most eval.timeout_s) for the rounds still open, so the last
+        evaluation is logged too."""
+        deadline = time.monotonic() + self.cfg.eval.timeout_s
+        while self.log_finished_evals() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if self.evals is not None and self.evals.open_versions():
+            log.warning("learner: evaluations of %s did not finish within eval.timeout_s", self.evals.open_versions())
+
     def data_done(self) -> bool:
         """Every prompt of the last epoch (data.epochs) was taken: the job ends with the batch in hand."""
         return self.dealer is not None and self.dealer.exhausted()
@@ -97,6 +148,8 @@ class LearnerHost:
         """Publish `version` and announce it; only then may generators be admitted against it."""
         self.buffer.announce_weights(self.publisher.publish(weights, version, specs))
         self.buffer.set_version(version)
+        self.version = version
+        self._open_eval_if_due(version)
 
     def after_step(self, state: LearnerState, groups: list, collected, metrics: dict) -> None:
         """The step's audit trail, metrics, progress line, and the data cursor the next checkpoint keeps."""
@@ -104,6 +157,9 @@ class LearnerHost:
         if self.dealer is not None:
             state.data_cursor = self.dealer.snapshot()  # between steps: every prompt taken so far is trained
             metrics["data/overlong_filtered"] = float(self.overlong_prompts)
+        if self.evals is not None:
+            self.log_finished_evals()
+            metrics["eval/rounds_abandoned"] = float(self.evals.abandoned)
         buffer_metrics = self.buffer.metrics()
         metrics.update(buffer_metrics)
         prefix = "buffer/rejected/"
@@ -163,6 +219,7 @@ class LearnerHost:
             "rejected": dict(self.rejected),
             "dropped": dict(state.dropped_total),
             "generators": self.buffer.generators(),
+            "eval": self.eval_history,
             "mlflow_tracking_uri": self.tracking_uri,
             "mlflow_run_id": self.run_id,
         }

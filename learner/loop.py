@@ -33,10 +33,11 @@ class TrainingPoisoned(RuntimeError):
 
 
 def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
-                parallel: ParallelState | None = None, load_prompts=None) -> dict | None:
+                parallel: ParallelState | None = None, load_prompts=None, load_eval_prompts=None) -> dict | None:
     """Trains the whole job on this rank; returns the summary on rank 0 (also written to job_dir/summary.json),
     None on the others. `load_prompts()` returns the job's prompt rows and how many were too long; with it, rank 0
-    deals them to the generators (buffer/dealer.py) and the job also ends when data.epochs are trained."""
+    deals them to the generators (buffer/dealer.py) and the job also ends when data.epochs are trained;
+    `load_eval_prompts()` likewise returns the held-out prompts evaluated on the fleet (buffer/eval_rounds.py)."""
     parallel = parallel or ParallelState()
     torch.manual_seed(cfg.learner.seed)
     if cfg.learner.torch_threads:
@@ -48,7 +49,7 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
     state = load_checkpoint(resume_from, model, optimizer, scheduler) if resume_from else LearnerState()
     parts.restore(state)
     host = LearnerHost(cfg, model, model_path, train_files, job_dir, parallel, state, resumed_from=resume_from,
-                       load_prompts=load_prompts) if parallel.is_main else None
+                       load_prompts=load_prompts, load_eval_prompts=load_eval_prompts) if parallel.is_main else None
     acks = AckLedger(host.buffer if host is not None else None, state)
     start_version, status = state.version, "FAILED"
     try:
@@ -64,6 +65,8 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
                                   last=not data_left)
         wait_for_pending_save()
         acks.all_saved()
+        if host is not None:
+            host.finish_evals()
         status = "FINISHED"
     finally:
         if host is not None:

@@ -55,7 +55,7 @@ class RedisBufferClient:
             raise GeneratorRefused(reply.get("error", "refused"), reply.get("shared_config"))
         return HelloReply(**_status(reply), run_info=reply["run_info"])
 
-    async def admit(self, want: int = 1) -> AdmitReply:
+    async def admit(self, want: int = 1, version: int | None = None) -> AdmitReply:
         reply = await self._request("admit", want=want)
         return AdmitReply(**_status(reply), granted=reply["granted"])
 
@@ -68,6 +68,10 @@ class RedisBufferClient:
     async def release(self, count: int = 1, deals: list | None = None, outcome: str = "unused") -> Status:
         """With Redis the learner deals no prompts (buffer/dealer.py), so `deals` is always empty here."""
         return Status(**_status(await self._request("release", count=count)))
+
+    async def eval_done(self, deal_id: str, rewards: list | None, lengths: list | None) -> Status:
+        """With Redis the learner deals no evaluation rounds (buffer/eval_rounds.py): there is nothing to answer."""
+        return Status(weights=self._weights[1])
 
     async def report(self, metrics: dict, timeout_s: float | None = None) -> Status:
         return Status(**_status(await self._request("stats", timeout_s=timeout_s, metrics=metrics)))

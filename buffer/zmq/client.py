@@ -13,23 +13,33 @@ with a drain; a drain stops at EAGAIN, so a spurious one costs a single failed r
 """
 import asyncio
 import itertools
+import logging
 from collections import deque
 
 import zmq
 
-from asyncrl.buffer.dealer import decode_prompt
-from asyncrl.buffer.interface import (AdmitReply, GeneratorRefused, HelloReply, LearnerUnavailable, SendReply,
+from asyncrl.buffer.dealer import DealError, decode_prompt
+from asyncrl.buffer.interface import (AdmitReply, EvalTask, GeneratorRefused, HelloReply, LearnerUnavailable, SendReply,
                                      Status, too_large_reply)
 from asyncrl.buffer.zmq.wire import pack, status_fields, unpack_reply
 
 BATCH_MAX_GROUPS = 16
 """Most groups sent in one message (wire.py); one more than that starts another."""
+log = logging.getLogger(__name__)
 ZERO_COPY_MIN_BYTES = 1 << 20
 """Bodies this large are handed to libzmq without a copy; below it the copy is cheaper than the bookkeeping (a
 zero-copy frame is released through pyzmq's garbage-collector thread, under the GIL). At 64 KB, sending without a
 copy cost the producer 210 us of CPU per group, against 135-150 us with the copy (bench/buffer.py)."""
 SEND_RETRY_S = 0.001
 """How often a send that met a full pipe (the high-water mark) is retried, until the request times out."""
+
+
+def eval_task(entry) -> EvalTask:
+    """[deal id, version, row bytes, n, temperature, max_tokens] (buffer/eval_rounds.py `deal`) as an EvalTask."""
+    if not (isinstance(entry, list) and len(entry) == 6 and isinstance(entry[1], int) and isinstance(entry[3], int)
+            and isinstance(entry[4], (int, float)) and isinstance(entry[5], int)):
+        raise DealError("an evaluation deal must be [id, version, row, n, temperature, max_tokens]")
+    return EvalTask(entry[0], entry[1], decode_prompt(entry[0], entry[2]), entry[3], float(entry[4]), entry[5])
 
 
 class ZmqBufferClient:
@@ -59,13 +69,22 @@ class ZmqBufferClient:
         run_info = reply.get("run_info")
         return HelloReply(**status_fields(reply), run_info=run_info if isinstance(run_info, dict) else {})
 
-    async def admit(self, want: int = 1) -> AdmitReply:
-        reply = await self._request("admit", want=want)
+    async def admit(self, want: int = 1, version: int | None = None) -> AdmitReply:
+        reply = await self._request("admit", want=want, **({"ver": version} if version is not None else {}))
         granted = reply.get("granted") if reply.get("ok") else 0
         deals = reply.get("deals") if reply.get("ok") else None
         deals = [decode_prompt(*deal) if isinstance(deal, list) and len(deal) == 2 else decode_prompt(None, None)
                  for deal in deals] if isinstance(deals, list) else []
-        return AdmitReply(**status_fields(reply), granted=granted if isinstance(granted, int) else 0, deals=deals)
+        evals = reply.get("evals") if reply.get("ok") else None
+        evals = [eval_task(entry) for entry in evals] if isinstance(evals, list) else []
+        return AdmitReply(**status_fields(reply), granted=granted if isinstance(granted, int) else 0, deals=deals,
+                          evals=evals)
+
+    async def eval_done(self, deal_id: str, rewards: list | None, lengths: list | None) -> Status:
+        reply = await self._request("eval", deal=deal_id, rewards=rewards, lengths=lengths)
+        if not reply.get("ok"):
+            log.error("the learner refused an evaluation result: %s", reply.get("error"))
+        return Status(**status_fields(reply))
 
     async def send(self, group_id: str, payload: bytes, deal: str = "") -> SendReply:
         if self.max_message_bytes and len(payload) > self.max_message_bytes:

@@ -22,6 +22,7 @@ import zmq
 from asyncrl.buffer.codec import CodecError, decode_group
 from asyncrl.buffer.dealer import PromptDealer
 from asyncrl.buffer.done import wait_until_told
+from asyncrl.buffer.eval_rounds import EvalRounds
 from asyncrl.buffer.fleet_stats import fleet_metrics
 from asyncrl.buffer.plausibility import JobLimits, check_stats
 from asyncrl.buffer.rejections import RejectionLog
@@ -48,9 +49,10 @@ class ZmqBufferServer:
     def __init__(self, host: str, port: int, coordinator: Coordinator, *, vocab_size: int, config_hash: str,
                  max_message_bytes: int, queue_groups: int, run_info: dict, peer_timeout_s: float = 120.0,
                  queue_bytes: int = 0, limits: JobLimits | None = None, shared_config: dict | None = None,
-                 dealer: PromptDealer | None = None):
+                 dealer: PromptDealer | None = None, evals: EvalRounds | None = None):
         self.coordinator = coordinator
         self.dealer = dealer  # deals the prompts with the admissions (buffer/dealer.py); None: generators walk theirs
+        self.evals = evals  # evaluation rounds dealt beside the admissions (buffer/eval_rounds.py)
         self.vocab_size = vocab_size
         self.config_hash = config_hash
         self.shared_config = shared_config or {}  # told to a generator whose config hash differs (it names keys)
@@ -318,7 +320,12 @@ class ZmqBufferServer:
         if op == "admit":
             want = request.get("want", 1)
             want = want if isinstance(want, int) and want > 0 else 1
-            if self.dealer is None:
+            if self.evals is not None and not self._done:  # at most half: training keeps its share of the fleet
+                reply["evals"] = self.evals.deal(gen, request.get("ver"), max(1, want // 2))
+                want -= len(reply["evals"])
+            if want <= 0:
+                reply["granted"] = 0
+            elif self.dealer is None:
                 reply["granted"] = 0 if self._done else self.coordinator.try_admit(gen, want)
             else:
                 reply["deals"] = [] if self._done else self._deal(gen, want)
@@ -330,6 +337,12 @@ class ZmqBufferServer:
             reply["released"] = self.coordinator.release(gen, count) if isinstance(count, int) and count > 0 else 0
             if self.dealer is not None and request.get("deals"):
                 self.dealer.settle(gen, request["deals"], request.get("outcome"))
+        elif op == "eval":
+            problem = (self.evals.result(gen, request.get("deal"), request.get("rewards"), request.get("lengths"))
+                       if self.evals is not None else "this learner runs no evaluation rounds")
+            if problem is not None:
+                self._rejections.reject("eval_result", gen, problem)
+                reply.update(ok=False, error=problem)
         elif op == "stats":
             problem = check_stats(request.get("metrics"))
             if problem is None:
@@ -423,6 +436,8 @@ class ZmqBufferServer:
     def _expire_peers(self) -> None:
         if self.dealer is not None and self.dealer.expire():
             log.warning("buffer: dealt prompts not delivered within data.deal_timeout_s went back to the epoch")
+        for version in self.evals.expire() if self.evals is not None else ():
+            log.warning("buffer: the evaluation of v%d was not done within eval.timeout_s; abandoned", version)
         now = time.monotonic()
         for gen, seen in list(self.last_seen.items()):
             if now - seen > self.peer_timeout_s:
@@ -438,3 +453,5 @@ class ZmqBufferServer:
             log.warning("buffer: generator %s %s; gave back %d admitted groups", gen, why, held)
         if self.dealer is not None and self.dealer.forget(gen):
             log.warning("buffer: generator %s %s; its dealt prompts went back to the epoch", gen, why)
+        if self.evals is not None:
+            self.evals.forget(gen)

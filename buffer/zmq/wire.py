@@ -3,7 +3,10 @@
 Requests (generator -> learner) carry `op`, `req` (request id), `gen` (generator id) and `wid` (the id of the
 weights control message the generator holds, "" for none):
   hello {config_hash}        -> {version, weights_id, run_info}       # refused if config hashes differ
-  admit {want}               -> {granted, deals, version, weights_id, done}
+  admit {want, ver}          -> {granted, deals, evals, version, weights_id, done}
+                             # ver: the version the generator's engine holds; evals: held-out prompts of the
+                             # evaluation rounds at ver or later, [[id, version, row, n, temperature, max_tokens]]
+                             # (buffer/eval_rounds.py), at most half of `want`, beside the grants
                              # deals: [[deal id, row bytes], ...], one per grant, when the learner deals the
                              # prompts (buffer/dealer.py); absent when it does not
   release {count, deals, outcome} -> {released}                       # admissions it will not deliver (filtered);
@@ -15,6 +18,8 @@ weights control message the generator holds, "" for none):
                              # several groups in one message (`reqs` lists their request ids, `deals` their deal
                              # ids, in frame order;
                              # the header's other fields are the first request's); each result answers its `req`
+  eval {deal, rewards, lengths} -> {}                                 # an evaluation prompt's result; rewards
+                             # and lengths nil give it back
   stats {metrics}            -> {}
   bye                        -> {}
 Every reply carries `req`, `ok`, `weights_id` (of the newest weights), `weights` (their control message) only when
@@ -28,7 +33,7 @@ import msgpack
 
 from asyncrl.buffer.interface import Rejections
 
-OPS = ("hello", "admit", "release", "group", "stats", "bye")
+OPS = ("hello", "admit", "release", "group", "eval", "stats", "bye")
 MAX_HEADER_BYTES = 1 << 20
 
 

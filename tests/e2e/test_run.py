@@ -64,12 +64,23 @@ def inject_garbage(port):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_asyncrl_run_trains_logs_to_mlflow_and_respects_eta(tmp_path, demo_assets, demo_cache):
+    """Also evaluates on the fleet while training: 6 held-out prompts at v0, v4 and v8, each logged at its step."""
+    import pyarrow.parquet as pq
+
+    from asyncrl.configs import load_config
+    from asyncrl.launch.demo import heldout_file
+
     port = free_port()
     job_dir = tmp_path / "job"
     env = {**job_env(tmp_path), "ASYNCRL_JOB_DIR": str(job_dir)}
-    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.launch.cli", "run",
-                             *common_overrides(demo_cache, port, steps=8), *VLLM_OVERRIDES], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    overrides = common_overrides(demo_cache, port, steps=8)
+    cfg = load_config(None, overrides)
+    pq.write_table(pq.read_table(heldout_file(cfg.demo, cfg.job.seed)).slice(0, 6), tmp_path / "heldout.parquet")
+    evaluation = [f"eval.files=[{tmp_path / 'heldout.parquet'}]", "eval.every_steps=4", "eval.before_train=true",
+                  "eval.n=2", "eval.temperature=1.0", "eval.k_values=[1,2]"]
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.launch.cli", "run", *overrides, *VLLM_OVERRIDES,
+                             *evaluation], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     deadline = time.time() + 300
     while not (job_dir / "progress.jsonl").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.5)
@@ -83,6 +94,18 @@ def test_asyncrl_run_trains_logs_to_mlflow_and_respects_eta(tmp_path, demo_asset
     assert max(p["buffer/staleness/max"] for p in progress) <= 1
     assert all(0 <= p["timing/learner/idle_frac"] <= 1 for p in progress)
     assert mlflow_metric_keys(tmp_path, summary["mlflow_run_id"]) >= set(REQUIRED_METRICS)
+    evals = summary["eval"]
+    assert [row["step"] for row in evals] == [0, 4, 8], evals
+    for row in evals:
+        assert row["eval/all/prompts"] == 6 and 0 <= row["eval/asyncrl/sort_digits/pass_at_2"] <= 1
+        assert row["eval/all/pass_at_1"] <= row["eval/all/pass_at_2"] and row["eval/lag_steps"] >= 0
+    from mlflow.tracking import MlflowClient
+
+    history = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_metric_history(summary["mlflow_run_id"],
+                                                                                 "eval/all/mean_reward")
+    assert sorted(point.step for point in history) == [0, 4, 8]  # logged at the version asked for
+    print("evaluation on the fleet:", [(row["step"], round(row["eval/all/mean_reward"], 3), row["eval/lag_steps"])
+                                       for row in evals])
 
 
 def start(role, overrides, tmp_path, job_dir, log_name):

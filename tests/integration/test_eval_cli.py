@@ -20,10 +20,10 @@ def test_asyncrl_eval_prints_a_table_and_the_metrics_of_a_model(tmp_path, demo_a
     lines = proc.stdout.strip().splitlines()
     metrics = json.loads(lines[-1])
     source = rows[0]["data_source"]
-    assert metrics[f"eval/{source}/prompts"] == 6.0 and 0.0 <= metrics[f"eval/{source}/pass@1"] <= \
-        metrics[f"eval/{source}/pass@2"] <= 1.0
-    assert metrics[f"eval/{source}/mean@2"] == metrics[f"eval/{source}/mean_reward"]
-    assert lines[-4].split()[0] == "data_source" and "pass@2" in lines[-4]  # header, the source, all, the JSON
+    assert metrics[f"eval/{source}/prompts"] == 6.0 and 0.0 <= metrics[f"eval/{source}/pass_at_1"] <= \
+        metrics[f"eval/{source}/pass_at_2"] <= 1.0
+    assert metrics[f"eval/{source}/mean_at_2"] == metrics[f"eval/{source}/mean_reward"]
+    assert lines[-4].split()[0] == "data_source" and "pass_at_2" in lines[-4]  # header, the source, all, the JSON
     assert lines[-3].startswith(source) and lines[-2].startswith("all")
 
 

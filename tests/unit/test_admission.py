@@ -22,7 +22,7 @@ class Learner:
         self.answering = asyncio.Event()
         self.answering.set()
 
-    async def admit(self, want=1):
+    async def admit(self, want=1, version=None):
         await self.answering.wait()
         if self.fail is not None:
             raise self.fail
@@ -142,7 +142,7 @@ def test_a_new_waiter_cuts_the_backoff_short():
 
 def test_done_stops_asking_and_close_cancels_the_waiters():
     class Done(Learner):
-        async def admit(self, want=1):
+        async def admit(self, want=1, version=None):
             self.admits.append((want, 0))
             return AdmitReply(done=True, granted=0)
 
@@ -163,7 +163,7 @@ def test_done_stops_asking_and_close_cancels_the_waiters():
 @pytest.mark.parametrize("granted", [-3, 99])
 def test_an_implausible_grant_is_clamped_to_what_was_asked(granted):
     class Odd(Learner):
-        async def admit(self, want=1):
+        async def admit(self, want=1, version=None):
             self.admits.append((want, granted))
             return AdmitReply(granted=granted if not self.admits[1:] else want)
 

@@ -278,7 +278,7 @@ class InlineScorer:
     def error_counts(self):
         return {}
 
-    async def score(self, data_source, text, ground_truth, extra_info, prompt_id="?"):
+    async def score(self, data_source, text, ground_truth, extra_info, prompt_id="?", prompt=None):
         return float(text.strip() == ground_truth), {}
 
 

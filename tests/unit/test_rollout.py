@@ -50,7 +50,7 @@ class InlineScorer:
     def error_counts(self):
         return {}
 
-    async def score(self, data_source, text, ground_truth, extra_info, prompt_id="?"):
+    async def score(self, data_source, text, ground_truth, extra_info, prompt_id="?", prompt=None):
         return score(self.fn, data_source, text, ground_truth, extra_info)
 
 
@@ -154,7 +154,7 @@ class ClosingLearner:
     def __init__(self):
         self.ops = []
 
-    async def admit(self, want=1):
+    async def admit(self, want=1, version=None):
         self.ops.append(("admit", want))
         if len(self.ops) == 1:
             return AdmitReply(done=True, granted=0)
@@ -229,3 +229,45 @@ def test_dynamic_sampling_drops_zero_variance_groups_at_the_generator_and_releas
     finally:
         client.close()
         server.close()
+
+
+class EvalLearner:
+    """Records evaluation results (and prompts given back)."""
+
+    def __init__(self):
+        self.results = []
+
+    async def eval_done(self, deal_id, rewards, lengths):
+        self.results.append((deal_id, rewards, lengths))
+        return Status()
+
+
+def test_an_evaluation_prompt_is_sampled_at_its_version_or_given_back():
+    """At v3 the engine samples a v3 prompt greedily and scores it without shaping; a v2 prompt (the engine is past
+    it) goes back to its round; while a prompt is pinned to v3, the engine is not moved to the newer v5."""
+    from asyncrl.buffer.dealer import DealtPrompt
+    from asyncrl.buffer.interface import EvalTask
+
+    client, engine = EvalLearner(), ScriptedEngine()
+    loop = RolloutLoop(client=client, engine=engine, prompts=None, scorer=InlineScorer(reward_is_nine),
+                       tokenizer=DigitTokenizer(), rollout_cfg=RolloutConfig(n=1, max_tokens=4),
+                       max_inflight_groups=1, generator_id="g",
+                       reward_shaping=RewardConfig(overlong_buffer_len=2, overlong_penalty_factor=5.0))
+    loop.note_reply(Status(weights={"version": 3, "names": []}))
+    loop.note_reply(Status(weights={"version": 5, "names": []}))
+    prompt = DealtPrompt("e1", "t:0", [1], "t", "9", {})
+    loads = []
+
+    async def never_load(target):
+        loads.append(target["version"])
+
+    loop._load = never_load
+
+    async def scenario():
+        await loop._evaluate(EvalTask("e1", 3, prompt, 1, 0.0, 4))
+        await loop._evaluate(EvalTask("e2", 2, prompt, 1, 0.0, 4))
+
+    asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert client.results == [("e1", [1.0], [1]), ("e2", None, None)]  # 9 is right; no overlong shaping
+    assert loads == [] and engine.requests == [(0.0, 1)] and loop.pins == {}
+    assert loop.stats.eval_prompts == 1

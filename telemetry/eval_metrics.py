@@ -20,8 +20,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def eval_metrics(results: list, ks: list, pass_threshold: float, prefix: str = "eval") -> dict:
     """`results`: (data_source, [reward per sample], [length per sample]) per prompt, n samples each.
-    Returns `{prefix}/<data_source>/{mean_reward, pass@k..., mean@n, length/mean, prompts}` and the same over all
-    prompts under `{prefix}/all/`."""
+    Returns `{prefix}/<data_source>/{mean_reward, pass_at_<k>..., mean_at_<n>, length/mean, prompts}` and the same
+    over all prompts under `{prefix}/all/` (pass@k is spelled pass_at_k: MLflow refuses "@" in a metric name)."""
     by_source: dict = {}
     for data_source, rewards, lengths in results:
         by_source.setdefault(data_source, []).append((rewards, lengths))
@@ -32,10 +32,10 @@ def eval_metrics(results: list, ks: list, pass_threshold: float, prefix: str = "
         base = f"{prefix}/{source}"
         metrics[f"{base}/prompts"] = float(len(prompts))
         metrics[f"{base}/mean_reward"] = sum(sum(r) / len(r) for r, _ in prompts) / len(prompts)
-        metrics[f"{base}/mean@{n}"] = metrics[f"{base}/mean_reward"]
+        metrics[f"{base}/mean_at_{n}"] = metrics[f"{base}/mean_reward"]
         metrics[f"{base}/length/mean"] = sum(sum(l) / len(l) for _, l in prompts) / len(prompts)
         for k in ks:
             if k <= n:
-                metrics[f"{base}/pass@{k}"] = sum(
+                metrics[f"{base}/pass_at_{k}"] = sum(
                     pass_at_k(len(r), sum(x >= pass_threshold for x in r), k) for r, _ in prompts) / len(prompts)
     return metrics

@@ -1,0 +1,176 @@
+"""Evaluation rounds dealt to the generator fleet while training goes on (docs/architecture.md §3.7).
+
+A round is the held-out prompts (eval.files) to sample at one weight version v, opened by the learner right after it
+publishes v (every eval.every_steps, and at v = 0 with eval.before_train). Its prompts are dealt with admission
+replies, beside the training grants and never more than half of a request, so training keeps its share of the
+fleet. A round is pinned to v: it is dealt only to a generator whose engine is at v or behind (the admit request says
+which version it holds), and that generator loads exactly v and holds it until its evaluation prompts of v are
+sampled (generator/rollout.py); a generator that finds itself past v gives the prompt back. Results come back per
+prompt (its n rewards and lengths), are checked (a generator is not trusted: finite rewards, n of them, lengths
+within the round's max_tokens, a deal out to it), and when every prompt of a round is in, the learner logs the
+metrics at step v with `eval/lag_steps`, how far training had moved on by then. A round not finished within
+`timeout_s` is abandoned and counted (`eval/rounds_abandoned`), never waited for.
+
+Thread-safe: the zmq server's thread deals and receives results; the learner's thread opens and collects rounds.
+"""
+import itertools
+import math
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EvalRound:
+    version: int
+    n: int
+    temperature: float
+    max_tokens: int
+    deadline: float
+    todo: deque = field(default_factory=deque)  # row indexes not dealt (or given back)
+    out: dict = field(default_factory=dict)  # deal id -> (row index, holder)
+    results: dict = field(default_factory=dict)  # row index -> (rewards, lengths)
+
+
+@dataclass
+class FinishedRound:
+    version: int
+    results: list
+    """(data_source, [reward per sample], [length per sample]) per prompt: telemetry/eval_metrics.py's input."""
+
+
+class EvalRounds:
+    def __init__(self, rows: list, blobs: list, timeout_s: float, clock=time.monotonic):
+        """`rows`: the eval prompts (PromptRow-like: their data_source is used); `blobs`: each encoded for a deal
+        (buffer/dealer.py encode_prompt)."""
+        self.data_sources = [row.data_source for row in rows]
+        self.blobs = blobs
+        self.timeout_s, self.clock = timeout_s, clock
+        self._rounds: dict = {}  # version -> EvalRound, open ones
+        self._finished: list = []
+        self._incarnation = uuid.uuid4().hex[:8]
+        self._serial = itertools.count()
+        self.abandoned = 0
+        self.refused = 0
+        self._lock = threading.Lock()
+
+    def open(self, version: int, n: int, temperature: float, max_tokens: int) -> None:
+        with self._lock:
+            self._rounds[version] = EvalRound(version, n, temperature, max_tokens, self.clock() + self.timeout_s,
+                                              deque(range(len(self.blobs))))
+
+    def deal(self, holder: str, holder_version, want: int) -> list:
+        """Up to `want` prompts of the oldest open rounds at or after `holder_version` (the generator's engine):
+        [[deal id, version, row bytes, n, temperature, max_tokens], ...]."""
+        if not isinstance(holder_version, int) or want < 1:
+            return []
+        out = []
+        with self._lock:
+            for version in sorted(self._rounds):
+                round_ = self._rounds[version]
+                while version >= holder_version and round_.todo and len(out) < want:
+                    index = round_.todo.popleft()
+                    deal_id = f"e{self._incarnation}-{next(self._serial)}"
+                    round_.out[deal_id] = (index, holder)
+                    out.append([deal_id, version, self.blobs[index], round_.n, round_.temperature,
+                                round_.max_tokens])
+        return out
+
+    def result(self, holder: str, deal_id, rewards, lengths) -> str | None:
+        """A prompt's samples scored: None when accepted, else why refused. `rewards` None gives the prompt back
+        (the generator could not pin the round's version)."""
+        with self._lock:
+            round_, index = self._find(deal_id, holder)
+            if round_ is None:
+                self.refused += 1
+                return f"evaluation deal {deal_id!r} is not out to {holder!r}"
+            if rewards is None:
+                del round_.out[deal_id]
+                round_.todo.append(index)
+                return None
+            problem = check_result(rewards, lengths, round_.n, round_.max_tokens)
+            if problem is not None:
+                self.refused += 1
+                del round_.out[deal_id]
+                round_.todo.append(index)  # another generator samples it
+                return problem
+            del round_.out[deal_id]
+            round_.results[index] = ([float(r) for r in rewards], [int(x) for x in lengths])
+            if len(round_.results) == len(self.blobs):
+                del self._rounds[round_.version]
+                self._finished.append(FinishedRound(round_.version, [
+                    (self.data_sources[i], *round_.results[i]) for i in sorted(round_.results)]))
+            return None
+
+    def forget(self, holder: str) -> int:
+        """`holder` left or died: its evaluation prompts go back to their rounds."""
+        returned = 0
+        with self._lock:
+            for round_ in self._rounds.values():
+                for deal_id, (index, owner) in list(round_.out.items()):
+                    if owner == holder:
+                        del round_.out[deal_id]
+                        round_.todo.append(index)
+                        returned += 1
+        return returned
+
+    def expire(self) -> list:
+        """Rounds past their deadline are abandoned; returns their versions."""
+        now = self.clock()
+        with self._lock:
+            late = [version for version, round_ in self._rounds.items() if round_.deadline <= now]
+            for version in late:
+                del self._rounds[version]
+            self.abandoned += len(late)
+        return late
+
+    def finished(self) -> list:
+        """Rounds completed since the last call (FinishedRound each), oldest first."""
+        with self._lock:
+            done, self._finished = self._finished, []
+        return sorted(done, key=lambda round_: round_.version)
+
+    def open_versions(self) -> list:
+        with self._lock:
+            return sorted(self._rounds)
+
+    def _find(self, deal_id, holder: str):
+        if not isinstance(deal_id, str):
+            return None, None
+        for round_ in self._rounds.values():
+            entry = round_.out.get(deal_id)
+            if entry is not None and entry[1] == holder:
+                return round_, entry[0]
+        return None, None
+
+
+def first_due(start_version: int, every: int) -> int | None:
+    """The first version due an evaluation in a learner starting at `start_version` (None: eval.every_steps off). A
+    resumed learner evaluates its start version again if it was due: that round died with the previous learner."""
+    if not every:
+        return None
+    if start_version and start_version % every == 0:
+        return start_version
+    return (start_version // every + 1) * every
+
+
+def eval_due(version: int, next_due: int | None, every: int, before_train: bool) -> tuple[bool, int | None]:
+    """(whether published `version` is evaluated, the next version due): version 0 with eval.before_train, then
+    the first published version at or past each multiple of eval.every_steps (with weightsync.every_steps > 1 not
+    every multiple is published)."""
+    if next_due is not None and version >= next_due:
+        return True, (version // every + 1) * every
+    return version == 0 and before_train, next_due
+
+
+def check_result(rewards, lengths, n: int, max_tokens: int) -> str | None:
+    """Why a prompt's evaluation result is implausible, or None."""
+    if not (isinstance(rewards, list) and isinstance(lengths, list) and len(rewards) == len(lengths) == n):
+        return f"an evaluation result needs {n} rewards and {n} lengths"
+    if not all(isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) for r in rewards):
+        return "evaluation rewards must be finite numbers"
+    if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= max_tokens for x in lengths):
+        return f"evaluation lengths must be integers in [0, {max_tokens}]"
+    return None
