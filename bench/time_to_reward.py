@@ -97,8 +97,10 @@ def run_asyncrl(job_dir: str, seed: int, steps: int, overrides: list) -> None:
     env = {**os.environ, "ASYNCRL_JOB_DIR": job_dir, "HF_HUB_OFFLINE": "1",
            "MLFLOW_TRACKING_URI": os.environ.get("MLFLOW_TRACKING_URI",
                                                  f"sqlite:///{os.path.dirname(job_dir)}/mlflow.db")}
-    # generator reports (idle fraction, the sampled reward) reach the learner's rows every second, unless overridden
-    command = [sys.executable, "-m", "asyncrl.launch.cli", "run", "generator.log_every_s=1", *overrides,
+    # generator reports (idle fraction, the sampled reward) reach the learner's rows every second, unless overridden;
+    # no evaluation rounds (TRL's runs evaluate nothing either), unless overridden
+    command = [sys.executable, "-m", "asyncrl.launch.cli", "run", "generator.log_every_s=1", "eval.every_steps=0",
+               "eval.before_train=false", *overrides,
                f"learner.total_steps={steps}", f"learner.seed={seed}", f"generator.seed={seed}",
                "telemetry.progress=false"]
     check(subprocess.run(command, env=env, capture_output=True, text=True), job_dir)

@@ -261,10 +261,11 @@ def eval_prompt_loader(cfg, model_path: str):
         from asyncrl.launch.demo import heldout_file
 
         files = [heldout_file(cfg.demo, cfg.job.seed)]
-    from asyncrl.generator.dataset import DatasetError, read_rows, tokenize_rows
-
     if not files:
-        raise DatasetError("eval.every_steps is set but there is nothing to evaluate on: set eval.files")
+        logging.getLogger(__name__).warning("eval.every_steps is set but there is nothing to evaluate on (no "
+                                            "eval.files, no demo.task): training goes on without evaluation")
+        return None
+    from asyncrl.generator.dataset import read_rows, tokenize_rows
 
     def load():
         from transformers import AutoTokenizer

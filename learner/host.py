@@ -127,10 +127,10 @@ class LearnerHost:
         return len(self.evals.open_versions())
 
     def finish_evals(self) -> None:
-        """At the end of the job: wait (at most eval.timeout_s) for the rounds still open, so the last
-        evaluation is logged too."""
+        """At the end of the job: wait (at most eval.timeout_s, and only while some generator is alive) for the
+        rounds still open, so the last evaluation is logged too."""
         deadline = time.monotonic() + self.cfg.eval.timeout_s
-        while self.log_finished_evals() and time.monotonic() < deadline:
+        while self.log_finished_evals() and time.monotonic() < deadline and self.buffer.live_generators():
             time.sleep(0.2)
         if self.evals is not None and self.evals.open_versions():
             log.warning("learner: evaluations of %s did not finish within eval.timeout_s", self.evals.open_versions())
