@@ -5,9 +5,9 @@ Two sides, one `typing.Protocol` each, implemented by both backends (`buffer/zmq
 - `LearnerBuffer`, what the learner loop calls: start, take groups (validated), give back the admission of a group
   it will not train, announce published weights and the new version, forget what a checkpoint covers, finish the
   job (the "done" handshake of `buffer/done.py`), metrics, close.
-- `GeneratorBuffer`, what a generator calls: hello, admit, send, report, bye. Every call returns a typed reply (the
-  dataclasses below), never a dict to be read by key: a field a backend forgot is then a TypeError at its source,
-  not a silent `None` in the rollout loop.
+- `GeneratorBuffer`, what a generator calls: hello, admit, release, send, eval_done, report, bye. Every call
+  returns a typed reply (the dataclasses below), never a dict to be read by key: a field a backend forgot is then a
+  TypeError at its source, not a silent `None` in the rollout loop.
 
 `buffer/backends.py` builds the right pair from `buffer.backend`. The exceptions both backends raise live here too,
 so callers never import one backend to catch the other's errors.
