@@ -98,7 +98,8 @@ def smoke_command(steps: int, rehearse: bool, port: int) -> list:
     common = ["demo.task=sort_digits", "demo.sft_steps=0", f"learner.total_steps={steps}", "generator.engine=vllm",
               "rollout.n=4", "rollout.max_tokens=12", "buffer.max_staleness=1", f"buffer.port={port}",
               "learner.checkpoint_every=0", "telemetry.progress=false", "generator.log_every_s=1",
-              "algo.dynamic_sampling=false"]  # an untrained model scores 0 everywhere: every group would be dropped
+              "algo.dynamic_sampling=false",  # an untrained model scores 0 everywhere: every group would be dropped
+              "eval.timeout_s=120"]  # the recipe's held-out evaluation at v0 runs on the fleet too, within budget
     if rehearse:
         return common + ["demo.num_prompts=64", "buffer.groups_per_step=2", "generator.max_inflight_groups=2"]
     return common + ["demo.model_shape=qwen2-0.5b", "demo.num_prompts=2048", "buffer.groups_per_step=16",
