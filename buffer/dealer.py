@@ -6,15 +6,14 @@ admission comes with one row of the dataset (its prompt tokens, data source, gro
 messages), so a generator needs no copy of the data, and every prompt of an epoch is trained exactly once:
 
 - A prompt is in exactly one place: not yet dealt (after the cursor), returned (to be dealt again first), out (held
-  by a generator under a deal id; delivered once its group is in the learner's queue), or consumed (the learner took its group and trained it, or the group was
-  filtered: all its rewards equal under DAPO's dynamic sampling, or its episode could not start).
+  by a generator under a deal id; delivered once its group is in the learner's queue), or consumed (the learner
+  took its group and trained it, or the group was filtered: CONSUME_REASONS).
 - A group comes back with its deal id; the learner accepts it only from the generator it was dealt to, for the
   prompt it was dealt, while the deal is out. Anything else is refused (`unknown_deal`).
 - A prompt goes back to the epoch, counted under `data/returned/<reason>`, when its group is dropped as too stale
-  (or empty, or without a baseline) or rejected as invalid, when its step was poisoned, when the generator holding
-  it leaves or dies before delivering it (a group already in the queue is still taken), when a grant was not used,
-  or when its group is not delivered within `data.deal_timeout_s` (a group arriving after that is refused: its
-  prompt was dealt again).
+  or rejected as invalid, when its step was poisoned, when the generator holding it leaves or dies before
+  delivering it (a group already in the queue is still taken), when a grant was not used, or when its group is not
+  delivered within `data.deal_timeout_s` (a group arriving after that is refused: its prompt was dealt again).
 - The cursor (epoch, position, the returned prompts, and the prompts out at that moment, which a restart deals
   again) is part of the learner's checkpoint. Deal ids carry the dealer's incarnation, so a group dealt before a
   restart is refused after it rather than trained twice.
@@ -37,14 +36,16 @@ STATE_FORMAT = 1
 RECENT_TAKES = 4096
 """Taken deals remembered for `give_back` (collect_batch gives back right after a take; a poisoned step's groups
 are quarantined within the step)."""
-RETURN_REASONS = ("stale", "empty", "no_baseline", "poisoned_step", "failed_step", "rejected", "unused",
-                  "generator_gone", "expired", "restart")
+RETURN_REASONS = ("stale", "poisoned_step", "failed_step", "rejected", "unused", "generator_gone", "expired",
+                  "restart")
 """Why a prompt went back to the epoch; each is a metric, data/returned/<reason>."""
 UNBOUNDED = 1 << 30
 """`available()` without data.epochs: more than any admission asks for."""
-CONSUME_REASONS = ("zero_variance", "skipped")
+CONSUME_REASONS = ("zero_variance", "skipped", "empty", "no_baseline")
 """Why a prompt was consumed without training (data/filtered/<reason>): its group carried no signal (DAPO dynamic
-sampling, on the generator or the learner), or its episode's opening did not fit."""
+sampling, on the generator or the learner), its episode's opening did not fit, or its group came back in a shape
+that sampling it again would likely repeat (no completion token at all; ReMax without its greedy baseline), which
+would otherwise keep the epoch from ever ending."""
 
 
 class DealError(ValueError):
