@@ -71,15 +71,20 @@ def iterate_prompts(rows: list[PromptRow], shuffle: bool, seed: int) -> Iterator
         yield from epoch
 
 
-def load_prompt_rows(data_cfg, seed: int, model_path: str, train_files: list, trust_remote_code: bool = False):
-    """The job's prompts, tokenized with the model's chat template: `data.train_files`, or reasoning-gym's tasks
-    (data.source). Returns (rows, how many were longer than data.max_prompt_tokens). The learner deals these
-    (buffer/dealer.py); `seed` is job.seed, which reasoning-gym's generators are seeded from."""
-    from transformers import AutoTokenizer
-
+def job_rows(data_cfg, seed: int, train_files: list) -> list[dict]:
+    """The job's prompt rows, untokenized: `data.train_files`, or reasoning-gym's tasks (data.source), generated
+    from `seed` (job.seed, the same in every process)."""
     from asyncrl.generator.scorers.reasoning_gym_score import reasoning_gym_rows
 
+    if data_cfg.source == "reasoning_gym":
+        return reasoning_gym_rows(data_cfg.reasoning_gym_tasks, data_cfg.reasoning_gym_size, seed)
+    return read_rows(train_files)
+
+
+def load_prompt_rows(raw_rows: list, model_path: str, max_prompt_tokens: int, trust_remote_code: bool = False):
+    """`raw_rows` tokenized with the model's chat template: (rows, how many were longer than max_prompt_tokens).
+    What the learner deals (buffer/dealer.py) and evaluates during training (buffer/eval_rounds.py)."""
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    raw = (reasoning_gym_rows(data_cfg.reasoning_gym_tasks, data_cfg.reasoning_gym_size, seed)
-           if data_cfg.source == "reasoning_gym" else read_rows(train_files))
-    return tokenize_rows(raw, tokenizer, data_cfg.max_prompt_tokens)
+    return tokenize_rows(raw_rows, tokenizer, max_prompt_tokens)

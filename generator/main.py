@@ -16,12 +16,11 @@ from asyncrl.generator.agents.environment import EnvironmentLoadError
 from asyncrl.generator.agents.mcp_tools import McpServerError
 from asyncrl.generator.agents.openai_agent import AgentLoadError
 from asyncrl.generator.agents.tools import ToolLoadError
-from asyncrl.generator.dataset import iterate_prompts, read_rows, tokenize_rows
+from asyncrl.generator.dataset import iterate_prompts, job_rows, tokenize_rows
 from asyncrl.buffer.event_loop import run as run_event_loop
 from asyncrl.generator.engines.base import EngineBroken, EngineUnsupported, make_engine
 from asyncrl.generator.reward_server.client import wait_for_server
 from asyncrl.generator.rewards import RewardError, check_builtin_rewards, uses_builtin_rewards
-from asyncrl.generator.scorers.reasoning_gym_score import reasoning_gym_rows
 from asyncrl.generator.rollout import RolloutLoop
 from asyncrl.generator.scoring import RewardScorer
 from asyncrl.weightsync.receiver import WeightStage
@@ -159,9 +158,8 @@ async def run_generator_async(cfg, say=print) -> int:
 def local_prompts(cfg, info: dict, tokenizer, seed: int, generator_id: str):
     """This generator's own endless walk over the dataset, when the learner deals no prompts (with Redis), and the
     data sources in it. Shuffled with this generator's seed: not exactly once across the fleet."""
-    raw_rows = (reasoning_gym_rows(cfg.data.reasoning_gym_tasks, cfg.data.reasoning_gym_size, cfg.job.seed)
-                if cfg.data.source == "reasoning_gym" else read_rows(info["train_files"]))
-    rows, skipped = tokenize_rows(raw_rows, tokenizer, cfg.data.max_prompt_tokens)
+    rows, skipped = tokenize_rows(job_rows(cfg.data, cfg.job.seed, info["train_files"]), tokenizer,
+                                  cfg.data.max_prompt_tokens)
     if skipped:
         log.warning("generator %s: skipped %d prompts longer than data.max_prompt_tokens", generator_id, skipped)
     return iterate_prompts(rows, cfg.data.shuffle, seed), sorted({row.data_source for row in rows})

@@ -239,9 +239,10 @@ def prompt_loader(cfg, model_path: str, files: list):
     None for a job without data (its generators are scripted clients that bring their own prompts)."""
     if cfg.data.source != "reasoning_gym" and not files:
         return None
-    from asyncrl.generator.dataset import load_prompt_rows
+    from asyncrl.generator.dataset import job_rows, load_prompt_rows
 
-    return lambda: load_prompt_rows(cfg.data, cfg.job.seed, model_path, files, cfg.model.trust_remote_code)
+    return lambda: load_prompt_rows(job_rows(cfg.data, cfg.job.seed, files), model_path, cfg.data.max_prompt_tokens,
+                                    cfg.model.trust_remote_code)
 
 
 def eval_prompt_loader(cfg, model_path: str):
@@ -265,15 +266,10 @@ def eval_prompt_loader(cfg, model_path: str):
         logging.getLogger(__name__).warning("eval.every_steps is set but there is nothing to evaluate on (no "
                                             "eval.files, no demo.task): training goes on without evaluation")
         return None
-    from asyncrl.generator.dataset import read_rows, tokenize_rows
+    from asyncrl.generator.dataset import load_prompt_rows, read_rows
 
-    def load():
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
-        return tokenize_rows(read_rows(files), tokenizer, cfg.data.max_prompt_tokens)
-
-    return load
+    return lambda: load_prompt_rows(read_rows(files), model_path, cfg.data.max_prompt_tokens,
+                                    cfg.model.trust_remote_code)
 
 
 def cmd_learner(cfg, args) -> int:

@@ -82,7 +82,7 @@ async def wait_for_server(url: str, timeout_s: float, say) -> dict:
                 reply = await client.get("/health")
                 if reply.status_code == 200:
                     return reply.json()
-            except httpx.TransportError:
+            except httpx.TransportError:  # not listening yet: ask again below
                 pass
             if time.monotonic() > deadline:
                 raise RewardError(f"no reward server answered at {url} within {timeout_s:.0f} s (start it with "
