@@ -2,7 +2,8 @@
 
     POST /v1/score   {"items": [{"prompt": str | [{role, content}], "response": str, "data_source"?, "ground_truth"?}]}
                   -> {"scores": [float], "info": [{str: float}]}
-                     400 a malformed request; 503 + Retry-After: the queue is full (back off and ask again);
+                     400 a malformed request; 413 a body over 16 MiB; 503 + Retry-After: the queue is full (back
+                     off and ask again);
                      504 not scored within reward_server.request_timeout_s; 500 the model failed on the batch
     GET  /health  -> {"ok": true, "kind", "model"}       (generators wait for it at start)
     GET  /metrics -> items, batches, mean batch size, queue, refusals, timeouts, unparsed verdicts
@@ -22,6 +23,19 @@ from asyncrl.generator.reward_server.items import BadItem, parse_items
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = "1"
+MAX_BODY_BYTES = 16 << 20
+"""Largest request body read (413 past it): a caller cannot make the server hold more than this per request."""
+
+
+async def read_body(request, limit: int) -> bytes | None:
+    """The body, or None once it passes `limit` bytes (read in chunks: a lying Content-Length changes nothing)."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def build_app(batcher: Batcher, describe: dict, extra_stats=lambda: {}):
@@ -40,8 +54,11 @@ def build_app(batcher: Batcher, describe: dict, extra_stats=lambda: {}):
 
     @app.post("/v1/score")
     async def score(request: Request):
+        body = await read_body(request, MAX_BODY_BYTES)
+        if body is None:
+            return JSONResponse({"error": f"the body is larger than {MAX_BODY_BYTES} bytes"}, 413)
         try:
-            items = parse_items(await request.json(), batcher.max_queue)
+            items = parse_items(json.loads(body), batcher.max_queue)
         except (json.JSONDecodeError, UnicodeDecodeError):
             return JSONResponse({"error": "the body is not JSON"}, 400)
         except BadItem as err:

@@ -91,9 +91,10 @@ def test_the_reward_server_batches_backs_off_and_can_start_after_its_clients(rew
                 flood = await asyncio.gather(*(client.post("/v1/score", json={"items": [
                     {"prompt": "sort:1=", "response": "1"}] * 4}) for _ in range(12)))
                 bad = await client.post("/v1/score", json={"items": [{"prompt": 1}]})
-                return replies, flood, bad, (await client.get("/metrics")).json()
+                huge = await client.post("/v1/score", content=b"[" + b" " * (17 << 20) + b"]")
+                return replies, flood, bad, huge, (await client.get("/metrics")).json()
 
-        replies, flood, bad, metrics = asyncio.run(concurrent())
+        replies, flood, bad, huge, metrics = asyncio.run(concurrent())
     finally:
         stop(proc)
     assert early["score"][0] == pytest.approx(direct_scores(reward_model, [("sort:321=", "123")])[0], abs=1e-5)
@@ -104,6 +105,7 @@ def test_the_reward_server_batches_backs_off_and_can_start_after_its_clients(rew
     assert codes.count(503) >= 1 and codes.count(200) >= 1, codes  # back-pressure, not an unbounded queue
     assert all(r.headers.get("retry-after") == "1" for r in flood if r.status_code == 503)
     assert bad.status_code == 400 and "prompt" in bad.json()["error"]
+    assert huge.status_code == 413  # never read whole
     assert proc.returncode == 143  # SIGTERM ends it as it ends every asyncrl command
     assert "Traceback" not in (tmp_path / f"reward-server-{port}.log").read_text()
 
