@@ -30,8 +30,9 @@ def make_learner_buffer(cfg, *, vocab_size: int, max_positions: int, config_hash
     With Redis, a fresh start clears what an older run left under the same namespace; a resumed one keeps the
     stream (its unacked groups are still owed training) and moves the version back to the checkpoint's.
     `shared_config` (the learner's shared sections) lets a refused generator say which keys differ. `dealer`
-    (buffer/dealer.py, zmq only) deals the prompts with the admissions, `evals` (buffer/eval_rounds.py, zmq only)
-    the evaluation rounds."""
+    (buffer/dealer.py) deals the prompts with the admissions (with Redis it holds the rows and the checkpoint's
+    cursor, and the cursor lives in Redis: buffer/redis/dealing.py; the server's `dealer` is then that one),
+    `evals` (buffer/eval_rounds.py, zmq only) the evaluation rounds."""
     buffer = cfg.buffer
     limits = job_limits(cfg, max_positions)
     if buffer.backend == "zmq":
@@ -46,6 +47,7 @@ def make_learner_buffer(cfg, *, vocab_size: int, max_positions: int, config_hash
                                shared_config=shared_config, dealer=dealer, evals=evals)
     from asyncrl.buffer.redis.conn import check_server, configure_durability, connect
     from asyncrl.buffer.redis.coordinator import RedisCoordinator
+    from asyncrl.buffer.redis.dealing import RedisDealer
     from asyncrl.buffer.redis.reconnect import Reconnecting
     from asyncrl.buffer.redis.server import RedisBufferServer
     from asyncrl.buffer.redis.stream import reset_job
@@ -61,10 +63,12 @@ def make_learner_buffer(cfg, *, vocab_size: int, max_positions: int, config_hash
     coordinator = RedisCoordinator(client, job, buffer.lead_steps, buffer.groups_per_step, buffer.lease_s,
                                    retry=retry)
     coordinator.set_version(start_version, allow_backwards=True)
+    if dealer is not None:  # ready deals for the admissions of the next steps, beyond the staleness window
+        dealer = RedisDealer(client, job, dealer, (buffer.lead_steps + 2) * buffer.groups_per_step, retry=retry)
     return RedisBufferServer(client, options.url, job, coordinator, vocab_size=vocab_size, config_hash=config_hash,
                              max_message_bytes=buffer.max_message_bytes, run_info=run_info,
                              reclaim_idle_s=buffer.reclaim_idle_s, retry=retry, limits=limits,
-                             shared_config=shared_config, stats_ttl_s=buffer.lease_s)
+                             shared_config=shared_config, stats_ttl_s=buffer.lease_s, dealer=dealer)
 
 
 def make_generator_buffer(cfg, generator_id: str) -> GeneratorBuffer:

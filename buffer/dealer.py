@@ -150,6 +150,13 @@ class PromptDealer:
     def size(self) -> int:
         return len(self._blobs)
 
+    def row_blob(self, index: int) -> bytes:
+        """Row `index` of the dataset as a deal carries it (the Redis dealer keeps its ready deals in Redis)."""
+        return self._blobs[index]
+
+    def prompt_id_at(self, index: int) -> str:
+        return self._prompt_ids[index]
+
     # --- the server's side ---------------------------------------------------------------------------------
     def available(self) -> int:
         """Prompts that can be dealt now: the returned ones and the rest of the epochs (endless without

@@ -67,7 +67,7 @@ class AdmitReply(Status):
     """Groups this generator may start now (0: the staleness budget is used up; ask again later)."""
     deals: list = field(default_factory=list)
     """When the learner deals the prompts (buffer/dealer.py): one `DealtPrompt` per grant, the prompt to sample;
-    [] when the generator walks its own copy of the dataset (a learner without data, or the Redis backend)."""
+    [] when the generator walks its own copy of the dataset (a learner without data)."""
     evals: list = field(default_factory=list)
     """Held-out prompts to evaluate at a pinned weight version (`EvalTask`s, buffer/eval_rounds.py), beside the
     grants: they take no admission."""
@@ -144,11 +144,27 @@ class GeneratorBuffer(Protocol):
         """Release sockets and connections (no request is sent)."""
 
 
+class PromptDealing(Protocol):
+    """What the learner asks the prompt dealer that serves a buffer's admissions (buffer/dealer.py in the zmq
+    learner's memory; buffer/redis/dealing.py with the cursor in Redis)."""
+
+    def exhausted(self) -> bool:
+        """Every prompt of the last epoch (data.epochs) was taken: the job ends with the batch in hand."""
+
+    def snapshot(self) -> dict:
+        """The cursor, for the learner's checkpoint (dealer.PromptDealer's format)."""
+
+    def metrics(self) -> dict:
+        """data/* metrics: epoch, dealt, consumed, out, returned and filtered by reason."""
+
+
 class LearnerBuffer(Protocol):
     """The learner's side of the buffer. Called from the learner's thread only; a backend that serves generators
     from a thread of its own (zmq) keeps that thread's state behind these calls."""
 
     endpoint: str
+    dealer: PromptDealing | None
+    """The prompt dealer serving the admissions; None when the generators walk their own copy of the data."""
 
     def start(self) -> None:
         """Begin serving generators."""

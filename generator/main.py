@@ -93,7 +93,7 @@ async def run_generator_async(cfg, say=print) -> int:
 
         tokenizer = AutoTokenizer.from_pretrained(info["model_path"], trust_remote_code=cfg.model.trust_remote_code)
         prompts, data_sources = None, info.get("data_sources")
-        if not info.get("deals"):  # a learner without data, or the Redis backend: walk a copy of the dataset
+        if not info.get("deals"):  # a learner that deals no prompts: walk a copy of the dataset
             prompts, data_sources = local_prompts(cfg, info, tokenizer, seed, generator_id)
         if uses_builtin_rewards(cfg.reward):
             check_builtin_rewards(set(data_sources or ()))
@@ -156,8 +156,8 @@ async def run_generator_async(cfg, say=print) -> int:
 
 
 def local_prompts(cfg, info: dict, tokenizer, seed: int, generator_id: str):
-    """This generator's own endless walk over the dataset, when the learner deals no prompts (with Redis), and the
-    data sources in it. Shuffled with this generator's seed: not exactly once across the fleet."""
+    """This generator's own endless walk over the dataset, when the learner deals no prompts, and the data sources
+    in it. Shuffled with this generator's seed: not exactly once across the fleet."""
     rows, skipped = tokenize_rows(job_rows(cfg.data, cfg.job.seed, info["train_files"]), tokenizer,
                                   cfg.data.max_prompt_tokens)
     if skipped:

@@ -45,13 +45,16 @@ class LearnerHost:
         self.overlong_prompts = 0
         self.dealer = self._build_dealer(load_prompts, state.data_cursor)
         if self.dealer is not None:  # generators sample what they are dealt and need no copy of the data
-            run_info.update(deals=True, data_sources=self.dealer.data_sources)
+            run_info.update(deals=True, data_sources=self.dealer.data_sources,
+                            deal_timeout_s=cfg.data.deal_timeout_s)
         self.evals = self._build_evals(load_eval_prompts)
         self.buffer = make_learner_buffer(cfg, vocab_size=model.get_input_embeddings().num_embeddings,
                                           max_positions=model_positions(model), config_hash=shared_hash(cfg),
                                           shared_config=shared_sections(cfg), run_info=run_info,
                                           start_version=state.version, fresh=resumed_from is None,
                                           dealer=self.dealer, evals=self.evals)
+        if self.dealer is not None:  # with Redis the cursor lives there (buffer/redis/dealing.py)
+            self.dealer = self.buffer.dealer
         self.version = state.version  # the newest published; how far training moved on when an evaluation lands
         self._next_eval = first_due(state.version, cfg.eval.every_steps)
         self.groups_path = os.path.join(job_dir, "trained_groups.jsonl")
@@ -65,16 +68,12 @@ class LearnerHost:
             log.info("learner: resumed from %s at version %d", resumed_from, state.version)
 
     def _build_dealer(self, load_prompts, cursor: dict) -> PromptDealer | None:
-        """The prompts dealt with the admissions (buffer/dealer.py), carrying on from the checkpoint's cursor. None
-        without data (a learner fed by scripted generators) and with Redis, whose generators still walk their own
-        copy of the data (its admission runs in Redis, without the learner)."""
+        """The prompts dealt with the admissions (buffer/dealer.py), carrying on from the checkpoint's cursor (with
+        Redis, from the cursor in Redis; the checkpoint's serves only a Redis that lost it). None without data (a
+        learner fed by scripted generators)."""
         if load_prompts is None:
             return None
         data = self.cfg.data
-        if self.cfg.buffer.backend != "zmq":
-            log.warning("learner: with buffer.backend=redis each generator walks its own shuffle of the prompts; "
-                        "exactly-once dealing (data.epochs) needs the zmq backend for now")
-            return None
         rows, self.overlong_prompts = load_prompts()
         if self.overlong_prompts:
             log.warning("learner: %d prompts longer than data.max_prompt_tokens=%d are left out", self.overlong_prompts,
@@ -140,7 +139,10 @@ class LearnerHost:
         return self.dealer is not None and self.dealer.exhausted()
 
     def start(self) -> None:
-        self.buffer.start()
+        try:
+            self.buffer.start()
+        except DealError as err:  # the Redis cursor belongs to other data
+            raise CheckpointError(str(err)) from None
         self._step_ended = time.monotonic()
         log.info("learner: buffer at %s, MLflow run %s in %s", self.buffer.endpoint, self.run_id, self.tracking_uri)
 

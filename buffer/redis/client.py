@@ -4,7 +4,10 @@ is the same for both backends.
 hello reads the run metadata the learner left in Redis (it answers "not ready" until a learner has started); admit
 runs the Lua admission and keeps the granted leases; group adds the group to the stream and releases one lease in
 the same script; stats and the join record go to hashes beside the metadata; bye releases unused leases. Redis
-calls are synchronous and short, so they run in a worker thread.
+calls are synchronous and short, so they run in a worker thread. When the learner deals the prompts (the hello's
+run info says `deals`), admission hands out a ready deal with each lease in the same script, a group carries its
+deal to DELIVER (refused there unless the deal is out to this generator), and released or abandoned deals go back
+through `dealing.settle_deals` (buffer/redis/dealing.py).
 
 A Redis that stops answering (restarted, network cut) is retried for buffer.redis_reconnect_s (reconnect.py):
 each request is idempotent, so it is resent whole. Its token is fixed before the first try: admission's lease
@@ -20,13 +23,15 @@ import uuid
 
 import redis
 
+from asyncrl.buffer.dealer import decode_prompt
 from asyncrl.buffer.interface import (AdmitReply, GeneratorRefused, HelloReply, LearnerUnavailable, SendReply,
                                      Status, too_large_reply)
 from asyncrl.buffer.redis.conn import redacted
 from asyncrl.buffer.redis.coordinator import RedisCoordinator
+from asyncrl.buffer.redis.dealing import forget_holder, settle_deals
 from asyncrl.buffer.redis.produce import DeliveryBatcher, produce_batch
 from asyncrl.buffer.redis.reconnect import RedisUnavailable, direct
-from asyncrl.buffer.redis.stream import GroupStream
+from asyncrl.buffer.redis.stream import REFUSED, GroupStream
 
 
 class NotRegistered(RuntimeError):
@@ -46,6 +51,9 @@ class RedisBufferClient:
         self.coordinator = RedisCoordinator(client, job, lead, groups_per_step, lease_s)
         self.batcher = DeliveryBatcher(self._send_batch)
         self.leases: list[str] = []
+        self.deal_ms = 0  # > 0 when the learner deals the prompts (data.deal_timeout_s, from the run info)
+        self.reports = 0
+        self.deals_held: dict = {}  # deal ids dealt to this generator and not yet delivered or handed back
         self._weights: tuple[str, dict] = ("", {})  # (weights_id, control message): read again only when it changes
 
     # --- interface.GeneratorBuffer ------------------------------------------------------------------------------
@@ -57,17 +65,19 @@ class RedisBufferClient:
 
     async def admit(self, want: int = 1, version: int | None = None) -> AdmitReply:
         reply = await self._request("admit", want=want)
-        return AdmitReply(**_status(reply), granted=reply["granted"])
+        return AdmitReply(**_status(reply), granted=reply["granted"],
+                          deals=[decode_prompt(deal_id, row) for deal_id, row in reply.get("deals", ())])
 
     async def send(self, group_id: str, payload: bytes, deal: str = "") -> SendReply:
         if self.max_message_bytes and len(payload) > self.max_message_bytes:
             return too_large_reply(len(payload), self.max_message_bytes, self._weights[1])
-        reply = await self._deliver(group_id, payload)
-        return SendReply(**_status(reply), accepted=reply["accepted"], error=reply.get("error", ""))
+        reply = await self._deliver(group_id, payload, deal)
+        return SendReply(**_status(reply), accepted=reply["accepted"], reason=reply.get("reason", ""),
+                         error=reply.get("error", ""))
 
     async def release(self, count: int = 1, deals: list | None = None, outcome: str = "unused") -> Status:
-        """With Redis the learner deals no prompts (buffer/dealer.py), so `deals` is always empty here."""
-        return Status(**_status(await self._request("release", count=count)))
+        return Status(**_status(await self._request("release", count=count, deals=list(deals or ()),
+                                                    outcome=outcome)))
 
     async def eval_done(self, deal_id: str, rewards: list | None, lengths: list | None) -> Status:
         """With Redis the learner deals no evaluation rounds (buffer/eval_rounds.py): there is nothing to answer."""
@@ -92,17 +102,23 @@ class RedisBufferClient:
         except (redis.ConnectionError, redis.TimeoutError, RedisUnavailable) as err:
             raise LearnerUnavailable(f"Redis at {self.endpoint} did not answer {op!r}: {err}") from None
 
-    async def _deliver(self, group_id: str, body: bytes) -> dict:
+    async def _deliver(self, group_id: str, body: bytes, deal: str = "") -> dict:
         """A group goes out with the other in-flight deliveries: one round trip for all (a duplicate adds nothing).
-        Its lease is taken once, so a resend neither loses it nor takes another."""
+        Its lease is taken once, so a resend neither loses it nor takes another. A group whose deal is no longer
+        out to this generator (past data.deal_timeout_s: dealt again) is refused in the same script."""
         if not group_id:
             return {"ok": False, "accepted": False, "version": 0, "weights": {}, "done": False,
                     "error": "a group request needs its group_id (idempotence key)"}
         lease = self.leases.pop(0) if self.leases else ""
         try:
-            reply, _, _ = await self.batcher.deliver((group_id, body, lease))
+            reply, _, result = await self.batcher.deliver((group_id, body, lease, deal))
         except (redis.ConnectionError, redis.TimeoutError, RedisUnavailable) as err:
             raise LearnerUnavailable(f"Redis at {self.endpoint} did not take group {group_id}: {err}") from None
+        self.deals_held.pop(deal, None)
+        if result == REFUSED:
+            return {**reply, "accepted": False, "reason": "unknown_deal",
+                    "error": f"deal {deal!r} is not out to {self.generator_id!r} (past data.deal_timeout_s, its prompt "
+                             f"was dealt again; or never dealt) [unknown_deal]"}
         # the group is in the stream even if the metadata is not (Redis restarted empty): the learner reads it
         return {**reply, "accepted": True}
 
@@ -156,25 +172,42 @@ class RedisBufferClient:
                     f"same recipe and shared overrides")}
             self.client.hsetnx(self.keys["meta"] + ":joins", self.generator_id, json.dumps(
                 {"hello_version": version, "at": time.time()}))
-            return {**reply, "run_info": json.loads(self.client.hget(self.keys["meta"], "run_info") or "{}")}
+            run_info = json.loads(self.client.hget(self.keys["meta"], "run_info") or "{}")
+            if run_info.get("deals"):
+                self.deal_ms = max(1, int(float(run_info.get("deal_timeout_s", 1800)) * 1000))
+                # a process that just joined holds nothing: deals out under this id (a predecessor killed with -9)
+                # go back to the epoch now rather than after data.deal_timeout_s
+                forget_holder(self.client, self.keys, self.generator_id)
+            return {**reply, "run_info": run_info}
         if op == "admit":
-            granted = []
+            granted, deals = [], []
             if not reply["done"]:
-                granted, reply["version"] = self.coordinator.try_admit(self.generator_id, fields.get("want", 1),
-                                                                            request_id=token)
+                granted, reply["version"], deals = self.coordinator.admit_dealt(
+                    self.generator_id, fields.get("want", 1), self.deal_ms, request_id=token)
             self.leases.extend(granted)
-            return {**reply, "granted": len(granted)}
+            self.deals_held.update(dict.fromkeys(deal_id for deal_id, _ in deals))
+            return {**reply, "granted": len(granted), "deals": deals}
         if op == "release":  # leases are interchangeable; a resend after a lost reply removes nothing twice
             leases = self.leases[:max(0, int(fields.get("count", 1)))]
             self.coordinator.release(leases)
             del self.leases[:len(leases)]
+            deals = [deal for deal in fields.get("deals", ()) if deal in self.deals_held]
+            settle_deals(self.client, self.keys, self.generator_id, deals, fields.get("outcome", "unused"))
+            for deal in deals:
+                self.deals_held.pop(deal, None)
             return reply
         if op == "stats":
-            self.client.hset(self.keys["meta"] + ":stats", self.generator_id, json.dumps(fields.get("metrics", {})))
+            # numbered, so that every report differs: the learner tells a live generator from a silent one by
+            # its report changing (no clocks compared), and an idle generator's figures repeat
+            self.reports += 1
+            self.client.hset(self.keys["meta"] + ":stats", self.generator_id, json.dumps(
+                {**fields.get("metrics", {}), "generator/reports": float(self.reports)}))
             return reply
         if op == "bye":
             self.coordinator.release(self.leases)
             self.leases = []
+            settle_deals(self.client, self.keys, self.generator_id, list(self.deals_held), "generator_gone")
+            self.deals_held = {}
             self.client.hdel(self.keys["meta"] + ":stats", self.generator_id)
             return reply
         return {**reply, "ok": False, "error": f"unknown op {op!r}"}

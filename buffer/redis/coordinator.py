@@ -20,11 +20,25 @@ from asyncrl.buffer.redis.reconnect import direct
 from asyncrl.buffer.redis.stream import job_keys
 
 ADMIT = """
--- KEYS[1] version, KEYS[2] started, KEYS[3] leases, KEYS[4] this request's grant record
--- ARGV[1] admission lead (eta by default), ARGV[2] groups_per_step, ARGV[3] want, ARGV[4] now_ms, ARGV[5] lease_ms, ARGV[6] lease prefix
+-- KEYS[1] version, KEYS[2] started, KEYS[3] leases, KEYS[4] this request's grant record; when dealing (dealing.py):
+-- KEYS[5] the ready deals, KEYS[6] the deals out, KEYS[7] their holders, KEYS[8] their rows, KEYS[9] this request's
+-- deals, KEYS[10] the data cursor
+-- ARGV[1] admission lead (eta by default), ARGV[2] groups_per_step, ARGV[3] want, ARGV[4] now_ms, ARGV[5] lease_ms,
+-- ARGV[6] lease prefix; when dealing: ARGV[7] data.deal_timeout_s in ms, ARGV[8] the generator
+-- Returns {granted, version, leases expired, then each deal's id and row when dealing}.
+local dealing = #KEYS >= 10
+local function dealt(out)
+  for _, deal in ipairs(redis.call('LRANGE', KEYS[9], 0, -1)) do
+    table.insert(out, deal)
+    table.insert(out, redis.call('HGET', KEYS[8], deal) or '')
+  end
+  return out
+end
 local prior = redis.call('GET', KEYS[4])
 if prior then
-  return {tonumber(prior), tonumber(redis.call('GET', KEYS[1]) or '0'), 0}
+  local out = {tonumber(prior), tonumber(redis.call('GET', KEYS[1]) or '0'), 0}
+  if dealing then return dealt(out) end
+  return out
 end
 local now = tonumber(ARGV[4])
 local expired = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', now)
@@ -39,12 +53,27 @@ local started = tonumber(redis.call('GET', KEYS[2]) or '0')
 local cap = (tonumber(ARGV[1]) + version + 1) * tonumber(ARGV[2]) - started
 if cap < 0 then cap = 0 end
 local granted = math.min(tonumber(ARGV[3]), cap)
+if dealing then granted = math.min(granted, redis.call('LLEN', KEYS[5])) end
 for i = 1, granted do
   redis.call('ZADD', KEYS[3], now + tonumber(ARGV[5]), ARGV[6] .. ':' .. i)
 end
 redis.call('INCRBY', KEYS[2], granted)
 redis.call('SET', KEYS[4], granted, 'PX', tonumber(ARGV[5]) + 3600000)  -- outlives any resend
-return {granted, version, #expired}
+if not dealing then return {granted, version, #expired} end
+-- deadlines on Redis's clock, which the learner's expiry reads too: machines need not agree on the time
+local time = redis.call('TIME')
+local deadline = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000) + tonumber(ARGV[7])
+for i = 1, granted do
+  local deal = redis.call('LPOP', KEYS[5])
+  redis.call('ZADD', KEYS[6], deadline, deal)
+  redis.call('HSET', KEYS[7], deal, ARGV[8])
+  redis.call('RPUSH', KEYS[9], deal)
+end
+if granted > 0 then
+  redis.call('PEXPIRE', KEYS[9], tonumber(ARGV[5]) + 3600000)
+  redis.call('HINCRBY', KEYS[10], 'dealt', granted)
+end
+return dealt({granted, version, #expired})
 """
 
 GIVE_BACK = """
@@ -88,12 +117,25 @@ class RedisCoordinator:
                   request_id: str = "") -> tuple[list[str], int]:
         """(lease ids granted, the version now); each lease admits one group until it is delivered or expires.
         A resend with the same `request_id` (after a lost reply) gets the same leases and counts nothing twice."""
+        leases, version, _ = self.admit_dealt(generator_id, want, 0, now_ms, request_id)
+        return leases, version
+
+    def admit_dealt(self, generator_id: str, want: int, deal_ms: int, now_ms: int | None = None,
+                    request_id: str = "") -> tuple[list[str], int, list]:
+        """try_admit, and with `deal_ms` > 0 (the learner deals the prompts: dealing.py) each grant comes with a
+        ready deal, out to `generator_id` for `deal_ms`: (lease ids, version, [[deal id, row bytes], ...]). Never
+        more grants than deals are ready. A resend gets the same leases and the same deals."""
         prefix = request_id or f"{generator_id}:{uuid.uuid4().hex[:12]}"
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-        granted, version, _ = self.retry("admission", self._admit, keys=[
-            self.keys["version"], self.keys["started"], self.keys["leases"], self.keys["grant"] + prefix],
-            args=[self.lead, self.groups_per_step, max(0, int(want)), now_ms, self.lease_ms, prefix])
-        return [f"{prefix}:{i}" for i in range(1, int(granted) + 1)], int(version)
+        keys = [self.keys["version"], self.keys["started"], self.keys["leases"], self.keys["grant"] + prefix]
+        args = [self.lead, self.groups_per_step, max(0, int(want)), now_ms, self.lease_ms, prefix]
+        if deal_ms > 0:
+            keys += [self.keys["data_ready"], self.keys["data_out"], self.keys["data_holder"], self.keys["data_row"],
+                     self.keys["grant"] + prefix + ":deals", self.keys["data_cursor"]]
+            args += [int(deal_ms), generator_id]
+        granted, version, _, *flat = self.retry("admission", self._admit, keys=keys, args=args)
+        deals = [[deal.decode(), row] for deal, row in zip(flat[::2], flat[1::2])]
+        return [f"{prefix}:{i}" for i in range(1, int(granted) + 1)], int(version), deals
 
     def give_back(self, count: int = 1, token: str = "") -> int:
         """Admitted groups that will never be trained (stale, rejected, dead-lettered) free their capacity. A

@@ -13,13 +13,13 @@ from asyncrl.buffer.redis.stream import GroupStream
 
 
 def produce_batch(client, stream: GroupStream, deliveries: list, fields: tuple = ("done",)) -> tuple:
-    """deliveries: (group_id, payload, lease_id). Returns (the run metadata's `fields`, as HMGET returns them;
-    version; [entry id, or None for a group delivered before, per delivery])."""
+    """deliveries: (group_id, payload, lease_id, deal id). Returns (the run metadata's `fields`, as HMGET returns
+    them; version; [entry id, None for a group delivered before, or stream.REFUSED, per delivery])."""
     pipe = client.pipeline(transaction=True)
     pipe.hmget(stream.keys["meta"], *fields)
     pipe.get(stream.keys["version"])
-    for group_id, payload, lease_id in deliveries:
-        stream.add(pipe, group_id, payload, lease_id)
+    for group_id, payload, lease_id, *deal in deliveries:
+        stream.add(pipe, group_id, payload, lease_id, *deal)
     meta, version, *replies = pipe.execute()
     return meta, int(version or 0), stream.settle(replies)
 

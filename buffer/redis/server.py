@@ -10,6 +10,10 @@ Through a Redis restart (reconnect.py) the server keeps two sets so no group is 
 entries it has read and not yet acked (skipped when the pending list is re-read after a reconnect, and kept from
 XAUTOCLAIM by touching them), and the most recent acked ones (skipped and acked again, should an ack have been lost
 with the server's last writes).
+
+When the learner deals the prompts (`dealer`, dealing.py), every entry answers a deal that DELIVER checked as out
+to its producer; the learner checks the group against it (the same deal in its meta, the dealt prompt), holds it
+while training, and consumes it with the ack, or returns its prompt to the epoch when it gives the group back.
 """
 import json
 import logging
@@ -37,8 +41,9 @@ class RedisBufferServer:
     def __init__(self, client, url: str, job: str, coordinator, *, vocab_size: int, config_hash: str,
                  max_message_bytes: int, run_info: dict, reclaim_idle_s: float = 60.0, read_count: int = 64,
                  retry=direct, limits: JobLimits | None = None, shared_config: dict | None = None,
-                 stats_ttl_s: float = 120.0):
+                 stats_ttl_s: float = 120.0, dealer=None):
         self.client = client
+        self.dealer = dealer  # dealing.RedisDealer, or None: the generators walk their own copy of the data
         self.retry = retry
         self.coordinator = coordinator
         self.vocab_size = vocab_size
@@ -46,6 +51,7 @@ class RedisBufferServer:
         self.limits = limits
         self.shared_config = shared_config or {}  # in the metadata: a refused generator names the keys that differ
         self.stats_ttl_s = stats_ttl_s
+        self._next_hearing = 0.0
         self._stats_seen: dict = {}  # generator -> (its last raw report, when it last changed, its parse or None)
         self.max_message_bytes = max_message_bytes
         self.run_info = dict(run_info)
@@ -56,11 +62,11 @@ class RedisBufferServer:
         self.endpoint = f"{redacted(url)} (job {job})"
         self._rejections = RejectionLog(log, "group entry")
         self.dropped_future = 0
-        self._held_admission: OrderedDict = OrderedDict()  # group id -> (entry id, it held a lease), recent takes
+        self._held_admission: OrderedDict = OrderedDict()  # group id -> (entry id, held a lease, deal), recent takes
         self.received = 0
         self.joins: dict[str, dict] = {}
         self._ready: deque = deque()  # (entry id, Group) read but not yet taken
-        self.taken_entries: list = []  # entry ids of groups handed to the learner, not yet acked
+        self.taken_entries: list = []  # (entry id, deal id) of groups handed to the learner, not yet acked
         self.held: set = set()  # entry ids read (ready or taken) and not yet acked
         self._acked: OrderedDict = OrderedDict()  # recently acked entry ids, oldest first
         self.redelivered = 0  # entries delivered again that this learner already held or acked (skipped)
@@ -75,6 +81,8 @@ class RedisBufferServer:
     def start(self) -> None:
         self.stream.ensure_group()
         self._write_meta()
+        if self.dealer is not None:
+            self.dealer.start()
 
     def _write_meta(self, retry=None) -> None:
         """Everything a generator needs, in one hash; idempotent, so it is simply rewritten after a reconnect."""
@@ -101,6 +109,10 @@ class RedisBufferServer:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
+            if self.dealer is not None:
+                self._hear_generators()
+                self.dealer.tick(last_heard={gen: seen[1] for gen, seen in self._stats_seen.items()},
+                                 silence_s=self.stats_ttl_s)
             try:
                 entries = self._reclaim_due() or self.stream.read(self.read_count, max(1, int(remaining * 1000)),
                                                                   held=frozenset(self.held))
@@ -112,6 +124,7 @@ class RedisBufferServer:
                 self.retry("rebuilding the lost stream", self._after_reconnect)
                 continue
             version = self._version() if entries else 0
+            places = self.dealer.places([e.deal.decode(errors="replace") for e in entries]) if self.dealer else {}
             for entry in entries:
                 if entry.entry_id in self.held:  # re-read after a reconnect: already ours
                     self.redelivered += 1
@@ -120,11 +133,53 @@ class RedisBufferServer:
                     self.stream.ack([entry.entry_id])
                 else:
                     group = self._decode(entry, version)
-                    if group is not None:
+                    if group is not None and self._dealt(entry, group, places):
                         self._accept(entry, group)
         entry_id, group = self._ready.popleft()
-        self.taken_entries.append(entry_id)
+        self.taken_entries.append((entry_id, group.meta.get("deal", "") if self.dealer is not None else ""))
         return group
+
+    def _hear_generators(self) -> None:
+        """Read the generators' reports often enough (a quarter of stats_ttl_s, at most once a second) that the
+        dealer never takes a live generator for a silent one while the learner waits for a batch."""
+        now = time.monotonic()
+        if now >= self._next_hearing:
+            self._next_hearing = now + max(1.0, self.stats_ttl_s / 4)
+            self.generator_stats  # noqa: B018 - refreshes _stats_seen
+
+    def _dealt(self, entry, group, places: dict) -> bool:
+        """Without a dealer, True. With one: the group answers the deal its entry carries (DELIVER checked it was
+        out to the producer) for the prompt dealt. A deal already resolved (its group given back or quarantined
+        before a restart) is acked and skipped; anything else wrong is dead-lettered as unknown_deal, its prompt
+        going back to the epoch."""
+        if self.dealer is None:
+            return True
+        deal = entry.deal.decode(errors="replace")
+        if not deal:
+            self._give_back_entry(entry)
+            self._dead_letter(entry, "unknown_deal", f"group {group.group_id}: the learner deals the prompts and "
+                                                     f"this group answers no deal [unknown_deal]")
+            return False
+        if deal in self.dealer.held or places.get(deal) == "out":  # an entry added past DELIVER: never trained
+            self._dead_letter(entry, "unknown_deal", f"group {group.group_id}: deal {deal!r} is "
+                                                     f"{'already held' if deal in self.dealer.held else 'undelivered'}"
+                                                     f" [unknown_deal]")
+            return False
+        place = places.get(deal)
+        if place is None:  # resolved while this entry was pending: its lease and prompt were dealt with then
+            self.stream.ack([entry.entry_id])
+            self.dealer.skipped_resolved += 1
+            return False
+        if group.meta.get("deal") != deal:
+            problem = f"its entry answers deal {deal!r}, its meta {group.meta.get('deal')!r}"
+        elif self.dealer.prompt_id(place) != group.prompt_id:
+            problem = f"deal {deal!r} was for prompt {self.dealer.prompt_id(place)!r}, not {group.prompt_id!r}"
+        else:
+            self.dealer.hold(deal, place)
+            return True
+        self._give_back_entry(entry)
+        self._dead_letter(entry, "unknown_deal", f"group {group.group_id}: {problem} [unknown_deal]")
+        return False
 
     def _version(self) -> int:
         """The learner's version: the one it set itself (the learner is the version's only writer, so no round
@@ -152,7 +207,7 @@ class RedisBufferServer:
             group = decode_group(entry.payload, vocab_size=self.vocab_size, max_version=version,
                                  max_message_bytes=self.max_message_bytes, limits=self.limits)
         except CodecError as err:
-            self._give_back_entry(entry)
+            self._give_back_entry(entry, "stale" if err.reason == "future_version" else "rejected")
             if err.reason == "future_version":  # the codec says this last: everything else is valid
                 self.stream.ack([entry.entry_id])
                 self.dropped_future += 1
@@ -167,15 +222,18 @@ class RedisBufferServer:
         return group
 
     def _poisoned(self, entry, deliveries: int) -> None:
-        """An entry no learner got through (each read of it ended in a crash) was dead-lettered by the stream."""
-        self._give_back_entry(entry)
+        """An entry no learner got through (each read of it ended in a crash) goes to the dead-letter stream."""
+        self._give_back_entry(entry, "poisoned_step")
         self._rejections.reject("max_deliveries", entry.producer.decode(errors="replace") or "an unnamed writer",
                                 f"entry {entry.entry_id.decode()} was delivered {deliveries} times and never acked")
 
-    def _give_back_entry(self, entry) -> None:
+    def _give_back_entry(self, entry, reason: str = "rejected") -> None:
         """Before the entry goes: a group that held an admission (it released a lease when it was added) returns
-        it; one sent without asking never took one."""
-        if entry.lease:
+        it; one sent without asking never took one. Its dealt prompt goes back to the epoch, with the lease in
+        one script (a resend returns nothing twice)."""
+        if self.dealer is not None and entry.deal:
+            self.dealer.resolve("return", reason, [(entry.deal.decode(errors="replace"), bool(entry.lease))])
+        elif entry.lease:
             self.coordinator.give_back(1, token=entry.entry_id.decode())
 
     def _dead_letter(self, entry, reason: str, error: str) -> None:
@@ -190,18 +248,21 @@ class RedisBufferServer:
     def _accept(self, entry, group) -> None:
         self.received += 1
         self.held.add(entry.entry_id)
-        self._held_admission[group.group_id] = (entry.entry_id, bool(entry.lease))
+        self._held_admission[group.group_id] = (entry.entry_id, bool(entry.lease), entry.deal.decode(errors="replace"))
         while len(self._held_admission) > RECENT_TAKES:
             self._held_admission.popitem(last=False)
         if group.generator_id not in self.joins:  # only its first group counts; skip the scan for the rest
             self.joins[group.generator_id] = {"first_group_min_version": group.min_version()}
         self._ready.append((entry.entry_id, group))
 
-    def ack(self, entry_ids: list) -> int:
-        """Acknowledge trained groups (call only once a checkpoint covering them is written), then trim what every
-        reader is done with."""
+    def ack(self, entry_ids: list, deal_ids: list = ()) -> int:
+        """Acknowledge trained groups (call only once a checkpoint covering them is written), consuming their deals
+        in the same transaction, then trim what every reader is done with."""
         entry_ids = [e if isinstance(e, bytes) else e.encode() for e in entry_ids]
-        acked = self.stream.ack(entry_ids)
+        if self.dealer is not None:
+            acked = self.dealer.ack_and_consume(entry_ids, [deal for deal in deal_ids if deal])
+        else:
+            acked = self.stream.ack(entry_ids)
         for entry_id in entry_ids:
             self.held.discard(entry_id)
             self._acked[entry_id] = None
@@ -215,15 +276,19 @@ class RedisBufferServer:
 
     def give_back(self, group, reason: str = "stale") -> None:
         """A taken group the learner will not train: its admission frees capacity if it held one (idempotent on its
-        group id). `reason` is for a dealer's accounting; with Redis the generators walk the data themselves."""
-        _, leased = self._held_admission.pop(group.group_id, (None, False))
-        if leased:
+        group id). Its dealt prompt goes back to the epoch, or stays consumed when `reason` filtered it."""
+        _, leased, deal = self._held_admission.pop(group.group_id, (None, False, ""))
+        if self.dealer is not None and deal:
+            self.dealer.give_back(deal, leased, reason)
+        elif leased:
             self.coordinator.give_back(1, token=group.group_id)
 
     def quarantine(self, groups: list, reason: str) -> None:
         for group in groups:
-            entry_id, leased = self._held_admission.pop(group.group_id, (None, False))
-            if leased:
+            entry_id, leased, deal = self._held_admission.pop(group.group_id, (None, False, ""))
+            if self.dealer is not None and deal:  # before the entry goes (dealing.py)
+                self.dealer.resolve("return", reason, [(deal, leased)])
+            elif leased:
                 self.coordinator.give_back(1, token=group.group_id)
             if entry_id is None:  # taken too long ago to be known: it is acked with its step's checkpoint
                 self._rejections.reject(reason, group.generator_id, f"group {group.group_id} poisoned a step")
@@ -241,13 +306,19 @@ class RedisBufferServer:
         self.coordinator.set_version(version)
 
     def take_receipts(self) -> list[str]:
-        """The stream entries of the groups taken since the last call: acked once a checkpoint covers them."""
-        receipts = [entry.decode() for entry in self.taken_entries]
+        """The stream entries of the groups taken since the last call, each with its deal ("<entry>|<deal>"):
+        acked, and their deals consumed, once a checkpoint covers them."""
+        receipts = [f"{entry.decode()}|{deal}" if deal else entry.decode() for entry, deal in self.taken_entries]
         self.taken_entries.clear()
         return receipts
 
     def on_checkpoint(self, receipts: list[str]) -> None:
-        self.ack(receipts)
+        entries, deals = [], []
+        for receipt in receipts:
+            entry, _, deal = receipt.partition("|")
+            entries.append(entry)
+            deals.append(deal)
+        self.ack(entries, deals)
 
     def finish(self, grace_s: float) -> list[str]:
         """The done flag stays in Redis (buffer/done.py): a generator reads it whenever it next asks; nobody waits."""
@@ -264,6 +335,8 @@ class RedisBufferServer:
                "buffer/redis/outages": float(self.retry.outages),  # lost and reconnected
                "buffer/redis/redelivered": float(self.redelivered),  # re-read after a reconnect, skipped
                "buffer/redis/duplicates": float(self.duplicates)}  # resent deliveries dropped on arrival
+        if self.dealer is not None:
+            out.update(self.dealer.metrics())
         stats = self.generator_stats  # read first: a bad report it refuses is counted below
         for reason, count in self.rejected.items():
             out[f"buffer/rejected/{reason}"] = float(count)

@@ -44,21 +44,45 @@ LEASE = b"l"
 admission back only if it held one."""
 PRODUCER = b"p"
 """The generator id of the client that added the entry: a group must carry it (one identity)."""
+DEAL = b"d"
+"""The dealt prompt the group answers ('' when the learner deals none; dealing.py): DELIVER accepted it as out to
+the producer, and the learner resolves it even when the payload cannot be decoded."""
+REFUSED = "!deal"
+"""DELIVER's answer for a group whose deal is not out to its producer (expired and dealt again, never dealt, or
+already delivered): the entry is deleted and its lease given back."""
 DEAD_LETTER_PAYLOAD_BYTES = 64 << 10
 DELIVER = """
--- KEYS[1] the group's mark, KEYS[2] leases, KEYS[3] started, KEYS[4] the stream, KEYS[5] the duplicates count;
--- ARGV[1] this attempt's token, ARGV[2] mark ttl (s), ARGV[3] lease id ('' for none). Runs right after this
--- attempt's XADD in one MULTI. Returns the first attempt's token if the group was delivered before (and deletes
--- this attempt's entry), else false.
-local first = redis.call('GET', KEYS[1])
-if first then
-  -- this attempt's entry (fields g, payload, a, token) is the stream's last one
+-- KEYS[1] the group's mark, KEYS[2] leases, KEYS[3] started, KEYS[4] the stream, KEYS[5] the duplicates count,
+-- KEYS[6] the deals out, KEYS[7] the deals' holders, KEYS[8] the data cursor (dealing.py);
+-- ARGV[1] this attempt's token, ARGV[2] mark ttl (s), ARGV[3] lease id ('' for none), ARGV[4] deal id ('' for
+-- none), ARGV[5] the producer. Runs right after this attempt's XADD in one MULTI. Returns the first attempt's token
+-- if the group was delivered before, the refusal marker if its deal is not out to the producer (deleting this
+-- attempt's entry either way), else false.
+local function drop_this_attempt()
+  -- this attempt's entry (fields g, payload, a, token, ...) is the stream's last one
   local last = redis.call('XREVRANGE', KEYS[4], '+', '-', 'COUNT', 1)[1]
   if last and last[2][4] == ARGV[1] then
     redis.call('XDEL', KEYS[4], last[1])
-    redis.call('INCR', KEYS[5])
+    return true
   end
+  return false
+end
+local first = redis.call('GET', KEYS[1])
+if first then
+  if drop_this_attempt() then redis.call('INCR', KEYS[5]) end
   return first
+end
+if ARGV[4] ~= '' then
+  if redis.call('HGET', KEYS[7], ARGV[4]) ~= ARGV[5] or redis.call('ZREM', KEYS[6], ARGV[4]) == 0 then
+    drop_this_attempt()
+    if ARGV[3] ~= '' and redis.call('ZREM', KEYS[2], ARGV[3]) == 1 then
+      local left = tonumber(redis.call('GET', KEYS[3]) or '0') - 1
+      if left < 0 then left = 0 end
+      redis.call('SET', KEYS[3], left)
+    end
+    redis.call('HINCRBY', KEYS[8], 'refused', 1)
+    return '!deal'
+  end
 end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
 if ARGV[3] ~= '' and redis.call('ZREM', KEYS[2], ARGV[3]) == 0 then
@@ -77,8 +101,12 @@ hashes the short body (comments stripped) and reuses the compiled script."""
 def job_keys(job: str) -> dict:
     prefix = f"asyncrl:{{{job}}}:"
     names = ("groups", "dead", "version", "started", "leases", "meta", "duplicates")
-    return {name: prefix + name for name in names} | {
+    return {name: prefix + name for name in names} | {f"data_{name}": f"{prefix}data:{name}" for name in DATA_KEYS} | {
         "seen": prefix + "seen:", "grant": prefix + "grant:", "given": prefix + "given:"}
+
+
+DATA_KEYS = ("cursor", "returned", "ready", "place", "row", "holder", "out", "returned_by", "filtered")
+"""The prompt dealer's state (dealing.py), as `job_keys` names it: `data_<name>`."""
 
 
 class Entry(NamedTuple):
@@ -89,12 +117,13 @@ class Entry(NamedTuple):
     token: bytes | None
     lease: bytes = b""
     producer: bytes = b""
+    deal: bytes = b""
 
     @classmethod
     def of(cls, entry_id: bytes, fields: dict | None) -> "Entry":
         fields = fields or {}
         return cls(entry_id, fields.get(PAYLOAD, b""), fields.get(TOKEN), fields.get(LEASE, b""),
-                   fields.get(PRODUCER, b""))
+                   fields.get(PRODUCER, b""), fields.get(DEAL, b""))
 
 
 class GroupStream:
@@ -137,28 +166,31 @@ class GroupStream:
         entries may have been delivered to us without our seeing them (the reader skips those it already holds)."""
         self._pending_cursor = b"0"
 
-    def produce(self, group_id: str, payload: bytes, lease_id: str = "") -> bytes | None:
-        """Add one group unless this group id was added before; returns the entry id, or None for a duplicate.
-        (A generator adds its deliveries in batches: redis_produce.produce_batch.)"""
+    def produce(self, group_id: str, payload: bytes, lease_id: str = "", deal: str = "") -> bytes | None:
+        """Add one group unless this group id was added before; returns the entry id, None for a duplicate, or
+        REFUSED. (A generator adds its deliveries in batches: redis_produce.produce_batch.)"""
         def once():
             pipe = self.client.pipeline(transaction=True)
-            self.add(pipe, group_id, payload, lease_id)
+            self.add(pipe, group_id, payload, lease_id, deal)
             return self.settle(pipe.execute())[0]
 
         return self.retry("produce (XADD)", once)
 
-    def add(self, pipe, group_id: str, payload: bytes, lease_id: str = "") -> None:
+    def add(self, pipe, group_id: str, payload: bytes, lease_id: str = "", deal: str = "") -> None:
         """Queue one delivery (step 1 of the protocol) on a MULTI pipeline: two replies, for `settle`."""
         token = uuid.uuid4().hex  # field order matters: DELIVER finds the token as the entry's 4th item
-        pipe.xadd(self.keys["groups"], {PAYLOAD: payload, TOKEN: token, LEASE: lease_id, PRODUCER: self.producer})
-        pipe.eval(DELIVER_BODY, 5, self.keys["seen"] + group_id, self.keys["leases"], self.keys["started"],
-                  self.keys["groups"], self.keys["duplicates"], token, self.mark_ttl_s, lease_id)
+        pipe.xadd(self.keys["groups"], {PAYLOAD: payload, TOKEN: token, LEASE: lease_id, PRODUCER: self.producer,
+                                        DEAL: deal})
+        pipe.eval(DELIVER_BODY, 8, self.keys["seen"] + group_id, self.keys["leases"], self.keys["started"],
+                  self.keys["groups"], self.keys["duplicates"], self.keys["data_out"], self.keys["data_holder"],
+                  self.keys["data_cursor"], token, self.mark_ttl_s, lease_id, deal, self.producer)
 
     @staticmethod
     def settle(replies: list) -> list:
-        """From the replies of the `add`s, in order: each entry id, or None where the group was delivered before
-        (DELIVER already deleted that attempt's entry)."""
-        return [None if first else entry_id for entry_id, first in zip(replies[::2], replies[1::2])]
+        """From the replies of the `add`s, in order: each entry id, None where the group was delivered before, or
+        REFUSED where its deal was not out to this producer (DELIVER already deleted that attempt's entry)."""
+        return [REFUSED if first in (REFUSED, REFUSED.encode()) else None if first else entry_id
+                for entry_id, first in zip(replies[::2], replies[1::2])]
 
     def duplicates(self) -> int:
         """Resent deliveries dropped so far (each found its group's first attempt already in the stream)."""
@@ -245,10 +277,10 @@ class GroupStream:
         out = []
         for entry_id, fields in entries:
             if counts.get(entry_id, 0) > self.max_deliveries:
+                if self.on_poison is not None:  # first: its admission and prompt go back while it is still pending
+                    self.on_poison(Entry.of(entry_id, fields), counts[entry_id])
                 self.dead_letter(entry_id, (fields or {}).get(PAYLOAD, b""),
                                  f"max_deliveries: delivered {counts[entry_id]} times without being acked")
-                if self.on_poison is not None:
-                    self.on_poison(Entry.of(entry_id, fields), counts[entry_id])
                 continue
             out.append(Entry.of(entry_id, fields))
         return out
@@ -313,7 +345,7 @@ def reset_job(client, job: str) -> int:
     """Delete every key of `job` (a fresh start under a namespace an older run used); returns how many went."""
     keys = job_keys(job)
     names = [keys[name] for name in ("groups", "dead", "version", "started", "leases", "meta", "duplicates")]
-    names += [keys["meta"] + ":stats", keys["meta"] + ":joins"]
+    names += [keys["meta"] + ":stats", keys["meta"] + ":joins"] + [keys[f"data_{name}"] for name in DATA_KEYS]
     removed = client.delete(*names)
     for marks in ("seen", "grant", "given"):
         batch = []

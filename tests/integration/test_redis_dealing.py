@@ -1,0 +1,304 @@
+"""The dataset cursor in Redis (buffer/redis/dealing.py) against a real redis-server: admission hands out ready
+deals in its script, DELIVER refuses a group whose deal is not out to its producer, the learner checks each group
+against its deal, returns prompts it will not train, consumes them with the ack, and a restarted learner finds the
+deals its stream still owes it."""
+import asyncio
+import dataclasses
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from asyncrl.buffer.codec import encode_group
+from asyncrl.buffer.dealer import DealError, PromptDealer
+from asyncrl.buffer.group import Group, Sample, Sampling
+from asyncrl.buffer.redis.client import RedisBufferClient
+from asyncrl.buffer.redis.conn import RedisOptions, connect
+from asyncrl.buffer.redis.coordinator import RedisCoordinator
+from asyncrl.buffer.redis.dealing import RedisDealer, forget_holder, settle_deals
+from asyncrl.buffer.redis.server import RedisBufferServer
+from asyncrl.buffer.redis.stream import REFUSED, GroupStream
+
+pytestmark = pytest.mark.redis
+VOCAB = 64
+
+
+@dataclasses.dataclass
+class Row:
+    prompt_id: str
+    prompt_ids: list
+    data_source: str = "openai/gsm8k"
+    ground_truth: object = "4"
+    extra_info: dict = dataclasses.field(default_factory=dict)
+    messages: list | None = None
+
+
+def base_dealer(count: int, epochs=1, timeout_s=60.0) -> PromptDealer:
+    rows = [Row(f"f.parquet:{i}", [3, 4 + i % 5], extra_info={"index": i}) for i in range(count)]
+    return PromptDealer(rows, shuffle=True, seed=7, epochs=epochs, timeout_s=timeout_s)
+
+
+def group_for(deal, generator_id: str, group_id: str | None = None, prompt_id: str | None = None) -> Group:
+    sample = Sample(completion_ids=np.array([1, 2, 3], np.int32), logprobs=np.full(3, -0.5, np.float32),
+                    versions=np.zeros(3, np.int32), reward=1.0, finish_reason="stop")
+    return Group(group_id=group_id or uuid.uuid4().hex, prompt_id=prompt_id or deal.prompt_id,
+                 generator_id=generator_id, prompt_ids=np.array(deal.prompt_ids, np.int32), samples=[sample],
+                 sampling=Sampling(temperature=1.0), created_at=time.time(), meta={"deal": deal.deal_id})
+
+
+class Job:
+    """One learner (server + Redis dealer) and any number of generators on one namespace of the real Redis."""
+
+    def __init__(self, url: str, count: int, base: PromptDealer | None = None, ready: int = 4):
+        self.url, self.job, self.count, self.ready = url, uuid.uuid4().hex[:8], count, ready
+        self.generators: list = []
+        self.server = self.learner(base)
+
+    def learner(self, base: PromptDealer | None = None) -> RedisBufferServer:
+        client = connect(RedisOptions(self.url))
+        coordinator = RedisCoordinator(client, self.job, lead=1 << 10, groups_per_step=1)
+        coordinator.set_version(0, allow_backwards=True)
+        dealer = RedisDealer(client, self.job, base or base_dealer(self.count), self.ready)
+        server = RedisBufferServer(client, self.url, self.job, coordinator, vocab_size=VOCAB, config_hash="h",
+                                   max_message_bytes=1 << 20, run_info={"deals": True, "deal_timeout_s": 60},
+                                   dealer=dealer)
+        server.start()
+        return server
+
+    def generator(self, name: str) -> RedisBufferClient:
+        client = RedisBufferClient(connect(RedisOptions(self.url)), self.url, self.job, name, lead=1 << 10,
+                                   groups_per_step=1, lease_s=60)
+        asyncio.run(client.hello("h"))
+        self.generators.append(client)
+        return client
+
+    def take_all(self, timeout_s=0.3) -> list:
+        out = []
+        while (group := self.server.take(timeout_s)) is not None:
+            out.append(group)
+        return out
+
+    def close(self):
+        for client in self.generators:
+            client.close()
+        self.server.close()
+
+
+@pytest.fixture
+def make_job(redis_server):
+    jobs = []
+
+    def make(count, **kwargs):
+        jobs.append(Job(redis_server.url, count, **kwargs))
+        return jobs[-1]
+
+    yield make
+    for job in jobs:
+        job.close()
+
+
+def send(client, group) -> object:
+    return asyncio.run(client.send(group.group_id, encode_group(group), deal=group.meta["deal"]))
+
+
+def test_admission_deals_ready_prompts_and_a_resend_gets_the_same(make_job):
+    job = make_job(6)
+    gen = job.generator("a")
+    assert gen.deal_ms == 60_000
+    reply = asyncio.run(gen.admit(10))
+    assert reply.granted == len(reply.deals) == 4  # never more grants than deals are ready (ready_target 4)
+    assert len({deal.prompt_id for deal in reply.deals}) == 4 and all(deal.prompt_ids for deal in reply.deals)
+    coordinator = gen.coordinator
+    assert asyncio.run(gen.admit(1)).granted == 0  # nothing ready until the learner refills
+    job.server.dealer.tick(force=True)
+    first = coordinator.admit_dealt("a", 1, 60_000, request_id="same")
+    again = coordinator.admit_dealt("a", 1, 60_000, request_id="same")  # a resend after a lost reply
+    assert first == again and first[2]
+    assert job.server.dealer.metrics()["data/dealt"] == 5 and job.server.dealer.metrics()["data/out"] == 5
+
+
+def test_a_full_epoch_is_each_prompt_once_and_consumed_with_the_ack(make_job):
+    job = make_job(7)
+    gens = [job.generator("a"), job.generator("b")]
+    trained, receipts = [], []
+    while not job.server.dealer.exhausted():
+        for gen in gens:
+            for deal in asyncio.run(gen.admit(2)).deals:
+                assert send(gen, group_for(deal, gen.generator_id)).accepted
+        groups = job.take_all()
+        trained += [group.prompt_id for group in groups]
+        receipts += job.server.take_receipts()
+    assert sorted(trained) == sorted(f"f.parquet:{i}" for i in range(7))
+    assert all("|" in receipt for receipt in receipts)
+    assert job.server.dealer.metrics()["data/consumed"] == 0  # trained, not yet covered by a checkpoint
+    job.server.on_checkpoint(receipts)
+    metrics = job.server.dealer.metrics()
+    assert metrics["data/consumed"] == 7 and metrics["data/out"] == 0 and metrics["data/epoch"] == 1.0
+    assert job.server.stream.pending_count() == 0 and job.server.dealer.exhausted()
+
+
+def test_deliver_refuses_a_deal_not_out_to_the_producer_and_gives_its_lease_back(make_job):
+    job = make_job(4)
+    a, b = job.generator("a"), job.generator("b")
+    deal = asyncio.run(a.admit(1)).deals[0]
+    started = a.coordinator.started
+    stolen = group_for(deal, "b")  # b answers a deal dealt to a
+    asyncio.run(b.admit(1))
+    reply = send(b, stolen)
+    assert not reply.accepted and reply.reason == "unknown_deal"
+    assert a.coordinator.started == started  # b's lease went back with the refusal
+    assert send(a, group_for(deal, "a")).accepted
+    twice = send(a, group_for(deal, "a"))  # a second group for the same deal
+    assert not twice.accepted and twice.reason == "unknown_deal"
+    assert [group.prompt_id for group in job.take_all()] == [deal.prompt_id]
+    assert job.server.dealer.metrics()["data/refused"] == 2
+    produced = GroupStream(a.client, job.job, producer="a").produce("x", b"junk", "", "never-dealt")
+    assert produced == REFUSED
+
+
+def test_the_learner_checks_each_group_against_its_deal(make_job):
+    job = make_job(4)
+    gen = job.generator("a")
+    deals = asyncio.run(gen.admit(3)).deals
+    assert send(gen, group_for(deals[0], "a", prompt_id="f.parquet:99")).accepted  # the wrong prompt
+    liar = group_for(deals[1], "a")
+    liar.meta["deal"] = deals[2].deal_id  # its meta names another deal than the one it was sent under
+    asyncio.run(gen.send(liar.group_id, encode_group(liar), deal=deals[1].deal_id))
+    assert job.take_all() == []
+    assert job.server.rejected["unknown_deal"] == 2
+    metrics = job.server.dealer.metrics()
+    assert metrics["data/returned/rejected"] == 2 and metrics["data/out"] == 1  # both prompts back to the epoch
+    reasons = [fields[b"reason"].decode() for fields in job.server.stream.dead_letters()]
+    assert any("was for prompt" in reason for reason in reasons) and any("its meta" in reason for reason in reasons)
+    # a generator that ignores the dealing entirely is refused too
+    plain = group_for(deals[2], "a")
+    asyncio.run(gen.send(plain.group_id, encode_group(plain), deal=""))
+    assert job.take_all() == [] and job.server.rejected["unknown_deal"] == 3
+
+
+def test_entries_added_past_deliver_never_train_a_deal_twice(make_job):
+    """A writer with Redis access that XADDs straight into the stream: a deal still out, or one the learner holds
+    already, is dead-lettered, and the genuine group is trained once."""
+    job = make_job(4)
+    gen = job.generator("a")
+    held, out = asyncio.run(gen.admit(2)).deals
+    assert send(gen, group_for(held, "a")).accepted
+    assert len(job.take_all()) == 1
+    for deal in (held, out):
+        forged = group_for(deal, "a")
+        gen.client.xadd(gen.keys["groups"], {b"g": encode_group(forged), b"a": "t", b"l": "", b"p": "a",
+                                             b"d": deal.deal_id})
+    assert job.take_all() == [] and job.server.rejected["unknown_deal"] == 2
+    assert send(gen, group_for(out, "a")).accepted  # the genuine one still arrives
+    assert [group.prompt_id for group in job.take_all()] == [out.prompt_id]
+
+
+def test_given_back_groups_return_their_prompts_and_filtered_ones_stay_consumed(make_job):
+    job = make_job(5)
+    gen = job.generator("a")
+    for deal in asyncio.run(gen.admit(3)).deals:
+        send(gen, group_for(deal, "a"))
+    stale, filtered, kept = job.take_all()
+    started = gen.coordinator.started
+    job.server.give_back(stale, "stale")
+    job.server.give_back(filtered, "zero_variance")
+    assert gen.coordinator.started == started - 2  # their admissions with them
+    metrics = job.server.dealer.metrics()
+    assert metrics["data/returned/stale"] == 1 and metrics["data/filtered/zero_variance"] == 1
+    assert metrics["data/consumed"] == 1
+    job.server.on_checkpoint(job.server.take_receipts())
+    assert job.server.dealer.metrics()["data/consumed"] == 2
+    # the stale prompt is dealt again first, before the cursor moves
+    job.server.dealer.tick(force=True)
+    again = asyncio.run(gen.admit(10)).deals
+    assert stale.prompt_id in [deal.prompt_id for deal in again]
+    assert {deal.prompt_id for deal in again} | {filtered.prompt_id, kept.prompt_id} == {
+        f"f.parquet:{i}" for i in range(5)}
+
+
+def test_generators_hand_back_unused_and_filtered_deals_and_a_rejoin_frees_its_predecessors(make_job):
+    job = make_job(6)
+    gen = job.generator("a")
+    deals = asyncio.run(gen.admit(4)).deals
+    asyncio.run(gen.release(1, deals=[deals[0].deal_id], outcome="unused"))
+    asyncio.run(gen.release(1, deals=[deals[1].deal_id], outcome="zero_variance"))
+    assert settle_deals(gen.client, gen.keys, "b", [deals[2].deal_id], "unused") == 0  # not b's to hand back
+    assert settle_deals(gen.client, gen.keys, "a", [deals[2].deal_id], "made-up") == 0
+    metrics = job.server.dealer.metrics()
+    assert metrics["data/returned/unused"] == 1 and metrics["data/filtered/zero_variance"] == 1
+    assert metrics["data/out"] == 2
+    job.generator("a")  # the same id joins again (its predecessor was killed with -9): it holds nothing
+    metrics = job.server.dealer.metrics()
+    assert metrics["data/returned/generator_gone"] == 2 and metrics["data/out"] == 0
+    assert not send(gen, group_for(deals[2], "a")).accepted  # the old process's late group is refused
+    assert forget_holder(gen.client, gen.keys, "nobody") == 0
+
+
+def test_deals_past_their_deadline_and_silent_generators_go_back(make_job):
+    job = make_job(4)
+    gen = job.generator("a")
+    gen.deal_ms = 50
+    late = asyncio.run(gen.admit(1)).deals[0]
+    time.sleep(0.1)
+    job.server.dealer.tick(force=True)
+    assert job.server.dealer.metrics()["data/returned/expired"] == 1
+    assert not send(gen, group_for(late, "a")).accepted
+    gen.deal_ms = 60_000
+    held = asyncio.run(gen.admit(2)).deals
+    job.server.dealer.tick(force=True, gone=["a"])
+    assert job.server.dealer.metrics()["data/returned/generator_gone"] == 2
+    assert len(held) == 2
+    # a generator killed before its first report: silent from when the learner first saw it hold a deal
+    asyncio.run(gen.admit(1))
+    job.server.dealer.tick(force=True, last_heard={}, silence_s=0.2)
+    assert job.server.dealer.metrics()["data/out"] == 1
+    time.sleep(0.3)
+    job.server.dealer.tick(force=True, last_heard={"a": time.monotonic()}, silence_s=0.2)  # it reported just now
+    assert job.server.dealer.metrics()["data/out"] == 1
+    job.server.dealer.tick(force=True, last_heard={}, silence_s=0.2)
+    assert job.server.dealer.metrics()["data/returned/generator_gone"] == 3
+
+
+def test_a_restarted_learner_trains_what_its_stream_owes_and_skips_what_it_resolved(make_job):
+    job = make_job(6)
+    gen = job.generator("a")
+    for deal in asyncio.run(gen.admit(4)).deals:
+        send(gen, group_for(deal, "a"))
+    trained, stale, owed = [job.server.take(1.0) for _ in range(3)]
+    job.server.give_back(stale, "stale")
+    checkpoint = [receipt for receipt in job.server.take_receipts() if receipt.endswith(trained.meta["deal"])]
+    job.server.on_checkpoint(checkpoint)  # the step with `trained` was checkpointed; then the learner dies
+    restarted = job.learner()
+    job.server = restarted
+    again = job.take_all()
+    # `owed` (taken, never checkpointed) and the unread one come back; `stale` was returned before the crash
+    assert len(again) == 2 and owed.group_id in {group.group_id for group in again}
+    assert restarted.dealer.skipped_resolved == 1
+    metrics = restarted.dealer.metrics()
+    assert metrics["data/consumed"] == 1 and metrics["data/returned/stale"] == 1
+
+
+def test_a_cursor_of_other_data_is_refused(make_job):
+    job = make_job(4)
+    with pytest.raises(DealError, match="another dataset"):
+        job.learner(base_dealer(5))
+
+
+def test_a_redis_without_the_cursor_starts_from_the_checkpoints(make_job, redis_server):
+    base = base_dealer(4)
+    job = make_job(4)
+    gen = job.generator("a")
+    deals = asyncio.run(gen.admit(2)).deals
+    snapshot = job.server.dealer.snapshot()
+    assert sorted(map(tuple, snapshot["out"])) == sorted((0, int(d.prompt_id.split(":")[1])) for d in deals)
+    base.restore(snapshot)
+    fresh = Job(redis_server.url, 4, base=base)  # an empty namespace: the Redis that lost its data
+    try:
+        metrics = fresh.server.dealer.metrics()
+        assert metrics["data/returned/restart"] == 2
+        gen2 = fresh.generator("a")
+        dealt = {deal.prompt_id for deal in asyncio.run(gen2.admit(10)).deals}
+        assert {deal.prompt_id for deal in deals} <= dealt  # the prompts out then are dealt first
+    finally:
+        fresh.close()
