@@ -32,7 +32,7 @@ def make_learner_buffer(cfg, *, vocab_size: int, max_positions: int, config_hash
     `shared_config` (the learner's shared sections) lets a refused generator say which keys differ. `dealer`
     (buffer/dealer.py) deals the prompts with the admissions (with Redis it holds the rows and the checkpoint's
     cursor, and the cursor lives in Redis: buffer/redis/dealing.py; the server's `dealer` is then that one),
-    `evals` (buffer/eval_rounds.py, zmq only) the evaluation rounds."""
+    `evals` (buffer/eval_rounds.py; with Redis through buffer/redis/eval_bridge.py) the evaluation rounds."""
     buffer = cfg.buffer
     limits = job_limits(cfg, max_positions)
     if buffer.backend == "zmq":
@@ -68,7 +68,7 @@ def make_learner_buffer(cfg, *, vocab_size: int, max_positions: int, config_hash
     return RedisBufferServer(client, options.url, job, coordinator, vocab_size=vocab_size, config_hash=config_hash,
                              max_message_bytes=buffer.max_message_bytes, run_info=run_info,
                              reclaim_idle_s=buffer.reclaim_idle_s, retry=retry, limits=limits,
-                             shared_config=shared_config, stats_ttl_s=buffer.lease_s, dealer=dealer)
+                             shared_config=shared_config, stats_ttl_s=buffer.lease_s, dealer=dealer, evals=evals)
 
 
 def make_generator_buffer(cfg, generator_id: str) -> GeneratorBuffer:

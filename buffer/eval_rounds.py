@@ -21,6 +21,19 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
+from asyncrl.buffer.dealer import DealError, decode_prompt
+from asyncrl.buffer.interface import EvalTask
+
+EVALS_PER_REQUEST = 8
+"""Most evaluation prompts one admit request is dealt (however many it asks for), so no generator can take a whole
+round and sit on it."""
+
+
+def evals_wanted(want: int) -> int:
+    """Evaluation prompts dealt to an admit request for `want`: at most half of it (training keeps its share of the
+    fleet), at least one, never more than EVALS_PER_REQUEST."""
+    return max(1, min(want // 2, EVALS_PER_REQUEST))
+
 
 @dataclass
 class EvalRound:
@@ -163,6 +176,15 @@ def eval_due(version: int, next_due: int | None, every: int, before_train: bool)
     if next_due is not None and version >= next_due:
         return True, (version // every + 1) * every
     return version == 0 and before_train, next_due
+
+
+def decode_eval_task(entry) -> EvalTask:
+    """[deal id, version, row bytes, n, temperature, max_tokens] (`EvalRounds.deal`) as an EvalTask, on the
+    generator; DealError for anything else."""
+    if not (isinstance(entry, list) and len(entry) == 6 and isinstance(entry[1], int) and isinstance(entry[3], int)
+            and isinstance(entry[4], (int, float)) and isinstance(entry[5], int)):
+        raise DealError("an evaluation deal must be [id, version, row, n, temperature, max_tokens]")
+    return EvalTask(entry[0], entry[1], decode_prompt(entry[0], entry[2]), entry[3], float(entry[4]), entry[5])
 
 
 def check_result(rewards, lengths, n: int, max_tokens: int) -> str | None:

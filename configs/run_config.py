@@ -105,11 +105,9 @@ def check_sections_agree(cfg: "RunConfig") -> None:
 
 def training_eval_blocker(cfg: "RunConfig") -> Optional[str]:
     """Why evaluation during training (eval.every_steps, eval.before_train) cannot run in this job, or None. It is
-    dealt by the zmq learner to generators that load the version they are asked for (buffer/eval_rounds.py). The
+    dealt by the learner to generators that load the version they are asked for (buffer/eval_rounds.py). The
     learner says so at start and trains without it: a recipe's evaluation (the demo's) must not stop a job run
-    with Redis, tools or engine_push."""
-    if cfg.buffer.backend != "zmq":
-        return "it needs buffer.backend=zmq: the learner deals the rounds with its admissions"
+    with tools or engine_push."""
     if cfg.weightsync.backend == "engine_push":
         return "it needs a staged weightsync.backend (shm or broadcast): a pushed engine cannot hold an older version"
     if cfg.tools.offered() or cfg.env.path or cfg.agent.path:

@@ -48,6 +48,8 @@ class LearnerHost:
             run_info.update(deals=True, data_sources=self.dealer.data_sources,
                             deal_timeout_s=cfg.data.deal_timeout_s)
         self.evals = self._build_evals(load_eval_prompts)
+        if self.evals is not None:  # a Redis generator asks for evaluation prompts only then
+            run_info["evals"] = True
         self.buffer = make_learner_buffer(cfg, vocab_size=model.get_input_embeddings().num_embeddings,
                                           max_positions=model_positions(model), config_hash=shared_hash(cfg),
                                           shared_config=shared_sections(cfg), run_info=run_info,

@@ -23,12 +23,16 @@ import uuid
 
 import redis
 
+import msgpack
+
 from asyncrl.buffer.dealer import decode_prompt
+from asyncrl.buffer.eval_rounds import decode_eval_task, evals_wanted
 from asyncrl.buffer.interface import (AdmitReply, GeneratorRefused, HelloReply, LearnerUnavailable, SendReply,
                                      Status, too_large_reply)
 from asyncrl.buffer.redis.conn import redacted
 from asyncrl.buffer.redis.coordinator import RedisCoordinator
 from asyncrl.buffer.redis.dealing import forget_holder, settle_deals
+from asyncrl.buffer.redis.eval_bridge import answer_eval, take_evals
 from asyncrl.buffer.redis.produce import DeliveryBatcher, produce_batch
 from asyncrl.buffer.redis.reconnect import RedisUnavailable, direct
 from asyncrl.buffer.redis.stream import REFUSED, GroupStream
@@ -53,6 +57,7 @@ class RedisBufferClient:
         self.leases: list[str] = []
         self.deal_ms = 0  # > 0 when the learner deals the prompts (data.deal_timeout_s, from the run info)
         self.reports = 0
+        self.evaluates = False  # the learner runs evaluation rounds (the run info says `evals`)
         self.deals_held: dict = {}  # deal ids dealt to this generator and not yet delivered or handed back
         self._weights: tuple[str, dict] = ("", {})  # (weights_id, control message): read again only when it changes
 
@@ -64,9 +69,10 @@ class RedisBufferClient:
         return HelloReply(**_status(reply), run_info=reply["run_info"])
 
     async def admit(self, want: int = 1, version: int | None = None) -> AdmitReply:
-        reply = await self._request("admit", want=want)
+        reply = await self._request("admit", want=want, version=version)
         return AdmitReply(**_status(reply), granted=reply["granted"],
-                          deals=[decode_prompt(deal_id, row) for deal_id, row in reply.get("deals", ())])
+                          deals=[decode_prompt(deal_id, row) for deal_id, row in reply.get("deals", ())],
+                          evals=[decode_eval_task(_unpack(task)) for task in reply.get("evals", ())])
 
     async def send(self, group_id: str, payload: bytes, deal: str = "") -> SendReply:
         if self.max_message_bytes and len(payload) > self.max_message_bytes:
@@ -80,8 +86,7 @@ class RedisBufferClient:
                                                     outcome=outcome)))
 
     async def eval_done(self, deal_id: str, rewards: list | None, lengths: list | None) -> Status:
-        """With Redis the learner deals no evaluation rounds (buffer/eval_rounds.py): there is nothing to answer."""
-        return Status(weights=self._weights[1])
+        return Status(**_status(await self._request("eval_done", deal=deal_id, rewards=rewards, lengths=lengths)))
 
     async def report(self, metrics: dict, timeout_s: float | None = None) -> Status:
         return Status(**_status(await self._request("stats", timeout_s=timeout_s, metrics=metrics)))
@@ -173,6 +178,7 @@ class RedisBufferClient:
             self.client.hsetnx(self.keys["meta"] + ":joins", self.generator_id, json.dumps(
                 {"hello_version": version, "at": time.time()}))
             run_info = json.loads(self.client.hget(self.keys["meta"], "run_info") or "{}")
+            self.evaluates = bool(run_info.get("evals"))
             if run_info.get("deals"):
                 self.deal_ms = max(1, int(float(run_info.get("deal_timeout_s", 1800)) * 1000))
                 # a process that just joined holds nothing: deals out under this id (a predecessor killed with -9)
@@ -180,13 +186,17 @@ class RedisBufferClient:
                 forget_holder(self.client, self.keys, self.generator_id)
             return {**reply, "run_info": run_info}
         if op == "admit":
-            granted, deals = [], []
+            granted, deals, evals, want = [], [], [], max(0, int(fields.get("want", 1)))
+            if not reply["done"] and self.evaluates and isinstance(fields.get("version"), int) and want:
+                evals = take_evals(self.client, self.keys, self.generator_id, fields["version"], evals_wanted(want),
+                                   token, self.coordinator.lease_ms + 3_600_000)
+                want -= len(evals)
             if not reply["done"]:
                 granted, reply["version"], deals = self.coordinator.admit_dealt(
-                    self.generator_id, fields.get("want", 1), self.deal_ms, request_id=token)
+                    self.generator_id, want, self.deal_ms, request_id=token)
             self.leases.extend(granted)
             self.deals_held.update(dict.fromkeys(deal_id for deal_id, _ in deals))
-            return {**reply, "granted": len(granted), "deals": deals}
+            return {**reply, "granted": len(granted), "deals": deals, "evals": evals}
         if op == "release":  # leases are interchangeable; a resend after a lost reply removes nothing twice
             leases = self.leases[:max(0, int(fields.get("count", 1)))]
             self.coordinator.release(leases)
@@ -195,6 +205,10 @@ class RedisBufferClient:
             settle_deals(self.client, self.keys, self.generator_id, deals, fields.get("outcome", "unused"))
             for deal in deals:
                 self.deals_held.pop(deal, None)
+            return reply
+        if op == "eval_done":
+            answer_eval(self.client, self.keys, self.generator_id, str(fields.get("deal")), fields.get("rewards"),
+                        fields.get("lengths"))
             return reply
         if op == "stats":
             # numbered, so that every report differs: the learner tells a live generator from a silent one by
@@ -229,6 +243,14 @@ def meta_of(values: list) -> dict:
 def reply_fields(meta: dict, version: int, weights: dict) -> dict:
     """The fields every reply carries (as the zmq learner's), from the run metadata the learner keeps in Redis."""
     return {"ok": True, "version": version, "weights": weights, "done": meta.get("done") == "1"}
+
+
+def _unpack(task: bytes):
+    """An evaluation task as EVAL_TAKE returns it; anything that is not msgpack is refused by decode_eval_task."""
+    try:
+        return msgpack.unpackb(task, raw=False, strict_map_key=False)
+    except Exception:
+        return None
 
 
 def _status(reply: dict) -> dict:

@@ -29,11 +29,14 @@ from asyncrl.buffer.plausibility import JobLimits, check_stats
 from asyncrl.buffer.rejections import RejectionLog
 from asyncrl.buffer.redis.conn import redacted
 from asyncrl.buffer.redis.reconnect import direct
-from asyncrl.buffer.redis.stream import GroupStream
+from asyncrl.buffer.redis.eval_bridge import RedisEvalBridge
+from asyncrl.buffer.redis.stream import GroupStream, job_keys
 
 log = logging.getLogger(__name__)
 TRIM_EVERY_S = 1.0
 ACKED_MEMORY = 200_000  # acked entry ids remembered (about 20 MB); far more than one checkpoint interval's groups
+EVAL_TICK_S = 0.25
+"""How often `take` moves evaluation results and tasks between Redis and the learner's rounds."""
 RECENT_TAKES = 4096  # taken groups whose lease is remembered for give_back (collect_batch gives back right away)
 
 
@@ -41,10 +44,12 @@ class RedisBufferServer:
     def __init__(self, client, url: str, job: str, coordinator, *, vocab_size: int, config_hash: str,
                  max_message_bytes: int, run_info: dict, reclaim_idle_s: float = 60.0, read_count: int = 64,
                  retry=direct, limits: JobLimits | None = None, shared_config: dict | None = None,
-                 stats_ttl_s: float = 120.0, dealer=None):
+                 stats_ttl_s: float = 120.0, dealer=None, evals=None):
         self.client = client
         self.dealer = dealer  # dealing.RedisDealer, or None: the generators walk their own copy of the data
         self.retry = retry
+        self.evals = None if evals is None else RedisEvalBridge(client, job_keys(job), evals, retry=retry)
+        self._next_eval_tick = 0.0
         self.coordinator = coordinator
         self.vocab_size = vocab_size
         self.config_hash = config_hash
@@ -83,6 +88,8 @@ class RedisBufferServer:
         self._write_meta()
         if self.dealer is not None:
             self.dealer.start()
+        if self.evals is not None:
+            self.evals.start()
 
     def _write_meta(self, retry=None) -> None:
         """Everything a generator needs, in one hash; idempotent, so it is simply rewritten after a reconnect."""
@@ -109,10 +116,16 @@ class RedisBufferServer:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None
-            if self.dealer is not None:
+            if self.dealer is not None or self.evals is not None:
                 self._hear_generators()
+            if self.dealer is not None:
                 self.dealer.tick(last_heard={gen: seen[1] for gen, seen in self._stats_seen.items()},
                                  silence_s=self.stats_ttl_s)
+            if self.evals is not None and time.monotonic() >= self._next_eval_tick:
+                self._next_eval_tick = time.monotonic() + EVAL_TICK_S
+                now = time.monotonic()
+                self.evals.tick(gone=[gen for gen, (_, changed, _) in self._stats_seen.items()
+                                      if now - changed >= self.stats_ttl_s])
             try:
                 entries = self._reclaim_due() or self.stream.read(self.read_count, max(1, int(remaining * 1000)),
                                                                   held=frozenset(self.held))
@@ -337,6 +350,8 @@ class RedisBufferServer:
                "buffer/redis/duplicates": float(self.duplicates)}  # resent deliveries dropped on arrival
         if self.dealer is not None:
             out.update(self.dealer.metrics())
+        if self.evals is not None:
+            out.update(self.evals.metrics())
         stats = self.generator_stats  # read first: a bad report it refuses is counted below
         for reason, count in self.rejected.items():
             out[f"buffer/rejected/{reason}"] = float(count)

@@ -18,8 +18,9 @@ from collections import deque
 
 import zmq
 
-from asyncrl.buffer.dealer import DealError, decode_prompt
-from asyncrl.buffer.interface import (AdmitReply, EvalTask, GeneratorRefused, HelloReply, LearnerUnavailable, SendReply,
+from asyncrl.buffer.dealer import decode_prompt
+from asyncrl.buffer.eval_rounds import decode_eval_task
+from asyncrl.buffer.interface import (AdmitReply, GeneratorRefused, HelloReply, LearnerUnavailable, SendReply,
                                      Status, too_large_reply)
 from asyncrl.buffer.zmq.wire import pack, status_fields, unpack_reply
 
@@ -32,14 +33,6 @@ zero-copy frame is released through pyzmq's garbage-collector thread, under the 
 copy cost the producer 210 us of CPU per group, against 135-150 us with the copy (bench/buffer.py)."""
 SEND_RETRY_S = 0.001
 """How often a send that met a full pipe (the high-water mark) is retried, until the request times out."""
-
-
-def eval_task(entry) -> EvalTask:
-    """[deal id, version, row bytes, n, temperature, max_tokens] (buffer/eval_rounds.py `deal`) as an EvalTask."""
-    if not (isinstance(entry, list) and len(entry) == 6 and isinstance(entry[1], int) and isinstance(entry[3], int)
-            and isinstance(entry[4], (int, float)) and isinstance(entry[5], int)):
-        raise DealError("an evaluation deal must be [id, version, row, n, temperature, max_tokens]")
-    return EvalTask(entry[0], entry[1], decode_prompt(entry[0], entry[2]), entry[3], float(entry[4]), entry[5])
 
 
 class ZmqBufferClient:
@@ -76,7 +69,7 @@ class ZmqBufferClient:
         deals = [decode_prompt(*deal) if isinstance(deal, list) and len(deal) == 2 else decode_prompt(None, None)
                  for deal in deals] if isinstance(deals, list) else []
         evals = reply.get("evals") if reply.get("ok") else None
-        evals = [eval_task(entry) for entry in evals] if isinstance(evals, list) else []
+        evals = [decode_eval_task(entry) for entry in evals] if isinstance(evals, list) else []
         return AdmitReply(**status_fields(reply), granted=granted if isinstance(granted, int) else 0, deals=deals,
                           evals=evals)
 

@@ -22,7 +22,7 @@ import zmq
 from asyncrl.buffer.codec import CodecError, decode_group
 from asyncrl.buffer.dealer import PromptDealer
 from asyncrl.buffer.done import wait_until_told
-from asyncrl.buffer.eval_rounds import EvalRounds
+from asyncrl.buffer.eval_rounds import EvalRounds, evals_wanted
 from asyncrl.buffer.fleet_stats import fleet_metrics
 from asyncrl.buffer.plausibility import JobLimits, check_stats
 from asyncrl.buffer.rejections import RejectionLog
@@ -37,9 +37,6 @@ EXPIRE_EVERY_S = 0.1
 """How often silent peers are looked for (their admissions reclaimed, their stats dropped)."""
 RELEASE_EVERY = 4
 """Requests answered, or groups accepted, between releases of replies and groups (see `_answer_waiting`)."""
-EVALS_PER_REQUEST = 8
-"""Most evaluation prompts one admit request is dealt (however many it asks for), so no generator can take a whole
-round and sit on it (buffer/eval_rounds.py)."""
 RECENT_TAKES = 4096
 """Taken groups whose admission is remembered for `give_back` (collect_batch gives back right after a take)."""
 TRANSPORT_SLACK = 2
@@ -324,7 +321,7 @@ class ZmqBufferServer:
             want = request.get("want", 1)
             want = want if isinstance(want, int) and want > 0 else 1
             if self.evals is not None and not self._done:  # at most half: training keeps its share of the fleet
-                reply["evals"] = self.evals.deal(gen, request.get("ver"), max(1, min(want // 2, EVALS_PER_REQUEST)))
+                reply["evals"] = self.evals.deal(gen, request.get("ver"), evals_wanted(want))
                 want -= len(reply["evals"])
             if want <= 0:
                 reply["granted"] = 0

@@ -145,7 +145,8 @@ def test_kill_9_and_resume_trains_every_admitted_group_exactly_once(tiny_model_d
 def test_demo_on_redis_with_two_generators_survives_a_generator_kill_9(redis_server, tmp_path, demo_assets,
                                                                       demo_cache):
     """The demo over buffer.backend=redis: one learner, two generators; one is killed with -9 mid-run (its leases
-    expire and come back) and restarted. Every group is trained at most once and η holds."""
+    expire and come back) and restarted. Every group is trained at most once and η holds. The held-out
+    evaluation runs on the fleet through Redis (buffer/redis/eval_bridge.py) before training."""
     import subprocess
     import sys
 
@@ -154,9 +155,17 @@ def test_demo_on_redis_with_two_generators_survives_a_generator_kill_9(redis_ser
 
     job_dir = tmp_path / "job"
     eta = 1
+    import pyarrow.parquet as pq
+
+    from asyncrl.configs import load_config
+    from asyncrl.launch.demo import heldout_file
+
     overrides = common_overrides(demo_cache, free_port(), steps=16, eta=eta) + [
         "generator.engine=hf", "buffer.backend=redis", f"buffer.redis_url={redis_server.url}",
         f"buffer.redis_namespace=demo{uuid.uuid4().hex[:8]}", "buffer.lease_s=5", "generator.max_inflight_groups=2"]
+    cfg = load_config(None, overrides)
+    pq.write_table(pq.read_table(heldout_file(cfg.demo, cfg.job.seed)).slice(0, 4), tmp_path / "heldout.parquet")
+    overrides += [f"eval.files=[{tmp_path / 'heldout.parquet'}]", "eval.before_train=true", "eval.n=1"]
     env = {**job_env(tmp_path), "ASYNCRL_JOB_DIR": str(job_dir)}
 
     def start(role, name):
@@ -187,6 +196,8 @@ def test_demo_on_redis_with_two_generators_survives_a_generator_kill_9(redis_ser
     assert len(trained) == len(set(trained)) == 16 * 4  # no group twice
     progress = read_progress(job_dir)
     assert max(p["buffer/staleness/max"] for p in progress) <= eta
+    evals = json.loads((job_dir / "summary.json").read_text())["eval"]
+    assert evals and evals[0]["step"] == 0 and evals[0]["eval/all/prompts"] == 4, evals
 
 
 def test_two_rank_learner_and_a_generator_ride_out_a_kill_9_of_redis(tiny_model_dir, tmp_path):

@@ -50,9 +50,10 @@ def group_for(deal, generator_id: str, group_id: str | None = None, prompt_id: s
 class Job:
     """One learner (server + Redis dealer) and any number of generators on one namespace of the real Redis."""
 
-    def __init__(self, url: str, count: int, base: PromptDealer | None = None, ready: int = 4):
+    def __init__(self, url: str, count: int, base: PromptDealer | None = None, ready: int = 4, evals=None):
         self.url, self.job, self.count, self.ready = url, uuid.uuid4().hex[:8], count, ready
         self.generators: list = []
+        self.evals = evals
         self.server = self.learner(base)
 
     def learner(self, base: PromptDealer | None = None) -> RedisBufferServer:
@@ -61,8 +62,8 @@ class Job:
         coordinator.set_version(0, allow_backwards=True)
         dealer = RedisDealer(client, self.job, base or base_dealer(self.count), self.ready)
         server = RedisBufferServer(client, self.url, self.job, coordinator, vocab_size=VOCAB, config_hash="h",
-                                   max_message_bytes=1 << 20, run_info={"deals": True, "deal_timeout_s": 60},
-                                   dealer=dealer)
+                                   max_message_bytes=1 << 20, evals=self.evals, dealer=dealer,
+                                   run_info={"deals": True, "deal_timeout_s": 60, "evals": self.evals is not None})
         server.start()
         return server
 
@@ -302,3 +303,69 @@ def test_a_redis_without_the_cursor_starts_from_the_checkpoints(make_job, redis_
         assert {deal.prompt_id for deal in deals} <= dealt  # the prompts out then are dealt first
     finally:
         fresh.close()
+
+
+def eval_rows(count: int) -> list:
+    return [Row(f"heldout:{i}", [5, 6 + i], data_source="openai/gsm8k" if i % 2 else "math") for i in range(count)]
+
+
+def test_evaluation_rounds_are_dealt_through_redis_pinned_to_their_version(make_job):
+    """The learner's rounds (buffer/eval_rounds.py) through buffer/redis/eval_bridge.py: a generator gets prompts
+    of rounds at or after its engine's version, at most half its request; results come back checked; a refused or
+    given-back prompt is dealt again; the round finishes with every prompt's result."""
+    from asyncrl.buffer.dealer import encode_prompt
+    from asyncrl.buffer.eval_rounds import EvalRounds
+
+    rows = eval_rows(3)
+    evals = EvalRounds(rows, [encode_prompt(row) for row in rows], timeout_s=60)
+    job = make_job(8, evals=evals)
+    gen = job.generator("a")
+    assert gen.evaluates
+    evals.open(0, 2, 0.0, 8)
+    job.take_all(0.3)  # the learner's tick deals the round into Redis
+    ahead = asyncio.run(gen.admit(4, version=1))  # an engine past v0 cannot evaluate v0
+    assert ahead.evals == [] and ahead.granted == 4
+    job.server.dealer.tick(force=True)
+    first = asyncio.run(gen.admit(4, version=0))
+    assert len(first.evals) == 2 and first.granted == 2  # at most half of the request
+    task, other = first.evals
+    assert task.version == 0 and task.n == 2 and task.prompt.prompt_id.startswith("heldout:")
+    asyncio.run(gen.eval_done(task.deal_id, [1.0, 0.0], [3, 4]))
+    asyncio.run(gen.eval_done(other.deal_id, [1.0], [3]))  # implausible: one result for n = 2
+    asyncio.run(gen.eval_done(task.deal_id, [1.0, 1.0], [3, 4]))  # answered twice: the second is not its to give
+    job.take_all(0.3)
+    assert evals.refused == 1 and evals.finished() == []
+    rest = asyncio.run(gen.admit(8, version=0)).evals  # the third prompt, and the refused one dealt again
+    assert sorted(t.prompt.prompt_id for t in rest) == sorted(
+        {r.prompt_id for r in rows} - {task.prompt.prompt_id})
+    for t in rest:
+        asyncio.run(gen.eval_done(t.deal_id, [0.5, 0.5], [2, 2]))
+    job.take_all(0.3)
+    (finished,) = evals.finished()
+    assert finished.version == 0 and len(finished.results) == 3
+    gen.client.rpush(job.server.evals.keys["results"], b"\xc1 not msgpack")  # hostile bytes in the results
+    job.take_all(0.3)
+    assert job.server.metrics()["eval/refused_results"] == 1
+
+
+def test_a_silent_generators_evaluation_prompts_are_dealt_again(make_job):
+    from asyncrl.buffer.dealer import encode_prompt
+    from asyncrl.buffer.eval_rounds import EvalRounds
+
+    rows = eval_rows(2)
+    evals = EvalRounds(rows, [encode_prompt(row) for row in rows], timeout_s=60)
+    job = make_job(4, evals=evals)
+    a, b = job.generator("a"), job.generator("b")
+    evals.open(3, 1, 0.0, 8)
+    job.take_all(0.3)
+    held = asyncio.run(a.admit(4, version=3)).evals
+    assert len(held) == 2 and asyncio.run(b.admit(4, version=3)).evals == []
+    job.server.evals.tick(gone=["a"])
+    again = asyncio.run(b.admit(4, version=3)).evals
+    assert sorted(t.prompt.prompt_id for t in again) == sorted(t.prompt.prompt_id for t in held)
+    asyncio.run(a.eval_done(held[0].deal_id, [1.0], [1]))  # the silent one's late answer counts for nothing
+    for t in again:
+        asyncio.run(b.eval_done(t.deal_id, [1.0], [1]))
+    job.take_all(0.3)
+    (finished,) = evals.finished()
+    assert finished.version == 3 and evals.refused == 0

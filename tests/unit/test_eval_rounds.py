@@ -105,13 +105,16 @@ def test_the_admission_gate_tells_its_version_and_hands_evaluations_out_first():
     assert learner.versions == [7]
 
 
-@pytest.mark.parametrize("setting, why", [("buffer.backend=redis", "zmq"),
-                                          ("weightsync.backend=engine_push", "staged"),
+@pytest.mark.parametrize("setting, why", [("weightsync.backend=engine_push", "staged"),
                                           ("tools.builtins=[python]", "episodes")])
 def test_evaluation_during_training_is_left_out_with_a_reason_where_it_cannot_be_pinned(setting, why):
     extra = ["rollout.max_turns=2"] if "tools" in setting else ["generator.engine=vllm"]
     assert training_eval_blocker(load_config(None, ["eval.every_steps=3"])) is None
     assert why in training_eval_blocker(load_config(None, ["eval.every_steps=3", setting, *extra]))
+
+
+def test_evaluation_during_training_runs_on_both_backends():
+    assert training_eval_blocker(load_config(None, ["eval.every_steps=3", "buffer.backend=redis"])) is None
 
 
 def test_which_published_versions_are_evaluated():
