@@ -20,7 +20,7 @@ GROUP_ADVANTAGES = ("rloo", "reinforce_pp_baseline", "opo", "gpg")
 LOSS_NAMES = tuple(LOSSES)
 CORRECTION_NAMES = tuple(CORRECTIONS)
 LOSS_AGG_NAMES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-KL_NAMES = ("k1", "k2", "k3", "k3+")
+KL_NAMES = ("k1", "k2", "k3", "k3+", "abs")
 PROX_METHODS = ("recompute", "loglinear")
 
 
@@ -113,12 +113,12 @@ class AlgoConfig:
     kl_loss_coef: float = 0.0
     """Coefficient of a KL(π_θ‖π_ref) loss term; > 0 loads the reference model."""
     kl_loss_type: str = "k3"
-    """KL estimator of the loss term: k2, k3 (low_var_kl) or k3+ (k3 value, k2 gradient). k1 has zero expected
-    gradient as a loss and is rejected."""
+    """KL estimator of the loss term: k2, k3 (low_var_kl), k3+ (k3 value, k2 gradient) or abs (|δ|). k1 has zero
+    expected gradient as a loss and is rejected."""
     kl_reward_coef: float = 0.0
     """Initial coefficient β of a per-token KL penalty on the reward; > 0 loads the reference model."""
     kl_reward_type: str = "k1"
-    """KL estimator of the reward penalty: k1, k2, k3, k3+."""
+    """KL estimator of the reward penalty: k1, k2, k3, k3+, abs."""
     kl_controller: str = "fixed"
     """Reward-penalty controller: `fixed` or `adaptive` (Ziegler et al. 2019: β tracks kl_target)."""
     kl_target: float = 0.1

@@ -5,7 +5,9 @@ With δ_t = ℓ_t - ℓref_t on tokens y_t sampled from π (Schulman, joschu.net
 - k2 = δ²/2          biased value (≈ KL for small δ), but E∇k2 = ∇KL(π‖π_ref): the right loss gradient;
 - k3 = e^-δ - 1 + δ  ("low_var_kl") unbiased, ≥ 0 and low variance, but E∇k3 = ∇KL(π_ref‖π) (reverse KL);
 - k3+                value of k3, gradient of k2 (straight-through): an unbiased, non-negative value to log
-                     AND the forward-KL gradient (verl ``kl_penalty`` with a trailing "+").
+                     AND the forward-KL gradient (verl ``kl_penalty`` with a trailing "+");
+- abs = |δ|          verl's ``abs``: a biased, non-negative value whose gradient sign(δ)∇ℓ pulls each token's
+                     logprob toward the reference by a constant step, however far it is.
 Numerics as verl ``kl_penalty_forward``: in k3, δ is clamped to ±LOG_RATIO_CLAMP before exp and k3 to [-10, 10];
 k1 and k2 are not clamped (verl does not clamp them either). δ is ``log_ratio.masked_log_ratio`` without its clamp:
 fp32 at least, and with ``loss_mask`` the garbage at masked positions (-inf - -inf = NaN) is replaced by 0 BEFORE
@@ -49,7 +51,13 @@ def kl_k3_plus(log_ratio: Tensor) -> Tensor:
     return k2 - k2.detach() + kl_k3(log_ratio).detach()
 
 
+def kl_abs(log_ratio: Tensor) -> Tensor:
+    """abs = |δ|."""
+    return log_ratio.abs()
+
+
 KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
+    "abs": kl_abs,
     "k1": kl_k1,
     "k2": kl_k2,
     "k3": kl_k3,

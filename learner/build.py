@@ -1,6 +1,7 @@
 """Building the learner's pieces from the config: the policy (loaded, Ulysses, FSDP2), the optimizer and schedule,
 the per-step parts (reference model, KL controller, batch filter), and where to resume from. Free functions with
 explicit arguments, in the order run_learner (learner/loop.py) and the SFT job (learner/sft_job.py) call them."""
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ import torch
 from asyncrl.algos.kl import AdaptiveKLController, FixedKLController
 from asyncrl.learner.checkpoint import CheckpointError, latest_checkpoint, read_state, resolve_checkpoint
 from asyncrl.learner.collect import BatchFilter
+from asyncrl.learner.lr_schedule import lr_multiplier
 from asyncrl.learner.model import load_model
 from asyncrl.learner.parallel import ParallelState, apply_fsdp
 from asyncrl.learner.state import LearnerState
@@ -30,12 +32,13 @@ def build_policy(cfg, model_path: str, parallel: ParallelState):
 
 
 def build_optimizer(model, learner_cfg):
-    """AdamW with a linear warmup over learner.warmup_steps, then a constant learning rate."""
+    """AdamW with a linear warmup over learner.warmup_steps, then learner.lr_schedule (learner/lr_schedule.py)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=learner_cfg.lr,
                                   betas=(learner_cfg.adam_beta1, learner_cfg.adam_beta2),
                                   weight_decay=learner_cfg.weight_decay)
-    warmup = max(learner_cfg.warmup_steps, 0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
+        lr_multiplier, warmup_steps=max(learner_cfg.warmup_steps, 0), total_steps=learner_cfg.total_steps,
+        schedule=learner_cfg.lr_schedule, min_ratio=learner_cfg.min_lr_ratio))
     return optimizer, scheduler
 
 

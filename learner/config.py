@@ -1,6 +1,8 @@
 """Learner and SFT settings (stdlib only)."""
 from dataclasses import dataclass
 
+from asyncrl.learner.lr_schedule import SCHEDULES
+
 
 @dataclass
 class LearnerConfig:
@@ -10,6 +12,11 @@ class LearnerConfig:
     """AdamW peak learning rate."""
     warmup_steps: int = 10
     """Linear learning-rate warmup, in optimizer steps."""
+    lr_schedule: str = "constant"
+    """After warmup: `constant`, `linear` or `cosine` decay to min_lr_ratio · lr at total_steps
+    (learner/lr_schedule.py)."""
+    min_lr_ratio: float = 0.0
+    """Where linear or cosine decay ends, as a fraction of lr."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     adam_beta1: float = 0.9
@@ -79,6 +86,16 @@ class LearnerConfig:
             raise ValueError(f"learner.lr must be > 0, got {self.lr}")
         if self.warmup_steps < 0:
             raise ValueError(f"learner.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(f"learner.lr_schedule must be one of {SCHEDULES}, got {self.lr_schedule!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"learner.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.min_lr_ratio and self.lr_schedule == "constant":
+            raise ValueError("learner.min_lr_ratio is where a decay ends, and learner.lr_schedule=constant does not "
+                             "decay; set learner.lr_schedule=linear or cosine, or leave min_lr_ratio at 0")
+        if self.lr_schedule != "constant" and self.warmup_steps >= self.total_steps:
+            raise ValueError(f"learner.lr_schedule={self.lr_schedule} decays after warmup, but learner.warmup_steps="
+                             f"{self.warmup_steps} leaves no step of learner.total_steps={self.total_steps} to decay")
         if self.max_tokens_per_microbatch < 16:
             raise ValueError(f"learner.max_tokens_per_microbatch must be >= 16, got {self.max_tokens_per_microbatch}")
         if self.logprob_chunk_tokens < 1:

@@ -88,10 +88,20 @@ def test_k3_plus_has_the_value_of_k3_and_the_gradient_of_k2():
 def test_estimators_match_hand_values():
     logprobs, logprobs_ref = torch.tensor([[math.log(2.0)]], dtype=F64), torch.zeros(1, 1, dtype=F64)
     # δ = ln 2: k1 = ln 2, k2 = (ln 2)² / 2, k3 = 1/2 - 1 + ln 2
-    want = {"k1": math.log(2), "k2": 0.5 * math.log(2) ** 2, "k3": math.log(2) - 0.5, "k3+": math.log(2) - 0.5}
+    want = {"k1": math.log(2), "k2": 0.5 * math.log(2) ** 2, "k3": math.log(2) - 0.5, "k3+": math.log(2) - 0.5,
+            "abs": math.log(2)}
     for kind, value in want.items():
         assert compute_kl(logprobs, logprobs_ref, kind).item() == pytest.approx(value, abs=1e-15), kind
     assert set(KL_ESTIMATORS) == set(want)
+
+
+def test_abs_is_the_magnitude_of_the_log_ratio_with_a_sign_gradient():
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5]], dtype=F64, requires_grad=True)
+    logprobs_ref = torch.tensor([[-1.5, -1.0, -0.5]], dtype=F64)  # δ = 0.5, -1.0, 0
+    kl = compute_kl(logprobs, logprobs_ref, "abs", loss_mask=torch.tensor([[1, 1, 0]]))
+    assert kl.tolist() == [[0.5, 1.0, 0.0]]
+    kl.sum().backward()
+    assert logprobs.grad.tolist() == [[1.0, -1.0, 0.0]]  # sign(δ) on valid tokens, 0 off the mask
 
 
 def test_k3_clamps_the_log_ratio_and_the_result_like_verl():
