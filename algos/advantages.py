@@ -228,8 +228,28 @@ def compute_remax_advantages(inputs: AdvantageInputs, *, norm_by_std: bool = Tru
     return torch.where(valid, advantages, torch.zeros_like(advantages))
 
 
+def compute_grpo_passk_advantages(inputs: AdvantageInputs, *, norm_by_std: bool = True, gamma: float = 1.0,
+                                  eps: float = 1e-6) -> Tensor:
+    """GRPO's pass@k advantage (arXiv 2503.19595; verl ``compute_grpo_passk_outcome_advantage``): only the best
+    completion of each group learns, with A = R_max - R_second, divided by the group's (unbiased) std + eps when
+    ``norm_by_std``; every other completion gets 0. It rewards the one sample that would make pass@k, not the
+    group's average. Ties give the first best 0 (R_max = R_second)."""
+    if inputs.group_size < 2:
+        raise ValueError(f"grpo_passk needs group_size >= 2 (the best against the second best), got "
+                         f"{inputs.group_size}")
+    valid, rewards = _outcome_rewards(inputs)
+    top2 = rewards.topk(2, dim=1).values  # [num_groups, 2]
+    gap = top2[:, 0] - top2[:, 1]  # [num_groups]
+    if norm_by_std:
+        gap = gap / (rewards.std(dim=1, unbiased=True) + eps)
+    advantages = torch.zeros_like(rewards)
+    advantages.scatter_(1, rewards.argmax(dim=1, keepdim=True), gap[:, None])
+    return _broadcast(advantages, valid)
+
+
 ADVANTAGES: dict[str, Callable[..., Tensor]] = {
     "grpo": compute_grpo_token_advantages,
+    "grpo_passk": compute_grpo_passk_advantages,
     "rloo": compute_rloo_advantages,
     "reinforce_pp": compute_reinforce_pp_advantages,
     "reinforce_pp_baseline": compute_reinforce_pp_baseline_advantages,

@@ -14,8 +14,8 @@ from typing import Optional
 
 from asyncrl.algos.registry import ADVANTAGES, BYPASS, CORRECTIONS, LOSSES, NO_WEIGHT
 
-ADVANTAGE_NAMES = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg", "remax")
-GROUP_ADVANTAGES = ("rloo", "reinforce_pp_baseline", "opo", "gpg")
+ADVANTAGE_NAMES = ("grpo", "grpo_passk", "rloo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg", "remax")
+GROUP_ADVANTAGES = ("grpo_passk", "rloo", "reinforce_pp_baseline", "opo", "gpg")
 """Estimators whose baseline is the rest of the group: they need rollout.n >= 2."""
 LOSS_NAMES = tuple(LOSSES)
 CORRECTION_NAMES = tuple(CORRECTIONS)
@@ -54,10 +54,11 @@ def check_combination(loss: str, correction: str, advantage: str, prox_logprobs:
 @dataclass
 class AlgoConfig:
     advantage: str = "grpo"
-    """Advantage estimator: grpo, rloo, reinforce_pp, reinforce_pp_baseline, opo, gpg, remax (needs one greedy
-    sample per prompt, which the generators then supply)."""
+    """Advantage estimator: grpo, grpo_passk (only each group's best completion learns), rloo, reinforce_pp,
+    reinforce_pp_baseline, opo, gpg, remax (needs one greedy sample per prompt, which the generators then
+    supply)."""
     norm_adv_by_std: bool = True
-    """GRPO: divide by the group's std (False gives Dr.GRPO)."""
+    """GRPO (and grpo_passk): divide by the group's std (False gives Dr.GRPO)."""
     gamma: float = 1.0
     """Discount of token rewards for reinforce_pp (per token)."""
     loss: str = "ppo"

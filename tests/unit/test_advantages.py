@@ -83,6 +83,20 @@ def test_rloo_is_leave_one_out_and_sums_to_zero_per_group():
     torch.testing.assert_close(per_completion.sum(1), torch.zeros(2, dtype=F64), rtol=0, atol=1e-14)
 
 
+def test_grpo_passk_trains_only_each_groups_best_completion():
+    token_rewards, mask = outcome_batch([0.2, 1.0, 0.5, 0.0, 3, 3, 1, 0], [1, 2, 3, 4, 1, 2, 1, 1])
+    plain = compute_token_advantages("grpo_passk", AdvantageInputs(token_rewards, mask, 4), norm_by_std=False)
+    # group 1: best 1.0, second 0.5: +0.5 on row 1 only; group 2: a tie at 3 gives the first best 3 - 3 = 0
+    want = torch.tensor([0, 0.5, 0, 0, 0, 0, 0, 0], dtype=F64)[:, None] * mask
+    torch.testing.assert_close(plain, want, rtol=0, atol=1e-15)
+    normed = compute_token_advantages("grpo_passk", AdvantageInputs(token_rewards, mask, 4))
+    std = statistics.stdev([0.2, 1.0, 0.5, 0.0])
+    assert normed[1, :2].tolist() == pytest.approx([0.5 / (std + 1e-6)] * 2, abs=1e-12)
+    assert normed[[0, 2, 3, 4, 5, 6, 7]].abs().max() == 0
+    with pytest.raises(ValueError, match="grpo_passk needs group_size >= 2"):
+        compute_token_advantages("grpo_passk", AdvantageInputs(token_rewards, mask, 1))
+
+
 def test_rloo_rejects_singleton_groups():
     token_rewards, mask = outcome_batch([1, 0], [1, 1])
     with pytest.raises(ValueError, match="rloo needs group_size >= 2"):
@@ -172,7 +186,7 @@ def test_remax_requires_the_greedy_baseline():
 # Registry and contract ------------------------------------------------------------------------------------
 def test_registry_holds_exactly_the_published_estimators():
     assert isinstance(ADVANTAGES, dict)
-    assert set(ADVANTAGES) == {"grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg", "remax"}
+    assert set(ADVANTAGES) == {"grpo", "grpo_passk", "rloo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg", "remax"}
 
 
 def nasty_inputs():
