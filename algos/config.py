@@ -82,18 +82,28 @@ class AlgoConfig:
     kl_cov_coef: Optional[float] = None
     """kl_cov: coefficient of |ℓθ - ℓprox| on the selected tokens (1.0)."""
     correction: str = "decoupled"
-    """Off-policy correction: none, decoupled (AReaL), bypass (old := behaviour), tis, mis, geo_rs, k3_rs,
-    icepop, m2po, vtrace."""
+    """Off-policy correction: none, decoupled (AReaL), bypass (old := behaviour), tis, mis, seq_mis, geo_rs, k3_rs,
+    icepop, rs (the rejection-sampling family), m2po, vtrace."""
     is_cap: Optional[float] = None
-    """Upper bound C on the importance weight (decoupled 5.0, tis/mis 2.0, bypass with reinforce/gpg 2.0)."""
+    """Upper bound C on the importance weight (decoupled 5.0, tis/mis/seq_mis 2.0, bypass with reinforce/gpg
+    2.0)."""
     is_mode: Optional[str] = None
     """decoupled: `truncate` (w = min(w, C)) or `mask` (w = 0 above C); default truncate."""
     is_level: Optional[str] = None
     """tis/mis: `token` or `sequence` (default token)."""
     rs_low: Optional[float] = None
-    """geo_rs / icepop lower bound on the ratio (0.999 / 0.5)."""
+    """geo_rs / icepop lower bound on the ratio (0.999 / 0.5); seq_mis on ρ(y) (1 / is_cap); rs: on its statistic
+    (none)."""
     rs_high: Optional[float] = None
-    """geo_rs / icepop upper bound on the ratio (1.001 / 5.0)."""
+    """geo_rs / icepop upper bound on the ratio (1.001 / 5.0); rs: on its statistic (0.01)."""
+    rs_level: Optional[str] = None
+    """rs: judge each `token` or each `sequence` (default sequence)."""
+    rs_stat: Optional[str] = None
+    """rs: the statistic of log ρ_t: k1 (log ρ), k2 ((log ρ)²/2) or k3 (ρ - 1 - log ρ; default)."""
+    rs_agg: Optional[str] = None
+    """rs at sequence level: `mean` (default), `sum` or `max` of the statistic over the sequence."""
+    rs_weight: Optional[str] = None
+    """rs: a kept token weighs `one` (default) or its `ratio` (ρ_t, or ρ(y) at sequence level)."""
     k3_threshold: Optional[float] = None
     """k3_rs: reject a sequence whose mean per-token k3 exceeds this (0.01)."""
     m2_threshold: Optional[float] = None
@@ -173,7 +183,17 @@ class AlgoConfig:
             raise ValueError(f"algo.is_mode must be truncate or mask, got {self.is_mode!r}")
         if self.is_level not in (None, "token", "sequence"):
             raise ValueError(f"algo.is_level must be token or sequence, got {self.is_level!r}")
-        if None not in (self.rs_low, self.rs_high) and not 0 <= self.rs_low < self.rs_high:
+        if self.correction == "rs":  # bounds on a statistic: k1 is a log-ratio, negative below 1
+            if None not in (self.rs_low, self.rs_high) and not self.rs_low < self.rs_high:
+                raise ValueError(f"algo.rs_low/rs_high must satisfy low < high, got {self.rs_low}/{self.rs_high}")
+            for name, allowed in (("rs_level", ("token", "sequence")), ("rs_stat", ("k1", "k2", "k3")),
+                                  ("rs_agg", ("mean", "sum", "max")), ("rs_weight", ("one", "ratio"))):
+                if getattr(self, name) not in (None, *allowed):
+                    raise ValueError(f"algo.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+            if self.rs_agg is not None and self.rs_level == "token":
+                raise ValueError("algo.rs_agg aggregates the statistic over a sequence, and algo.rs_level=token "
+                                 "judges each token alone; drop one of them")
+        elif None not in (self.rs_low, self.rs_high) and not 0 <= self.rs_low < self.rs_high:
             raise ValueError(f"algo.rs_low/rs_high must satisfy 0 <= low < high, got {self.rs_low}/{self.rs_high}")
         for name in ("tau_pos", "tau_neg", "cov_ratio", "k3_threshold", "m2_threshold", "vtrace_clip_rho",
                      "vtrace_clip_pg_rho", "vtrace_clip_c", "kl_cov_coef"):

@@ -16,6 +16,16 @@ policy (recomputed, or A-3PO's ``approximate_prox_logprobs``) and μ the generat
 | k3_rs     | 1 if mean_t(ρ_t - 1 - log ρ_t) <= threshold else 0       | verl decoupled_k3_rs, 0.01                |
 | icepop    | ρ_t if low <= ρ_t <= high else 0                         | Ring-1T IcePop, [0.5, 5]                  |
 | m2po      | ρ_t, 0 on the tokens masked by the second-moment rule    | M2PO paper / AReaL, τ 0.04                |
+| rs        | 1 (or ρ) unless a k1/k2/k3 statistic leaves [low, high]  | verl rollout_rs family (see below)        |
+| seq_mis   | ρ(y) if 1/cap <= ρ(y) <= cap else 0                      | verl seq_is_rs / MIS preset, cap 2        |
+
+``rs`` is the rejection-sampling family the named masks are points of: a per-token statistic of log ρ_t (k1 = log ρ,
+k2 = (log ρ)²/2, k3 = ρ - 1 - log ρ), compared per token or aggregated over the sequence (mean, sum or max), against
+optional bounds; a kept token weighs 1 or its ratio (ρ_t, or ρ(y) at sequence level). geo_rs is rs(sequence, k1,
+mean, [log low, log high]); k3_rs is rs(sequence, k3, mean, high = threshold); icepop is rs(token, k1,
+[log low, log high], weight ratio); seq_mis is rs(sequence, k1, sum, [log 1/cap, log cap], weight ratio). The named
+ones keep their own functions (and their published bounds in ratio space); tests check that each equals its rs
+setting.
 
 Why several: token-level weights ignore that the state (the prefix) was also drawn from μ, so they are biased by
 O(T²Δ); the sequence ratio is unbiased but its variance grows like (1 + χ²)^T; the geometric mean and K3 criteria are
@@ -52,6 +62,9 @@ micro-batches while staying finite (``combine_token_metrics`` reports 0 when no 
 
 IS_WEIGHT_MODES = ("truncate", "mask")
 LEVELS = ("token", "sequence")
+RS_STATS = ("k1", "k2", "k3")
+RS_AGGS = ("mean", "sum", "max")
+RS_WEIGHTS = ("one", "ratio")
 
 
 # Shared pieces ------------------------------------------------------------------------------------------------
@@ -277,6 +290,90 @@ def m2po_weight(
     metrics["offpolicy/kept/tokens"] = kept.sum().to(raw.dtype)
     _add_mean(metrics, "offpolicy/kept/m2", torch.where(kept, delta_sq, 0.0).sum(), metrics["offpolicy/kept/tokens"])
     return weight, metrics
+
+
+def _token_statistic(log_ratio: Tensor, stat: str) -> Tensor:
+    """[B, T] per-token statistic of log ρ_t: k1 = log ρ, k2 = (log ρ)²/2, k3 = ρ - 1 - log ρ (≥ 0, expm1)."""
+    if stat == "k1":
+        return log_ratio
+    if stat == "k2":
+        return 0.5 * log_ratio * log_ratio
+    return torch.expm1(log_ratio) - log_ratio
+
+
+def _rs_statistic(log_ratio: Tensor, valid: Tensor, *, level: str, stat: str, agg: str) -> Tensor:
+    """[B, T]: the statistic each token is judged by, its own (token level) or its sequence's aggregate broadcast."""
+    per_token = torch.where(valid, _token_statistic(log_ratio, stat), torch.zeros_like(log_ratio))
+    if level == "token":
+        return per_token
+    count = valid.sum(dim=-1).clamp(min=1).to(per_token.dtype)  # [B]
+    if agg == "mean":
+        per_seq = per_token.sum(dim=-1) / count
+    elif agg == "sum":
+        per_seq = per_token.sum(dim=-1)
+    else:
+        per_seq = torch.where(valid, per_token, torch.full_like(per_token, -torch.inf)).amax(dim=-1)
+        per_seq = torch.where(valid.any(dim=-1), per_seq, torch.zeros_like(per_seq))
+    return per_seq[:, None].expand_as(per_token)
+
+
+def rejection_weight(
+    logprobs_prox: Tensor, logprobs_behav: Tensor, loss_mask: Tensor, *, level: str = "sequence", stat: str = "k3",
+    agg: str = "mean", low: float | None = None, high: float | None = 0.01, weight: str = "one"
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The rejection-sampling family (verl's rollout_rs modes: token_k1, seq_mean_k3, seq_max_k2, ...): a token is
+    rejected (weight 0) when its statistic (``stat`` of log ρ_t, per token or aggregated over its sequence with
+    ``agg``) is below ``low`` or above ``high`` (None: unbounded on that side); a kept token weighs 1 (``one``) or
+    its ratio (``ratio``: ρ_t, or ρ(y) at sequence level). Defaults are k3_rs's: sequence, k3, mean, above 0.01.
+    ``offpolicy/rs_stat`` (mean over sequences at sequence level, over tokens at token level) and its ``/max``
+    say how far the data was from the bounds."""
+    for name, value, allowed in (("level", level, LEVELS), ("stat", stat, RS_STATS), ("agg", agg, RS_AGGS),
+                                 ("weight", weight, RS_WEIGHTS)):
+        if value not in allowed:
+            raise ValueError(f"rs {name} must be one of {allowed}, got {value!r}")
+    if low is None and high is None:
+        raise ValueError("rs needs a bound (low, high or both): without one it rejects nothing")
+    if low is not None and high is not None and not low < high:
+        raise ValueError(f"rs needs low < high, got low={low}, high={high}")
+    valid = loss_mask.bool()
+    log_ratio = _token_log_ratio(logprobs_prox, logprobs_behav, valid)
+    value = _rs_statistic(log_ratio, valid, level=level, stat=stat, agg=agg)  # [B, T]
+    outside = torch.zeros_like(valid)
+    if low is not None:
+        outside = outside | (value < low)
+    if high is not None:
+        outside = outside | (value > high)
+    rejected = valid & outside
+    raw = _raw_weight(log_ratio, valid, level)  # ρ_t or ρ(y): the metrics, and the kept weight with `ratio`
+    kept = raw if weight == "ratio" else torch.ones_like(raw)
+    result = torch.where(valid & ~rejected, kept, torch.zeros_like(raw))
+    metrics = _weight_metrics(raw, valid, masked=rejected)
+    if level == "token":
+        _add_mean(metrics, "offpolicy/rs_stat", torch.where(valid, value, 0.0).sum(), metrics["offpolicy/tokens"])
+        metrics["offpolicy/rs_stat/max"] = (torch.where(valid, value, -torch.inf).max() if valid.any()
+                                            else value.sum() * 0)
+    else:
+        rows = valid.any(dim=-1)
+        per_seq = value[:, 0] if value.numel() else value.sum(dim=-1)
+        _add_mean(metrics, "offpolicy/rs_stat", torch.where(rows, per_seq, 0.0).sum(), metrics["offpolicy/seqs"])
+        metrics["offpolicy/rs_stat/max"] = (torch.where(rows, per_seq, -torch.inf).max() if rows.any()
+                                            else per_seq.sum() * 0)
+    return result, metrics
+
+
+def seq_mis_weight(
+    logprobs_prox: Tensor, logprobs_behav: Tensor, loss_mask: Tensor, *, cap: float = 2.0, low: float | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """verl's sequence IS with a two-sided rejection window (``seq_is_rs``; the MIS preset): w = ρ(y) if
+    low <= ρ(y) <= cap, else 0, with low = 1/cap unless given. Unlike ``mis`` at sequence level, sequences the
+    learner finds far LESS likely than the sampler did are dropped too, not kept at a tiny weight."""
+    low = 1.0 / cap if low is None else low
+    _check_bounds(low, cap)
+    valid = loss_mask.bool()
+    raw = _raw_weight(_token_log_ratio(logprobs_prox, logprobs_behav, valid), valid, "sequence")
+    masked = valid & ((raw < low) | (raw > cap))
+    weight = torch.where(valid & ~masked, raw, torch.zeros_like(raw))
+    return weight, _weight_metrics(raw, valid, masked=masked, low=low, high=cap)
 
 
 CORRECTION_WEIGHTS: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {

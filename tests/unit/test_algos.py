@@ -268,7 +268,22 @@ def test_no_correction_gives_no_weight_and_unknown_names_are_rejected():
 
 def test_registries_are_plain_dicts():
     assert "grpo" in ADVANTAGES and POLICY_LOSSES["ppo"] is ppo_clip_loss
-    assert set(CORRECTION_WEIGHTS) == {"decoupled", "tis", "mis", "geo_rs", "k3_rs", "icepop", "m2po"}
+    assert set(CORRECTION_WEIGHTS) == {"decoupled", "tis", "mis", "seq_mis", "geo_rs", "k3_rs", "icepop", "rs",
+                                       "m2po"}
+
+
+def test_the_rs_family_is_configured_and_refused_where_it_does_not_combine():
+    from asyncrl.algos.config import AlgoConfig
+
+    cfg = AlgoConfig(correction="rs", rs_level="sequence", rs_stat="k1", rs_agg="max", rs_low=-0.5, rs_high=0.5)
+    assert cfg.correction_kwargs() == {"level": "sequence", "stat": "k1", "agg": "max", "low": -0.5, "high": 0.5}
+    for kwargs, match in (({"rs_level": "token", "rs_agg": "sum"}, "judges each token alone"),
+                          ({"rs_stat": "k5"}, "rs_stat"), ({"rs_low": 0.3, "rs_high": 0.1}, "low < high")):
+        with pytest.raises(ValueError, match=match):
+            AlgoConfig(correction="rs", **kwargs)
+    with pytest.raises(ValueError, match="does not use it"):
+        AlgoConfig(correction="icepop", rs_stat="k2")
+    assert AlgoConfig(correction="seq_mis", is_cap=3.0, rs_low=0.25).correction_kwargs() == {"cap": 3.0, "low": 0.25}
 
 
 # Metrics --------------------------------------------------------------------------------------------------

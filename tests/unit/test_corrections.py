@@ -62,7 +62,8 @@ def random_batch(seed=0, lengths=(3, 6, 0, 5, 1, 4), width=6, scale=0.3):
 
 # Registry -----------------------------------------------------------------------------------------------------
 def test_registry_builds_the_weight_functions_and_says_which_are_batch_global():
-    assert set(CORRECTION_WEIGHTS) == {"decoupled", "tis", "mis", "geo_rs", "k3_rs", "icepop", "m2po"}
+    assert set(CORRECTION_WEIGHTS) == {"decoupled", "tis", "mis", "seq_mis", "geo_rs", "k3_rs", "icepop", "rs",
+                                       "m2po"}
     assert {name for name, spec in CORRECTIONS.items() if spec.kind == WEIGHT} == set(CORRECTION_WEIGHTS)
     assert {name for name, spec in CORRECTIONS.items() if spec.batch_global} == {"m2po", "vtrace"}
 
@@ -86,7 +87,8 @@ def test_published_defaults_are_the_functions_keyword_defaults():
     assert defaults == {
         "decoupled": {"cap": 5.0, "mode": "truncate"}, "tis": {"cap": 2.0, "level": "token"},
         "mis": {"cap": 2.0, "level": "token"}, "geo_rs": {"low": 0.999, "high": 1.001}, "k3_rs": {"threshold": 0.01},
-        "icepop": {"low": 0.5, "high": 5.0}, "m2po": {"threshold": 0.04}}
+        "icepop": {"low": 0.5, "high": 5.0}, "m2po": {"threshold": 0.04}, "seq_mis": {"cap": 2.0, "low": None},
+        "rs": {"level": "sequence", "stat": "k3", "agg": "mean", "low": None, "high": 0.01, "weight": "one"}}
 
 
 def test_unknown_names_hyperparameters_and_invalid_values_are_rejected():
@@ -529,3 +531,54 @@ def test_combine_divides_sequence_and_kept_means_by_their_own_counts():
     assert combined["offpolicy/is_weight/min"] == 0.25
     assert combined["offpolicy/is_weight/std"] == pytest.approx(math.sqrt(2 - 1))  # sq_mean 12/6, mean 6/6
     assert combined["offpolicy/is_weight/ess"] == pytest.approx(1 / 2)
+
+
+# The rejection-sampling family ----------------------------------------------------------------------------------
+def test_rs_judges_tokens_or_sequences_by_k1_k2_or_k3_with_mean_sum_or_max():
+    prox, behav, mask = logprobs_with_ratios([[0.2, -0.1, None], [0.05, 0.05, 0.05], [-0.3, None, None]])
+    k2 = lambda x: x * x / 2  # noqa: E731
+    # token k1 in [-0.2, 0.1]: rejects 0.2 and -0.3
+    weight, m = compute_correction("rs", prox, behav, mask, level="token", stat="k1", low=-0.2, high=0.1)
+    assert_weight(weight, [[0, 1, 0], [1, 1, 1], [0, 0, 0]])
+    assert close(m["offpolicy/masked_frac"], 2 / 6) and close(m["offpolicy/rs_stat/max"], 0.2)
+    # sequence sum of k1: 0.1, 0.15, -0.3 against high 0.12 -> row 2 rejected; low -0.2 -> row 3 too
+    weight, _ = compute_correction("rs", prox, behav, mask, stat="k1", agg="sum", low=-0.2, high=0.12)
+    assert_weight(weight, [[1, 1, 0], [0, 0, 0], [0, 0, 0]])
+    # sequence max of k2: 0.02, 0.00125, 0.045 against high 0.03, kept tokens weighted by ρ(y)
+    weight, m = compute_correction("rs", prox, behav, mask, stat="k2", agg="max", high=0.03, weight="ratio")
+    assert_weight(weight, [[math.exp(0.1)] * 2 + [0], [math.exp(0.15)] * 3, [0, 0, 0]])
+    assert close(m["offpolicy/rs_stat/max"], k2(-0.3)) and close(m["offpolicy/rs_stat"], (0.02 + 0.00125 + 0.045) / 3)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_named_masks_are_points_of_the_rs_family(seed):
+    prox, behav, mask = random_batch(seed, scale=0.05)
+    pairs = [(("geo_rs", {"low": 0.98, "high": 1.02}),
+              {"stat": "k1", "agg": "mean", "low": math.log(0.98), "high": math.log(1.02)}),
+             (("k3_rs", {"threshold": 0.0015}), {"stat": "k3", "agg": "mean", "high": 0.0015}),
+             (("icepop", {"low": 0.95, "high": 1.05}),
+              {"level": "token", "stat": "k1", "low": math.log(0.95), "high": math.log(1.05), "weight": "ratio"}),
+             (("seq_mis", {"cap": 1.03}),
+              {"stat": "k1", "agg": "sum", "low": -math.log(1.03), "high": math.log(1.03), "weight": "ratio"})]
+    for (name, hyper), family in pairs:
+        named = compute_correction(name, prox, behav, mask, **hyper)[0]
+        general = compute_correction("rs", prox, behav, mask, **family)[0]
+        torch.testing.assert_close(named, general, rtol=1e-12, atol=0, msg=name)
+        assert 0 < (named > 0).sum() < mask.sum(), name  # the setting keeps some tokens and rejects some
+
+
+def test_seq_mis_keeps_a_two_sided_window_of_sequence_ratios():
+    prox, behav, mask = seq_batch()  # ρ(y) = 3, 0.4, 1.2, e^20
+    weight, m = compute_correction("seq_mis", prox, behav, mask)
+    assert_weight(weight, [[0, 0, 0], [0, 0, 0], [1.2, 0, 0], [0, 0, 0]])  # 0.4 < 1/2 is dropped, unlike mis
+    assert close(m["offpolicy/seq_masked_frac"], 3 / 4)
+    weight, _ = compute_correction("seq_mis", prox, behav, mask, cap=4.0, low=0.3)
+    assert_weight(weight, [[3, 3, 0], [0.4, 0.4, 0], [1.2, 0, 0], [0, 0, 0]])
+
+
+@pytest.mark.parametrize("hyper, match", [({"stat": "k4"}, "stat"), ({"low": None, "high": None}, "a bound"),
+                                          ({"low": 0.2, "high": 0.1}, "low < high"), ({"agg": "median"}, "agg")])
+def test_rs_refuses_settings_that_reject_nothing_or_do_not_exist(hyper, match):
+    prox, behav, mask = seq_batch()
+    with pytest.raises(ValueError, match=match):
+        compute_correction("rs", prox, behav, mask, **hyper)
