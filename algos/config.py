@@ -121,6 +121,10 @@ class AlgoConfig:
     `loglinear` (A-3PO approximation from the behaviour logprobs and versions; saves the pass)."""
     ppo_minibatches: int = 1
     """Optimizer steps per batch (the batch's rows are split into this many mini-batches)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: entropy_coef times the policy's entropy (at the sampling temperature, over each row's
+    nucleus), aggregated like the loss, is subtracted from it (verl's entropy_coeff; 0 = off). Logged as
+    loss/entropy."""
     kl_loss_coef: float = 0.0
     """Coefficient of a KL(π_θ‖π_ref) loss term; > 0 loads the reference model."""
     kl_loss_type: str = "k3"
@@ -201,6 +205,8 @@ class AlgoConfig:
                 raise ValueError(f"algo.{name} must be > 0, got {getattr(self, name)}")
         if self.ppo_minibatches < 1:
             raise ValueError(f"algo.ppo_minibatches must be >= 1, got {self.ppo_minibatches}")
+        if self.entropy_coef < 0:
+            raise ValueError(f"algo.entropy_coef must be >= 0 (a bonus), got {self.entropy_coef}")
         if self.kl_loss_coef < 0 or self.kl_reward_coef < 0:
             raise ValueError("algo.kl_loss_coef and algo.kl_reward_coef must be >= 0")
         if self.kl_target <= 0 or self.kl_horizon <= 0:

@@ -190,7 +190,9 @@ def decoder_states(model, **inputs) -> torch.Tensor:
 
 def head_logprobs(model, hidden, targets, temps, chunk_tokens: int, with_entropy: bool, top_ks=None, top_ps=None,
                   fp32_head: bool = False):
-    """[R, S] logprobs of `targets` (and entropies), applying the LM head `chunk_tokens` positions at a time."""
+    """[R, S] logprobs of `targets` (and entropies), applying the LM head `chunk_tokens` positions at a time.
+    `with_entropy`: False, True (detached: a metric), or "grad" (with its gradient: algo.entropy_coef's bonus,
+    computed from the same recomputed chunk logits as the logprobs)."""
     head = model.get_output_embeddings()
     if fp32_head:
         head = Fp32Head(head)
@@ -208,6 +210,11 @@ def head_logprobs(model, hidden, targets, temps, chunk_tokens: int, with_entropy
         stop = start + chunk_tokens
         nucleus = (None if flat_ks is None else flat_ks[start:stop], None if flat_ps is None else flat_ps[start:stop])
         args = (head, flat_hidden[start:stop], flat_targets[start:stop], flat_temps[start:stop], *nucleus)
+        if with_entropy == "grad" and torch.is_grad_enabled():
+            logprobs_chunk, entropy_chunk = checkpoint(_chunk_logprobs_entropy, *args, use_reentrant=False)
+            logprob_chunks.append(logprobs_chunk)
+            entropy_chunks.append(entropy_chunk)
+            continue
         if torch.is_grad_enabled():
             # Recompute the chunk's logits in backward instead of keeping [chunk, V] fp32 alive for every chunk.
             logprob_chunks.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
@@ -282,9 +289,21 @@ def _chunk_logprobs(head, hidden, targets, temps, top_ks=None, top_ps=None):
 
 
 def _chunk_entropy(head, hidden, targets, temps, top_ks=None, top_ps=None):
+    return _entropy(_chunk_logits(head, hidden, targets, temps, top_ks, top_ps).log_softmax(-1))
+
+
+def _chunk_logprobs_entropy(head, hidden, targets, temps, top_ks=None, top_ps=None):
+    """Both from one softmax of the chunk's logits, both with grad."""
     log_probs = _chunk_logits(head, hidden, targets, temps, top_ks, top_ps).log_softmax(-1)
-    # tokens outside the nucleus have probability 0 and contribute nothing (0 * -inf would be nan)
-    return -torch.where(log_probs.isfinite(), log_probs.exp() * log_probs, 0.0).sum(-1)
+    return log_probs.gather(-1, targets[:, None]).squeeze(-1), _entropy(log_probs)
+
+
+def _entropy(log_probs: torch.Tensor) -> torch.Tensor:
+    # tokens outside the nucleus have probability 0 and contribute nothing (0 * -inf would be nan, in the value
+    # and in the gradient: hence where() on both factors)
+    finite = log_probs.isfinite()
+    safe = torch.where(finite, log_probs, 0.0)
+    return -torch.where(finite, safe.exp() * safe, 0.0).sum(-1)
 
 
 def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:

@@ -74,10 +74,12 @@ def policy_loss_inputs(plan: OffPolicyPlan, logprobs: torch.Tensor, prox: torch.
 
 
 def compute_micro_loss(plan: OffPolicyPlan, algo, logprobs: torch.Tensor, prox: torch.Tensor, micro,
-                       counts: StepCounts, kl_loss_coef: float, generator: torch.Generator | None = None):
-    """This micro-batch's share of the step loss (a scalar with grad), its policy-loss and KL-loss shares
-    (detached floats; summing them over micro-batches gives the step's values) and its token metrics. ``algo``
-    supplies the aggregation and the KL estimator."""
+                       counts: StepCounts, kl_loss_coef: float, generator: torch.Generator | None = None,
+                       entropy: torch.Tensor | None = None):
+    """This micro-batch's share of the step loss (a scalar with grad), its policy-loss, KL-loss and entropy-bonus
+    shares (detached floats; summing them over micro-batches gives the step's values) and its token metrics.
+    ``algo`` supplies the aggregation, the KL estimator and ``entropy_coef``: with it > 0, ``entropy`` [b, l] (with
+    grad) is aggregated like the policy loss and ``entropy_coef`` times it is subtracted (verl's entropy_coeff)."""
     inputs = policy_loss_inputs(plan, logprobs, prox, micro, generator)
     per_token, metrics = POLICY_LOSSES[plan.loss](inputs, **plan.loss_kwargs)
     agg = dict(global_tokens=counts.tokens, global_seqs=counts.seqs, norm_constant=algo.loss_norm_constant)
@@ -92,4 +94,13 @@ def compute_micro_loss(plan: OffPolicyPlan, algo, logprobs: torch.Tensor, prox: 
             k3 = compute_kl(logprobs.detach(), micro.logprobs_ref, "k3", loss_mask=micro.loss_mask)
             metrics["kl/ref_k3_sum"] = k3.sum()
             metrics["kl/tokens"] = micro.loss_mask.sum()
-    return loss, float(pg_loss.detach()), kl_share, metrics
+    entropy_share = 0.0
+    if algo.entropy_coef > 0:
+        if entropy is None or not entropy.requires_grad:
+            raise ValueError("algo.entropy_coef > 0 needs the entropy with its gradient (compute_logprobs with "
+                             "with_entropy='grad')")
+        entropy_term = aggregate_loss(torch.where(micro.loss_mask.bool(), entropy, 0.0), micro.loss_mask,
+                                      algo.loss_agg, **agg)
+        loss = loss - algo.entropy_coef * entropy_term
+        entropy_share = float(entropy_term.detach())
+    return loss, float(pg_loss.detach()), kl_share, entropy_share, metrics

@@ -144,12 +144,12 @@ def forward_backward(model, micro: Batch, plan: OffPolicyPlan, algo, counts: Ste
     """Current logprobs (with grad) at the sampling temperature, the loss, backward. Returns detached pieces (the
     current logprobs too: before the step's first optimizer update they are the step-start policy's).
     The loss is scaled by the world size because FSDP averages gradients over it (parallel.py)."""
-    logprobs, entropy = settings.logprobs(model, micro, with_entropy=True)  # [b, l-1]
+    logprobs, entropy = settings.logprobs(model, micro, with_entropy="grad" if algo.entropy_coef > 0 else True)
     prox = resolve_prox(plan, logprobs, micro, settings.version)
-    loss, pg_share, kl_share, metrics = compute_micro_loss(plan, algo, logprobs, prox, micro, counts,
-                                                           algo.kl_loss_coef, generator)
+    loss, pg_share, kl_share, entropy_share, metrics = compute_micro_loss(
+        plan, algo, logprobs, prox, micro, counts, algo.kl_loss_coef, generator, entropy=entropy)
     (loss * settings.parallel.loss_scale).backward()
-    return pg_share, kl_share, metrics, prox.detach(), entropy, logprobs.detach()
+    return pg_share, kl_share, entropy_share, metrics, prox.detach(), entropy.detach(), logprobs.detach()
 
 
 def placeholder_pass(model, batch: Batch, settings: StepSettings) -> None:
@@ -185,15 +185,15 @@ def optimizer_step(model, optimizer, scheduler, grad_clip: float, loss_finite: b
     return grad_norm, finite
 
 
-def gather_over_dp(parallel: ParallelState, pg_loss, kl_loss, token_metrics, *row_parts):
-    """Every DP rank's shares of the step's losses, token metrics and per-row parts (π_prox, entropy, step-start
-    logprobs), so each rank reports the whole batch. (SP ranks of one group hold the same values; gathering over
-    the DP group counts each row once.)"""
+def gather_over_dp(parallel: ParallelState, losses: tuple, token_metrics, *row_parts):
+    """Every DP rank's shares of the step's losses (a tuple of floats, summed), token metrics and per-row parts
+    (π_prox, entropy, step-start logprobs), so each rank reports the whole batch. (SP ranks of one group hold the
+    same values; gathering over the DP group counts each row once.)"""
     if parallel.dp_group is None:
-        return (pg_loss, kl_loss, token_metrics, *row_parts)
-    gathered = all_gather_objects((pg_loss, kl_loss, token_metrics, *row_parts), parallel.dp_group)
-    return (sum(g[0] for g in gathered), sum(g[1] for g in gathered), [m for g in gathered for m in g[2]],
-            *([p for g in gathered for p in g[index]] for index in range(3, 3 + len(row_parts))))
+        return (losses, token_metrics, *row_parts)
+    gathered = all_gather_objects((losses, token_metrics, *row_parts), parallel.dp_group)
+    return (tuple(sum(g[0][i] for g in gathered) for i in range(len(losses))), [m for g in gathered for m in g[1]],
+            *([p for g in gathered for p in g[index]] for index in range(2, 2 + len(row_parts))))
 
 
 def step_start_logprobs(batch: Batch, plan: OffPolicyPlan, shape: tuple, start_parts: list):
@@ -231,6 +231,7 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
     batch.is_weight, correction_metrics = compute_batch_weight(batch, plan)
     generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + settings.version)
     pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts, grad_norms, stepped = 0.0, 0.0, [], [], [], [], 0
+    entropy_loss = 0.0  # the entropy bonus's term (algo.entropy_coef), summed like the policy loss
     start_parts = []  # the current pass before the first optimizer update: the step-start policy's logprobs
     for mini in split_minibatches(batch, algo.ppo_minibatches):
         counts = StepCounts(tokens=float(mini.loss_mask.sum()), seqs=float((mini.loss_mask.sum(-1) > 0).sum()))
@@ -239,21 +240,22 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
             if micro is None:
                 placeholder_pass(model, mini, settings)
                 continue
-            pg_share, kl_share, metrics, prox, entropy, current = forward_backward(
+            pg_share, kl_share, entropy_share, metrics, prox, entropy, current = forward_backward(
                 model, micro.to(settings.parallel.device), plan, algo, counts, settings, generator)
+            entropy_loss += entropy_share
             if not grad_norms and plan.prox_source != PROX_RECOMPUTE:  # else the recomputed π_prox is the start
                 start_parts.append((micro.rows, current.cpu()))
             pg_loss, kl_loss = pg_loss + pg_share, kl_loss + kl_share
-            mini_loss += pg_share + algo.kl_loss_coef * kl_share
+            mini_loss += pg_share + algo.kl_loss_coef * kl_share - algo.entropy_coef * entropy_share
             token_metrics.append({key: float(value) for key, value in metrics.items()})
             prox_parts.append((micro.rows, prox.cpu()))
-            entropy_parts.append((micro.rows, entropy.detach().cpu()))
+            entropy_parts.append((micro.rows, entropy.cpu()))
         grad_norm, took = optimizer_step(model, optimizer, scheduler, settings.grad_clip,
                                          losses_finite(mini_loss, settings.parallel))
         grad_norms.append(grad_norm)
         stepped += took
-    pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts, start_parts = gather_over_dp(
-        settings.parallel, pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts, start_parts)
+    (pg_loss, kl_loss, entropy_loss), token_metrics, prox_parts, entropy_parts, start_parts = gather_over_dp(
+        settings.parallel, (pg_loss, kl_loss, entropy_loss), token_metrics, prox_parts, entropy_parts, start_parts)
     shape = tuple(batch.loss_mask.shape)
     metrics = collect_step_metrics(
         batch, groups, algo, plan, settings, prox=scatter_rows(shape, prox_parts),
@@ -265,7 +267,8 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
     metrics.update({
         "loss/pg": pg_loss / minibatches,
         "loss/kl": kl_loss / minibatches,
-        "loss/total": (pg_loss + algo.kl_loss_coef * kl_loss) / minibatches,
+        "loss/entropy": entropy_loss / minibatches,
+        "loss/total": (pg_loss + algo.kl_loss_coef * kl_loss - algo.entropy_coef * entropy_loss) / minibatches,
         "policy/grad_norm": sum(grad_norms) / minibatches,
         "policy/lr": scheduler.get_last_lr()[0],
         "learner/skipped_minibatches": float(len(grad_norms) - stepped),

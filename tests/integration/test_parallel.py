@@ -88,7 +88,7 @@ def run_step(model, parallel: ParallelState, case: dict) -> tuple[dict, dict]:
                             grad_clip=1.0, packing=case["packing"], parallel=parallel)
     if case.get("sft"):
         return {"loss/pg": sft_step(model, optimizer, sft_examples(case["seed"]), settings)}, grads
-    algo = AlgoConfig(ppo_minibatches=case["minibatches"])
+    algo = AlgoConfig(ppo_minibatches=case["minibatches"], entropy_coef=case.get("entropy_coef", 0.0))
     metrics = train_step(model, optimizer, scheduler, make_groups(case["seed"]), algo, settings)
     return metrics, grads
 
@@ -156,6 +156,18 @@ def test_ranks_match_one_process(name, packing, minibatches, tmp_path):
     assert set(got["grads"]) == set(expected["grads"])
     for param, grad in expected["grads"].items():
         torch.testing.assert_close(got["grads"][param], grad, atol=1e-5, rtol=0, msg=param)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fsdp2", "sp2"])
+def test_the_entropy_bonus_on_ranks_matches_one_process(name, tmp_path):
+    """algo.entropy_coef's gradient through the sharded head (DP) and the gathered sequence (SP)."""
+    case = dict(seed=5, budget=40, packing=False, minibatches=1, heads=4, kv_heads=2, sp=CASES[name]["sp"],
+                entropy_coef=0.05)
+    got, expected = run_ranks(CASES[name]["world"], case, tmp_path), reference(case)
+    assert_same_step(got, expected)
+    assert got["metrics"]["loss/entropy"] == pytest.approx(expected["metrics"]["loss/entropy"], abs=1e-5)
+    assert expected["metrics"]["loss/entropy"] > 0
 
 
 @pytest.mark.slow

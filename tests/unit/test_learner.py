@@ -290,3 +290,38 @@ def test_each_reward_component_is_averaged_over_the_samples_that_carry_it():
         for sample, info in zip(group.samples, infos):
             sample.reward_info = dict(info)
     assert component_means(groups, ["correct", "format"]) == {"reward/correct/mean": 0.5, "reward/format/mean": 0.75}
+
+
+def test_the_entropy_with_its_gradient_matches_the_full_softmax(model):
+    """with_entropy="grad" (algo.entropy_coef): the same values as the detached metric, and the gradient of the
+    entropy of the full tempered softmax."""
+    ids = torch.randint(0, 32, (2, 7))
+    mask = torch.ones_like(ids)
+    temps = torch.tensor([0.8, 1.2])
+    detached = compute_logprobs(model, ids, mask, temps, chunk_tokens=5, with_entropy=True)[1]
+    _, entropy = compute_logprobs(model, ids, mask, temps, chunk_tokens=5, with_entropy="grad")
+    torch.testing.assert_close(entropy.detach(), detached, atol=1e-12, rtol=0)
+    entropy.sum().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    log_probs = (model(input_ids=ids).logits[:, :-1].double() / temps[:, None, None].double()).log_softmax(-1)
+    (-(log_probs.exp() * log_probs).sum(-1)).sum().backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(got[name], param.grad, atol=1e-10, rtol=1e-8)
+
+
+def test_the_entropy_bonus_is_subtracted_from_the_loss_and_does_not_depend_on_microbatching(model):
+    rng = np.random.default_rng(5)
+    groups = [make_group(rng, n=3, temperature=t) for t in (0.7, 1.0)]
+    plain, plain_grads = _gradient_after_step(model, groups, 10_000, AlgoConfig(loss_agg="seq-mean-token-mean"))
+    algo = AlgoConfig(loss_agg="seq-mean-token-mean", entropy_coef=0.01)
+    bonus, grads = _gradient_after_step(model, groups, 10_000, algo)
+    assert bonus["loss/entropy"] > 0 and plain["loss/entropy"] == 0.0
+    assert bonus["loss/total"] == pytest.approx(bonus["loss/pg"] - 0.01 * bonus["loss/entropy"], abs=1e-12)
+    assert any(not torch.allclose(grads[name], plain_grads[name]) for name in grads)
+    split, split_grads = _gradient_after_step(model, groups, 16, algo)
+    assert split["loss/entropy"] == pytest.approx(bonus["loss/entropy"], abs=1e-9)
+    for name, grad in grads.items():
+        torch.testing.assert_close(split_grads[name], grad, atol=1e-9, rtol=1e-7)
+    with pytest.raises(ValueError, match="entropy_coef must be >= 0"):
+        AlgoConfig(entropy_coef=-0.1)
