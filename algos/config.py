@@ -62,9 +62,10 @@ class AlgoConfig:
     gamma: float = 1.0
     """Discount of token rewards for reinforce_pp (per token)."""
     loss: str = "ppo"
-    """Policy loss: ppo, gspo, gspo_token, cispo, sapo, gpg, clip_cov, kl_cov, topr, reinforce."""
+    """Policy loss: ppo, gspo, gspo_token, gmpo, cispo, sapo, gpg, clip_cov, kl_cov, topr, reinforce."""
     clip_low: Optional[float] = None
-    """ε_low: the ratio is clipped at 1 - clip_low (ppo 0.2, gspo 3e-4; cispo: None = no lower bound)."""
+    """ε_low: the ratio is clipped at 1 - clip_low (ppo 0.2, gspo 3e-4; gmpo: the log-ratio at -0.4; cispo: None =
+    no lower bound)."""
     clip_high: Optional[float] = None
     """ε_high (clip-higher): the ratio is clipped at 1 + clip_high (ppo 0.28, gspo 4e-4)."""
     dual_clip_c: Optional[float] = None

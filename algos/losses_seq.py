@@ -1,4 +1,5 @@
-"""Sequence-ratio policy losses: GSPO and GSPO-token (Qwen, arXiv 2507.18071; docs/algorithms.md §1.5).
+"""Sequence-ratio policy losses: GSPO and GSPO-token (Qwen, arXiv 2507.18071; docs/algorithms.md §1.5), and GMPO
+(the geometric mean of clipped token ratios, arXiv 2507.20673; §1.13).
 
 GSPO replaces PPO's per-token ratio by the length-normalised sequence ratio
     s_i = (π_θ(y_i|x) / π_prox(y_i|x))^(1/|y_i|) = exp(mean_t (ℓθ_t - ℓprox_t)),
@@ -79,6 +80,38 @@ def gspo_token_loss(
                                                         clip_high)
     loss = finish_policy_loss(loss, x, inputs.is_weight)
     return loss, _sequence_metrics(x, seq_log_ratio.clamp(max=SEQ_LOG_RATIO_MAX), clipped_low, clipped_high)
+
+
+def gmpo_loss(
+    inputs: PolicyLossInputs,
+    *,
+    clip_low: float = 0.4,
+    clip_high: float = 0.4,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """GMPO: maximise the geometric mean of the token-level clipped objectives instead of their arithmetic mean.
+
+    Per sequence i, with A_i its mean advantage and σ = sign(A_i), each token's log-ratio is clipped in LOG space
+    the pessimistic way, ℓ'_t = σ · min(σ log u_t, σ clip(log u_t, -ε_low, ε_high)), and
+        L_i = -A_i · exp(mean_t ℓ'_t)
+    sits on every valid token of the row (as GSPO's). Under ``seq-mean-token-mean`` the aggregate is the paper's
+    objective. The geometric mean is insensitive to a single outlier ratio, so the clip range can be much wider
+    than PPO's: ε = 0.4 on each side (e^±0.4) is the paper's and verl's GMPO recipe. A clipped token gets no
+    gradient; the others share the sequence's weight: ∂L_i/∂ℓθ_t = -A_i exp(mean ℓ') / |y_i|.
+    """
+    check_clip_range("gmpo", clip_low, clip_high)
+    x = prepare_policy_inputs(inputs)
+    seq_advantage = sequence_mean(x.advantages, x.valid)[:, None]  # [B, 1]
+    sign = torch.where(seq_advantage >= 0, 1.0, -1.0).to(x.log_ratio.dtype)  # [B, 1]
+    clipped_log_ratio = x.log_ratio.clamp(-clip_low, clip_high)
+    pessimistic = sign * torch.minimum(sign * x.log_ratio, sign * clipped_log_ratio)  # [B, T]
+    seq_log_ratio = sequence_mean(pessimistic, x.valid).clamp(max=SEQ_LOG_RATIO_MAX)[:, None]  # [B, 1]
+    loss = (-seq_advantage * torch.exp(seq_log_ratio)).expand_as(x.ratio)
+    loss = finish_policy_loss(loss, x, inputs.is_weight)
+    with torch.no_grad():
+        active = pessimistic != x.log_ratio  # the clipped branch: no gradient
+        clipped_low = active & (x.log_ratio < -clip_low)
+        clipped_high = active & (x.log_ratio > clip_high)
+    return loss, _sequence_metrics(x, seq_log_ratio.detach(), clipped_low, clipped_high)
 
 
 @torch.no_grad()

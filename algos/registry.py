@@ -73,6 +73,7 @@ LOSSES: dict[str, LossSpec] = {
     "ppo": LossSpec("ppo_clip_loss", {"clip_low": "clip_low", "clip_high": "clip_high", "dual_clip_c": "dual_clip_c"}),
     "gspo": LossSpec("gspo_loss", {"clip_low": "clip_low", "clip_high": "clip_high"}),
     "gspo_token": LossSpec("gspo_token_loss", {"clip_low": "clip_low", "clip_high": "clip_high"}),
+    "gmpo": LossSpec("gmpo_loss", {"clip_low": "clip_low", "clip_high": "clip_high"}),
     "cispo": LossSpec("cispo_loss", {"clip_low": "clip_low", "clip_high": "clip_high"}),
     "sapo": LossSpec("sapo_loss", {"tau_pos": "tau_pos", "tau_neg": "tau_neg"}),
     "gpg": LossSpec("gpg_loss", ratio_free=True),

@@ -15,6 +15,7 @@ from asyncrl.algos.losses import (
     aggregate_loss,
     cispo_loss,
     clip_cov_loss,
+    gmpo_loss,
     gpg_loss,
     gspo_loss,
     gspo_token_loss,
@@ -77,7 +78,7 @@ def t(rows):
 
 # Registry ---------------------------------------------------------------------------------------------------
 def test_registry_holds_exactly_the_catalogue():
-    assert set(POLICY_LOSSES) == set(LOSSES) == {"ppo", "gspo", "gspo_token", "cispo", "sapo", "gpg", "clip_cov",
+    assert set(POLICY_LOSSES) == set(LOSSES) == {"ppo", "gspo", "gspo_token", "gmpo", "cispo", "sapo", "gpg", "clip_cov",
                                                  "kl_cov", "topr", "reinforce"}
     assert POLICY_LOSSES["ppo"] is ppo_clip_loss and POLICY_LOSSES["gspo_token"] is gspo_token_loss
 
@@ -254,6 +255,28 @@ def test_gspo_golden_sequence_ratio_and_clipping():
     assert float(metrics["policy/clip_frac_low"]) == 1.0
     loss_t, _ = gspo_loss(PolicyLossInputs(logprobs, prox, -torch.ones(1, 2, dtype=F64), mask), clip_low=0.2)
     close(loss_t, [[s, s]])  # a wide range leaves s unclipped
+
+
+def test_gmpo_golden_geometric_mean_of_log_space_clipped_ratios():
+    prox = t([[-1.0, -2.0, -1.5]])
+    logprobs = (prox + t([[0.5, -0.1, -0.6]])).requires_grad_()
+    mask = torch.ones(1, 3, dtype=F64)
+    # A > 0: min(log u, clip(log u, -0.4, 0.4)) = [0.4, -0.1, -0.6]; only 0.5 is clipped
+    g = math.exp((0.4 - 0.1 - 0.6) / 3)
+    loss_t, metrics = gmpo_loss(PolicyLossInputs(logprobs, prox, torch.full((1, 3), 2.0, dtype=F64), mask))
+    close(loss_t, [[-2 * g] * 3])
+    close(grad_of(loss_t.sum(), logprobs), [[0.0, -2 * g, -2 * g]])  # 3 copies of -2g/3 on each unclipped token
+    assert float(metrics["policy/clip_frac_high"]) == pytest.approx(1 / 3)
+    # A < 0: max(log u, clip) = [0.5, -0.1, -0.4]; only -0.6 is clipped
+    g = math.exp((0.5 - 0.1 - 0.4) / 3)
+    loss_t, metrics = gmpo_loss(PolicyLossInputs(logprobs, prox, -torch.ones(1, 3, dtype=F64), mask))
+    close(loss_t, [[g] * 3])
+    close(grad_of(loss_t.sum(), logprobs), [[g, g, 0.0]])
+    assert float(metrics["policy/clip_frac_low"]) == pytest.approx(1 / 3)
+    # a wide range clips nothing: the plain geometric mean of the ratios
+    loss_t, _ = gmpo_loss(PolicyLossInputs(logprobs, prox, -torch.ones(1, 3, dtype=F64), mask), clip_low=1.0,
+                          clip_high=1.0)
+    close(loss_t, [[math.exp(-0.2 / 3)] * 3])
 
 
 def test_gspo_token_gives_each_token_its_own_advantage_with_the_sequence_ratio():
