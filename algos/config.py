@@ -22,6 +22,8 @@ CORRECTION_NAMES = tuple(CORRECTIONS)
 LOSS_AGG_NAMES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_NAMES = ("k1", "k2", "k3", "k3+", "abs")
 PROX_METHODS = ("recompute", "loglinear")
+BATCH_NORMALISABLE = ("decoupled", "tis", "mis", "seq_mis", "icepop", "m2po", "rs")
+"""Corrections whose kept tokens carry an importance ratio, which algo.is_batch_norm can normalise."""
 
 
 def check_combination(loss: str, correction: str, advantage: str, prox_logprobs: str) -> None:
@@ -120,6 +122,10 @@ class AlgoConfig:
     prox_logprobs: str = "recompute"
     """How π_prox is obtained: `recompute` (exact: a no-grad pass, skipped when it equals the first forward) or
     `loglinear` (A-3PO approximation from the behaviour logprobs and versions; saves the pass)."""
+    is_batch_norm: bool = False
+    """Self-normalised IS (verl's rollout_is_batch_normalize): divide the correction's weights by their mean over
+    the batch (tokens, or sequences for a sequence-level weight), computed once on the whole batch. Only for
+    corrections whose kept tokens carry an importance ratio."""
     ppo_minibatches: int = 1
     """Optimizer steps per batch (the batch's rows are split into this many mini-batches)."""
     entropy_coef: float = 0.0
@@ -164,6 +170,15 @@ class AlgoConfig:
         if self.kl_loss_coef > 0 and self.kl_reward_coef > 0:
             raise ValueError("algo.kl_loss_coef and algo.kl_reward_coef are both > 0: the KL to the reference "
                              "would be penalised twice; keep one")
+        if self.is_batch_norm:
+            if self.correction not in BATCH_NORMALISABLE or (self.correction == "rs" and self.rs_weight != "ratio"):
+                raise ValueError(
+                    f"algo.is_batch_norm normalises importance weights, and algo.correction={self.correction}"
+                    f"{' with rs_weight=' + str(self.rs_weight or 'one') if self.correction == 'rs' else ''} gives "
+                    f"none to normalise (use one of {BATCH_NORMALISABLE}; rs needs rs_weight=ratio)")
+            if self.prox_logprobs == "loglinear":
+                raise ValueError("algo.is_batch_norm needs the exact π_prox of the whole batch before the first "
+                                 "update; algo.prox_logprobs=loglinear exists to skip that pass; use recompute")
         if self.loss_agg == "seq-mean-token-sum-norm" and not self.loss_norm_constant:
             raise ValueError("algo.loss_norm_constant must be set (> 0) when algo.loss_agg=seq-mean-token-sum-norm")
 
@@ -217,6 +232,16 @@ class AlgoConfig:
         if self.gamma != 1.0 and self.advantage != "reinforce_pp":
             raise ValueError(f"algo.gamma discounts token rewards for reinforce_pp only; algo.advantage="
                              f"{self.advantage} uses the undiscounted outcome reward (got gamma={self.gamma})")
+
+    def weight_level(self) -> str:
+        """Whether the correction's weight is per token or per sequence (what is_batch_norm averages over)."""
+        if self.correction == "seq_mis":
+            return "sequence"
+        if self.correction in ("tis", "mis"):
+            return self.is_level or "token"
+        if self.correction == "rs":
+            return self.rs_level or "sequence"
+        return "token"
 
     def needs_reference_model(self) -> bool:
         """The reference model is loaded only when some KL coefficient is non-zero."""

@@ -376,6 +376,28 @@ def seq_mis_weight(
     return weight, _weight_metrics(raw, valid, masked=masked, low=low, high=cap)
 
 
+@torch.no_grad()
+def normalize_batch_weight(weight: Tensor, loss_mask: Tensor, level: str) -> tuple[Tensor, dict[str, Tensor]]:
+    """Self-normalised IS (verl's ``rollout_is_batch_normalize``): the batch's weights divided by their mean, so
+    they average 1 over the batch's valid tokens (``token``) or over its sequences (``sequence``, each counted once
+    with its ρ(y)). The correction keeps its shape and its rejections; only the overall scale, which otherwise moves
+    the effective learning rate with the staleness, is removed. A batch whose weights are all 0 is left as is.
+    Call it on the whole step's batch (it is batch-global)."""
+    if level not in LEVELS:
+        raise ValueError(f"unknown correction level {level!r}; choose one of {LEVELS}")
+    valid = loss_mask.bool()
+    if level == "token":
+        total, count = torch.where(valid, weight, 0.0).sum(), valid.sum()
+    else:
+        rows = valid.any(dim=-1)
+        first = valid.to(torch.int64).argmax(dim=-1)  # each row's first valid token carries its ρ(y)
+        per_row = weight.gather(-1, first[:, None]).squeeze(-1)
+        total, count = torch.where(rows, per_row, 0.0).sum(), rows.sum()
+    mean = total / count.clamp(min=1).to(total.dtype)
+    factor = torch.where(mean > 0, 1.0 / mean.clamp(min=1e-30), torch.ones_like(mean))
+    return torch.where(valid, weight * factor, torch.zeros_like(weight)), {"offpolicy/batch_norm_factor": factor}
+
+
 CORRECTION_WEIGHTS: dict[str, Callable[..., tuple[Tensor, dict[str, Tensor]]]] = {
     name: globals()[spec.function] for name, spec in CORRECTIONS.items() if spec.function is not None}
 """Correction name -> weight function, resolved from ``registry.CORRECTIONS`` (the entries that have one)."""

@@ -58,6 +58,9 @@ class OffPolicyPlan:
     """Name of the correction whose weight function gives that weight (``corrections.CORRECTION_WEIGHTS``)."""
     weight_kwargs: dict = field(default_factory=dict)
     """Keywords of the weight function: the config's (plus BYPASS_PG_CAP as bypass's default cap)."""
+    weight_batch_norm: str | None = None
+    """``algo.is_batch_norm``: the level (token or sequence) at which the batch's weights are normalised to mean 1
+    (``corrections.normalize_batch_weight``); the weight is then computed once on the whole batch."""
     vtrace_advantages: bool = False
     """The advantages are V-trace's, computed from π_prox and μ on the whole batch, instead of the estimator's."""
     vtrace_kwargs: dict = field(default_factory=dict)
@@ -83,7 +86,7 @@ class OffPolicyPlan:
 def _prox_source(algo, correction) -> str:
     if algo.prox_logprobs == PROX_LOGLINEAR:
         return PROX_LOGLINEAR
-    if algo.ppo_minibatches > 1 or correction.batch_global:
+    if algo.ppo_minibatches > 1 or correction.batch_global or algo.is_batch_norm:
         return PROX_RECOMPUTE  # after the first optimizer step the current pass is no longer π_prox
     return PROX_FUSED
 
@@ -91,8 +94,9 @@ def _prox_source(algo, correction) -> str:
 def _weight(algo, loss, correction) -> dict:
     """The weight_* fields of the plan."""
     if correction.kind == WEIGHT:
-        source = WEIGHT_BATCH if correction.batch_global else WEIGHT_PER_MICRO
-        return dict(weight_source=source, weight_correction=algo.correction, weight_kwargs=algo.correction_kwargs())
+        source = WEIGHT_BATCH if correction.batch_global or algo.is_batch_norm else WEIGHT_PER_MICRO
+        return dict(weight_source=source, weight_correction=algo.correction, weight_kwargs=algo.correction_kwargs(),
+                    weight_batch_norm=algo.weight_level() if algo.is_batch_norm else None)
     if correction.kind == BYPASS and loss.ratio_free and not loss.weights_against_behaviour:
         kwargs = {"cap": BYPASS_PG_CAP, **algo.correction_kwargs()}  # bypass's only field is is_cap -> cap
         return dict(weight_source=WEIGHT_CURRENT, weight_correction=BYPASS_PG_CORRECTION, weight_kwargs=kwargs)

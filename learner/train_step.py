@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.algos.advantages import AdvantageInputs, compute_token_advantages
-from asyncrl.algos.corrections import compute_correction, compute_vtrace_advantages
+from asyncrl.algos.corrections import compute_correction, compute_vtrace_advantages, normalize_batch_weight
 from asyncrl.algos.kl import apply_kl_penalty
 from asyncrl.algos.metrics import combine_token_metrics
 from asyncrl.algos.plan import PROX_RECOMPUTE, WEIGHT_BATCH, OffPolicyPlan
@@ -135,8 +135,12 @@ def compute_batch_weight(batch: Batch, plan: OffPolicyPlan) -> tuple[torch.Tenso
     its metrics, computed once from the recomputed π_prox; (None, None) when the plan has none."""
     if plan.weight_source != WEIGHT_BATCH:
         return None, None
-    return compute_correction(plan.weight_correction, batch.logprobs_prox, batch.logprobs_behav, batch.loss_mask,
-                              **plan.weight_kwargs)
+    weight, metrics = compute_correction(plan.weight_correction, batch.logprobs_prox, batch.logprobs_behav,
+                                         batch.loss_mask, **plan.weight_kwargs)
+    if plan.weight_batch_norm is not None:  # algo.is_batch_norm: self-normalised over the whole batch
+        weight, norm_metrics = normalize_batch_weight(weight, batch.loss_mask, plan.weight_batch_norm)
+        metrics = {**metrics, **norm_metrics}
+    return weight, metrics
 
 
 def forward_backward(model, micro: Batch, plan: OffPolicyPlan, algo, counts: StepCounts, settings: StepSettings,

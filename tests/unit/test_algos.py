@@ -357,3 +357,19 @@ def test_mult_prob_error_is_the_mean_of_exp_abs_delta_over_valid_tokens():
     valid = torch.tensor([[1, 1, 0], [1, 0, 0]])
     assert compute_mult_prob_error(learner, behav, valid) == pytest.approx((math.exp(0.5) + 1 + math.exp(0.2)) / 3)
     assert compute_mult_prob_error(learner, behav, torch.zeros_like(valid)) == 1.0
+
+
+def test_batch_normalised_is_is_planned_on_the_whole_batch_and_refused_where_nothing_is_a_ratio():
+    from asyncrl.algos.config import AlgoConfig
+    from asyncrl.algos.plan import PROX_RECOMPUTE, WEIGHT_BATCH, OffPolicyPlan
+
+    plan = OffPolicyPlan.from_algo(AlgoConfig(correction="tis", is_level="sequence", is_batch_norm=True))
+    assert plan.weight_source == WEIGHT_BATCH and plan.prox_source == PROX_RECOMPUTE
+    assert plan.weight_batch_norm == "sequence"
+    assert OffPolicyPlan.from_algo(AlgoConfig(is_batch_norm=True)).weight_batch_norm == "token"  # decoupled
+    assert OffPolicyPlan.from_algo(AlgoConfig()).weight_batch_norm is None
+    for kwargs in ({"correction": "geo_rs"}, {"correction": "none"}, {"correction": "rs"}):
+        with pytest.raises(ValueError, match="is_batch_norm normalises importance weights"):
+            AlgoConfig(is_batch_norm=True, **kwargs)
+    with pytest.raises(ValueError, match="loglinear"):
+        AlgoConfig(is_batch_norm=True, prox_logprobs="loglinear")

@@ -582,3 +582,23 @@ def test_rs_refuses_settings_that_reject_nothing_or_do_not_exist(hyper, match):
     prox, behav, mask = seq_batch()
     with pytest.raises(ValueError, match=match):
         compute_correction("rs", prox, behav, mask, **hyper)
+
+
+# Self-normalised IS -----------------------------------------------------------------------------------------------
+def test_batch_normalisation_makes_the_weights_average_one_over_tokens_or_sequences():
+    from asyncrl.algos.corrections import normalize_batch_weight
+
+    mask = t_mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]], dtype=F64)
+    weight = torch.tensor([[2.0, 0.0, 9.0], [1.0, 7.0, 7.0], [5.0, 5.0, 5.0]], dtype=F64)  # garbage off-mask
+    normed, m = normalize_batch_weight(weight, t_mask, "token")  # mean over 3 valid tokens: 1
+    assert_weight(normed, [[2.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0, 0, 0]])
+    assert close(m["offpolicy/batch_norm_factor"], 1.0)
+    normed, m = normalize_batch_weight(weight * 4, mask, "token")
+    assert_weight(normed, [[2.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0, 0, 0]]) and close(m["offpolicy/batch_norm_factor"],
+                                                                                  0.25)
+    seq = torch.tensor([[3.0, 3.0, 0.0], [1.0, 0.0, 0.0], [0, 0, 0]], dtype=F64)  # ρ(y) = 3 and 1: mean 2
+    normed, m = normalize_batch_weight(seq, mask, "sequence")
+    assert_weight(normed, [[1.5, 1.5, 0.0], [0.5, 0.0, 0.0], [0, 0, 0]]) and close(m["offpolicy/batch_norm_factor"],
+                                                                                  0.5)
+    zero, _ = normalize_batch_weight(torch.zeros(3, 3, dtype=F64), mask, "token")  # all rejected: left alone
+    assert torch.equal(zero, torch.zeros(3, 3, dtype=F64))

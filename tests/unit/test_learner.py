@@ -325,3 +325,18 @@ def test_the_entropy_bonus_is_subtracted_from_the_loss_and_does_not_depend_on_mi
         torch.testing.assert_close(split_grads[name], grad, atol=1e-9, rtol=1e-7)
     with pytest.raises(ValueError, match="entropy_coef must be >= 0"):
         AlgoConfig(entropy_coef=-0.1)
+
+
+def test_batch_normalised_weights_are_computed_once_and_do_not_depend_on_microbatching(model):
+    rng = np.random.default_rng(6)
+    groups = [make_group(rng, n=3, version=0, temperature=t) for t in (0.7, 1.0)]
+    for group in groups:  # a stale sampler: the behaviour logprobs are off by a per-token amount
+        for sample in group.samples:
+            sample.logprobs = sample.logprobs + rng.normal(0, 0.3, size=len(sample.logprobs)).astype(np.float32)
+    algo = AlgoConfig(correction="tis", is_batch_norm=True, loss_agg="seq-mean-token-mean")
+    whole, grads = _gradient_after_step(model, groups, 10_000, algo)
+    assert whole["offpolicy/batch_norm_factor"] > 0 and whole["offpolicy/batch_norm_factor"] != 1.0
+    split, split_grads = _gradient_after_step(model, groups, 16, algo)
+    assert split["loss/pg"] == pytest.approx(whole["loss/pg"], abs=1e-9)
+    for name, grad in grads.items():
+        torch.testing.assert_close(split_grads[name], grad, atol=1e-9, rtol=1e-7)
