@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--dry-run", action="store_true", help="print the resolved config as YAML and exit")
         cmd.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. buffer.max_staleness=4 learner.lr=1e-6")
         if name in ("learner", "sft"):
-            add_launch_arguments(cmd, resume=name == "learner")
+            add_launch_arguments(cmd, resume=True)
         if name == "eval":
             cmd.add_argument("--checkpoint", required=True,
                              help="an HF model directory (asyncrl export's output) or a learner checkpoint")
@@ -316,6 +316,7 @@ def cmd_sft(cfg, args) -> int:
     if args.nproc * args.nnodes > 1 and "LOCAL_RANK" not in os.environ:
         return exec_torchrun(cfg, args, module="asyncrl.launch.cli", command_name="sft")
     from asyncrl.launch.demo import say_stderr
+    from asyncrl.learner.checkpoint import CheckpointError
     from asyncrl.learner.sft_data import SFTDataError
     from asyncrl.learner.sft_job import run_sft_job
 
@@ -327,13 +328,15 @@ def cmd_sft(cfg, args) -> int:
         say = say_stderr if parallel.is_main else (lambda message: None)
         try:
             result = run_sft_job(cfg, model_path, files, job_dir, parallel, say)
-        except (SFTDataError, FileNotFoundError) as err:
+        except (SFTDataError, FileNotFoundError, CheckpointError) as err:
             print(f"asyncrl sft: {err}", file=sys.stderr)
             return 2
         if parallel.is_main:
             losses = result.losses
-            print(f"sft: {len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}; model saved to "
-                  f"{result.out_dir}" if losses else f"sft: 0 steps; model saved to {result.out_dir}")
+            val = f"validation loss {result.val_losses[-1][1]:.4f}; " if result.val_losses else ""
+            print(f"sft: {len(losses)} steps from step {result.start_step}, loss {losses[0]:.4f} -> "
+                  f"{losses[-1]:.4f}; {val}model saved to {result.out_dir}" if losses else
+                  f"sft: 0 steps; model saved to {result.out_dir}")
         leave_ranks(parallel)
         return 0
     finally:

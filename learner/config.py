@@ -1,5 +1,6 @@
 """Learner and SFT settings (stdlib only)."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import List
 
 from asyncrl.learner.lr_schedule import SCHEDULES
 
@@ -133,7 +134,25 @@ class LearnerConfig:
 @dataclass
 class SFTConfig:
     steps: int = 60
-    """Optimizer steps of supervised fine-tuning."""
+    """Optimizer steps of supervised fine-tuning, each on batch_size examples sampled with the step's seed (used
+    when epochs is 0)."""
+    epochs: int = 0
+    """Passes over the data, each example once per epoch in a seeded order (> 0 replaces steps)."""
+    warmup_steps: int = 0
+    """Linear learning-rate warmup, in optimizer steps."""
+    lr_schedule: str = "constant"
+    """After warmup: constant, linear or cosine decay to min_lr_ratio · lr at the last step."""
+    min_lr_ratio: float = 0.0
+    """Where linear or cosine decay ends, as a fraction of lr."""
+    val_files: List[str] = field(default_factory=list)
+    """Validation parquet (the training format); without it, val_fraction of the data is held out."""
+    val_fraction: float = 0.0
+    """Share of the examples held out (seeded) for the validation loss when val_files is empty; 0: none."""
+    val_every: int = 0
+    """Validation loss every this many steps (and at the end); 0: at the end only."""
+    checkpoint_every: int = 0
+    """A resumable checkpoint every this many steps and at the end (learner.checkpoint_dir, checkpoint_keep;
+    `asyncrl sft --resume`); 0: none."""
     lr: float = 1e-3
     """AdamW learning rate for SFT."""
     batch_size: int = 128
@@ -156,3 +175,15 @@ class SFTConfig:
             raise ValueError(f"sft.lr must be > 0, got {self.lr}")
         if self.batch_size < 1:
             raise ValueError(f"sft.batch_size must be >= 1, got {self.batch_size}")
+        if self.epochs < 0 or self.warmup_steps < 0 or self.val_every < 0 or self.checkpoint_every < 0:
+            raise ValueError("sft.epochs, sft.warmup_steps, sft.val_every and sft.checkpoint_every must be >= 0")
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(f"sft.lr_schedule must be one of {SCHEDULES}, got {self.lr_schedule!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"sft.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.min_lr_ratio and self.lr_schedule == "constant":
+            raise ValueError("sft.min_lr_ratio is where a decay ends, and sft.lr_schedule=constant does not decay")
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"sft.val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.val_files and self.val_fraction:
+            raise ValueError("sft.val_files and sft.val_fraction both name a validation split; keep one")

@@ -19,6 +19,7 @@ from asyncrl.learner.build import (StepParts, build_optimizer, build_policy, bui
 from asyncrl.learner.checkpoint import load_checkpoint, save_checkpoint, wait_for_pending_save
 from asyncrl.learner.collect import collect_batch
 from asyncrl.learner.host import LearnerHost
+from asyncrl.learner.lr_schedule import resync_after_load
 from asyncrl.learner.parallel import ParallelState, broadcast_object
 from asyncrl.learner.publish import iter_full_weights, weight_specs
 from asyncrl.learner.state import AckLedger, LearnerState
@@ -47,6 +48,8 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
     parts = build_step_parts(cfg, model_path, parallel)
     resume_from = find_resume_point(cfg, job_dir)
     state = load_checkpoint(resume_from, model, optimizer, scheduler) if resume_from else LearnerState()
+    if resume_from:
+        resync_after_load(scheduler)  # this job's schedule (learner.total_steps may have grown) at the restored step
     parts.restore(state)
     host = LearnerHost(cfg, model, model_path, train_files, job_dir, parallel, state, resumed_from=resume_from,
                        load_prompts=load_prompts, load_eval_prompts=load_eval_prompts) if parallel.is_main else None

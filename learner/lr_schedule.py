@@ -9,6 +9,15 @@ import math
 SCHEDULES = ("constant", "linear", "cosine")
 
 
+def resync_after_load(scheduler) -> None:
+    """After a checkpoint's scheduler and optimizer state are loaded: set each group's rate from THIS job's
+    schedule at the restored step. The loaded state carries the rate the previous life computed, from its own
+    schedule, so a job resumed with more steps (a decay stretched over them) would otherwise take its first step
+    at the old schedule's rate."""
+    for group, multiplier in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+        group["lr"] = group["initial_lr"] * multiplier(scheduler.last_epoch)
+
+
 def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, schedule: str = "constant",
                   min_ratio: float = 0.0) -> float:
     """The fraction of the peak rate for optimizer step `step` (0-based: LambdaLR's count). Warmup rises linearly

@@ -62,6 +62,48 @@ def sft_step(model, optimizer, examples: list, settings: StepSettings) -> float:
     return total
 
 
+@torch.no_grad()
+def sft_eval_loss(model, examples: list, settings: StepSettings, batch_size: int) -> float:
+    """The token-mean cross-entropy of `examples` (a validation split), in batches of `batch_size`, every rank
+    running the same passes (placeholders where it has no rows) and the sums reduced over data-parallel ranks."""
+    total = torch.zeros(2, dtype=torch.float64, device=settings.parallel.device)  # [NLL sum, tokens]
+    was_training = model.training
+    model.eval()
+    for start in range(0, len(examples), batch_size):
+        batch = sft_batch(examples[start:start + batch_size])
+        for micro in settings.microbatches(batch):
+            if micro is None:
+                micro = placeholder_microbatch(batch)
+                micro.loss_mask = torch.zeros_like(micro.loss_mask)
+            micro = micro.to(settings.parallel.device)
+            logprobs, _ = settings.logprobs(model, micro)
+            total += torch.stack([-(logprobs * micro.loss_mask).sum(), micro.loss_mask.sum()]).double()
+    if was_training:
+        model.train()
+    if settings.parallel.dp_group is not None:
+        torch.distributed.all_reduce(total, group=settings.parallel.dp_group)
+    return float(total[0] / total[1].clamp(min=1))
+
+
+def epoch_batches(count: int, batch_size: int, epoch: int, seed: int) -> list:
+    """The batches of one epoch: a seeded shuffle of the `count` examples (the same for the same seed and epoch,
+    so a resumed job walks the same order), cut into consecutive batches; the last may be smaller."""
+    order = list(range(count))
+    random.Random(f"sft:{seed}:{epoch}").shuffle(order)
+    return [order[start:start + batch_size] for start in range(0, count, batch_size)]
+
+
+def batch_for_step(step: int, count: int, batch_size: int, seed: int, epochs: int) -> tuple[int, list]:
+    """(epoch, example indexes) of optimizer step `step` (0-based): with `epochs` > 0 the epochs' batches in
+    order, each example once per epoch; with 0, a sample of batch_size seeded by the step (steps mode). A pure
+    function of the step, so a job resumed at step s draws exactly what the uninterrupted one would have."""
+    if epochs <= 0:
+        return 0, random.Random(f"sft:{seed}:step:{step}").sample(range(count), min(batch_size, count))
+    per_epoch = -(-count // batch_size)
+    epoch = step // per_epoch
+    return epoch, epoch_batches(count, batch_size, epoch, seed)[step % per_epoch]
+
+
 def run_sft(model, examples: list, steps: int, lr: float, batch_size: int, seed: int,
             settings: StepSettings | None = None, on_step=None) -> list[float]:
     """AdamW over `steps` batches of `batch_size` examples drawn with `seed` (identically on every rank); returns

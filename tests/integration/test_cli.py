@@ -44,3 +44,40 @@ def test_asyncrl_sft_trains_and_saves_a_model(tmp_path, demo_assets, demo_cache,
 
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "job" / "model")  # full weights, not a shard
     assert saved.get_output_embeddings().weight.shape[0] == saved.config.vocab_size
+
+
+@pytest.mark.slow
+def test_asyncrl_sft_runs_epochs_with_a_schedule_validation_checkpoints_and_resume(tmp_path, demo_assets,
+                                                                                    demo_cache):
+    """One epoch with warmup and cosine decay, a held-out validation split and checkpoints; then `--resume` with a
+    second epoch carries on from the checkpoint's step; the MLflow run holds both lives' losses and the
+    validation curve."""
+    from mlflow.tracking import MlflowClient
+
+    env = {**os.environ, "ASYNCRL_JOB_DIR": str(tmp_path / "job")}
+    common = ["-m", "asyncrl.launch.cli", "sft", f"demo.cache_dir={demo_cache}", "demo.sft_steps=20",
+              "demo.num_prompts=256", "sft.batch_size=64", "sft.val_fraction=0.25", "sft.val_every=2",
+              "sft.checkpoint_every=2", "sft.warmup_steps=1", "sft.lr_schedule=cosine", "sft.min_lr_ratio=0.1",
+              f"telemetry.tracking_uri=sqlite:///{tmp_path}/mlflow.db", "telemetry.progress=false"]
+    first = subprocess.run([sys.executable, *common, "sft.epochs=1"], env=env, capture_output=True, text=True,
+                           timeout=300, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    steps = int(first.stdout.split("sft: ")[1].split(" steps")[0])
+    assert steps >= 2 and "validation loss" in first.stdout
+    checkpoints = sorted(os.listdir(tmp_path / "job" / "checkpoints"))
+    assert checkpoints[-1] == f"step-{steps:08d}"
+    second = subprocess.run([sys.executable, *common, "sft.epochs=2", "--resume"], env=env, capture_output=True,
+                            text=True, timeout=300, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert f"{steps} steps from step {steps}," in second.stdout and f"resumed from" in second.stderr
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    runs = client.search_runs([client.get_experiment_by_name("asyncrl").experiment_id])
+    assert len(runs) == 2  # one per life, as the RL learner's
+
+    def history(key):
+        return {point.step: point.value for run in runs for point in client.get_metric_history(run.info.run_id, key)}
+
+    assert sorted(history("sft/loss")) == list(range(1, 2 * steps + 1))
+    assert set(history("sft/val_loss")) >= {steps, 2 * steps}
+    lrs = history("policy/lr")
+    assert lrs[1] < lrs[2] and lrs[2 * steps] < lrs[steps + 1]  # warmup, then decay across the resume

@@ -47,3 +47,26 @@ def test_the_optimizer_follows_the_schedule():
 def test_schedules_that_do_not_combine_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LearnerConfig(**kwargs)
+
+
+def test_a_resumed_optimizer_takes_its_first_step_at_this_jobs_schedule(tmp_path):
+    """The previous life decayed over 4 steps; this one over 8: after loading, the rate is the new schedule's at
+    the restored step, not the rate the old schedule left in the optimizer."""
+    from asyncrl.learner.lr_schedule import resync_after_load
+
+    def build(total):
+        model = torch.nn.Linear(2, 1)
+        return model, *build_optimizer(model, LearnerConfig(lr=1.0, warmup_steps=0, total_steps=total,
+                                                            lr_schedule="linear"))
+
+    model, optimizer, scheduler = build(4)
+    for _ in range(4):
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.0)
+    saved = (optimizer.state_dict(), scheduler.state_dict())
+    model, optimizer, scheduler = build(8)
+    optimizer.load_state_dict(saved[0])
+    scheduler.load_state_dict(saved[1])
+    resync_after_load(scheduler)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5)  # step 4 of 8
