@@ -23,7 +23,7 @@ ARM_MEANS = torch.tensor([0.2, 0.5, 0.9, 0.3, 0.6], dtype=F64)
 BEST = int(ARM_MEANS.argmax())
 STALENESS = 3
 STALE_CORRECTIONS = ("decoupled", "tis", "mis", "icepop", "m2po", "bypass")
-RATIO_LOSSES = ("ppo", "gspo", "gspo_token", "cispo", "sapo", "clip_cov", "kl_cov", "gpg", "reinforce")
+RATIO_LOSSES = ("ppo", "gspo", "gspo_token", "gmpo", "cispo", "sapo", "clip_cov", "kl_cov", "gpg", "reinforce")
 # GSPO's trust region (±4e-4 on the sequence ratio) centred on a 3-step-old μ (bypass) clips nearly every sample,
 # so gspo/gspo_token + bypass stall on stale data (π(best) ≈ 0.54 after 300 steps): not claimed, use decoupled.
 VALID_FOR_STALE = [(loss, correction) for loss in RATIO_LOSSES for correction in STALE_CORRECTIONS
