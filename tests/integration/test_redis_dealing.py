@@ -3,7 +3,6 @@ deals in its script, DELIVER refuses a group whose deal is not out to its produc
 against its deal, returns prompts it will not train, consumes them with the ack, and a restarted learner finds the
 deals its stream still owes it."""
 import asyncio
-import dataclasses
 import time
 import uuid
 
@@ -19,19 +18,10 @@ from asyncrl.buffer.redis.coordinator import RedisCoordinator
 from asyncrl.buffer.redis.dealing import RedisDealer, forget_holder, settle_deals
 from asyncrl.buffer.redis.server import RedisBufferServer
 from asyncrl.buffer.redis.stream import REFUSED, GroupStream
+from tests.unit.test_dealer import Row
 
 pytestmark = pytest.mark.redis
 VOCAB = 64
-
-
-@dataclasses.dataclass
-class Row:
-    prompt_id: str
-    prompt_ids: list
-    data_source: str = "openai/gsm8k"
-    ground_truth: object = "4"
-    extra_info: dict = dataclasses.field(default_factory=dict)
-    messages: list | None = None
 
 
 def base_dealer(count: int, epochs=1, timeout_s=60.0) -> PromptDealer:
