@@ -7,9 +7,10 @@ the plan instead of branching on loss and correction names (docs/algorithms.md �
 | none                         | fused     | π_prox                   | none                                          |
 | bypass                       | fused     | μ (behaviour)            | none; reinforce/gpg: min(π_θ/μ, C) on the     |
 |                              |           |                          | current pass (topr already weights by μ)      |
-| decoupled, tis, mis, geo_rs, | fused     | π_prox                   | from ρ = π_prox/μ, per micro-batch            |
-| k3_rs, icepop                |           |                          |                                               |
-| m2po (batch-global)          | recompute | π_prox                   | from ρ, once on the whole batch               |
+| decoupled, tis, mis, seq_mis,| fused     | π_prox                   | from ρ = π_prox/μ, per micro-batch            |
+| geo_rs, k3_rs, icepop, rs    |           |                          |                                               |
+| m2po (batch-global), or any  | recompute | π_prox                   | from ρ, once on the whole batch (then         |
+| with algo.is_batch_norm      |           |                          | divided by its batch mean, is_batch_norm)     |
 | vtrace (batch-global)        | recompute | π_prox (unused)          | none: the weights are inside the advantages   |
 
 The π_prox column is for one optimizer step per batch and ``algo.prox_logprobs=recompute``. The sources:
