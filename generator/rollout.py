@@ -140,6 +140,9 @@ class RolloutLoop:
         self.admission = AdmissionGate(client, self.note_reply, version_of=lambda: self.engine.version)
         """Every waiting worker's admission in one request, so the grants of a reply are sampled in one batch."""
         self.weights_by_version: dict = {}  # the last few control messages heard of, for evaluation rounds
+        self._publisher: str | None = None  # the learner life whose messages are current (weightsync publisher)
+        self._retired: set = set()  # earlier lives: their messages, late in stale replies, are ignored
+        self._loaded_publisher: str | None = None  # the life whose weights the engine holds (None: the model's)
         self.pins: Counter = Counter()  # version -> evaluation prompts being sampled at it
         self._unpinned = asyncio.Event()
 
@@ -177,8 +180,20 @@ class RolloutLoop:
 
     def note_reply(self, reply: Status) -> None:
         """What every reply says: the newest weights, whether the job is over, groups rejected since."""
-        version = reply.weights.get("version", -1)
-        if isinstance(version, int) and version > self.latest_weights.get("version", -1):
+        version, life = reply.weights.get("version", -1), reply.weights.get("publisher")
+        if isinstance(life, str) and life in self._retired:
+            pass
+        elif isinstance(version, int) and isinstance(life, str) and life != self._publisher:
+            # a learner that restarted from a checkpoint: its versions repeat or go back, with other bytes, and
+            # replace everything the previous life announced
+            if self._publisher is not None:
+                self._retired.add(self._publisher)
+                log.info("generator %s: the learner restarted (publisher %s); following its v%d", self.generator_id,
+                         life, version)
+            self._publisher = life
+            self.latest_weights = reply.weights
+            self.weights_by_version = {version: reply.weights}
+        elif isinstance(version, int) and version > self.latest_weights.get("version", -1):
             self.latest_weights = reply.weights
             self.weights_by_version[version] = reply.weights
             for old in sorted(self.weights_by_version)[:-KEPT_WEIGHT_MESSAGES]:
@@ -220,7 +235,9 @@ class RolloutLoop:
                 self.push_member, self.stats.pushes = await join_push(
                     target, self.engine, self._weights_lock, lambda: self.latest_weights, self.stage,
                     self.generator_id, self.stage.catchup_timeout_s)
-            if not target or target["version"] <= self.engine.version:
+            foreign = (self._loaded_publisher is not None and target.get("publisher") is not None
+                       and target["publisher"] != self._loaded_publisher)  # an earlier learner life's weights
+            if not target or (target["version"] <= self.engine.version and not foreign):
                 return
             started = time.monotonic()
             try:
@@ -237,6 +254,7 @@ class RolloutLoop:
             staged = await asyncio.to_thread(self.stage.stage, target)  # whole and checksummed, or an error
             await self.engine.load_weights(staged, self.stage.good)
             self.stage.end_load(staged, ok=True)
+            self._loaded_publisher = target.get("publisher")
             self.stats.weight_loads += 1
         except (WeightSyncError, WeightLoadError) as err:
             if staged is not None:

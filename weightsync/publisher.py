@@ -21,6 +21,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 
 import torch
 
@@ -52,6 +53,9 @@ class WeightPublisher:
         self.device_buckets: FlatBuckets | None = None  # the group's copy on its device (NCCL: the GPU)
         self.last_message: dict = {}
         self.timings: dict = {}
+        self.life = uuid.uuid4().hex[:12]
+        """Names this publisher in every message: a learner resumed from a checkpoint publishes version numbers the
+        previous life already used, with other bytes, and a generator must tell the two apart."""
 
     def _ring_for(self, layout: Layout) -> ShmRing:
         if self.ring is None or self.layout.fingerprint != layout.fingerprint:
@@ -108,7 +112,7 @@ class WeightPublisher:
         ring.end_write(slot, version)
         message = to_message(layout, version, checksums, shm={"path": self.ring_path, "host": self.host,
                                                               "slots": self.slots},
-                             published_at=time.time())
+                             published_at=time.time(), publisher=self.life)
         if self.group is not None:
             message[self.group.message_key] = self.group.describe()
         if self.catchup is not None:

@@ -147,6 +147,42 @@ def test_a_reply_announcing_newer_weights_is_kept_and_an_older_one_is_not():
     assert loop.latest_weights == {"version": 4, "names": ["w"]} and not loop.done
 
 
+class LoadingEngine(ScriptedEngine):
+    """Records each load; its version becomes the staged one (FakeStage stages the version number)."""
+
+    def __init__(self):
+        super().__init__()
+        self.loads = []
+        self.version = 0  # the model's own weights
+
+    async def load_weights(self, staged, fallback):
+        self.loads.append(staged)
+        self.version = staged
+
+
+def test_a_restarted_learners_messages_replace_the_previous_lives_even_at_lower_or_equal_versions():
+    """A learner resumed from its step-2 checkpoint publishes v2 and v3 again, with other bytes: the generator
+    follows the new life (its v3 is not the v3 it holds), and ignores the old life's stale replies."""
+    engine = LoadingEngine()
+    loop = RolloutLoop(client=None, engine=engine, prompts=iter([]), scorer=InlineScorer(reward_is_nine),
+                       tokenizer=DigitTokenizer(), rollout_cfg=RolloutConfig(n=1, max_tokens=4), max_inflight_groups=1,
+                       generator_id="g", reward_shaping=RewardConfig(), stage=FakeStage())
+    loop.note_reply(Status(weights={"version": 3, "publisher": "old"}))
+    asyncio.run(loop.ensure_latest_weights())
+    assert engine.loads == [3]
+    loop.note_reply(Status(weights={"version": 2, "publisher": "new"}))  # the resumed learner's first publish
+    assert loop.latest_weights == {"version": 2, "publisher": "new"} and loop.weights_by_version == {
+        2: {"version": 2, "publisher": "new"}}
+    asyncio.run(loop.ensure_latest_weights())  # the engine's v3 is the old life's: v2 of the new one replaces it
+    assert engine.loads == [3, 2]
+    loop.note_reply(Status(weights={"version": 4, "publisher": "old"}))  # a stale reply of the dead learner
+    assert loop.latest_weights["publisher"] == "new"
+    loop.note_reply(Status(weights={"version": 3, "publisher": "new"}))
+    asyncio.run(loop.ensure_latest_weights())
+    asyncio.run(loop.ensure_latest_weights())  # nothing newer: no load
+    assert engine.loads == [3, 2, 3]
+
+
 class ClosingLearner:
     """A GeneratorBuffer that answers the first admit with "done"; every later request hangs, as a learner that has
     stopped listening."""
