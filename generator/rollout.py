@@ -181,9 +181,8 @@ class RolloutLoop:
     def note_reply(self, reply: Status) -> None:
         """What every reply says: the newest weights, whether the job is over, groups rejected since."""
         version, life = reply.weights.get("version", -1), reply.weights.get("publisher")
-        if isinstance(life, str) and life in self._retired:
-            pass
-        elif isinstance(version, int) and isinstance(life, str) and life != self._publisher:
+        retired = isinstance(life, str) and life in self._retired  # a dead learner's message, late: ignored
+        if not retired and isinstance(version, int) and isinstance(life, str) and life != self._publisher:
             # a learner that restarted from a checkpoint: its versions repeat or go back, with other bytes, and
             # replace everything the previous life announced
             if self._publisher is not None:
@@ -193,7 +192,7 @@ class RolloutLoop:
             self._publisher = life
             self.latest_weights = reply.weights
             self.weights_by_version = {version: reply.weights}
-        elif isinstance(version, int) and version > self.latest_weights.get("version", -1):
+        elif not retired and isinstance(version, int) and version > self.latest_weights.get("version", -1):
             self.latest_weights = reply.weights
             self.weights_by_version[version] = reply.weights
             for old in sorted(self.weights_by_version)[:-KEPT_WEIGHT_MESSAGES]:

@@ -79,8 +79,11 @@ return n
 
 SETTLE = _RESOLVE_BODY + """
 -- A generator hands back deals it holds: KEYS: STATE_KEYS; ARGV[1] the generator, ARGV[2] outcome, then deal ids.
-local mode = 'filter'
-if ARGV[2] == 'unused' or ARGV[2] == 'generator_gone' then mode = 'return' end
+-- The outcome names a metric: only the known ones are taken (a writer's own word never becomes a metric name).
+local modes = {unused = 'return', generator_gone = 'return', zero_variance = 'filter', skipped = 'filter',
+               empty = 'filter', no_baseline = 'filter'}
+local mode = modes[ARGV[2]]
+if not mode then return 0 end
 local n = 0
 for i = 3, #ARGV do
   if redis.call('HGET', KEYS[2], ARGV[i]) == ARGV[1] and redis.call('ZSCORE', KEYS[1], ARGV[i]) then

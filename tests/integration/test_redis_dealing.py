@@ -216,6 +216,10 @@ def test_generators_hand_back_unused_and_filtered_deals_and_a_rejoin_frees_its_p
     asyncio.run(gen.release(1, deals=[deals[1].deal_id], outcome="zero_variance"))
     assert settle_deals(gen.client, gen.keys, "b", [deals[2].deal_id], "unused") == 0  # not b's to hand back
     assert settle_deals(gen.client, gen.keys, "a", [deals[2].deal_id], "made-up") == 0
+    from asyncrl.buffer.redis.dealing import SETTLE, STATE_KEYS
+    raw = gen.client.eval(SETTLE, len(STATE_KEYS), *[gen.keys[k] for k in STATE_KEYS], "a", "made-up",
+                          deals[2].deal_id)  # past the client's check: the script refuses it too
+    assert raw == 0
     metrics = job.server.dealer.metrics()
     assert metrics["data/returned/unused"] == 1 and metrics["data/filtered/zero_variance"] == 1
     assert metrics["data/out"] == 2
