@@ -282,12 +282,13 @@ def compute_token_advantages(name: str, inputs: AdvantageInputs, *, norm_by_std:
 
 def compute_gae_advantages(token_rewards: Tensor, values: Tensor, loss_mask: Tensor, *, gamma: float = 1.0,
                            lam: float = 1.0, whiten: bool = True) -> tuple[Tensor, Tensor]:
-    """GAE (Schulman et al. 2015, §1.14) for a future critic: (advantages [B, T], returns [B, T]), 0 off-mask.
+    """GAE (Schulman et al. 2015, §1.14) on a critic's values: (advantages [B, T], returns [B, T]), 0 off-mask.
 
     δ_t = r_t + γ V_{t+1} - V_t,  Â_t = δ_t + γλ Â_{t+1},  returns = Â + V (before whitening), as verl
     ``compute_gae_advantage_return``, which also whitens Â over the batch (``whiten=True``). Masked positions
     (tool output, padding) are skipped: the next value and the running Â carry over them unchanged. After the
-    last valid token V = 0 (terminal). Not in ``ADVANTAGES``: the learner has no value model yet.
+    last valid token V = 0 (terminal). Not in ``ADVANTAGES``, whose estimators read rewards only: the learner calls
+    it with its critic's values (algo.advantage=gae, learner/train_step.py::compute_advantages).
     """
     valid = loss_mask.bool()  # [B, T]
     dtype = torch.promote_types(token_rewards.dtype, torch.float32)

@@ -14,7 +14,12 @@ from typing import Optional
 
 from asyncrl.algos.registry import ADVANTAGES, BYPASS, CORRECTIONS, LOSSES, NO_WEIGHT
 
-ADVANTAGE_NAMES = ("grpo", "grpo_passk", "rloo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg", "remax")
+CRITIC_ADVANTAGES = ("gae",)
+"""Estimators that read a value model's predictions (learner/critic.py): choosing one builds the critic."""
+ADVANTAGE_NAMES = ("grpo", "grpo_passk", "rloo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg", "remax",
+                   *CRITIC_ADVANTAGES)
+DISCOUNTED = ("reinforce_pp", "gae")
+"""Estimators that read algo.gamma."""
 GROUP_ADVANTAGES = ("grpo_passk", "rloo", "reinforce_pp_baseline", "opo", "gpg")
 """Estimators whose baseline is the rest of the group: they need rollout.n >= 2."""
 LOSS_NAMES = tuple(LOSSES)
@@ -58,11 +63,14 @@ class AlgoConfig:
     advantage: str = "grpo"
     """Advantage estimator: grpo, grpo_passk (only each group's best completion learns), rloo, reinforce_pp,
     reinforce_pp_baseline, opo, gpg, remax (needs one greedy sample per prompt, which the generators then
-    supply)."""
+    supply), gae (PPO with a critic: the `critic` section's value model, trained beside the policy)."""
     norm_adv_by_std: bool = True
     """GRPO (and grpo_passk): divide by the group's std (False gives Dr.GRPO)."""
     gamma: float = 1.0
-    """Discount of token rewards for reinforce_pp (per token)."""
+    """Discount of token rewards for reinforce_pp and gae (per token)."""
+    lam: float = 1.0
+    """GAE's λ (gae only): 1 gives Â_t = R - V_t with γ = 1 (verl's default), lower trades variance for the
+    critic's bias."""
     loss: str = "ppo"
     """Policy loss: ppo, gspo, gspo_token, gmpo, cispo, sapo, gpg, clip_cov, kl_cov, topr, reinforce."""
     clip_low: Optional[float] = None
@@ -118,7 +126,8 @@ class AlgoConfig:
     vtrace_clip_c: Optional[float] = None
     """vtrace c̄ (1.0)."""
     vtrace_values: str = "group_mean"
-    """vtrace baseline: `none` (critic-free, V = 0) or `group_mean` (V = the prompt's mean reward in the group)."""
+    """vtrace baseline: `none` (critic-free, V = 0), `group_mean` (V = the prompt's mean reward in the group) or
+    `critic` (the `critic` section's value model, which regresses the V-trace targets v_s)."""
     prox_logprobs: str = "recompute"
     """How π_prox is obtained: `recompute` (exact: a no-grad pass, skipped when it equals the first forward) or
     `loglinear` (A-3PO approximation from the behaviour logprobs and versions; saves the pass)."""
@@ -158,7 +167,7 @@ class AlgoConfig:
         for key, allowed in (("advantage", ADVANTAGE_NAMES), ("loss", LOSS_NAMES), ("correction", CORRECTION_NAMES),
                              ("loss_agg", LOSS_AGG_NAMES), ("kl_loss_type", KL_NAMES),
                              ("kl_reward_type", KL_NAMES), ("kl_controller", ("fixed", "adaptive")),
-                             ("prox_logprobs", PROX_METHODS), ("vtrace_values", ("none", "group_mean"))):
+                             ("prox_logprobs", PROX_METHODS), ("vtrace_values", ("none", "group_mean", "critic"))):
             if getattr(self, key) not in allowed:
                 raise ValueError(f"algo.{key} must be one of {allowed}, got {getattr(self, key)!r}")
         check_combination(self.loss, self.correction, self.advantage, self.prox_logprobs)
@@ -229,9 +238,13 @@ class AlgoConfig:
             raise ValueError("algo.kl_target and algo.kl_horizon must be > 0")
         if not 0 < self.gamma <= 1:
             raise ValueError(f"algo.gamma must be in (0, 1], got {self.gamma}")
-        if self.gamma != 1.0 and self.advantage != "reinforce_pp":
-            raise ValueError(f"algo.gamma discounts token rewards for reinforce_pp only; algo.advantage="
+        if self.gamma != 1.0 and self.advantage not in DISCOUNTED:
+            raise ValueError(f"algo.gamma discounts token rewards for {'/'.join(DISCOUNTED)} only; algo.advantage="
                              f"{self.advantage} uses the undiscounted outcome reward (got gamma={self.gamma})")
+        if not 0 <= self.lam <= 1:
+            raise ValueError(f"algo.lam must be in [0, 1], got {self.lam}")
+        if self.lam != 1.0 and self.advantage != "gae":
+            raise ValueError(f"algo.lam is GAE's λ and algo.advantage={self.advantage} is not gae (got lam={self.lam})")
 
     def weight_level(self) -> str:
         """Whether the correction's weight is per token or per sequence (what is_batch_norm averages over)."""
@@ -242,6 +255,10 @@ class AlgoConfig:
         if self.correction == "rs":
             return self.rs_level or "sequence"
         return "token"
+
+    def needs_critic(self) -> bool:
+        """A value model is built and trained only for estimators that read it (gae, V-trace's critic baseline)."""
+        return self.advantage in CRITIC_ADVANTAGES or (self.correction == "vtrace" and self.vtrace_values == "critic")
 
     def needs_reference_model(self) -> bool:
         """The reference model is loaded only when some KL coefficient is non-zero."""

@@ -72,7 +72,7 @@ def _compact_valid_left(valid: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def compute_vtrace_advantages(
+def compute_vtrace_advantages_and_targets(
     logprobs_target: Tensor,
     logprobs_behav: Tensor,
     loss_mask: Tensor,
@@ -82,8 +82,9 @@ def compute_vtrace_advantages(
     clip_rho: float | None = 1.0,
     clip_pg_rho: float | None = 1.0,
     clip_c: float | None = 1.0,
-) -> Tensor:
-    """V-trace policy-gradient advantages [B, T] for LLM batches (0 off-mask), ρ^pg already included.
+) -> tuple[Tensor, Tensor]:
+    """V-trace policy-gradient advantages [B, T] for LLM batches (0 off-mask), ρ^pg already included, and the
+    V-trace targets v_s [B, T] (0 off-mask), which regress a critic (algo.vtrace_values=critic).
 
     Each valid token is one step (masked tokens, e.g. tool output inside a trajectory, are skipped, not steps);
     γ = 1; the sequence reward ``seq_rewards`` [B] is the reward of the last valid token, and the episode ends
@@ -106,7 +107,7 @@ def compute_vtrace_advantages(
     is_step = steps < num_steps  # [B, T] in step order
     is_last = steps == num_steps - 1
     zeros = torch.zeros_like(log_rhos)
-    _, pg_advantages = compute_vtrace(
+    vs, pg_advantages = compute_vtrace(
         log_rhos=torch.where(is_step, log_rhos.gather(1, order), zeros),
         discounts=torch.where(is_step & ~is_last, torch.ones_like(zeros), zeros),
         rewards=torch.where(is_last, seq_rewards.to(dtype)[:, None].expand_as(zeros), zeros),
@@ -114,4 +115,24 @@ def compute_vtrace_advantages(
         bootstrap_value=zeros[:, 0],
         clip_rho=clip_rho, clip_pg_rho=clip_pg_rho, clip_c=clip_c)
     advantages = torch.zeros_like(zeros).scatter_(1, order, torch.where(is_step, pg_advantages, zeros))
-    return torch.where(valid, advantages, zeros)
+    advantages = torch.where(valid, advantages, zeros)
+    targets = torch.zeros_like(zeros).scatter_(1, order, torch.where(is_step, vs, zeros))
+    return advantages, torch.where(valid, targets, zeros)
+
+
+def compute_vtrace_advantages(
+    logprobs_target: Tensor,
+    logprobs_behav: Tensor,
+    loss_mask: Tensor,
+    seq_rewards: Tensor,
+    values: Tensor | None = None,
+    *,
+    clip_rho: float | None = 1.0,
+    clip_pg_rho: float | None = 1.0,
+    clip_c: float | None = 1.0,
+) -> Tensor:
+    """The advantages of ``compute_vtrace_advantages_and_targets`` alone (no critic to regress)."""
+    advantages, _ = compute_vtrace_advantages_and_targets(logprobs_target, logprobs_behav, loss_mask, seq_rewards,
+                                                          values, clip_rho=clip_rho, clip_pg_rho=clip_pg_rho,
+                                                          clip_c=clip_c)
+    return advantages

@@ -14,7 +14,7 @@ from asyncrl.buffer.config import BufferConfig
 from asyncrl.configs.sections import (DataConfig, DemoConfig, EvalConfig, JobConfig, ModelConfig, RewardConfig,
                                       RewardServerConfig)
 from asyncrl.generator.config import AgentConfig, EnvConfig, GeneratorConfig, RolloutConfig, ToolsConfig
-from asyncrl.learner.config import LearnerConfig, SFTConfig
+from asyncrl.learner.config import CriticConfig, LearnerConfig, SFTConfig
 from asyncrl.telemetry.config import TelemetryConfig
 from asyncrl.weightsync.config import WeightSyncConfig
 
@@ -42,6 +42,7 @@ class RunConfig:
     buffer: BufferConfig = field(default_factory=BufferConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     weightsync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
@@ -76,6 +77,13 @@ def check_sections_agree(cfg: "RunConfig") -> None:
     if cfg.algo.advantage == "remax":
         cfg.rollout.greedy_baseline = True
     check_episodes(cfg)
+    if not cfg.algo.needs_critic() and cfg.critic != CriticConfig():
+        raise ValueError(f"the critic section is set, but algo.advantage={cfg.algo.advantage} with algo.correction="
+                         f"{cfg.algo.correction} has no value model (use algo.advantage=gae, or vtrace with "
+                         f"algo.vtrace_values=critic)")
+    if cfg.algo.needs_critic() and cfg.critic.warmup_steps >= cfg.learner.total_steps:
+        raise ValueError(f"critic.warmup_steps={cfg.critic.warmup_steps} leaves no step of learner.total_steps="
+                         f"{cfg.learner.total_steps} to train the policy")
     if cfg.rollout.n < 2:
         if cfg.algo.advantage in GROUP_ADVANTAGES:
             raise ValueError(f"algo.advantage={cfg.algo.advantage} takes its baseline from the other samples of "

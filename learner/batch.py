@@ -29,6 +29,8 @@ class Batch:
     logprobs_prox: Optional[torch.Tensor] = None  # [B, L-1], filled by the proximal pass when one runs
     logprobs_ref: Optional[torch.Tensor] = None  # [B, L-1], filled when a reference model is loaded
     is_weight: Optional[torch.Tensor] = None  # [B, L-1], filled by batch-global corrections (m2po)
+    values: Optional[torch.Tensor] = None  # [B, L-1], the critic's values at the step's start (learner/critic.py)
+    returns: Optional[torch.Tensor] = None  # [B, L-1], the critic's regression targets (GAE's Â + V, V-trace's v_s)
     top_ks: Optional[torch.Tensor] = None  # [B] int64: the row's sampling top-k (-1 off); None: no row uses one
     top_ps: Optional[torch.Tensor] = None  # [B] float32: the row's sampling top-p (1 off); None: no row uses one
 

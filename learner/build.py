@@ -23,6 +23,12 @@ log = logging.getLogger(__name__)
 def build_policy(cfg, model_path: str, parallel: ParallelState):
     """The HF model on this rank: loaded, routed through Ulysses when sp_size > 1, then FSDP2-sharded."""
     model = load_model(model_path, cfg.learner.dtype, cfg.model.trust_remote_code, cfg.learner.attn_implementation)
+    return shard_model(model, cfg, parallel)
+
+
+def shard_model(model, cfg, parallel: ParallelState):
+    """A loaded model (the policy, its reference, the critic) on this rank's device, through Ulysses when
+    sp_size > 1, then FSDP2-sharded with the learner's precision, offload and checkpointing settings."""
     model.to(parallel.device)
     if parallel.sp_size > 1:
         apply_ulysses(model, parallel.sp_group, parallel.sp_size, cfg.learner.sp_impl)
@@ -45,11 +51,13 @@ def build_optimizer(model, learner_cfg):
 @dataclass
 class StepParts:
     """What every step uses besides the model and optimizer: the frozen reference model (None unless a KL
-    coefficient is > 0), the reward-KL controller and the batch filter."""
+    coefficient is > 0), the reward-KL controller, the batch filter, and PPO's critic (learner/critic.py; None
+    unless the algorithm reads values)."""
 
     ref_model: object
     kl_controller: object
     batch_filter: BatchFilter
+    critic: object = None
 
     def restore(self, state: LearnerState) -> None:
         """Put back what a checkpoint kept: the controller's coefficient (the adaptive one moves every step); a

@@ -2,8 +2,10 @@
 
 Layout of one checkpoint, `root/step-{version:08d}/`:
 
-    dcp/               model + optimizer, DCP format (FSDP2 DTensors are written sharded, one file per rank)
+    dcp/               model + optimizer, DCP format (FSDP2 DTensors are written sharded, one file per rank); with
+                       PPO's critic (learner/critic.py) its model and optimizer too, under `critic` and `critic_optim`
     scheduler.pt       the LR scheduler's state_dict (rank 0; identical on every rank)
+    critic_scheduler.pt  the critic's, when there is one
     rng-rank{r}.pt     rank r's RNG states: torch CPU, CUDA (if any), python `random`, numpy
     hf/                config.json, generation_config.json and tokenizer files, so `asyncrl export` needs nothing else
     meta.json          the LearnerState (learner/state.py: version, consumed frontier, counters, receipts awaiting
@@ -46,6 +48,7 @@ META_FILE = "meta.json"
 DCP_DIR = "dcp"
 HF_DIR = "hf"
 SCHEDULER_FILE = "scheduler.pt"
+CRITIC_SCHEDULER_FILE = "critic_scheduler.pt"
 FORMAT_VERSION = 2
 """meta.json's layout. Format 1 (before LearnerState) is still read: its version and `consumed` dict become a state."""
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -76,7 +79,7 @@ _async_group = None  # (default group, a gloo group only background saves use), 
 
 
 def save_checkpoint(root: str, model, optimizer, scheduler, state: LearnerState, keep_last: int,
-                    model_dir: str | None = None, async_save: bool = False) -> str:
+                    model_dir: str | None = None, async_save: bool = False, critic=None) -> str:
     """Writes root/step-{state.version:08d}/ and returns its path. Holds: the model and optimizer (DCP, via
     torch.distributed.checkpoint.state_dict.get_state_dict so FSDP2 DTensors are saved sharded), the LR scheduler
     state, every rank's RNG state (torch CPU RNG, CUDA RNG if available, python `random`, numpy), and the whole
@@ -87,10 +90,12 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: LearnerState,
     Atomic: written under a temporary name and renamed, with meta.json written last, so a kill -9 mid-save leaves no
     directory that latest_checkpoint would pick. Keeps the newest keep_last checkpoints (keep_last<=0 keeps all),
     deleting older ones (rank 0 deletes). With async_save=True, uses dcp.async_save; rank 0 renames and prunes as
-    soon as the write completes, and the next save or wait_for_pending_save() waits for that."""
+    soon as the write completes, and the next save or wait_for_pending_save() waits for that. A `critic`
+    (learner/critic.Critic) is saved with the policy, in the same DCP write."""
     global _pending
     version = state.version
-    meta = {"format": FORMAT_VERSION, "state": state.to_json(), "world_size": _world_size(), "time": time.time()}
+    meta = {"format": FORMAT_VERSION, "state": state.to_json(), "world_size": _world_size(), "time": time.time(),
+            "critic": critic is not None}
     json.dumps(meta)  # fail before writing anything if the state is not JSON-able
     if model_dir is not None and not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise CheckpointError(f"model_dir {model_dir} has no config.json")  # on every rank, so none waits alone
@@ -103,10 +108,11 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: LearnerState,
         os.makedirs(tmp_dir)
         _write_hf_files(os.path.join(tmp_dir, HF_DIR), model_dir, model)
         torch.save(scheduler.state_dict(), os.path.join(tmp_dir, SCHEDULER_FILE))
+        if critic is not None:
+            torch.save(critic.scheduler.state_dict(), os.path.join(tmp_dir, CRITIC_SCHEDULER_FILE))
     _barrier()  # the temporary directory exists (and is empty of stale files) before any rank writes into it
     torch.save(capture_rng_state(), os.path.join(tmp_dir, f"rng-rank{rank}.pt"))
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
+    state = checkpoint_state(model, optimizer, critic)
     dcp_dir = os.path.join(tmp_dir, DCP_DIR)
     if async_save:
         future = dcp.async_save(state, checkpoint_id=dcp_dir, process_group=_get_async_group(),
@@ -153,11 +159,27 @@ def _finalize_in_background(future, pending: _PendingSave) -> None:
         pending.finalized.set()
 
 
-def load_checkpoint(path: str, model, optimizer, scheduler) -> LearnerState:
+def checkpoint_state(model, optimizer, critic=None) -> dict:
+    """What DCP saves and loads: the policy and its optimizer, and the critic and its optimizer when given."""
+    model_state, optim_state = get_state_dict(model, optimizer)  # initialises the optimizer state to load into
+    state = {"model": model_state, "optim": optim_state}
+    if critic is not None:
+        state["critic"], state["critic_optim"] = get_state_dict(critic.model, critic.optimizer)
+    return state
+
+
+def load_checkpoint(path: str, model, optimizer, scheduler, critic=None) -> LearnerState:
     """Loads everything save_checkpoint wrote into the given (already FSDP-wrapped if distributed) model/optimizer/
-    scheduler, restores this rank's RNG state, returns the LearnerState. Clear error naming the path if it is not
-    a complete checkpoint, or if it was written with a different world size where that matters (RNG per rank)."""
+    scheduler (and `critic`'s), restores this rank's RNG state, returns the LearnerState. Clear error naming the
+    path if it is not a complete checkpoint, if it was written with a different world size where that matters (RNG
+    per rank), or if this job has a critic and the checkpoint none (a checkpoint's critic is ignored by a job
+    without one)."""
     meta = read_meta(path)
+    if critic is not None and not meta.get("critic"):
+        raise CheckpointError(
+            f"checkpoint {path} holds no critic, and this job trains one (algo.advantage=gae or "
+            f"algo.vtrace_values=critic): export its policy with `asyncrl export` and start a new job from it "
+            f"(model.path), whose critic then starts from the policy's weights")
     world, rank = _world_size(), _rank()
     if meta["world_size"] != world:
         raise CheckpointError(
@@ -166,15 +188,21 @@ def load_checkpoint(path: str, model, optimizer, scheduler) -> LearnerState:
     rng_file = os.path.join(path, f"rng-rank{rank}.pt")
     # Every rank checks every file, so all ranks raise together instead of some waiting in dcp.load's collectives.
     files = [os.path.join(path, f"rng-rank{r}.pt") for r in range(world)]
-    for needed in files + [os.path.join(path, SCHEDULER_FILE), os.path.join(path, DCP_DIR, ".metadata")]:
+    files += [os.path.join(path, SCHEDULER_FILE), os.path.join(path, DCP_DIR, ".metadata")]
+    if critic is not None:
+        files.append(os.path.join(path, CRITIC_SCHEDULER_FILE))
+    for needed in files:
         if not os.path.exists(needed):
             raise CheckpointError(f"checkpoint {path} is incomplete: {os.path.relpath(needed, path)} is missing")
-    model_state, optim_state = get_state_dict(model, optimizer)  # initialises the optimizer state to load into
-    state = {"model": model_state, "optim": optim_state}
+    state = checkpoint_state(model, optimizer, critic)
     with quiet_single_process_dcp():
         dcp.load(state, checkpoint_id=os.path.join(path, DCP_DIR), no_dist=not _distributed())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(torch.load(os.path.join(path, SCHEDULER_FILE), weights_only=True))
+    if critic is not None:
+        set_state_dict(critic.model, critic.optimizer, model_state_dict=state["critic"],
+                       optim_state_dict=state["critic_optim"])
+        critic.scheduler.load_state_dict(torch.load(os.path.join(path, CRITIC_SCHEDULER_FILE), weights_only=True))
     restore_rng_state(torch.load(rng_file, weights_only=True))
     _barrier()
     return read_state(path)

@@ -132,6 +132,42 @@ class LearnerConfig:
 
 
 @dataclass
+class CriticConfig:
+    """The value model of PPO with a critic (algo.advantage=gae, or algo.vtrace_values=critic); learner/critic.py.
+    Unused, and refused when set, by every other algorithm."""
+
+    model_path: str = ""
+    """A local HF directory for the critic ("" = the policy's weights with a fresh value head, zero-initialised so
+    the first values are 0). A token-classification checkpoint with one label keeps its head."""
+    lr: float = 1e-5
+    """The critic's AdamW learning rate (its own optimizer; verl's critic default)."""
+    weight_decay: float = 0.0
+    """The critic's AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Max global gradient norm of the critic; <= 0 disables clipping."""
+    cliprange_value: float = 0.5
+    """The value prediction is clipped to within this of the values the advantages used (verl's cliprange_value)."""
+    warmup_steps: int = 0
+    """The job's first steps train only the critic: the policy does not move, so the advantages of its first
+    updates come from a critic that has seen some returns."""
+    max_tokens_per_microbatch: int = 0
+    """Token budget of one critic micro-batch (0 = learner.max_tokens_per_microbatch)."""
+
+    def __post_init__(self):
+        if self.lr <= 0:
+            raise ValueError(f"critic.lr must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"critic.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.cliprange_value <= 0:
+            raise ValueError(f"critic.cliprange_value must be > 0, got {self.cliprange_value}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"critic.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.max_tokens_per_microbatch and self.max_tokens_per_microbatch < 16:
+            raise ValueError(f"critic.max_tokens_per_microbatch must be 0 or >= 16, got "
+                             f"{self.max_tokens_per_microbatch}")
+
+
+@dataclass
 class SFTConfig:
     steps: int = 60
     """Optimizer steps of supervised fine-tuning, each on batch_size examples sampled with the step's seed (used

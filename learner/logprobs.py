@@ -126,14 +126,17 @@ def pad_columns(stream: Stream, multiple: int) -> Stream:
                   segments=segments, attention_mask=grow(stream.attention_mask, 0))
 
 
-def run_decoder(model, stream: Stream) -> torch.Tensor:
+def run_decoder(model, stream: Stream, forward=None) -> torch.Tensor:
     """Decoder states [R, S, H] on one rank: the padding mask, or for packed rows the block-diagonal causal mask
-    (sdpa), or nothing but the restarting position ids (flash-attn 2, which reads them as varlen boundaries)."""
+    (sdpa), or nothing but the restarting position ids (flash-attn 2, which reads them as varlen boundaries).
+    `forward(model, **inputs)` is what is read off the model (default `decoder_states`; the critic's values,
+    learner/critic.py)."""
+    forward = forward or decoder_states
     if stream.segments is not None and model.config._attn_implementation.startswith("flash_attention"):
-        return decoder_states(model, input_ids=stream.ids, position_ids=stream.positions)
+        return forward(model, input_ids=stream.ids, position_ids=stream.positions)
     if stream.segments is None:
-        return decoder_states(model, input_ids=stream.ids, attention_mask=stream.attention_mask,
-                              position_ids=stream.positions)
+        return forward(model, input_ids=stream.ids, attention_mask=stream.attention_mask,
+                       position_ids=stream.positions)
     count = stream.ids.shape[1]
     causal = torch.ones(count, count, dtype=torch.bool).tril()
     block = (stream.segments[:, :, None] == stream.segments[:, None, :]) & causal  # [R, S, S]
@@ -142,7 +145,7 @@ def run_decoder(model, stream: Stream) -> torch.Tensor:
         dtype = model.get_input_embeddings().weight.dtype
         masks = ({kind: additive(mask, dtype) for kind, mask in masks.items()} if isinstance(masks, dict)
                  else additive(masks, dtype))
-    return decoder_states(model, input_ids=stream.ids, attention_mask=masks, position_ids=stream.positions)
+    return forward(model, input_ids=stream.ids, attention_mask=masks, position_ids=stream.positions)
 
 
 def additive(mask: torch.Tensor, dtype) -> torch.Tensor:

@@ -18,6 +18,7 @@ from asyncrl.learner.build import (StepParts, build_optimizer, build_policy, bui
                                    find_resume_point)
 from asyncrl.learner.checkpoint import load_checkpoint, save_checkpoint, wait_for_pending_save
 from asyncrl.learner.collect import collect_batch
+from asyncrl.learner.critic import build_critic
 from asyncrl.learner.host import LearnerHost
 from asyncrl.learner.lr_schedule import resync_after_load
 from asyncrl.learner.parallel import ParallelState, broadcast_object
@@ -46,8 +47,10 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
     model = build_policy(cfg, model_path, parallel).train()
     optimizer, scheduler = build_optimizer(model, cfg.learner)
     parts = build_step_parts(cfg, model_path, parallel)
+    parts.critic = build_critic(cfg, model_path, parallel) if cfg.algo.needs_critic() else None
     resume_from = find_resume_point(cfg, job_dir)
-    state = load_checkpoint(resume_from, model, optimizer, scheduler) if resume_from else LearnerState()
+    state = (load_checkpoint(resume_from, model, optimizer, scheduler, critic=parts.critic) if resume_from
+             else LearnerState())
     if resume_from:
         resync_after_load(scheduler)  # this job's schedule (learner.total_steps may have grown) at the restored step
     parts.restore(state)
@@ -65,7 +68,7 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
             acks.note_taken()
             if trained:  # a skipped step left the version where it was: nothing new to save
                 checkpoint_if_due(cfg, job_dir, model_path, model, optimizer, scheduler, state, acks,
-                                  last=not data_left)
+                                  last=not data_left, critic=parts.critic)
         wait_for_pending_save()
         acks.all_saved()
         if host is not None:
@@ -93,7 +96,7 @@ def train_one_version(cfg, model, optimizer, scheduler, host: LearnerHost | None
                             parallel=parallel)
     try:
         metrics = train_step(model, optimizer, scheduler, groups, cfg.algo, settings, ref_model=parts.ref_model,
-                             kl_controller=parts.kl_controller)
+                             kl_controller=parts.kl_controller, critic=parts.critic)
         cause = "the gradient was not finite in every mini-batch" if metrics["learner/skipped"] else None
     except PoisonedBatch as err:
         cause = str(err)
@@ -204,9 +207,10 @@ def publish_weights(model, parallel: ParallelState, host: LearnerHost | None, ve
 
 
 def checkpoint_if_due(cfg, job_dir: str, model_path: str, model, optimizer, scheduler, state: LearnerState,
-                      acks: AckLedger, last: bool = False) -> None:
+                      acks: AckLedger, last: bool = False, critic=None) -> None:
     """Every learner.checkpoint_every steps and after the last (learner.total_steps, or `last`: the data ended);
-    with checkpoints off, the buffer may forget each batch at once (there is nothing to resume from)."""
+    with checkpoints off, the buffer may forget each batch at once (there is nothing to resume from). The critic,
+    when there is one, is saved with the policy."""
     every = cfg.learner.checkpoint_every
     if not every:
         acks.checkpointed(background=False)
@@ -214,5 +218,5 @@ def checkpoint_if_due(cfg, job_dir: str, model_path: str, model, optimizer, sche
     if state.version % every and state.version != cfg.learner.total_steps and not last:
         return
     save_checkpoint(checkpoint_root(cfg, job_dir), model, optimizer, scheduler, state, cfg.learner.checkpoint_keep,
-                    model_dir=model_path, async_save=cfg.learner.checkpoint_async)
+                    model_dir=model_path, async_save=cfg.learner.checkpoint_async, critic=critic)
     acks.checkpointed(background=cfg.learner.checkpoint_async)

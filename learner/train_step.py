@@ -3,7 +3,8 @@
 build_batch -> compute_reference_logprobs (only with a KL term) -> penalise_rewards (KL in the reward) ->
 recompute_prox_logprobs (only when π_prox is needed before the first update) -> compute_advantages ->
 compute_batch_weight (only for a batch-global correction) -> for each of algo.ppo_minibatches mini-batches:
-forward_backward every micro-batch, optimizer_step.
+forward_backward every micro-batch, optimizer_step. With PPO's critic (learner/critic.py) its no-grad values come
+before the advantages (GAE, or V-trace's baseline) and its own update after the policy's.
 
 Which of those optional phases run is the run's `OffPolicyPlan` (built once per step from `algo`): with one
 optimizer step per batch and no batch-global correction, π_prox (the policy at the start of the step) is exactly
@@ -17,22 +18,23 @@ Two guards keep one bad batch from poisoning the model (the learner loop decides
   and the optimizer state stay as they were (`optimizer_step`). A step none of whose mini-batches stepped is
   reported as skipped (`learner/skipped`), and the loop neither moves the version nor publishes.
 """
-import math
 import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from asyncrl.algos.advantages import AdvantageInputs, compute_token_advantages
+from asyncrl.algos.advantages import AdvantageInputs, compute_gae_advantages, compute_token_advantages
 from asyncrl.algos.corrections import compute_correction, compute_vtrace_advantages, normalize_batch_weight
+from asyncrl.algos.vtrace import compute_vtrace_advantages_and_targets
 from asyncrl.algos.kl import apply_kl_penalty
 from asyncrl.algos.metrics import combine_token_metrics
 from asyncrl.algos.plan import PROX_RECOMPUTE, WEIGHT_BATCH, OffPolicyPlan
 from asyncrl.learner.batch import (Batch, build_batch, placeholder_microbatch, plan_microbatches, scatter_rows,
                                    split_minibatches)
+from asyncrl.learner.critic import Critic, compute_batch_values, train_critic, value_metrics
 from asyncrl.learner.logprobs import compute_logprobs
 from asyncrl.learner.objective import StepCounts, compute_micro_loss, resolve_prox
+from asyncrl.learner.optimizer_step import losses_finite, optimizer_step
 from asyncrl.learner.parallel import ParallelState, all_gather_objects, all_reduce_sum
 from asyncrl.learner.step_metrics import collect_step_metrics
 
@@ -108,8 +110,10 @@ def penalise_rewards(batch: Batch, algo, kl_controller) -> tuple[torch.Tensor, d
 
 
 def compute_advantages(batch: Batch, groups: list, token_rewards: torch.Tensor, algo,
-                       plan: OffPolicyPlan) -> torch.Tensor:
-    """[B, L-1] advantages, 0 off-mask. V-trace replaces the estimator (its weights live in the advantages)."""
+                       plan: OffPolicyPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """([B, L-1] advantages, 0 off-mask; the critic's targets [B, L-1], or None without a critic). V-trace
+    replaces the estimator (its weights live in the advantages); GAE and V-trace's critic baseline read the
+    critic's step-start values, `batch.values`."""
     mask = batch.loss_mask
     if plan.vtrace_advantages:
         seq_rewards = (token_rewards * mask).sum(-1).double()  # [B]
@@ -118,16 +122,25 @@ def compute_advantages(batch: Batch, groups: list, token_rewards: torch.Tensor, 
             per_group = seq_rewards.view(len(groups), -1)  # [G, n]
             group_mean = per_group.mean(-1, keepdim=True).expand_as(per_group).reshape(-1, 1)  # [B, 1]
             values = group_mean * mask.double()  # V(x_t) = the prompt's mean reward, at every t
+        elif algo.vtrace_values == "critic":
+            advantages, targets = compute_vtrace_advantages_and_targets(
+                batch.logprobs_prox.double(), batch.logprobs_behav.double(), mask, seq_rewards,
+                batch.values.double(), **plan.vtrace_kwargs)
+            return advantages.float(), targets.float()
         advantages = compute_vtrace_advantages(batch.logprobs_prox.double(), batch.logprobs_behav.double(),
                                                mask, seq_rewards, values, **plan.vtrace_kwargs)
-        return advantages.float()
+        return advantages.float(), None
+    if algo.advantage == "gae":
+        advantages, returns = compute_gae_advantages(token_rewards.double(), batch.values.double(), mask,
+                                                     gamma=algo.gamma, lam=algo.lam)
+        return advantages.float(), returns.float()
     baseline = None
     if algo.advantage == "remax":
         baseline = torch.tensor([float(group.meta["baseline_reward"]) for group in groups], dtype=torch.float64)
     inputs = AdvantageInputs(token_rewards=token_rewards.double(), loss_mask=mask,
                              group_size=len(groups[0].samples), baseline_rewards=baseline)
     return compute_token_advantages(algo.advantage, inputs, norm_by_std=algo.norm_adv_by_std,
-                                    gamma=algo.gamma).float()
+                                    gamma=algo.gamma).float(), None
 
 
 def compute_batch_weight(batch: Batch, plan: OffPolicyPlan) -> tuple[torch.Tensor | None, dict | None]:
@@ -163,32 +176,6 @@ def placeholder_pass(model, batch: Batch, settings: StepSettings) -> None:
     (logprobs.sum() * 0.0).backward()
 
 
-def losses_finite(loss: float, parallel: ParallelState) -> bool:
-    """Whether every rank's loss for this mini-batch is finite: a flag summed over the world, so all ranks agree
-    (each holds other rows, and one rank stepping while another does not would split the shards' history)."""
-    bad = torch.tensor([0.0 if math.isfinite(loss) else 1.0], device=parallel.device)
-    if parallel.distributed:
-        dist.all_reduce(bad, op=dist.ReduceOp.SUM)
-    return float(bad) == 0.0
-
-
-def optimizer_step(model, optimizer, scheduler, grad_clip: float, loss_finite: bool = True) -> tuple[float, bool]:
-    """(the global gradient norm, whether the step was taken). A non-finite loss or norm (a NaN or inf anywhere in
-    the gradients, on any rank: the norm is global, so every rank decides alike) drops the gradients instead:
-    clipping cannot repair a NaN, one NaN step makes every weight NaN, then every published version, and an inf
-    loss whose gradient happens to be finite (an underflowed ratio) still says the batch is out of range."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
-    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor holding the global norm
-        grad_norm = grad_norm.full_tensor()
-    grad_norm = float(grad_norm)
-    finite = loss_finite and math.isfinite(grad_norm)
-    if finite:
-        optimizer.step()
-        scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return grad_norm, finite
-
-
 def gather_over_dp(parallel: ParallelState, losses: tuple, token_metrics, *row_parts):
     """Every DP rank's shares of the step's losses (a tuple of floats, summed), token metrics and per-row parts
     (π_prox, entropy, step-start logprobs), so each rank reports the whole batch. (SP ranks of one group hold the
@@ -220,8 +207,10 @@ def data_dependent(what: str, phase, *args):
 
 
 def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSettings, ref_model=None,
-               kl_controller=None) -> dict:
-    """Train on `groups` (one batch); returns the step's metrics (docs/architecture.md §10 names)."""
+               kl_controller=None, critic: Critic | None = None) -> dict:
+    """Train on `groups` (one batch); returns the step's metrics (docs/architecture.md §10 names). With a
+    `critic` (PPO's value model, learner/critic.py) its values feed the advantages and it is trained after the
+    policy; during critic.warmup_steps the policy's passes run (for the step's metrics) but it takes no step."""
     started = time.perf_counter()
     plan = OffPolicyPlan.from_algo(algo)
     batch = data_dependent("build the batch", build_batch, groups)
@@ -230,8 +219,11 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
     token_rewards, kl_metrics = penalise_rewards(batch, algo, kl_controller)
     if plan.prox_source == PROX_RECOMPUTE:
         batch.logprobs_prox = compute_batch_logprobs(model, batch, settings)
-    batch.advantages = data_dependent("compute the advantages", compute_advantages, batch, groups, token_rewards,
-                                      algo, plan)
+    if critic is not None:
+        batch.values = compute_batch_values(critic, batch, settings)
+    batch.advantages, batch.returns = data_dependent("compute the advantages", compute_advantages, batch, groups,
+                                                     token_rewards, algo, plan)
+    warmup = critic is not None and critic.in_warmup(settings.version)
     batch.is_weight, correction_metrics = compute_batch_weight(batch, plan)
     generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + settings.version)
     pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts, grad_norms, stepped = 0.0, 0.0, [], [], [], [], 0
@@ -254,6 +246,9 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
             token_metrics.append({key: float(value) for key, value in metrics.items()})
             prox_parts.append((micro.rows, prox.cpu()))
             entropy_parts.append((micro.rows, entropy.cpu()))
+        if warmup:  # the critic learns the returns first; the policy stays where it is
+            optimizer.zero_grad(set_to_none=True)
+            continue
         grad_norm, took = optimizer_step(model, optimizer, scheduler, settings.grad_clip,
                                          losses_finite(mini_loss, settings.parallel))
         grad_norms.append(grad_norm)
@@ -267,6 +262,11 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
         step_start=step_start_logprobs(batch, plan, shape, start_parts))
     metrics.update(combine_token_metrics(token_metrics))
     metrics.update(kl_metrics)
+    if critic is not None:
+        metrics.update(value_metrics(batch))
+        metrics["critic/warmup"] = float(warmup)
+        if stepped or warmup:  # a skipped step moves nothing, the critic included (the batch is quarantined)
+            metrics.update(train_critic(critic, batch, algo.ppo_minibatches, settings))
     minibatches = max(len(grad_norms), 1)
     metrics.update({
         "loss/pg": pg_loss / minibatches,
@@ -276,7 +276,8 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
         "policy/grad_norm": sum(grad_norms) / minibatches,
         "policy/lr": scheduler.get_last_lr()[0],
         "learner/skipped_minibatches": float(len(grad_norms) - stepped),
-        "learner/skipped": float(stepped == 0),  # no optimizer step was taken: the weights did not move
+        # no optimizer step was taken: the weights did not move (by choice during the critic's warmup)
+        "learner/skipped": float(stepped == 0 and not warmup),
     })
     step_s = time.perf_counter() - started
     metrics["timing/learner/step_s"] = step_s
