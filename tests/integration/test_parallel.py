@@ -15,6 +15,8 @@ import torch.multiprocessing as mp
 from asyncrl.algos.config import AlgoConfig
 from asyncrl.buffer.group import Group, Sample, Sampling
 from asyncrl.learner.batch import assign_rows, build_batch, plan_microbatches
+from asyncrl.learner.config import CriticConfig
+from asyncrl.learner.critic import Critic
 from asyncrl.learner.families import FAMILIES, build_family_model
 from asyncrl.learner.model import build_qwen2
 from asyncrl.learner.parallel import ParallelConfigError, ParallelState, apply_fsdp, build_parallel_state
@@ -71,10 +73,21 @@ def tiny_model(heads: int = 4, kv_heads: int = 2, family: str | None = None):
     return Qwen2ForCausalLM(config)
 
 
-def run_step(model, parallel: ParallelState, case: dict) -> tuple[dict, dict]:
-    """One train_step; returns its metrics and the full gradients seen just before the optimizer step."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+def tiny_critic(heads: int = 4, kv_heads: int = 2):
+    """PPO's value model on tiny_model's body: Qwen2 with a one-output token-classification head (random, so the
+    body's gradients are not zero)."""
+    from transformers import Qwen2Config, Qwen2ForTokenClassification
+
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=64,
+                         attn_implementation="sdpa", num_labels=1)
+    config.classifier_dropout = 0.0
+    torch.manual_seed(1)
+    return Qwen2ForTokenClassification(config)
+
+
+def capture_grads(model, optimizer) -> dict:
+    """The full gradients seen just before each optimizer step, summed over the steps, by parameter name."""
     grads = {}
 
     def capture(opt, args, kwargs):
@@ -84,47 +97,121 @@ def run_step(model, parallel: ParallelState, case: dict) -> tuple[dict, dict]:
             grads[name] = grads.get(name, 0) + grad.detach().clone()
 
     optimizer.register_step_pre_hook(capture)
+    return grads
+
+
+def run_step(model, parallel: ParallelState, case: dict, critic_model=None) -> tuple[dict, dict]:
+    """One train_step; returns its metrics and the full gradients seen just before the optimizer step (the
+    critic's under `critic/` when the case has one)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    grads = capture_grads(model, optimizer)
     settings = StepSettings(version=0, max_staleness=4, max_tokens_per_microbatch=case["budget"], chunk_tokens=7,
                             grad_clip=1.0, packing=case["packing"], parallel=parallel)
     if case.get("sft"):
         return {"loss/pg": sft_step(model, optimizer, sft_examples(case["seed"]), settings)}, grads
-    algo = AlgoConfig(ppo_minibatches=case["minibatches"], entropy_coef=case.get("entropy_coef", 0.0))
-    metrics = train_step(model, optimizer, scheduler, make_groups(case["seed"]), algo, settings)
-    return metrics, grads
+    critic, critic_grads = None, {}
+    if critic_model is not None:
+        critic_optimizer = torch.optim.AdamW(critic_model.parameters(), lr=1e-2)
+        critic_grads = capture_grads(critic_model, critic_optimizer)
+        critic = Critic(critic_model, critic_optimizer,
+                        torch.optim.lr_scheduler.LambdaLR(critic_optimizer, lambda step: 1.0),
+                        CriticConfig(cliprange_value=0.05))
+    algo = AlgoConfig(ppo_minibatches=case["minibatches"], entropy_coef=case.get("entropy_coef", 0.0),
+                      advantage="gae" if critic is not None else "grpo")
+    metrics = train_step(model, optimizer, scheduler, make_groups(case["seed"]), algo, settings, critic=critic)
+    return metrics, {**grads, **{f"critic/{name}": grad for name, grad in critic_grads.items()}}
 
 
-def worker(rank: int, world: int, port: int, case: dict, out: str) -> None:
+def run_case(rank: int, case: dict, out: str) -> None:
+    """One case on this rank of a live process group: build, shard, train one step; rank 0 writes the result."""
+    parallel = build_parallel_state(case["sp"])
+    model = tiny_model(case["heads"], case["kv_heads"], case.get("family"))
+    if parallel.sp_size > 1:
+        attention = apply_ulysses(model, parallel.sp_group, parallel.sp_size, case.get("sp_impl", "native"))
+        if case.get("sp_impl") == "deepspeed":  # DeepSpeed's exchange, not ours, carries the attention
+            from deepspeed.sequence.layer import DistributedAttention
+            assert isinstance(attention.keywords["exchange"], DistributedAttention)
+    apply_fsdp(model, parallel, param_dtype=case.get("param_dtype", "float32"),
+               activation_checkpointing=case.get("ac", False))
+    critic = None
+    if case.get("critic"):
+        critic = tiny_critic(case["heads"], case["kv_heads"])
+        if parallel.sp_size > 1:
+            apply_ulysses(critic, parallel.sp_group, parallel.sp_size)
+        apply_fsdp(critic, parallel)
+    published = dict(iter_full_weights(model, parallel, torch.float32, bucket_bytes=20_000))
+    metrics, grads = run_step(model, parallel, case, critic)
+    if rank == 0:
+        torch.save({"metrics": metrics, "grads": grads, "published": published}, out)
+
+
+def worker(rank: int, world: int, port: int, cases: dict, out_dir: str) -> None:
+    """Every case of one rank layout in one process group, one after another: spawning ranks (and importing torch
+    and transformers in each) costs more than most cases do. A case that raises is written as its error, and the
+    group goes on to the next one (the ranks fail alike: they run the same code on the same data)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        parallel = build_parallel_state(case["sp"])
-        model = tiny_model(case["heads"], case["kv_heads"], case.get("family"))
-        if parallel.sp_size > 1:
-            attention = apply_ulysses(model, parallel.sp_group, parallel.sp_size, case.get("sp_impl", "native"))
-            if case.get("sp_impl") == "deepspeed":  # DeepSpeed's exchange, not ours, carries the attention
-                from deepspeed.sequence.layer import DistributedAttention
-                assert isinstance(attention.keywords["exchange"], DistributedAttention)
-        apply_fsdp(model, parallel, param_dtype=case.get("param_dtype", "float32"),
-                   activation_checkpointing=case.get("ac", False))
-        published = dict(iter_full_weights(model, parallel, torch.float32, bucket_bytes=20_000))
-        metrics, grads = run_step(model, parallel, case)
-        if rank == 0:
-            torch.save({"metrics": metrics, "grads": grads, "published": published}, out)
-        dist.barrier()  # both ranks leave together: tearing gloo down while a peer still talks can abort
+        for name, case in cases.items():
+            out = os.path.join(out_dir, f"{name}.pt")
+            try:
+                run_case(rank, case, out)
+            except Exception as err:  # reported by the case's test, not by the whole layout
+                if rank == 0:
+                    torch.save({"error": f"{type(err).__name__}: {err}"}, out)
+            dist.barrier()  # every rank done with the case before the next one builds its meshes
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(world: int, case: dict, tmp_path) -> dict:
-    out = str(tmp_path / f"rank0-{world}-{case['sp']}.pt")
-    mp.start_processes(worker, args=(world, free_port(), case, out), nprocs=world, start_method="spawn", join=True)
-    return torch.load(out)
+LAYOUTS = {"fsdp2": dict(world=2, sp=1), "sp2": dict(world=2, sp=2), "fsdp2xsp2": dict(world=4, sp=2)}
+"""Rank layouts: FSDP2 over 2 ranks, Ulysses SP = 2, and both (4 ranks)."""
+
+MULTI_RANK_CASES: dict = {}
+"""case id -> (layout, case): every multi-rank case of this file, run per layout by `layout_results`."""
+
+
+def multi_rank_case(case_id: str, layout: str, **case) -> str:
+    MULTI_RANK_CASES[case_id] = (layout, dict(case, sp=LAYOUTS[layout]["sp"]))
+    return case_id
+
+
+_LAYOUT_RESULTS: dict = {}
+
+
+def layout_results(layout: str, tmp_path_factory) -> dict:
+    """Rank 0's result of every case of `layout` (case id -> dict), from one spawn of its ranks, made on first use
+    and shared by the tests of that layout. Every case is registered at import (`multi_rank_case`), so the first
+    test of a layout runs them all."""
+    if layout not in _LAYOUT_RESULTS:
+        out_dir = str(tmp_path_factory.mktemp(f"ranks-{layout}"))
+        cases = {case_id: case for case_id, (where, case) in MULTI_RANK_CASES.items() if where == layout}
+        world = LAYOUTS[layout]["world"]
+        mp.start_processes(worker, args=(world, free_port(), cases, out_dir), nprocs=world, start_method="spawn",
+                           join=True)
+        _LAYOUT_RESULTS[layout] = {case_id: torch.load(os.path.join(out_dir, f"{case_id}.pt"))
+                                   for case_id in cases}
+    return _LAYOUT_RESULTS[layout]
+
+
+@pytest.fixture
+def on_ranks(tmp_path_factory):
+    """(rank 0's result, one process's result) of a registered case; a case that raised on the ranks fails here."""
+    def run(case_id: str) -> tuple[dict, dict]:
+        layout, case = MULTI_RANK_CASES[case_id]
+        got = layout_results(layout, tmp_path_factory)[case_id]
+        assert "error" not in got, got.get("error")
+        return got, reference(case)
+    return run
 
 
 def reference(case: dict) -> dict:
     torch.set_num_threads(1)
-    metrics, grads = run_step(tiny_model(case["heads"], case["kv_heads"], case.get("family")), ParallelState(), case)
+    critic = tiny_critic(case["heads"], case["kv_heads"]) if case.get("critic") else None
+    metrics, grads = run_step(tiny_model(case["heads"], case["kv_heads"], case.get("family")), ParallelState(), case,
+                              critic)
     return {"metrics": metrics, "grads": grads}
 
 
@@ -136,20 +223,15 @@ def assert_same_step(got: dict, expected: dict, tol: float = 1e-5) -> None:
         torch.testing.assert_close(got["grads"][param], grad, atol=tol, rtol=0, msg=param)
 
 
-CASES = {
-    "fsdp2": dict(world=2, sp=1),
-    "sp2": dict(world=2, sp=2),
-    "fsdp2xsp2": dict(world=4, sp=2),
-}
+MATCH_CASES = [multi_rank_case(f"match-{layout}-{'packed' if packing else 'padded'}", layout, seed=3, budget=40,
+                               packing=packing, minibatches=minibatches, heads=4, kv_heads=2)
+               for layout in LAYOUTS for packing, minibatches in ((False, 1), (True, 2))]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("packing,minibatches", [(False, 1), (True, 2)])
-def test_ranks_match_one_process(name, packing, minibatches, tmp_path):
-    case = dict(seed=3, budget=40, packing=packing, minibatches=minibatches, heads=4, kv_heads=2, sp=CASES[name]["sp"])
-    expected = reference(case)
-    got = run_ranks(CASES[name]["world"], case, tmp_path)
+@pytest.mark.parametrize("case_id", MATCH_CASES)
+def test_ranks_match_one_process(case_id, on_ranks):
+    got, expected = on_ranks(case_id)
     for key in ("loss/pg", "loss/total", "policy/grad_norm", "policy/entropy", "offpolicy/mismatch_k3", "policy/ppo_kl"):
         assert abs(got["metrics"][key] - expected["metrics"][key]) < 1e-5, (key, got["metrics"][key],
                                                                             expected["metrics"][key])
@@ -158,68 +240,92 @@ def test_ranks_match_one_process(name, packing, minibatches, tmp_path):
         torch.testing.assert_close(got["grads"][param], grad, atol=1e-5, rtol=0, msg=param)
 
 
+ENTROPY_CASE = multi_rank_case("entropy-sp2", "sp2", seed=5, budget=40, packing=False, minibatches=1, heads=4,
+                               kv_heads=2, entropy_coef=0.05)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["sp2"])
-def test_the_entropy_bonus_on_ranks_matches_one_process(name, tmp_path):
+def test_the_entropy_bonus_on_ranks_matches_one_process(on_ranks):
     """algo.entropy_coef's gradient through the gathered sequence (Ulysses SP = 2; the head is FSDP2-sharded on
     both ranks). The data-parallel sum of the step's loss shares is the one test_ranks_match_one_process runs."""
-    case = dict(seed=5, budget=40, packing=False, minibatches=1, heads=4, kv_heads=2, sp=CASES[name]["sp"],
-                entropy_coef=0.05)
-    got, expected = run_ranks(CASES[name]["world"], case, tmp_path), reference(case)
+    got, expected = on_ranks(ENTROPY_CASE)
     assert_same_step(got, expected)
     assert got["metrics"]["loss/entropy"] == pytest.approx(expected["metrics"]["loss/entropy"], abs=1e-5)
     assert expected["metrics"]["loss/entropy"] > 0
 
 
+CRITIC_CASES = [multi_rank_case(f"critic-{layout}", layout, seed=9, budget=40, packing=packing, minibatches=2,
+                                heads=4, kv_heads=2, critic=True)
+                for layout, packing in (("fsdp2", False), ("sp2", True))]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", [family for family in FAMILIES if family != "qwen2"])
-@pytest.mark.parametrize("name", ["fsdp2", "sp2"])
-def test_each_model_family_on_two_ranks_matches_one_process(family, name, tmp_path):
+@pytest.mark.parametrize("case_id", CRITIC_CASES)
+def test_ppo_critic_on_ranks_matches_one_process(case_id, on_ranks):
+    """PPO with GAE: the critic's values (split over ranks' rows, or over the SP group's columns, packed), its
+    clipped value loss over 2 mini-batches and every gradient of both models within 1e-5 of one process."""
+    got, expected = on_ranks(case_id)
+    assert_same_step(got, expected)
+    assert any(name.startswith("critic/") for name in expected["grads"])
+    for key in ("critic/vf_loss", "critic/vpred/mean", "critic/vf_clipfrac", "critic/explained_var",
+                "critic/values/mean", "critic/grad_norm"):
+        assert got["metrics"][key] == pytest.approx(expected["metrics"][key], abs=1e-5), key
+    assert expected["metrics"]["critic/vf_clipfrac"] > 0  # the second mini-batch's values moved past the clip
+
+
+FAMILY_CASES = [multi_rank_case(f"family-{family}-{layout}", layout, seed=7, budget=64, packing=True, minibatches=1,
+                                heads=4, kv_heads=2, family=family)
+                for family in FAMILIES if family != "qwen2" for layout in ("fsdp2", "sp2")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case_id", FAMILY_CASES)
+def test_each_model_family_on_two_ranks_matches_one_process(case_id, on_ranks):
     """Qwen3, Llama 3, Mistral (sliding window 8, crossed by these sequences), Gemma 2 (soft-capping, alternating
     sliding layers, eager attention) and Qwen3-MoE, packed, under FSDP2 and under Ulysses SP = 2: the loss and every
     gradient within 1e-5 of one process."""
-    case = dict(seed=7, budget=64, packing=True, minibatches=1, heads=4, kv_heads=2, sp=CASES[name]["sp"],
-                family=family)
-    expected = reference(case)
-    got = run_ranks(2, case, tmp_path)
-    assert_same_step(got, expected)
+    assert_same_step(*on_ranks(case_id))
+
+
+DEEPSPEED_CASES = [multi_rank_case(f"deepspeed-{family}", "sp2", seed=7, budget=64, packing=True, minibatches=1,
+                                   heads=4, kv_heads=2, sp_impl="deepspeed",
+                                   family=None if family == "qwen2" else family)
+                   for family in ("qwen2", "gemma2")]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
-def test_deepspeed_ulysses_matches_one_process(family, tmp_path):
+@pytest.mark.parametrize("case_id", DEEPSPEED_CASES)
+def test_deepspeed_ulysses_matches_one_process(case_id, on_ranks):
     """learner.sp_impl=deepspeed: DeepSpeed's DistributedAttention does the all-to-alls on 2 gloo ranks, packed
     (Gemma 2: soft-capping and sliding windows reach the inner attention through it); the loss and every gradient
     within 1e-5 of one process."""
-    case = dict(seed=7, budget=64, packing=True, minibatches=1, heads=4, kv_heads=2, sp=2, sp_impl="deepspeed",
-                family=None if family == "qwen2" else family)
-    expected = reference(case)
-    got = run_ranks(2, case, tmp_path)
-    assert_same_step(got, expected)
+    assert_same_step(*on_ranks(case_id))
+
+
+KV_REPEAT_CASE = multi_rank_case("kv-repeat-sp2", "sp2", seed=5, budget=64, packing=False, minibatches=1, heads=4,
+                                 kv_heads=1)
+SFT_CASE = multi_rank_case("sft-fsdp2xsp2", "fsdp2xsp2", seed=7, budget=24, packing=True, minibatches=1, heads=4,
+                           kv_heads=2, sft=True)
+AC_CASE = multi_rank_case("ac-fsdp2", "fsdp2", seed=11, budget=40, packing=False, minibatches=1, heads=4, kv_heads=2,
+                          ac=True)
+BF16_CASE = multi_rank_case("bf16-fsdp2", "fsdp2", seed=3, budget=40, packing=False, minibatches=1, heads=4,
+                            kv_heads=2, param_dtype="bfloat16")
 
 
 @pytest.mark.slow
-def test_ulysses_repeats_kv_heads_when_sp_does_not_divide_them(tmp_path):
-    case = dict(seed=5, budget=64, packing=False, minibatches=1, heads=4, kv_heads=1, sp=2)
+def test_ulysses_repeats_kv_heads_when_sp_does_not_divide_them(on_ranks):
     assert check_heads(tiny_model(4, 1).config, 2) == 4
-    expected = reference(case)
-    got = run_ranks(2, case, tmp_path)
-    assert_same_step(got, expected)
+    assert_same_step(*on_ranks(KV_REPEAT_CASE))
 
 
 @pytest.mark.slow
-def test_sft_on_fsdp2_and_ulysses_matches_one_process(tmp_path):
-    case = dict(seed=7, budget=24, packing=True, minibatches=1, heads=4, kv_heads=2, sp=2, sft=True)
-    expected = reference(case)
-    got = run_ranks(4, case, tmp_path)
-    assert_same_step(got, expected)
+def test_sft_on_fsdp2_and_ulysses_matches_one_process(on_ranks):
+    assert_same_step(*on_ranks(SFT_CASE))
 
 
 @pytest.mark.slow
-def test_activation_checkpointing_matches_and_published_weights_are_whole(tmp_path):
-    case = dict(seed=11, budget=40, packing=False, minibatches=1, heads=4, kv_heads=2, sp=1, ac=True)
-    expected = reference(case)
-    got = run_ranks(2, case, tmp_path)
+def test_activation_checkpointing_matches_and_published_weights_are_whole(on_ranks):
+    got, expected = on_ranks(AC_CASE)
     assert_same_step(got, expected)
     full = tiny_model().state_dict()  # what rank 0 published before the step: every tensor whole, tied ones too
     assert set(got["published"]) == set(full)
@@ -228,10 +334,8 @@ def test_activation_checkpointing_matches_and_published_weights_are_whole(tmp_pa
 
 
 @pytest.mark.slow
-def test_bf16_mixed_precision_trains_close_to_fp32(tmp_path):
-    case = dict(seed=3, budget=40, packing=False, minibatches=1, heads=4, kv_heads=2, sp=1, param_dtype="bfloat16")
-    expected = reference(case)
-    got = run_ranks(2, case, tmp_path)
+def test_bf16_mixed_precision_trains_close_to_fp32(on_ranks):
+    got, expected = on_ranks(BF16_CASE)
     assert abs(got["metrics"]["loss/pg"] - expected["metrics"]["loss/pg"]) < 0.05
     assert got["metrics"]["policy/grad_norm"] > 0
 
