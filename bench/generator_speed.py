@@ -11,7 +11,7 @@ times; tokens/s is completion tokens over wall time.
 - `asyncrl_hf`, `asyncrl_vllm`: asyncrl's engines as the rollout loop drives them, one concurrent `sample` call per
   group. The target is at least 0.95 of the faster raw path (`ratio` in the JSON line).
 Usage:
-    python -m asyncrl.bench.generator_speed [--rounds N] [--threads T] [--only NAME] [overrides...]
+    python -m asyncrl.bench.generator_speed [--rounds N] [--threads T] [--contenders A,B,...] [overrides...]
 """
 import argparse
 import asyncio
@@ -153,15 +153,24 @@ def main(argv=None) -> dict:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each contender (0: torch's default)")
     parser.add_argument("--only", choices=CONTENDERS, help="run one contender here and print its JSON (internal)")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS),
+                        help="comma-separated subset to run (at least one raw path and one asyncrl engine)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     if args.only:
         result = run_contender(args.only, args.rounds, args.threads, args.overrides)
         print(json.dumps(result))
         return result
-    rows = {name: in_subprocess(name, args.rounds, args.threads, args.overrides) for name in CONTENDERS}
-    faster_raw = max(("hf_generate", "vllm_generate"), key=lambda name: rows[name]["tokens_per_s"])
-    best = max(("asyncrl_hf", "asyncrl_vllm"), key=lambda name: rows[name]["tokens_per_s"])
+    chosen = [name for name in CONTENDERS if name in args.contenders.split(",")]
+    unknown = set(args.contenders.split(",")) - set(CONTENDERS)
+    raw = [name for name in chosen if not name.startswith("asyncrl_")]
+    engines = [name for name in chosen if name.startswith("asyncrl_")]
+    if unknown or not raw or not engines:
+        parser.error(f"--contenders must name at least one raw path and one asyncrl engine of {CONTENDERS}"
+                     f"{f' (unknown: {sorted(unknown)})' if unknown else ''}")
+    rows = {name: in_subprocess(name, args.rounds, args.threads, args.overrides) for name in chosen}
+    faster_raw = max(raw, key=lambda name: rows[name]["tokens_per_s"])
+    best = max(engines, key=lambda name: rows[name]["tokens_per_s"])
     print(f"{'contender':<16}{'tokens/s':>10}{'batch s':>10}{'vs ' + faster_raw:>22}")
     for name, row in rows.items():
         print(f"{name:<16}{row['tokens_per_s']:>10.0f}{row['batch_s']:>10.3f}"
