@@ -14,21 +14,21 @@ TINY_DEMO = ["demo.sft_steps=20", "demo.num_prompts=256", "buffer.groups_per_ste
 
 @pytest.mark.slow
 def test_time_to_reward_bench_runs_asyncrl_and_trl_on_a_tiny_setting(tmp_path, demo_assets, demo_cache):
+    """One asyncrl run (η = 1; η = 0, the synchronous mode, runs in the resume tests) and TRL's, each 4 steps."""
     overrides = [f"demo.cache_dir={demo_cache}", *TINY_DEMO, f"buffer.port={free_port()}"]
-    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.time_to_reward", "--seeds", "0", "--etas", "0", "1",
+    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.time_to_reward", "--seeds", "0", "--etas", "1",
                           "--steps", "4", "--window", "2", "--final-steps", "2", "--target", "0.0", *overrides],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "time_to_reward" and result["seeds"] == [0]
     runs = result["runs"]
-    assert set(runs) == {"asyncrl eta=0", "asyncrl eta=1", "TRL GRPOTrainer"}
+    assert set(runs) == {"asyncrl eta=1", "TRL GRPOTrainer"}
     for name, (run,) in runs.items():
         assert run["steps"] == 4 and run["samples_per_s"] > 0, (name, run)
         assert run["time_to_target_s"] is not None and 0 <= run["reward_final"] <= 1  # a target of 0 is reached
-    (sync,), (async_,) = runs["asyncrl eta=0"], runs["asyncrl eta=1"]
-    assert sync["staleness_mean"] == 0 and async_["staleness_mean"] <= 1
-    assert 0 <= async_["learner_idle_frac"] <= 1
+    (async_,) = runs["asyncrl eta=1"]
+    assert async_["staleness_mean"] <= 1 and 0 <= async_["learner_idle_frac"] <= 1
     assert "| asyncrl eta=1 |" in out.stdout  # the table
 
 
@@ -55,14 +55,17 @@ def test_tool_latency_bench_runs_episodes_at_two_etas_on_a_tiny_setting(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_generator_speed_bench_runs_every_contender_on_a_tiny_setting(tmp_path, demo_assets, demo_cache):
+def test_generator_speed_bench_runs_its_contenders_on_a_tiny_setting(tmp_path, demo_assets, demo_cache):
+    """Raw HF generate and both asyncrl engines; raw vLLM generate is left out (each contender is its own process,
+    and one more vLLM start costs CI about a minute; vLLM's own offline API is not asyncrl's code)."""
     out = subprocess.run([sys.executable, "-m", "asyncrl.bench.generator_speed", "--rounds", "1",
+                          "--contenders", "hf_generate,asyncrl_hf,asyncrl_vllm",
                           f"demo.cache_dir={demo_cache}", *TINY_DEMO, "generator.kv_cache_gib=0.25"],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "generator_speed" and result["ratio"] > 0
-    assert set(result["rows"]) == {"hf_generate", "vllm_generate", "asyncrl_hf", "asyncrl_vllm"}
+    assert set(result["rows"]) == {"hf_generate", "asyncrl_hf", "asyncrl_vllm"}
     assert all(row["tokens"] > 0 and row["tokens_per_s"] > 0 for row in result["rows"].values())
 
 
@@ -96,13 +99,14 @@ def test_buffer_bench_runs_on_a_tiny_setting(tmp_path):
 
 @pytest.mark.slow
 def test_weightsync_bench_runs_on_a_tiny_setting(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.weightsync", "--mb", "8", "--versions", "2"],
+    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.weightsync", "--mb", "8", "--versions", "2",
+                          "--receivers", "1,2"],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "weightsync" and 7 < result["mb"] < 9
     assert result["publish"]["ratio"] > 0 and sum(result["publish"]["staged_by"].values()) == 2
-    assert set(result["fanout"]) >= {"1", "2", "4"} and result["fanout"]["1"]["x1"] == 1.0
+    assert set(result["fanout"]) >= {"1", "2"} and result["fanout"]["1"]["x1"] == 1.0
     assert result["stall"]["path"] == "shm"
     assert result["stall"]["median_transfer_s"] > 0 and result["stall"]["median_stall_s"] > 0
     assert result["cast"]["cast_in_copy_s"] > 0 and result["cast"]["to_then_copy_s"] > 0

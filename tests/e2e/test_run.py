@@ -121,8 +121,9 @@ def test_generators_started_before_and_after_the_learner_join_with_current_weigh
                                                                                     demo_cache):
     port = free_port()
     job_dir = tmp_path / "job"
-    # 40 steps leave the late joiner (model load on a busy 2-core machine) ample runway before the job ends
-    overrides = common_overrides(demo_cache, port, steps=40) + ["generator.engine=hf"]
+    # 24 steps leave the late joiner (model load on a busy 2-core machine) runway before the job ends: it is started
+    # once 2 steps are done and joins within about 10 s; each step takes about a second with two generators
+    overrides = common_overrides(demo_cache, port, steps=24) + ["generator.engine=hf"]
     procs = {"early": start("generator", overrides + ["generator.generator_id=early"], tmp_path, job_dir, "early.log")}
     deadline = time.time() + 120
     while "waiting for the learner" not in (tmp_path / "early.log").read_text():  # it is up, and no learner is
@@ -132,7 +133,7 @@ def test_generators_started_before_and_after_the_learner_join_with_current_weigh
     try:
         deadline = time.time() + 240
         while time.time() < deadline:
-            if (job_dir / "progress.jsonl").exists() and len(read_progress(job_dir)) >= 3:
+            if (job_dir / "progress.jsonl").exists() and len(read_progress(job_dir)) >= 2:
                 break
             assert procs["learner"].poll() is None, (tmp_path / "learner.log").read_text()[-3000:]
             time.sleep(0.3)
@@ -145,7 +146,7 @@ def test_generators_started_before_and_after_the_learner_join_with_current_weigh
                 proc.kill()
     summary = json.loads((job_dir / "summary.json").read_text())
     late = summary["generators"]["late"]
-    assert late["hello_version"] >= 3
+    assert late["hello_version"] >= 2
     if "first_group_min_version" in late:  # it may have joined too late to deliver anything
         assert late["first_group_min_version"] >= late["hello_version"]
     assert "first_group_min_version" in summary["generators"]["early"]
