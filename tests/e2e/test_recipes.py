@@ -22,16 +22,21 @@ RECIPE_OVERRIDES = {"ppo_cpu.yaml": ["critic.warmup_steps=1"]}
 """A few steps leave no room for the recipe's 10 critic-only ones: one shows the warmup, the others train both."""
 
 
+def run_recipe(recipe: str, steps: int, tmp_path, demo_cache, job_dir) -> None:
+    """`asyncrl run --config recipe` for `steps` steps in `job_dir` (a second call resumes from its checkpoint)."""
+    env = {**job_env(tmp_path), "ASYNCRL_JOB_DIR": str(job_dir)}
+    out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "run", "--config", recipe,
+                          *common_overrides(demo_cache, free_port(), steps=steps), "generator.engine=hf",
+                          "generator.torch_threads=1", *RECIPE_OVERRIDES.get(recipe, [])],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", sorted(RECIPE_METRICS))
 def test_recipe_runs_the_demo_end_to_end(recipe, tmp_path, demo_assets, demo_cache):
     job_dir = tmp_path / "job"
-    env = {**job_env(tmp_path), "ASYNCRL_JOB_DIR": str(job_dir)}
-    out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "run", "--config", recipe,
-                          *common_overrides(demo_cache, free_port(), steps=3), "generator.engine=hf",
-                          "generator.torch_threads=1", *RECIPE_OVERRIDES.get(recipe, [])],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run_recipe(recipe, 3, tmp_path, demo_cache, job_dir)
     summary = json.loads((job_dir / "summary.json").read_text())
     assert summary["steps"] == 3
     progress = read_progress(job_dir)
@@ -41,3 +46,9 @@ def test_recipe_runs_the_demo_end_to_end(recipe, tmp_path, demo_assets, demo_cac
     if recipe == "ppo_cpu.yaml":  # the critic alone, then both; the checkpoint holds the critic
         assert [p["critic/warmup"] for p in progress] == [1.0, 0.0, 0.0]
         assert (job_dir / "checkpoints" / "step-00000003" / "critic_scheduler.pt").exists()
+        # one step more, resumed from that checkpoint, critic included (test_critic.py checks what it restores)
+        run_recipe(recipe, 4, tmp_path, demo_cache, job_dir)
+        resumed = json.loads((job_dir / "summary.json").read_text())
+        assert resumed["start_version"] == 3 and resumed["steps"] == 1
+        (step4,) = [p for p in read_progress(job_dir) if p["step"] == 4]
+        assert step4["critic/warmup"] == 0.0 and "critic/vf_loss" in step4
