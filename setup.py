@@ -26,6 +26,7 @@ setup(
         "mlflow>=3.0",
         "pyarrow>=14",
         "safetensors",
+        "peft==0.21.0",  # learner.lora: adapters injected into the learner's model, the hf engine's, and export's merge
         "xxhash>=3",  # weight-sync bucket checksums (about 10x faster than CRC32)
         "uvloop>=0.18",  # the generator's event loop (buffer/event_loop.py); bench/buffer.py --compare-loops measures it
         "mcp>=2,<3",  # tools served by MCP servers (generator/agents/mcp_tools.py: the 2.x Client API)

@@ -106,9 +106,22 @@ def check_sections_agree(cfg: "RunConfig") -> None:
             and cfg.generator.engine != "vllm"):
         raise ValueError("weightsync.engine_transport=ipc is vLLM's IPC transfer engine; use nccl with "
                          f"generator.engine={cfg.generator.engine}")
+    if cfg.learner.lora.enabled:
+        check_lora(cfg)
     if cfg.reward.overlong_buffer_len >= cfg.rollout.max_tokens:
         raise ValueError(f"reward.overlong_buffer_len ({cfg.reward.overlong_buffer_len}) must be smaller than "
                          f"rollout.max_tokens ({cfg.rollout.max_tokens})")
+
+
+def check_lora(cfg: "RunConfig") -> None:
+    """LoRA versions are adapters the generators' engines load as such (generator/engines/lora_adapter.py): the
+    vLLM and hf engines do; SGLang's path and the pushed-weights backend move full weights only."""
+    if cfg.generator.engine == "sglang":
+        raise ValueError("learner.lora serves each version as an adapter, which asyncrl does for generator.engine="
+                         "vllm and hf; SGLang's adapter path is not built (use vllm, or learner.lora.rank=0)")
+    if cfg.weightsync.backend == "engine_push":
+        raise ValueError("learner.lora publishes only the adapter, and weightsync.backend=engine_push pushes full "
+                         "weights into the engine; use weightsync.backend=shm or broadcast")
 
 
 def training_eval_blocker(cfg: "RunConfig") -> Optional[str]:

@@ -40,6 +40,14 @@ def vllm_placement(gen, model) -> dict:
             "lm_head_fp32": model.lm_head_fp32}
 
 
+def vllm_lora(gen, lora, max_staleness: int) -> dict:
+    """With learner.lora, the vLLM engine serves each version as an adapter: up to that rank, and every version
+    the buffer admits (buffer.max_staleness + 1) at once. The hf engine needs nothing up front."""
+    if gen.engine != "vllm" or not lora.enabled:
+        return {}
+    return {"lora_rank": lora.rank, "max_loras": max_staleness + 1}
+
+
 def sampling_seed(base: int, generator_id: str) -> int:
     """The seed of this generator's sampling and prompt order: generator.seed offset by a stable hash of its id, so a
     run whose generators have fixed ids (`asyncrl run` names them gen-0, gen-1, ...) samples the same again, and no
@@ -110,7 +118,8 @@ async def run_generator_async(cfg, say=print) -> int:
                              max_model_len=cfg.generator.max_model_len, kv_cache_gib=cfg.generator.kv_cache_gib,
                              seed=seed, update_mode=cfg.generator.update_mode,
                              trust_remote_code=cfg.model.trust_remote_code,
-                             **vllm_placement(cfg.generator, cfg.model))
+                             **vllm_placement(cfg.generator, cfg.model),
+                             **vllm_lora(cfg.generator, cfg.learner.lora, cfg.buffer.max_staleness))
         await engine.start()
         if wants_episodes(cfg.tools, cfg.env, cfg.agent):
             episodes = build_episode_runner(cfg.tools, cfg.env, cfg.agent, cfg.rollout,

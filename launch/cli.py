@@ -101,6 +101,9 @@ def add_export_parser(sub) -> None:
     cmd.add_argument("--out", required=True, help="output directory for the HF model")
     cmd.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                      help="dtype of the exported weights (default: the config's dtype, else float32)")
+    cmd.add_argument("--adapter-out", default=None,
+                     help="a LoRA checkpoint only: also write its PEFT adapter directory here (the model in --out is "
+                          "always the merged one)")
 
 
 def add_data_parser(sub) -> None:
@@ -364,11 +367,13 @@ def cmd_export(args) -> int:
     from asyncrl.learner.export import export_checkpoint
 
     try:
-        out = export_checkpoint(args.checkpoint, args.out, args.dtype)
+        out = export_checkpoint(args.checkpoint, args.out, args.dtype, adapter_dir=args.adapter_out)
     except CheckpointError as err:
         print(f"asyncrl export: {err}", file=sys.stderr)
         return 2
     print(f"export: wrote {os.path.abspath(out)}")
+    if args.adapter_out:
+        print(f"export: wrote the LoRA adapter to {os.path.abspath(args.adapter_out)}")
     return 0
 
 

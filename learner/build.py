@@ -11,6 +11,7 @@ import torch
 from asyncrl.algos.kl import AdaptiveKLController, FixedKLController
 from asyncrl.learner.checkpoint import CheckpointError, latest_checkpoint, read_state, resolve_checkpoint
 from asyncrl.learner.collect import BatchFilter
+from asyncrl.learner.lora import apply_lora, trainable_parameters
 from asyncrl.learner.lr_schedule import lr_multiplier
 from asyncrl.learner.model import load_model
 from asyncrl.learner.parallel import ParallelState, apply_fsdp
@@ -20,9 +21,13 @@ from asyncrl.learner.ulysses import apply_ulysses
 log = logging.getLogger(__name__)
 
 
-def build_policy(cfg, model_path: str, parallel: ParallelState):
-    """The HF model on this rank: loaded, routed through Ulysses when sp_size > 1, then FSDP2-sharded."""
+def build_policy(cfg, model_path: str, parallel: ParallelState, adapters: bool = True):
+    """The HF model on this rank: loaded, with learner.lora's adapters injected when `adapters` and LoRA is on
+    (before the wrapping, so FSDP2 shards them like any parameter), routed through Ulysses when sp_size > 1, then
+    FSDP2-sharded. The reference model is the base model: adapters=False."""
     model = load_model(model_path, cfg.learner.dtype, cfg.model.trust_remote_code, cfg.learner.attn_implementation)
+    if adapters and cfg.learner.lora.enabled:
+        model = apply_lora(model, cfg.learner.lora)
     return shard_model(model, cfg, parallel)
 
 
@@ -38,8 +43,9 @@ def shard_model(model, cfg, parallel: ParallelState):
 
 
 def build_optimizer(model, learner_cfg):
-    """AdamW with a linear warmup over learner.warmup_steps, then learner.lr_schedule (learner/lr_schedule.py)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=learner_cfg.lr,
+    """AdamW over the parameters that train (with LoRA, the adapters alone) with a linear warmup over
+    learner.warmup_steps, then learner.lr_schedule (learner/lr_schedule.py)."""
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=learner_cfg.lr,
                                   betas=(learner_cfg.adam_beta1, learner_cfg.adam_beta2),
                                   weight_decay=learner_cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
@@ -73,7 +79,7 @@ def build_step_parts(cfg, model_path: str, parallel: ParallelState) -> StepParts
     algo = cfg.algo
     ref_model = None
     if algo.needs_reference_model():
-        ref_model = build_policy(cfg, model_path, parallel).eval()
+        ref_model = build_policy(cfg, model_path, parallel, adapters=False).eval()
         ref_model.requires_grad_(False)
         log.info("learner: loaded the reference model for the KL term from %s", model_path)
     if algo.kl_controller == "adaptive":

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from asyncrl.learner.lora import lora_meta
 from asyncrl.learner.state import LearnerState
 
 CHECKPOINT_PREFIX = "step-"
@@ -95,7 +96,7 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: LearnerState,
     global _pending
     version = state.version
     meta = {"format": FORMAT_VERSION, "state": state.to_json(), "world_size": _world_size(), "time": time.time(),
-            "critic": critic is not None}
+            "critic": critic is not None, "lora": lora_meta(model)}
     json.dumps(meta)  # fail before writing anything if the state is not JSON-able
     if model_dir is not None and not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise CheckpointError(f"model_dir {model_dir} has no config.json")  # on every rank, so none waits alone
@@ -180,6 +181,11 @@ def load_checkpoint(path: str, model, optimizer, scheduler, critic=None) -> Lear
             f"checkpoint {path} holds no critic, and this job trains one (algo.advantage=gae or "
             f"algo.vtrace_values=critic): export its policy with `asyncrl export` and start a new job from it "
             f"(model.path), whose critic then starts from the policy's weights")
+    if meta.get("lora") != lora_meta(model):
+        raise CheckpointError(
+            f"checkpoint {path} holds {_describe_lora(meta.get('lora'))} and this job trains "
+            f"{_describe_lora(lora_meta(model))} (learner.lora): resume with the checkpoint's settings, or export it "
+            f"with `asyncrl export` (LoRA merged) and start a new job from that model")
     world, rank = _world_size(), _rank()
     if meta["world_size"] != world:
         raise CheckpointError(
@@ -206,6 +212,12 @@ def load_checkpoint(path: str, model, optimizer, scheduler, critic=None) -> Lear
     restore_rng_state(torch.load(rng_file, weights_only=True))
     _barrier()
     return read_state(path)
+
+
+def _describe_lora(meta: dict | None) -> str:
+    if not meta:
+        return "full weights (no LoRA)"
+    return f"a rank-{meta['r']} LoRA adapter (alpha {meta['lora_alpha']}, on {', '.join(meta['target_modules'])})"
 
 
 def latest_checkpoint(root: str) -> str | None:

@@ -5,6 +5,44 @@ from typing import List
 from asyncrl.learner.lr_schedule import SCHEDULES
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""The linear layers of a Llama/Qwen-style decoder, which vLLM's LoRA serves (not the embeddings or the LM head)."""
+
+
+@dataclass
+class LoraSettings:
+    """LoRA RL (learner/lora.py): only low-rank adapters on the target modules train, and only they are published
+    (the generators' engines serve each version as an adapter). rank 0: off, every weight trains."""
+
+    rank: int = 0
+    """The adapters' rank r (0 = no LoRA). vLLM serves ranks up to 512."""
+    alpha: float = 16.0
+    """The adapters' scale is alpha / rank."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input while training. Above 0 the learner's logprobs are noisy against the
+    sampler's, which the importance ratios then read as off-policy drift: keep it 0 for RL unless you mean it."""
+    target_modules: List[str] = field(default_factory=lambda: list(LORA_TARGETS))
+    """Module names (their last component) that get an adapter."""
+
+    def __post_init__(self):
+        if self.rank < 0 or self.rank > 512:
+            raise ValueError(f"learner.lora.rank must be in [0, 512] (0 = no LoRA), got {self.rank}")
+        if self.rank and self.alpha <= 0:
+            raise ValueError(f"learner.lora.alpha must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"learner.lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.rank and not self.target_modules:
+            raise ValueError("learner.lora.target_modules is empty: name the layers that get an adapter")
+        bad = [name for name in self.target_modules if name in ("embed_tokens", "lm_head")]
+        if self.rank and bad:
+            raise ValueError(f"learner.lora.target_modules names {bad}: vLLM serves adapters on linear layers only, "
+                             f"not on the embeddings or the LM head")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 @dataclass
 class LearnerConfig:
     total_steps: int = 200
@@ -79,6 +117,8 @@ class LearnerConfig:
     resume: str = "auto"
     """"auto": continue from the newest checkpoint in the checkpoint directory if there is one; "never": start
     fresh; or the path of a checkpoint (or of a checkpoint root) to start from (`asyncrl learner --resume PATH`)."""
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    """LoRA RL: adapters only train and publish (rank 0: off)."""
 
     def __post_init__(self):
         if self.total_steps < 1:

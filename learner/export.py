@@ -10,19 +10,24 @@ import shutil
 import torch
 import torch.distributed.checkpoint as dcp
 
-from asyncrl.learner.checkpoint import (DCP_DIR, HF_DIR, CheckpointError, quiet_single_process_dcp,
+from asyncrl.learner.checkpoint import (DCP_DIR, HF_DIR, CheckpointError, quiet_single_process_dcp, read_meta,
                                         resolve_checkpoint)
 from asyncrl.weightsync.dtypes import DTYPES, FLOAT_DTYPES
 
 MODEL_KEY = "model"  # save_checkpoint's top-level key for get_state_dict's model part
 
 
-def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None) -> str:
+def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None, adapter_dir: str | None = None) -> str:
     """Writes HF safetensors (model.save_pretrained), the config and the tokenizer from checkpoint/hf/ into out_dir,
     from a checkpoint written by save_checkpoint (single process, no PG needed, whatever world size saved it). The
     model is built with AutoModelForCausalLM.from_config(config) and loaded from the DCP model state; tied
     embeddings come out right. dtype None keeps the config's torch dtype / fp32. Returns out_dir. A `checkpoint`
-    that is a root of several step-* dirs means its latest one."""
+    that is a root of several step-* dirs means its latest one.
+
+    A LoRA checkpoint (learner.lora) is rebuilt as peft's PeftModel from the settings its meta.json recorded, and
+    written merged (peft's merge_and_unload: W + alpha/r · B @ A), so anything that serves HF models serves it;
+    `adapter_dir` also writes the PEFT adapter directory (PeftModel.save_pretrained) for engines that load the
+    adapter beside the base model. `adapter_dir` on a checkpoint without LoRA is an error."""
     if dtype is not None and dtype not in FLOAT_DTYPES:
         raise ValueError(f"export dtype must be one of {FLOAT_DTYPES}, got {dtype!r}")
     path = resolve_checkpoint(checkpoint)
@@ -33,7 +38,13 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None) -
 
     config = AutoConfig.from_pretrained(hf_dir)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    load_model_weights(model, os.path.join(path, DCP_DIR))
+    lora = read_meta(path).get("lora")
+    if adapter_dir is not None and not lora:
+        raise CheckpointError(f"checkpoint {path} trained every weight (no learner.lora): it has no adapter to write")
+    if lora:
+        model = export_lora(model, lora, os.path.join(path, DCP_DIR), adapter_dir)
+    else:
+        load_model_weights(model, os.path.join(path, DCP_DIR))
     model.to(DTYPES[dtype] if dtype is not None else config_dtype(config))
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
@@ -41,6 +52,19 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None) -
         if name != "config.json":
             shutil.copy2(os.path.join(hf_dir, name), os.path.join(out_dir, name))
     return out_dir
+
+
+def export_lora(model, lora: dict, dcp_dir: str, adapter_dir: str | None):
+    """The merged plain model of a LoRA checkpoint (and its adapter directory when `adapter_dir`)."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(model, LoraConfig(r=lora["r"], lora_alpha=lora["lora_alpha"],
+                                                  lora_dropout=lora["lora_dropout"],
+                                                  target_modules=list(lora["target_modules"]), bias="none"))
+    load_model_weights(peft_model.get_base_model(), dcp_dir)  # the learner's module tree: the same keys
+    if adapter_dir is not None:
+        peft_model.save_pretrained(adapter_dir)
+    return peft_model.merge_and_unload()
 
 
 def load_model_weights(model, dcp_dir: str) -> None:

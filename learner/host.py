@@ -13,6 +13,7 @@ from asyncrl.learner.checkpoint import CheckpointError
 from asyncrl.learner.model import model_positions
 from asyncrl.learner.objective import resolved_hyperparameters
 from asyncrl.learner.parallel import ParallelState
+from asyncrl.learner.publish import repeats_previous
 from asyncrl.learner.state import LearnerState
 from asyncrl.learner.step_metrics import component_means
 from asyncrl.telemetry.eval_metrics import eval_metrics
@@ -66,6 +67,9 @@ class LearnerHost:
         self.eval_history: list = []  # each finished evaluation's metrics, for the summary
         self.rejected: dict = {}  # reason -> groups, as of the last step (for the summary)
         self._step_ended = time.monotonic()  # reset by start(); a step's wall time runs from the previous step's end
+        self._last_published: tuple | None = None  # (fingerprint, checksums) of the last version published
+        self.unchanged_versions = 0  # versions published with the previous one's bytes after a trained step
+        self.publish_metrics: dict = {}  # the last publish's bytes, logged with the step that published it
         if resumed_from is not None:
             log.info("learner: resumed from %s at version %d", resumed_from, state.version)
 
@@ -148,12 +152,31 @@ class LearnerHost:
         self._step_ended = time.monotonic()
         log.info("learner: buffer at %s, MLflow run %s in %s", self.buffer.endpoint, self.run_id, self.tracking_uri)
 
-    def publish(self, weights, version: int, specs: list) -> None:
-        """Publish `version` and announce it; only then may generators be admitted against it."""
-        self.buffer.announce_weights(self.publisher.publish(weights, version, specs))
+    def publish(self, weights, version: int, specs: list, extra: dict | None = None, full_bytes: int = 0) -> None:
+        """Publish `version` and announce it; only then may generators be admitted against it. `full_bytes`: what
+        a full version weighs, for the share a LoRA version's adapter sends."""
+        message = self.publisher.publish(weights, version, specs, extra=extra)
+        self._check_changed(message)
+        self.publish_metrics = {"weightsync/publish_bytes": float(message["bytes"]),
+                                "weightsync/publish_bytes_frac": message["bytes"] / max(full_bytes, 1),
+                                "weightsync/unchanged_versions": float(self.unchanged_versions)}
+        self.buffer.announce_weights(message)
         self.buffer.set_version(version)
         self.version = version
         self._open_eval_if_due(version)
+
+    def _check_changed(self, message: dict) -> None:
+        """Counts and logs a version that repeats the previous one's bytes after a trained step (publish.py's
+        repeats_previous says why that matters); the critic's warmup steps leave the policy as it was, so there
+        it is expected."""
+        repeated, self._last_published = repeats_previous(self._last_published, message)
+        warmup = self.cfg.algo.needs_critic() and message["version"] <= self.cfg.critic.warmup_steps
+        if repeated and not warmup:
+            self.unchanged_versions += 1
+            log.error("weight sync: v%d sends exactly the bytes of the version before it (%d bytes%s) although a step "
+                      "was trained: the generators will sample the old policy (learning rate 0? an adapter that "
+                      "does not train?)", message["version"], message["bytes"],
+                      ", the LoRA adapter" if "lora" in message else "")
 
     def after_step(self, state: LearnerState, groups: list, collected, metrics: dict) -> None:
         """The step's audit trail, metrics, progress line, and the data cursor the next checkpoint keeps."""
@@ -169,6 +192,8 @@ class LearnerHost:
         prefix = "buffer/rejected/"
         self.rejected = {key[len(prefix):]: int(value) for key, value in buffer_metrics.items()
                          if key.startswith(prefix)}
+        metrics.update(self.publish_metrics)
+        self.publish_metrics = {}
         metrics["timing/learner/wait_for_batch_s"] = collected.wait_s
         now = time.monotonic()  # the wait's share of the whole step: collect, train, publish, log
         metrics["timing/learner/idle_frac"] = share(collected.wait_s, now - self._step_ended)

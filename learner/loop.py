@@ -22,7 +22,7 @@ from asyncrl.learner.critic import build_critic
 from asyncrl.learner.host import LearnerHost
 from asyncrl.learner.lr_schedule import resync_after_load
 from asyncrl.learner.parallel import ParallelState, broadcast_object
-from asyncrl.learner.publish import iter_full_weights, weight_specs
+from asyncrl.learner.publish import outgoing_version
 from asyncrl.learner.state import AckLedger, LearnerState
 from asyncrl.learner.step_metrics import warn_on_mismatch
 from asyncrl.learner.train_step import PoisonedBatch, StepSettings, train_step
@@ -196,14 +196,16 @@ def next_batch(cfg, host: LearnerHost | None, parallel: ParallelState, version: 
 def publish_weights(model, parallel: ParallelState, host: LearnerHost | None, version: int, cfg) -> None:
     """Gather the full weights bucket by bucket on every rank; rank 0 publishes `version` (the publisher casts to
     weightsync.dtype as it copies each tensor into its ring), then tells the buffer: only now may generators be
-    admitted against it (buffer/staleness.py)."""
-    bucket_bytes = int(cfg.learner.publish_bucket_mb * 2**20)
-    weights = iter_full_weights(model, parallel, None, bucket_bytes)
+    admitted against it (buffer/staleness.py). With learner.lora only the adapter is gathered and published, named
+    as PEFT's adapter files name it, with its settings in the control message: the engines serve it as an
+    adapter on the base model they already hold (generator/engines/lora_adapter.py)."""
+    outgoing = outgoing_version(model, parallel, cfg.learner.lora, cfg.weightsync.dtype,
+                                int(cfg.learner.publish_bucket_mb * 2**20))
     if host is None:
-        for _ in weights:  # nothing is yielded here; iterating runs this rank's side of the gathers
+        for _ in outgoing.weights:  # nothing is yielded here; iterating runs this rank's side of the gathers
             pass
         return
-    host.publish(weights, version, weight_specs(model, cfg.weightsync.dtype))
+    host.publish(outgoing.weights, version, outgoing.specs, extra=outgoing.extra, full_bytes=outgoing.full_bytes)
 
 
 def checkpoint_if_due(cfg, job_dir: str, model_path: str, model, optimizer, scheduler, state: LearnerState,

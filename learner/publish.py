@@ -4,11 +4,15 @@ Every rank runs the same gathers (they are collectives); only rank 0 keeps what 
 publisher, which casts to the engine's dtype while copying into its ring (one pass, no intermediate tensor). A
 bucket bounds how much gathered-but-unsent weight exists at once on every rank: one bucket, not the model.
 """
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
+from asyncrl.learner.lora import adapter_message
 from asyncrl.learner.parallel import ParallelState
+from asyncrl.weightsync.lora_names import adapter_file_name, is_adapter_key
+from asyncrl.weightsync.layout import tensor_bytes
 
 
 def bucket_names(tensors: dict, bucket_bytes: int) -> list[list[str]]:
@@ -27,12 +31,12 @@ def bucket_names(tensors: dict, bucket_bytes: int) -> list[list[str]]:
     return buckets
 
 
-def iter_full_weights(model, parallel: ParallelState, dtype: torch.dtype | None,
-                      bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor in `dtype`, or as stored with None) for every entry of the model's state dict, yielded on
-    rank 0 only; the other ranks run the gathers and yield nothing. Tied weights are gathered once and yielded under
-    each name."""
-    state = model.state_dict()
+def iter_full_weights(model, parallel: ParallelState, dtype: torch.dtype | None, bucket_bytes: int,
+                      keep=None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor in `dtype`, or as stored with None) for every entry of the model's state dict (those whose
+    name `keep(name)` accepts, when given: a LoRA version's adapter), yielded on rank 0 only; the other ranks run the
+    gathers and yield nothing. Tied weights are gathered once and yielded under each name."""
+    state = kept_state(model, keep)
     if not parallel.distributed:
         for name, tensor in state.items():
             yield name, _in_dtype(tensor, dtype)
@@ -59,7 +63,53 @@ def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return tensor.detach() if dtype is None else tensor.detach().to(dtype)
 
 
-def weight_specs(model, dtype: str) -> list[tuple[str, str, tuple]]:
+def weight_specs(model, dtype: str, keep=None) -> list[tuple[str, str, tuple]]:
     """(name, dtype, full shape) of every entry iter_full_weights yields, in its order, without gathering anything
     (a sharded DTensor knows its global shape): the weight layout is planned before the first bucket is gathered."""
-    return [(name, dtype, tuple(tensor.shape)) for name, tensor in model.state_dict().items()]
+    return [(name, dtype, tuple(tensor.shape)) for name, tensor in kept_state(model, keep).items()]
+
+
+def kept_state(model, keep=None) -> dict:
+    """The model's state dict, or the part of it `keep(name)` accepts (every rank filters alike, so the gathers
+    stay collective)."""
+    state = model.state_dict()
+    return state if keep is None else {name: tensor for name, tensor in state.items() if keep(name)}
+
+
+def publish_bytes(specs: list) -> int:
+    """Bytes of the tensors `specs` describes (what a version of them weighs on the wire, before alignment)."""
+    return sum(tensor_bytes(name, dtype, shape, "") for name, dtype, shape in specs)
+
+
+def repeats_previous(previous: tuple | None, message: dict) -> tuple[bool, tuple]:
+    """(whether the version `message` announces has exactly the bytes of the one before it: the same layout and
+    every bucket's checksum the same, the key identifying this one for the next call). After a trained step that
+    means the weight sync stopped moving, and the engines go on sampling the old policy, which reads exactly like
+    staleness (verl #7495: a LoRA adapter that silently stopped reaching the engine)."""
+    key = (message["fingerprint"], tuple(message["checksums"]))
+    return previous == key, key
+
+
+@dataclass
+class OutgoingVersion:
+    """What the publisher takes for one version: the (name, tensor) iterator (yielding on rank 0 only), the specs,
+    the control message's extra fields, and what a full version of the model weighs (for the bytes share)."""
+    weights: Iterator
+    specs: list
+    extra: dict | None
+    full_bytes: int
+
+
+def outgoing_version(model, parallel: ParallelState, lora, dtype: str, bucket_bytes: int) -> OutgoingVersion:
+    """The whole model's state; with learner.lora (`lora.enabled`) its adapter alone, named as PEFT's adapter
+    files name it, with the adapter's settings as the message's `lora` entry: the engines serve it as an adapter on
+    the base model they already hold (generator/engines/lora_adapter.py)."""
+    keep = is_adapter_key if lora.enabled else None
+    weights = iter_full_weights(model, parallel, None, bucket_bytes, keep=keep)
+    specs = weight_specs(model, dtype, keep=keep)
+    full_bytes = publish_bytes(weight_specs(model, dtype, keep=lambda name: not is_adapter_key(name)))
+    if not lora.enabled:
+        return OutgoingVersion(weights, specs, None, full_bytes)
+    renamed = ((adapter_file_name(name), tensor) for name, tensor in weights)
+    return OutgoingVersion(renamed, [(adapter_file_name(name), dtype_, shape) for name, dtype_, shape in specs],
+                           {"lora": adapter_message(lora)}, full_bytes)

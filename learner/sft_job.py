@@ -85,7 +85,9 @@ def run_sft_job(cfg, model_path: str, files: list, job_dir: str, parallel: Paral
     sft = cfg.sft
     torch.manual_seed(sft.seed)
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.model.trust_remote_code)
-    model = build_policy(cfg, model_path, parallel)
+    if cfg.learner.lora.enabled:
+        say("sft: learner.lora is for RL; SFT trains every weight and saves a full model")
+    model = build_policy(cfg, model_path, parallel, adapters=False)
     examples = read_sft_examples(files, tokenizer, sft.max_length or None, sft.truncation)
     if sft.val_files:
         val = read_sft_examples(sft.val_files, tokenizer, sft.max_length or None, sft.truncation)

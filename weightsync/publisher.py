@@ -71,9 +71,10 @@ class WeightPublisher:
                 self.catchup.attach(self.ring)
         return self.ring
 
-    def publish(self, named_tensors, version: int, specs: list) -> dict:
+    def publish(self, named_tensors, version: int, specs: list, extra: dict | None = None) -> dict:
         """specs: (name, dtype name, shape) of every tensor in the order `named_tensors` yields them (known before
-        any gather, from the sharded state dict). Returns the control message for `version`."""
+        any gather, from the sharded state dict). `extra`: more fields of the control message (a LoRA version's
+        `lora` settings). Returns the control message for `version`."""
         started = time.perf_counter()
         layout = plan_layout(specs, self.bucket_bytes)
         ring = self._ring_for(layout)
@@ -112,7 +113,7 @@ class WeightPublisher:
         ring.end_write(slot, version)
         message = to_message(layout, version, checksums, shm={"path": self.ring_path, "host": self.host,
                                                               "slots": self.slots},
-                             published_at=time.time(), publisher=self.life)
+                             published_at=time.time(), publisher=self.life, **(extra or {}))
         if self.group is not None:
             message[self.group.message_key] = self.group.describe()
         if self.catchup is not None:

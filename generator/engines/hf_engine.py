@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from asyncrl.generator.engines.base import Completion, WeightLoadError
+from asyncrl.generator.engines.lora_adapter import is_lora_version, parse_adapter
+from asyncrl.weightsync.lora_names import adapter_module_key
 
 
 @dataclass(eq=False)
@@ -46,6 +48,8 @@ class HfEngine:
         self.batched_seqs = 0
         self.model = None
         self.eos_token_id = None
+        self.adapter = None  # the LoRA settings once a LoRA version was loaded (lora_adapter.AdapterSpec)
+        self._base_shapes: dict = {}
 
     async def start(self) -> None:
         from transformers import AutoModelForCausalLM
@@ -53,6 +57,7 @@ class HfEngine:
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_path, dtype=self.dtype, trust_remote_code=self.trust_remote_code
         ).eval()
+        self._base_shapes = {name: tuple(param.shape) for name, param in self.model.named_parameters()}
         eos = self.model.generation_config.eos_token_id or self.model.config.eos_token_id
         self.eos_token_id = sorted(set(eos if isinstance(eos, list) else [eos]))
 
@@ -145,8 +150,14 @@ class HfEngine:
     async def load_weights(self, staged, fallback=None) -> None:
         """Copy the staged tensors in under the lock, so no batch ever sees a partly loaded model. Names and shapes
         are checked before the first copy; should a copy still fail midway, `fallback` (the last good staged
-        version, or the model's own files) is copied back before the lock is released."""
+        version, or the model's own files) is copied back before the lock is released. A LoRA version goes into
+        adapters injected into the model (load_adapter)."""
+        if is_lora_version(staged.message):
+            return await self.load_adapter(staged)
         async with self._lock:
+            if self.adapter is not None:
+                raise WeightLoadError(f"v{staged.version} is a full version and this engine serves LoRA adapters "
+                                      f"(the learner restarted without learner.lora?): restart the generator")
             tensors = dict(staged.buckets.tensors())
             params = dict(self.model.named_parameters(remove_duplicate=False))
             missing = [name for name in params if name not in tensors and not _is_tied(self.model, name)]
@@ -161,6 +172,29 @@ class HfEngine:
                 self._copy_in(params, dict(fallback.buckets.tensors()) if fallback else self._original())
                 raise WeightLoadError(f"hf engine could not load v{staged.version}: {err}; kept v{self.version}") \
                     from err
+            self.version = staged.version
+
+    async def load_adapter(self, staged) -> None:
+        """A LoRA version: on the first, peft's adapters are injected into the model with its settings (the base
+        weights stay the model's own); every version then copies its adapter tensors in, under the lock. A version
+        whose rank or targets differ from the injected ones is refused."""
+        spec = parse_adapter(staged.message, self._base_shapes)
+        async with self._lock:
+            if self.adapter is None:
+                from peft import LoraConfig, inject_adapter_in_model
+
+                inject_adapter_in_model(LoraConfig(r=spec.rank, lora_alpha=spec.alpha, bias="none",
+                                                   target_modules=list(spec.target_modules)), self.model)
+                self.adapter = spec
+            elif spec != self.adapter:
+                raise WeightLoadError(f"v{staged.version} is a rank-{spec.rank} adapter on {spec.target_modules}; "
+                                      f"this engine serves rank {self.adapter.rank} on {self.adapter.target_modules}")
+            params = dict(self.model.named_parameters())
+            tensors = {adapter_module_key(name): tensor for name, tensor in staged.buckets.tensors()}
+            unknown = [key for key in tensors if key not in params]
+            if unknown:
+                raise WeightLoadError(f"v{staged.version}: adapter tensors {unknown[:3]} fit no injected layer")
+            self._copy_in(params, tensors)
             self.version = staged.version
 
     @torch.no_grad()

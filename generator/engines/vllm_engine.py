@@ -20,6 +20,7 @@ import os
 import uuid
 
 from asyncrl.generator.engines.base import Completion, EngineBroken, EngineUnsupported, WeightLoadError
+from asyncrl.generator.engines.lora_adapter import ServedAdapters, is_lora_version, vllm_max_lora_rank
 
 TRANSFER_BACKEND = "asyncrl_shm"
 """vllm_transfer.BACKEND (not imported from there: that module imports vLLM at its top)."""
@@ -35,7 +36,8 @@ class VllmEngine:
     def __init__(self, model_path: str, dtype: str, max_model_len: int, kv_cache_gib: float, seed: int,
                  update_mode: str = "wait", trust_remote_code: bool = False, tensor_parallel_size: int = 1,
                  gpu_memory_utilization: float = 0.0, enforce_eager: bool | None = None,
-                 enable_prefix_caching: bool = True, lm_head_fp32: bool = False):
+                 enable_prefix_caching: bool = True, lm_head_fp32: bool = False, lora_rank: int = 0,
+                 max_loras: int = 1):
         self.model_path = model_path
         self.dtype = dtype
         self.max_model_len = max_model_len
@@ -54,6 +56,8 @@ class VllmEngine:
         self._expected: dict = {}  # checkpoint name -> shape, what every version must match
         self.broken: str | None = None  # set when even the fallback failed: sampling raises instead of waiting
         self.resumed_requests = 0  # requests aborted by a weight update and resubmitted (update_mode=abort)
+        self.lora_rank, self.max_loras = lora_rank, max_loras  # learner.lora.rank; buffer.max_staleness + 1
+        self.adapters: ServedAdapters | None = None  # with LoRA: the versions served as adapters
 
     async def start(self) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -68,11 +72,17 @@ class VllmEngine:
 
         args = AsyncEngineArgs(**engine_args(self.model_path, self.dtype, self.max_model_len, self.kv_cache_gib,
                                              self.seed, self.trust_remote_code, on_gpu=torch.cuda.is_available(),
-                                             **self.placement))
+                                             lora_rank=self.lora_rank, max_loras=self.max_loras, **self.placement))
         self._engine = AsyncLLM.from_engine_args(args)
         self._expected = checkpoint_shapes(self.model_path)
         await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
         await self._engine.update_weight_version(str(self.version))  # tokens are never labelled "default"
+        if self.lora_rank:
+            from vllm.lora.request import LoRARequest
+
+            self.adapters = ServedAdapters(self._engine.add_lora, self._engine.remove_lora, LoRARequest,
+                                           self.model_path, self._expected, vllm_max_lora_rank(self.lora_rank),
+                                           keep=self.max_loras)
 
     async def sample(self, prompt_ids: list, sampling, n: int) -> list[Completion]:
         await self._loaded.wait()  # never start a request while weights are being replaced
@@ -108,19 +118,24 @@ class VllmEngine:
         request_id = uuid.uuid4().hex
         self.in_flight[request_id] = completion  # partial completions, readable while they grow
         start = len(completion.token_ids)  # where this request's tokens begin (a resubmission appends)
+        adapter = self.adapters.acquire() if self.adapters is not None else None  # kept to the request's end
         try:
             async for output in self._engine.generate({"prompt_token_ids": prompt_ids}, params,
-                                                      request_id=request_id):
-                self._take(output, completion, start)
+                                                      request_id=request_id,
+                                                      **({"lora_request": adapter.request} if adapter else {})):
+                self._take(output, completion, start, adapter.version if adapter else None)
         finally:
             self.in_flight.pop(request_id, None)
+            if self.adapters is not None:
+                await self.adapters.release(adapter)
 
-    def _take(self, output, completion: Completion, start: int) -> None:
+    def _take(self, output, completion: Completion, start: int, adapter_version: int | None = None) -> None:
         """Append one streamed delta. Its tokens are tagged with the version the engine runs when they reach us;
         the request's last output then carries vLLM's own record, which spans of its tokens each committed weight
-        version sampled (`finish_weight_update(weight_version=...)`), and that record replaces the tags."""
+        version sampled (`finish_weight_update(weight_version=...)`), and that record replaces the tags. A request
+        on a LoRA adapter (`adapter_version`) is sampled by that version alone, start to end."""
         delta = output.outputs[0]
-        version = self.version
+        version = self.version if adapter_version is None else adapter_version
         # A greedy request (temperature 0, the ReMax baseline) may come back without logprobs: its tokens
         # are kept with logprob 0, the log-probability of the point mass greedy decoding samples from.
         logprobs = delta.logprobs or [None] * len(delta.token_ids)
@@ -128,7 +143,7 @@ class VllmEngine:
             completion.token_ids.append(token)
             completion.logprobs.append(logprob_dict[token].logprob if logprob_dict else 0.0)
             completion.versions.append(version)
-        if delta.weight_versions:
+        if delta.weight_versions and adapter_version is None:
             try:
                 apply_version_spans(completion.versions, start, delta.weight_versions)
             except EngineBroken as err:  # the engine's versions and ours disagree: no token of it can be trusted
@@ -141,7 +156,17 @@ class VllmEngine:
     async def load_weights(self, staged, fallback=None) -> None:
         """Pause, load the whole staged version, reset the prefix cache, resume. On failure reload `fallback` (the
         last good staged version; None: the model's own files) before resuming, and raise WeightLoadError. If that
-        fails too, or the pause or a cache reset fails, raise EngineBroken and never sample again."""
+        fails too, or the pause or a cache reset fails, raise EngineBroken and never sample again.
+
+        A LoRA version (learner.lora) is added as an adapter of its own instead (lora_adapter.ServedAdapters):
+        nothing pauses, requests running on older versions finish on them, new ones take it."""
+        if is_lora_version(staged.message):
+            if self.adapters is None:
+                raise WeightLoadError(f"v{staged.version} is a LoRA adapter and this vLLM engine was started without "
+                                      f"LoRA: give the generator the learner's recipe (learner.lora.rank > 0)")
+            await self.adapters.load(staged)
+            self.version = staged.version
+            return
         problems = check_against_checkpoint(staged.message, self._expected)
         if problems:  # caught before the engine is touched: vLLM cannot check fused parameters up front
             raise WeightLoadError(f"v{staged.version} does not fit the model's checkpoint: {problems}; kept "
@@ -162,6 +187,8 @@ class VllmEngine:
             await self._engine.reset_prefix_cache()
             await asyncio.sleep(0)  # any delta generated before the pause is consumed under the old version
             self.version = staged.version
+            if self.adapters is not None:  # the adapters were trained on the base this replaced
+                await self.adapters.replaced_base()
         except EngineBroken as err:
             self.mark_broken(str(err))
             raise
@@ -267,6 +294,8 @@ class VllmEngine:
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+        if self.adapters is not None:
+            self.adapters.close()
 
 
 def check_vllm_version(found: str) -> None:
@@ -293,11 +322,14 @@ def check_vllm_version(found: str) -> None:
 
 def engine_args(model_path: str, dtype: str, max_model_len: int, kv_cache_gib: float, seed: int,
                 trust_remote_code: bool, on_gpu: bool, tensor_parallel_size: int, gpu_memory_utilization: float,
-                enforce_eager: bool | None, enable_prefix_caching: bool, lm_head_fp32: bool = False) -> dict:
+                enforce_eager: bool | None, enable_prefix_caching: bool, lm_head_fp32: bool = False,
+                lora_rank: int = 0, max_loras: int = 1) -> dict:
     """AsyncEngineArgs for asyncrl's use of vLLM: processed logprobs (those of the distribution sampled from), the
     `asyncrl_shm` weight-transfer engine, CUDA graphs on a GPU unless told otherwise (eager on CPU), and a KV cache
     of kv_cache_gib unless gpu_memory_utilization asks vLLM to size it (without either, the CPU worker takes ~90 %
-    of RAM). lm_head_fp32 runs the LM head in fp32 through vLLM's `head_dtype` override."""
+    of RAM). lm_head_fp32 runs the LM head in fp32 through vLLM's `head_dtype` override. lora_rank > 0 turns on
+    vLLM's LoRA for adapters up to that rank, `max_loras` of them in one batch (every version the buffer admits),
+    and a CPU cache of two more (an adapter evicted from it is reloaded from its directory)."""
     if gpu_memory_utilization > 0 and not on_gpu:
         raise ValueError(f"generator.gpu_memory_utilization={gpu_memory_utilization} sizes the KV cache from GPU "
                          f"memory, and this machine has no GPU: size it with generator.kv_cache_gib (and "
@@ -311,6 +343,8 @@ def engine_args(model_path: str, dtype: str, max_model_len: int, kv_cache_gib: f
         "enable_prefix_caching": enable_prefix_caching, "logprobs_mode": "processed_logprobs",
         "disable_log_stats": True, "weight_transfer_config": {"backend": TRANSFER_BACKEND}, **memory,
         **({"hf_overrides": {"head_dtype": "float32"}} if lm_head_fp32 else {}),
+        **({"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(lora_rank), "max_loras": max_loras,
+            "max_cpu_loras": max_loras + 2} if lora_rank else {}),
     }
 
 

@@ -15,16 +15,18 @@ import torch.multiprocessing as mp
 from asyncrl.algos.config import AlgoConfig
 from asyncrl.buffer.group import Group, Sample, Sampling
 from asyncrl.learner.batch import assign_rows, build_batch, plan_microbatches
-from asyncrl.learner.config import CriticConfig
+from asyncrl.learner.config import CriticConfig, LoraSettings
 from asyncrl.learner.critic import Critic
 from asyncrl.learner.families import FAMILIES, build_family_model
 from asyncrl.learner.model import build_qwen2
 from asyncrl.learner.parallel import ParallelConfigError, ParallelState, apply_fsdp, build_parallel_state
+from asyncrl.learner.lora import apply_lora, trainable_parameters
 from asyncrl.learner.publish import bucket_names, iter_full_weights
 from asyncrl.learner.sft import sft_step
 from asyncrl.learner.sft_data import SFTExample
 from asyncrl.learner.train_step import StepSettings, train_step
 from asyncrl.learner.ulysses import UlyssesConfigError, apply_ulysses, check_heads
+from asyncrl.weightsync.lora_names import is_adapter_key
 from tests.conftest import free_port
 
 VOCAB = 40
@@ -93,6 +95,8 @@ def capture_grads(model, optimizer) -> dict:
     def capture(opt, args, kwargs):
         for name, param in model.named_parameters():
             grad = param.grad
+            if grad is None:  # frozen (the base model under LoRA)
+                continue
             grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
             grads[name] = grads.get(name, 0) + grad.detach().clone()
 
@@ -103,7 +107,7 @@ def capture_grads(model, optimizer) -> dict:
 def run_step(model, parallel: ParallelState, case: dict, critic_model=None) -> tuple[dict, dict]:
     """One train_step; returns its metrics and the full gradients seen just before the optimizer step (the
     critic's under `critic/` when the case has one)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     grads = capture_grads(model, optimizer)
     settings = StepSettings(version=0, max_staleness=4, max_tokens_per_microbatch=case["budget"], chunk_tokens=7,
@@ -126,7 +130,7 @@ def run_step(model, parallel: ParallelState, case: dict, critic_model=None) -> t
 def run_case(rank: int, case: dict, out: str) -> None:
     """One case on this rank of a live process group: build, shard, train one step; rank 0 writes the result."""
     parallel = build_parallel_state(case["sp"])
-    model = tiny_model(case["heads"], case["kv_heads"], case.get("family"))
+    model = case_model(case)
     if parallel.sp_size > 1:
         attention = apply_ulysses(model, parallel.sp_group, parallel.sp_size, case.get("sp_impl", "native"))
         if case.get("sp_impl") == "deepspeed":  # DeepSpeed's exchange, not ours, carries the attention
@@ -140,7 +144,8 @@ def run_case(rank: int, case: dict, out: str) -> None:
         if parallel.sp_size > 1:
             apply_ulysses(critic, parallel.sp_group, parallel.sp_size)
         apply_fsdp(critic, parallel)
-    published = dict(iter_full_weights(model, parallel, torch.float32, bucket_bytes=20_000))
+    published = dict(iter_full_weights(model, parallel, torch.float32, bucket_bytes=20_000,
+                                       keep=is_adapter_key if case.get("lora") else None))
     metrics, grads = run_step(model, parallel, case, critic)
     if rank == 0:
         torch.save({"metrics": metrics, "grads": grads, "published": published}, out)
@@ -210,9 +215,25 @@ def on_ranks(tmp_path_factory):
 def reference(case: dict) -> dict:
     torch.set_num_threads(1)
     critic = tiny_critic(case["heads"], case["kv_heads"]) if case.get("critic") else None
-    metrics, grads = run_step(tiny_model(case["heads"], case["kv_heads"], case.get("family")), ParallelState(), case,
-                              critic)
-    return {"metrics": metrics, "grads": grads}
+    model = case_model(case)
+    published = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()
+                 if is_adapter_key(name)} if case.get("lora") else None
+    metrics, grads = run_step(model, ParallelState(), case, critic)
+    return {"metrics": metrics, "grads": grads, "published": published}
+
+
+def case_model(case: dict):
+    """The case's policy: tiny_model, with LoRA adapters (their B random, so A's gradients are not zero) when the
+    case asks for them."""
+    model = tiny_model(case["heads"], case["kv_heads"], case.get("family"))
+    if case.get("lora"):
+        apply_lora(model, LoraSettings(rank=4, alpha=8.0))
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if ".lora_B." in name:
+                    param.normal_(0.0, 0.1)
+    return model
 
 
 def assert_same_step(got: dict, expected: dict, tol: float = 1e-5) -> None:
@@ -271,6 +292,24 @@ def test_ppo_critic_on_ranks_matches_one_process(case_id, on_ranks):
                 "critic/values/mean", "critic/grad_norm"):
         assert got["metrics"][key] == pytest.approx(expected["metrics"][key], abs=1e-5), key
     assert expected["metrics"]["critic/vf_clipfrac"] > 0  # the second mini-batch's values moved past the clip
+
+
+LORA_CASES = [multi_rank_case(f"lora-{layout}", layout, seed=13, budget=40, packing=packing, minibatches=2, heads=4,
+                              kv_heads=2, lora=True)
+              for layout, packing in (("fsdp2", False), ("sp2", True))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case_id", LORA_CASES)
+def test_lora_on_ranks_matches_one_process(case_id, on_ranks):
+    """LoRA RL (learner.lora) under FSDP2 and under Ulysses SP = 2: the loss and the adapters' gradients within
+    1e-5 of one process, no gradient on any base weight, and the published version is the whole adapter alone."""
+    got, expected = on_ranks(case_id)
+    assert_same_step(got, expected)
+    assert expected["grads"] and all(is_adapter_key(name) for name in expected["grads"])
+    assert set(got["published"]) == set(expected["published"])
+    for name, tensor in expected["published"].items():
+        torch.testing.assert_close(got["published"][name], tensor, atol=0, rtol=0, msg=name)
 
 
 FAMILY_CASES = [multi_rank_case(f"family-{family}-{layout}", layout, seed=7, budget=64, packing=True, minibatches=1,
