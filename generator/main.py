@@ -40,12 +40,15 @@ def vllm_placement(gen, model) -> dict:
             "lm_head_fp32": model.lm_head_fp32}
 
 
-def vllm_lora(gen, lora, max_staleness: int) -> dict:
-    """With learner.lora, the vLLM engine serves each version as an adapter: up to that rank, and every version
-    the buffer admits (buffer.max_staleness + 1) at once. The hf engine needs nothing up front."""
-    if gen.engine != "vllm" or not lora.enabled:
+def vllm_lora(gen, lora_rank, max_staleness: int) -> dict:
+    """A LoRA learner (its run info's `lora_rank`, learner.lora.rank: the learner's setting, whatever the
+    generator's recipe says) publishes adapters, which the vLLM engine serves as such: up to that rank, and every
+    version the buffer admits (buffer.max_staleness + 1) at once. The hf engine needs nothing up front."""
+    if gen.engine != "vllm" or not lora_rank:
         return {}
-    return {"lora_rank": lora.rank, "max_loras": max_staleness + 1}
+    if not isinstance(lora_rank, int) or isinstance(lora_rank, bool) or not 1 <= lora_rank <= 512:
+        raise ValueError(f"the learner announced LoRA rank {lora_rank!r}, which is not an integer in [1, 512]")
+    return {"lora_rank": lora_rank, "max_loras": max_staleness + 1}
 
 
 def sampling_seed(base: int, generator_id: str) -> int:
@@ -119,7 +122,7 @@ async def run_generator_async(cfg, say=print) -> int:
                              seed=seed, update_mode=cfg.generator.update_mode,
                              trust_remote_code=cfg.model.trust_remote_code,
                              **vllm_placement(cfg.generator, cfg.model),
-                             **vllm_lora(cfg.generator, cfg.learner.lora, cfg.buffer.max_staleness))
+                             **vllm_lora(cfg.generator, info.get("lora_rank", 0), cfg.buffer.max_staleness))
         await engine.start()
         if wants_episodes(cfg.tools, cfg.env, cfg.agent):
             episodes = build_episode_runner(cfg.tools, cfg.env, cfg.agent, cfg.rollout,

@@ -43,6 +43,8 @@ class LearnerHost:
         run_info = {"model_path": os.path.abspath(model_path), "train_files": [os.path.abspath(f) for f in train_files],
                     "mlflow_run_id": self.run_id, "tracking_uri": self.tracking_uri,
                     "job_dir": os.path.abspath(job_dir), "job": cfg.job.name}
+        if cfg.learner.lora.enabled:  # the generators' vLLM engines size their adapter slots from the learner's
+            run_info["lora_rank"] = cfg.learner.lora.rank
         self.overlong_prompts = 0
         self.dealer = self._build_dealer(load_prompts, state.data_cursor)
         if self.dealer is not None:  # generators sample what they are dealt and need no copy of the data

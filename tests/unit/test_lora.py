@@ -360,3 +360,15 @@ def test_lora_settings_and_the_engines_that_serve_them_are_checked():
     with pytest.raises(ValueError, match="do not fit"):
         apply_lora(tiny(), LoraSettings(rank=4, target_modules=["no_such_proj"]))
     assert load_config(None, ["learner.lora.rank=8"]).learner.lora.enabled
+
+
+def test_the_generators_vllm_engine_takes_the_learners_lora_rank():
+    from asyncrl.configs import load_config
+    from asyncrl.generator.main import vllm_lora
+
+    vllm = load_config(None, ["generator.engine=vllm", "buffer.max_staleness=2"])
+    assert vllm_lora(vllm.generator, 16, vllm.buffer.max_staleness) == {"lora_rank": 16, "max_loras": 3}
+    assert vllm_lora(vllm.generator, 0, 2) == {}  # a learner without LoRA announces none
+    assert vllm_lora(load_config(None, []).generator, 16, 2) == {}  # the hf engine injects on the first version
+    with pytest.raises(ValueError, match="LoRA rank"):
+        vllm_lora(vllm.generator, "16; rm -rf /", 2)
