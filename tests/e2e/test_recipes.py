@@ -61,6 +61,6 @@ def test_recipe_runs_the_demo_end_to_end(recipe, tmp_path, demo_assets, demo_cac
         assert all(0 < p["weightsync/publish_bytes_frac"] < 0.25 for p in progress)
         assert progress[-1]["weightsync/unchanged_versions"] == 0
         meta = json.loads((job_dir / "checkpoints" / "step-00000003" / "meta.json").read_text())
-        assert meta["lora"]["r"] == 8
+        assert meta["lora"]["r"] == 16
         # η = 1: the last step's groups were sampled on v1 or later, which the generator only ever served as adapters
         assert progress[-1]["offpolicy/staleness/max"] <= 1

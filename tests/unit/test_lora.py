@@ -16,6 +16,7 @@ from asyncrl.generator.engines.base import WeightLoadError
 from asyncrl.generator.engines.hf_engine import HfEngine
 from asyncrl.generator.engines.lora_adapter import (ServedAdapters, parse_adapter, vllm_max_lora_rank,
                                                     write_adapter_dir)
+from asyncrl.launch.cli import main as cli_main
 from asyncrl.learner.build import build_optimizer
 from asyncrl.learner.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from asyncrl.learner.config import LearnerConfig, LoraSettings
@@ -319,7 +320,7 @@ def test_a_lora_checkpoint_resumes_the_adapter_and_exports_merged(tmp_path, mode
         load_checkpoint(path, full, *build_optimizer(full, LearnerConfig()))
 
     out, adapter_dir = str(tmp_path / "merged"), str(tmp_path / "adapter")
-    export_checkpoint(root, out, adapter_dir=adapter_dir)
+    assert cli_main(["export", "--checkpoint", root, "--out", out, "--adapter-out", adapter_dir]) == 0
     from transformers import AutoModelForCausalLM
 
     merged = AutoModelForCausalLM.from_pretrained(out).eval()
@@ -339,6 +340,8 @@ def test_a_checkpoint_without_lora_has_no_adapter_to_export(tmp_path, model_dir)
     save_checkpoint(root, model, optimizer, scheduler, LearnerState(version=1), keep_last=1, model_dir=model_dir)
     with pytest.raises(CheckpointError, match="no adapter"):
         export_checkpoint(root, str(tmp_path / "out"), adapter_dir=str(tmp_path / "adapter"))
+    assert cli_main(["export", "--checkpoint", root, "--out", str(tmp_path / "out"), "--adapter-out",
+                     str(tmp_path / "adapter")]) == 2
     lora = apply_lora(tiny(), SETTINGS)
     with pytest.raises(CheckpointError, match="full weights"):
         load_checkpoint(root + "/step-00000001", lora, *build_optimizer(lora, LearnerConfig()))
