@@ -7,8 +7,6 @@ the generators' engines load as an adapter of its own (generator/engines/lora_ad
 Why peft's `inject_adapter_in_model` and not `get_peft_model`: it mutates the HF model in place and returns it,
 with no PeftModel wrapper, so the model's class, its `.model`/`.lm_head` and its layer list stay what FSDP2, the
 Ulysses patch and the chunked logprob head expect."""
-import torch
-
 from asyncrl.weightsync.lora_names import ADAPTER_NAME, is_adapter_key
 
 
@@ -45,30 +43,6 @@ def trainable_parameters(model) -> list:
     """The parameters the optimizer holds: all of them without LoRA, the adapters alone with it (a frozen
     parameter in AdamW would get no state, but listing only these says so and keeps the state dict small)."""
     return [param for param in model.parameters() if param.requires_grad]
-
-
-def merged_base_key(key: str) -> str | None:
-    """A base-layer key of an injected model -> the plain model's key (None for adapter tensors)."""
-    if is_adapter_key(key):
-        return None
-    return key.replace(".base_layer.", ".")
-
-
-@torch.no_grad()
-def merge_adapter(state: dict, scaling: float) -> dict:
-    """The plain model's state dict from an injected model's: W + scaling · B @ A for every adapted layer, the
-    other tensors as they are (a pure function of the tensors: the hf engine's reference and export's check)."""
-    merged = {}
-    for key, tensor in state.items():
-        base = merged_base_key(key)
-        if base is None:
-            continue
-        merged[base] = tensor
-        if ".base_layer.weight" in key:
-            stem = key[:-len(".base_layer.weight")]
-            a, b = state[f"{stem}.lora_A.{ADAPTER_NAME}.weight"], state[f"{stem}.lora_B.{ADAPTER_NAME}.weight"]
-            merged[base] = tensor + scaling * (b.to(torch.float32) @ a.to(torch.float32)).to(tensor.dtype)
-    return merged
 
 
 def lora_meta(model) -> dict | None:

@@ -30,10 +30,6 @@ class AdapterSpec:
     alpha: float
     target_modules: tuple
 
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
-
     def adapter_config(self, base_model: str) -> dict:
         """PEFT's adapter_config.json for this adapter (the fields vLLM's loader reads)."""
         return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
