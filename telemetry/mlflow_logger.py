@@ -21,8 +21,16 @@ def resolve_tracking_uri(configured: str | None) -> str:
     return configured or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
 
 
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+"""The experiment tag MLflow's UI reads to pick its view: GenAI (traces, evaluations) or model training (runs,
+metric charts). Without it, MLflow 3 opens an experiment in the GenAI view."""
+MODEL_TRAINING_KIND = "custom_model_development"
+"""The tag's value for MLflow's model-training view, where an RL job's metric charts are."""
+
+
 def create_or_attach_run(tracking_uri: str, experiment: str, run_name: str) -> str:
-    """The job's run id: $MLFLOW_RUN_ID when set (attach), else a new run in `experiment`."""
+    """The job's run id: $MLFLOW_RUN_ID when set (attach), else a new run in `experiment`. The experiment is
+    tagged as model training when asyncrl creates it, or finds it untagged; a kind someone chose is kept."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
@@ -31,7 +39,12 @@ def create_or_attach_run(tracking_uri: str, experiment: str, run_name: str) -> s
         client.get_run(existing)  # fails clearly if the id is unknown to this tracking store
         return existing
     found = client.get_experiment_by_name(experiment)
-    experiment_id = found.experiment_id if found else client.create_experiment(experiment)
+    if found is None:
+        experiment_id = client.create_experiment(experiment, tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND})
+    else:
+        experiment_id = found.experiment_id
+        if EXPERIMENT_KIND_TAG not in found.tags:
+            client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND)
     return client.create_run(experiment_id, run_name=run_name).info.run_id
 
 

@@ -1,10 +1,12 @@
-"""Small contracts the docs state: the MLflow queue drops the oldest report when full, a generator's sampling seed
-follows its id, and the learner publishes every weightsync.every_steps versions and always the last."""
+"""Small contracts the docs state: the MLflow queue drops the oldest report when full, the job's experiment opens in
+MLflow's model-training view, a generator's sampling seed follows its id, and the learner publishes every
+weightsync.every_steps versions and always the last."""
 import threading
 
 from asyncrl.generator.main import sampling_seed
 from asyncrl.learner.loop import should_publish
-from asyncrl.telemetry.mlflow_logger import DropOldestQueue
+from asyncrl.telemetry.mlflow_logger import (EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND, DropOldestQueue,
+                                             create_or_attach_run)
 
 
 def test_a_full_metrics_queue_drops_the_oldest_report_and_counts_it():
@@ -22,6 +24,22 @@ def test_a_waiting_consumer_gets_the_next_report():
     queue.put("x")
     consumer.join(timeout=5)
     assert got == ["x"] and queue.dropped == 0
+
+
+def test_the_jobs_experiment_is_tagged_as_model_training_unless_it_has_a_kind(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    run = client.get_run(create_or_attach_run(uri, "asyncrl-new", "job"))
+    assert client.get_experiment(run.info.experiment_id).tags[EXPERIMENT_KIND_TAG] == MODEL_TRAINING_KIND
+    untagged = client.create_experiment("made-elsewhere")
+    chosen = client.create_experiment("chosen", tags={EXPERIMENT_KIND_TAG: "genai_development"})
+    create_or_attach_run(uri, "made-elsewhere", "job")
+    create_or_attach_run(uri, "chosen", "job")
+    assert client.get_experiment(untagged).tags[EXPERIMENT_KIND_TAG] == MODEL_TRAINING_KIND
+    assert client.get_experiment(chosen).tags[EXPERIMENT_KIND_TAG] == "genai_development"
 
 
 def test_the_sampling_seed_follows_the_generator_id_not_the_process():
