@@ -69,13 +69,14 @@ def parse_adapter(message: dict, base_shapes: dict, max_rank: int | None = None)
     if (not isinstance(targets, list) or not targets
             or not all(isinstance(name, str) and _MODULE_NAME.match(name) for name in targets)):
         raise WeightLoadError(f"v{version}: LoRA target_modules {targets!r} is not a list of module names")
-    problems = []
+    problems, sent = [], set()
     for name, shape in zip(message["names"], message["shapes"]):
         try:
             key = adapter_module_key(name)
         except ValueError as err:
             problems.append(str(err))
             continue
+        sent.add(key)
         stem, which = key.split(".lora_")[0], key.split(".lora_")[1][0]
         base = base_shapes.get(f"{stem}.weight")
         if base is None or stem.rsplit(".", 1)[-1] not in targets:
@@ -87,12 +88,6 @@ def parse_adapter(message: dict, base_shapes: dict, max_rank: int | None = None)
     expected = {f"{key[:-len('.weight')]}.lora_{which}.{ADAPTER_NAME}.weight"
                 for key in base_shapes if key.endswith(".weight") and key.split(".")[-2] in targets
                 for which in "AB"}
-    sent = set()
-    for name in message["names"]:
-        try:
-            sent.add(adapter_module_key(name))
-        except ValueError:
-            pass
     missing = sorted(expected - sent)
     if missing:  # a layer left out would keep serving the older adapter's (or no) update: a mixed policy
         problems.append(f"{len(missing)} adapter tensors are missing, e.g. {missing[0]!r}")
@@ -163,7 +158,7 @@ class ServedAdapters:
                 return served
         spec = parse_adapter(staged.message, self.base_shapes, self.max_rank)
         lora_id, self.next_id = self.next_id, self.next_id + 1
-        path = write_adapter_dir(os.path.join(self.root, f"v{staged.version}-{lora_id}"), staged, spec,
+        path = write_adapter_dir(os.path.join(self.root, f"v{int(staged.version)}-{lora_id}"), staged, spec,
                                  self.base_model)
         request = self.make_request(f"asyncrl-v{staged.version}-{lora_id}", lora_id, path)
         try:
