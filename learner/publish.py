@@ -63,12 +63,6 @@ def _in_dtype(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return tensor.detach() if dtype is None else tensor.detach().to(dtype)
 
 
-def weight_specs(model, dtype: str, keep=None) -> list[tuple[str, str, tuple]]:
-    """(name, dtype, full shape) of every entry iter_full_weights yields, in its order, without gathering anything
-    (a sharded DTensor knows its global shape): the weight layout is planned before the first bucket is gathered."""
-    return [(name, dtype, tuple(tensor.shape)) for name, tensor in kept_state(model, keep).items()]
-
-
 def kept_state(model, keep=None) -> dict:
     """The model's state dict, or the part of it `keep(name)` accepts (every rank filters alike, so the gathers
     stay collective)."""
@@ -106,8 +100,9 @@ def outgoing_version(model, parallel: ParallelState, lora, dtype: str, bucket_by
     the base model they already hold (generator/engines/lora_adapter.py)."""
     keep = is_adapter_key if lora.enabled else None
     weights = iter_full_weights(model, parallel, None, bucket_bytes, keep=keep)
-    specs = weight_specs(model, dtype, keep=keep)
-    full_bytes = publish_bytes(weight_specs(model, dtype, keep=lambda name: not is_adapter_key(name)))
+    every = [(name, dtype, tuple(tensor.shape)) for name, tensor in model.state_dict().items()]  # one pass for both
+    specs = [spec for spec in every if keep is None or keep(spec[0])]
+    full_bytes = publish_bytes([spec for spec in every if not is_adapter_key(spec[0])])
     if not lora.enabled:
         return OutgoingVersion(weights, specs, None, full_bytes)
     renamed = ((adapter_file_name(name), tensor) for name, tensor in weights)
