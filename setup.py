@@ -24,6 +24,8 @@ setup(
         "pyzmq>=26",
         "omegaconf>=2.3",
         "mlflow>=3.0",
+        "matplotlib>=3.8",  # the run's dashboards as artifacts (telemetry/plots.py)
+        "psutil>=5.9",  # MLflow's system metrics sample through it (telemetry/system_metrics.py)
         "pyarrow>=14",
         "safetensors",
         "peft==0.21.0",  # learner.lora: adapters injected into the learner's model, the hf engine's, and export's merge

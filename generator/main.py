@@ -5,6 +5,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import socket
 
 from asyncrl.buffer.backends import make_generator_buffer
 from asyncrl.buffer.done import BYE_TIMEOUT_S
@@ -23,6 +24,7 @@ from asyncrl.generator.reward_server.client import wait_for_server
 from asyncrl.generator.rewards import RewardError, check_builtin_rewards, uses_builtin_rewards
 from asyncrl.generator.rollout import RolloutLoop
 from asyncrl.generator.scoring import RewardScorer
+from asyncrl.telemetry.system_metrics import start_system_metrics, stop_system_metrics
 from asyncrl.weightsync.receiver import WeightStage
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,7 @@ async def run_generator_async(cfg, say=print) -> int:
     seed = sampling_seed(cfg.generator.seed, generator_id)
     client = make_generator_buffer(cfg, generator_id)
     engine, metrics_log, rollout, stage, scorer, episodes = None, None, None, None, None, None
+    system_metrics = None
     try:
         hello = await join_learner(client, cfg, say)
         info = hello.run_info
@@ -133,6 +136,9 @@ async def run_generator_async(cfg, say=print) -> int:
             await episodes.start()
         stage = WeightStage(cfg.weightsync.shm_dir, generator_id, cfg.weightsync.timeout_s)
         metrics_log = _metrics_logger(info, generator_id)
+        if metrics_log is not None:
+            system_metrics = start_system_metrics(info["tracking_uri"], info["mlflow_run_id"], generator_id,
+                                                  cfg.telemetry.system_metrics_every_s)
         rollout = RolloutLoop(
             client, engine, prompts, scorer, tokenizer, cfg.rollout,
             cfg.generator.max_inflight_groups, generator_id, reward_shaping=cfg.reward,
@@ -154,6 +160,7 @@ async def run_generator_async(cfg, say=print) -> int:
                 await client.bye(timeout_s=BYE_TIMEOUT_S)
             except Exception as err:  # best effort: the learner reclaims our admissions when we fall silent
                 log.debug("generator %s: bye was not answered (%s)", generator_id, err)
+        stop_system_metrics(system_metrics)
         if metrics_log is not None:
             metrics_log.close()
         if engine is not None:
@@ -178,8 +185,16 @@ def local_prompts(cfg, info: dict, tokenizer, seed: int, generator_id: str):
 
 
 def _metrics_logger(info: dict, generator_id: str):
-    from asyncrl.telemetry.mlflow_logger import MetricsLogger
+    """The logger into the learner's run, or None when that cannot work: the learner's store is a file on another
+    machine (telemetry.serve is the way), or MLflow does not answer."""
+    from asyncrl.telemetry.mlflow_logger import MetricsLogger, is_local_store
 
+    learner_host = info.get("host")
+    if is_local_store(info["tracking_uri"]) and learner_host and learner_host != socket.gethostname():
+        log.warning("generator %s: the learner logs to %s, a file on %s; this generator's metrics stay out of the "
+                    "run (start the job with telemetry.serve=true, or set telemetry.tracking_uri to a tracking "
+                    "server)", generator_id, info["tracking_uri"], learner_host)
+        return None
     try:
         return MetricsLogger(info["tracking_uri"], info["mlflow_run_id"], prefix=f"{generator_id}/")
     except Exception as err:  # telemetry must never stop generation

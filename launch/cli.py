@@ -378,12 +378,18 @@ def cmd_export(args) -> int:
 
 
 def print_summary(summary: dict) -> None:
+    from asyncrl.telemetry.overview import run_page_url
+
     first, last = summary.get("reward_first"), summary.get("reward_last")
     if first is not None:
         print(f"reward: first {summary['reward_window_steps']} steps {first:.3f} -> last "
               f"{summary['reward_window_steps']} steps {last:.3f} ({summary['steps']} steps)")
-    print(f"MLflow: run {summary['mlflow_run_id']} in {summary['mlflow_tracking_uri']} "
-          f"(mlflow ui --backend-store-uri {summary['mlflow_tracking_uri']})")
+    uri, run_id = summary["mlflow_tracking_uri"], summary["mlflow_run_id"]
+    print(f"MLflow: run {run_id} in {uri}")
+    if "mlflow_experiment_id" in summary:
+        server = uri if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
+        page = run_page_url(server, summary["mlflow_experiment_id"], run_id)
+        print(f"  charts: {page}" if server == uri else f"  charts: mlflow ui --backend-store-uri {uri}, then {page}")
 
 
 def cmd_eval(cfg, args) -> int:

@@ -15,6 +15,7 @@ import sys
 import time
 
 from asyncrl.telemetry.progress import format_line
+from asyncrl.telemetry.server import TrackingServerError, artifacts_dir_for, start_tracking_server
 
 TAIL_LINES = 25
 POLL_S = 0.5
@@ -27,23 +28,51 @@ def run_job(cfg, recipe, overrides: list, generators: int = 1, learner_args: lis
     job_dir = os.path.abspath(job_dir_for(cfg))
     resolve_rl_inputs(cfg)
     say_stderr(f"asyncrl run: job directory {job_dir}")
-    children = {"learner": start_child("learner", "learner", recipe, overrides, job_dir, list(learner_args))}
-    for name in generator_names(cfg.generator.generator_id, generators):
-        children[name] = start_child(name, "generator", recipe, [*overrides, f"generator.generator_id={name}"],
-                                     job_dir)
+    os.makedirs(job_dir, exist_ok=True)
+    children: dict = {}
+    server = None  # telemetry.serve's MLflow server: not a generator, so not among the supervised children
     try:
+        if cfg.telemetry.serve:  # first: the learner's run lives there
+            server, url = tracking_server(cfg, job_dir)
+            overrides = [*overrides, f"telemetry.tracking_uri={url}", "telemetry.serve=false"]
+        children["learner"] = start_child("learner", "learner", recipe, overrides, job_dir, list(learner_args))
+        for name in generator_names(cfg.generator.generator_id, generators):
+            children[name] = start_child(name, "generator", recipe, [*overrides, f"generator.generator_id={name}"],
+                                         job_dir)
         code = supervise(children, job_dir, cfg.buffer.done_grace_s)
     except (KeyboardInterrupt, SystemExit) as stopped:  # Ctrl-C, or SIGTERM (launch/cli.py makes it SystemExit)
         # the children have process groups of their own, so nothing but this reaches them: never leave them behind
         say_stderr("\nasyncrl run: interrupted; stopping the learner and the generators")
         stop_all(children)
         return 130 if isinstance(stopped, KeyboardInterrupt) else 143
+    except TrackingServerError as err:
+        say_stderr(f"asyncrl run: {err}")
+        return 1
+    finally:
+        if server is not None:  # after the learner ended the run
+            stop(server)
     summary_path = os.path.join(job_dir, "summary.json")
     if code == 0 and os.path.isfile(summary_path):
         with open(summary_path) as handle:
             print_summary(json.load(handle))
         print(f"logs: {job_dir}")
+        if server is not None:
+            print(f"the job's MLflow server has stopped; to look again: mlflow ui --backend-store-uri {server['store']}"
+                  f" (from {server['cwd']}), then the charts link with its port")
     return code
+
+
+def tracking_server(cfg, job_dir: str) -> tuple:
+    """telemetry.serve: the MLflow server on the job's store (telemetry/server.py), as a child, and its URL."""
+    from asyncrl.launch.demo import say_stderr
+    from asyncrl.telemetry.mlflow_logger import resolve_tracking_uri
+
+    store = resolve_tracking_uri(cfg.telemetry.tracking_uri)
+    proc, url = start_tracking_server(store, job_dir, cfg.telemetry.serve_host, cfg.telemetry.serve_port,
+                                      say=say_stderr)
+    say_stderr(f"asyncrl run: MLflow tracking server at {url} (store {store}, log {job_dir}/mlflow-server.log)")
+    return {"name": "mlflow-server", "proc": proc, "log": os.path.join(job_dir, "mlflow-server.log"), "store": store,
+            "cwd": os.path.dirname(artifacts_dir_for(store, job_dir))}, url
 
 
 def generator_names(configured_id: str, count: int) -> list[str]:

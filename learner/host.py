@@ -3,6 +3,7 @@ display and the weight publisher, and the step's rank-0 bookkeeping (metrics, th
 import json
 import logging
 import os
+import socket
 import time
 
 from asyncrl.buffer.backends import make_learner_buffer
@@ -18,14 +19,17 @@ from asyncrl.learner.state import LearnerState
 from asyncrl.learner.step_metrics import component_means
 from asyncrl.telemetry.eval_metrics import eval_metrics
 from asyncrl.telemetry.mlflow_logger import MetricsLogger, create_or_attach_run, resolve_tracking_uri
+from asyncrl.telemetry.plots import PlotPublisher
 from asyncrl.telemetry.progress import ProgressDisplay
+from asyncrl.telemetry.system_metrics import start_system_metrics, stop_system_metrics
 from asyncrl.telemetry.timing import share
 from asyncrl.weightsync.backends import make_publisher
 
 log = logging.getLogger(__name__)
 DROP_REASONS = ("stale", "zero_variance", "no_baseline", "empty", "poisoned_step")
 """Why a taken group is not trained: collect_batch's filters (learner/collect.py) and a step it poisoned
-(learner/loop.py::skip_poisoned_step); each is logged every step, also when it is 0."""
+(learner/loop.py::skip_poisoned_step); each is in every step's progress.jsonl row, also when it is 0 (MLflow gets
+it when it changes: telemetry/counters.py)."""
 
 
 class LearnerHost:
@@ -35,13 +39,19 @@ class LearnerHost:
         self.job_dir = job_dir
         self.tracking_uri = resolve_tracking_uri(cfg.telemetry.tracking_uri)
         self.run_id = create_or_attach_run(self.tracking_uri, cfg.telemetry.experiment, cfg.job.name)
-        self.metrics_log = MetricsLogger(self.tracking_uri, self.run_id)
+        self.metrics_log = MetricsLogger(self.tracking_uri, self.run_id, overview=True)
+        self.experiment_id = self.metrics_log.client.get_run(self.run_id).info.experiment_id
         self.metrics_log.log_params({**flatten(cfg), **resolved_hyperparameters(cfg.algo),
                                      "learner.world_size": parallel.world_size, "learner.dp_size": parallel.dp_size})
         self.metrics_log.log_text(to_yaml(cfg), "config/resolved.yaml")
+        telemetry = cfg.telemetry
+        self.system_metrics = start_system_metrics(self.tracking_uri, self.run_id, "learner",
+                                                   telemetry.system_metrics_every_s)
+        self.plots = (PlotPublisher(self.tracking_uri, self.run_id, job_dir, telemetry.plots_every_s)
+                      if telemetry.plots else None)
         self.publisher = make_publisher(cfg.weightsync, cfg.job.name)
         run_info = {"model_path": os.path.abspath(model_path), "train_files": [os.path.abspath(f) for f in train_files],
-                    "mlflow_run_id": self.run_id, "tracking_uri": self.tracking_uri,
+                    "mlflow_run_id": self.run_id, "tracking_uri": self.tracking_uri, "host": socket.gethostname(),
                     "job_dir": os.path.abspath(job_dir), "job": cfg.job.name}
         if cfg.learner.lora.enabled:  # the generators' vLLM engines size their adapter slots from the learner's
             run_info["lora_rank"] = cfg.learner.lora.rank
@@ -212,6 +222,8 @@ class LearnerHost:
         self.rewards.append(metrics["reward/mean"])
         self.metrics_log.log(metrics, step=state.version)
         self.progress.update(state.version, metrics)
+        if self.plots is not None:
+            self.plots.after_step()
 
     def record_groups(self, step: int, groups: list) -> None:
         """job_dir/trained_groups.jsonl: which groups, of which prompts, each step trained on (an audit trail:
@@ -234,7 +246,11 @@ class LearnerHost:
             self.buffer.close()
             self.publisher.close()
             self.progress.close()
-            self.metrics_log.close(status=status)
+            stop_system_metrics(self.system_metrics)
+            self.metrics_log.close()  # flushed, so the final plots read every point
+            if self.plots is not None:
+                self.plots.refresh()
+            self.metrics_log.end_run(status)
 
     def summary(self, state: LearnerState, start_version: int) -> dict:
         """job_dir/summary.json: the reward at the start and the end, what was rejected (as of the last step) and
@@ -253,6 +269,7 @@ class LearnerHost:
             "eval": self.eval_history,
             "mlflow_tracking_uri": self.tracking_uri,
             "mlflow_run_id": self.run_id,
+            "mlflow_experiment_id": self.experiment_id,
         }
         with open(os.path.join(self.job_dir, "summary.json"), "w") as handle:
             json.dump(summary, handle, indent=2)

@@ -11,7 +11,31 @@ class TelemetryConfig:
     """MLflow experiment that holds the job's run."""
     progress: bool = True
     """Show the live progress line."""
+    system_metrics_every_s: float = 10.0
+    """Seconds between samples of each process's CPU, memory, disk, network and GPU (MLflow's system metrics, under
+    system/<learner or generator id>/). 0: off."""
+    plots: bool = True
+    """Draw the dashboards (reward, staleness, off-policy, throughput) as PNG artifacts under plots/ in the run."""
+    plots_every_s: float = 300.0
+    """Redraw them this often (seconds, checked after each step), and at the end. 0: only at the end. A redraw
+    takes a few seconds of one core, off the training thread."""
+    serve: bool = False
+    """`asyncrl run` starts an MLflow tracking server on the job's store and everything logs through it: what
+    generators on other hosts need (a sqlite file is local to one machine). The learner publishes its address."""
+    serve_host: str = "127.0.0.1"
+    """Where the tracking server listens. Only a trusted network should reach it: MLflow's server has no
+    authentication of its own."""
+    serve_port: int = 0
+    """Its port; 0: a free one."""
 
     def __post_init__(self):
         if not self.experiment:
             raise ValueError("telemetry.experiment must not be empty")
+        if self.system_metrics_every_s < 0 or self.plots_every_s < 0:
+            raise ValueError("telemetry.system_metrics_every_s and telemetry.plots_every_s must be >= 0 (0: off, "
+                             f"or only at the end); got {self.system_metrics_every_s}, {self.plots_every_s}")
+        if self.serve and (self.tracking_uri or "").startswith(("http://", "https://")):
+            raise ValueError(f"telemetry.serve starts a tracking server on a local store, and telemetry.tracking_uri "
+                             f"is already a server ({self.tracking_uri}): leave telemetry.serve off to log there")
+        if not 0 <= self.serve_port <= 65535:
+            raise ValueError(f"telemetry.serve_port must be a port number (0: a free one), got {self.serve_port}")

@@ -5,7 +5,8 @@ The learner creates the run (or attaches to $MLFLOW_RUN_ID) and hands its id to 
 shared run. The queue is bounded; when it is full the oldest report is dropped and counted rather than blocking
 training: the newest report is the one a person watching the run needs (`DropOldestQueue`). A metric that is
 not finite (a NaN loss) cannot be stored as a point, so it is never dropped in silence: each such key is warned
-about once, and every report that had any logs `telemetry/non_finite_metrics` with how many.
+about once, and every report that had any logs `telemetry/non_finite_metrics` with how many. Counters reach the run
+only when they change (telemetry/counters.py): flat-zero charts would bury the ones that matter.
 """
 import collections
 import logging
@@ -13,12 +14,25 @@ import os
 import threading
 import time
 
+from asyncrl.telemetry.counters import CounterFilter
+from asyncrl.telemetry.overview import with_overview
+
 log = logging.getLogger(__name__)
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
 
 
 def resolve_tracking_uri(configured: str | None) -> str:
-    return configured or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    """The configured URI, else $MLFLOW_TRACKING_URI, else the default; a relative sqlite path made absolute, so
+    the learner publishes one that a generator started elsewhere on this machine finds."""
+    uri = configured or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////") and uri != "sqlite:///:memory:":
+        uri = "sqlite:///" + os.path.abspath(uri[len("sqlite:///"):])
+    return uri
+
+
+def is_local_store(uri: str) -> bool:
+    """A store that is a file on one machine (sqlite, or a directory), which only processes there can log into."""
+    return uri.startswith(("sqlite:", "file:")) or "://" not in uri
 
 
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
@@ -76,15 +90,20 @@ class DropOldestQueue:
 class MetricsLogger:
     """Consumes metric dicts from any thread; a daemon thread writes them in batches of <= 1000."""
 
-    def __init__(self, tracking_uri: str, run_id: str, prefix: str = "", max_pending: int = 1000):
+    def __init__(self, tracking_uri: str, run_id: str, prefix: str = "", max_pending: int = 1000,
+                 overview: bool = False):
+        """`overview`: also log the first charts a person looks for under `RL overview/` (telemetry/overview.py);
+        the learner's logger does."""
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri)
         self.run_id = run_id
         self.prefix = prefix
+        self.overview = overview
         self._queue = DropOldestQueue(max_pending)
         self.non_finite = 0  # metric values that were NaN or inf
         self._warned: set = set()  # keys already warned about
+        self._counters = CounterFilter()  # used by the drain thread only
         self._thread = threading.Thread(target=self._drain, name="asyncrl-mlflow", daemon=True)
         self._thread.start()
 
@@ -114,6 +133,9 @@ class MetricsLogger:
             if item is None:
                 return
             metrics, step, stamp = item
+            metrics = self._counters.keep(metrics)
+            if self.overview:
+                metrics = with_overview(metrics)
             batch = [Metric(self.prefix + k, float(v), stamp, step) for k, v in metrics.items() if _is_number(v)]
             non_finite = [k for k, v in metrics.items() if _is_real(v) and not _is_number(v)]
             if non_finite:
@@ -146,7 +168,10 @@ class MetricsLogger:
         self._queue.put(None)  # the newest item: only a full queue drops it, and nothing logs after close
         self._thread.join(timeout=60)
         if status is not None:
-            self.client.set_terminated(self.run_id, status=status)
+            self.end_run(status)
+
+    def end_run(self, status: str) -> None:
+        self.client.set_terminated(self.run_id, status=status)
 
 
 def _is_real(value) -> bool:

@@ -11,17 +11,22 @@ import pytest
 
 from tests.conftest import free_port
 
-REQUIRED_METRICS = ("reward/mean", "loss/pg", "buffer/staleness/mean", "buffer/staleness/max", "buffer/dropped_stale",
+REQUIRED_METRICS = ("reward/mean", "loss/pg", "buffer/staleness/mean", "buffer/staleness/max",
                     "offpolicy/mismatch_k3", "perf/learner/tokens_per_s", "perf/generator/tokens_per_s",
                     "timing/weightsync/publish_s", "timing/learner/idle_frac", "gen-0/timing/generator/idle_frac",
-                    "reward/sampled_mean", "gen-0/generator/filtered_groups")
+                    "reward/sampled_mean", "gen-0/perf/generator/tokens_per_s", "RL overview/01 reward",
+                    "RL overview/10 generator idle frac", "system/learner/cpu_utilization_percentage",
+                    "system/learner/system_memory_usage_megabytes", "system/gen-0/cpu_utilization_percentage")
+"""Counters (buffer/dropped/*, generator/filtered_groups) reach MLflow only when they change: see
+test_asyncrl_run_trains_logs_to_mlflow_and_respects_eta."""
 
 
 def common_overrides(demo_cache, port, steps, eta=1):
     return [f"demo.cache_dir={demo_cache}", "demo.sft_steps=20", "demo.num_prompts=256", f"buffer.port={port}",
             f"learner.total_steps={steps}", f"buffer.max_staleness={eta}", "buffer.groups_per_step=4",
             "rollout.n=4", "generator.max_inflight_groups=4", "generator.log_every_s=1", "generator.kv_cache_gib=0.25",
-            "eval.every_steps=0", "eval.before_train=false"]  # the recipe's held-out evaluation: one test asks for it
+            "eval.every_steps=0", "eval.before_train=false",  # the recipe's held-out evaluation: one test asks for it
+            "telemetry.plots=false", "telemetry.system_metrics_every_s=0"]  # seconds per job; one test checks them
 
 
 VLLM_OVERRIDES = ["generator.engine=vllm", "learner.torch_threads=1"]
@@ -79,9 +84,11 @@ def test_asyncrl_run_trains_logs_to_mlflow_and_respects_eta(tmp_path, demo_asset
     pq.write_table(pq.read_table(heldout_file(cfg.demo, cfg.job.seed)).slice(0, 6), tmp_path / "heldout.parquet")
     evaluation = [f"eval.files=[{tmp_path / 'heldout.parquet'}]", "eval.every_steps=4", "eval.before_train=true",
                   "eval.n=2", "eval.temperature=1.0", "eval.k_values=[1,2]"]
+    # a tracking server on loopback; the plots and system metrics common_overrides turns off
+    telemetry = ["telemetry.serve=true", "telemetry.plots=true", "telemetry.system_metrics_every_s=1"]
     proc = subprocess.Popen([sys.executable, "-m", "asyncrl.launch.cli", "run", *overrides, *VLLM_OVERRIDES,
-                             *evaluation], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                             *evaluation, *telemetry], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
     while not (job_dir / "progress.jsonl").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.5)
@@ -94,7 +101,7 @@ def test_asyncrl_run_trains_logs_to_mlflow_and_respects_eta(tmp_path, demo_asset
     progress = read_progress(job_dir)
     assert max(p["buffer/staleness/max"] for p in progress) <= 1
     assert all(0 <= p["timing/learner/idle_frac"] <= 1 for p in progress)
-    assert mlflow_metric_keys(tmp_path, summary["mlflow_run_id"]) >= set(REQUIRED_METRICS)
+    check_the_run_in_mlflow(tmp_path, summary, progress, out)
     evals = summary["eval"]
     assert [row["step"] for row in evals] == [0, 4, 8], evals
     for row in evals:
@@ -107,6 +114,29 @@ def test_asyncrl_run_trains_logs_to_mlflow_and_respects_eta(tmp_path, demo_asset
     assert sorted(point.step for point in history) == [0, 4, 8]  # logged at the version asked for
     print("evaluation on the fleet:", [(row["step"], round(row["eval/all/mean_reward"], 3), row["eval/lag_steps"])
                                        for row in evals])
+
+
+def check_the_run_in_mlflow(tmp_path, summary, progress, out):
+    """The run read back through MLflow's API, after `asyncrl run` served the store over HTTP (telemetry.serve):
+    the learner published the server's address, and the generator logged through it under its prefix; system
+    metrics of both processes; counters only when they changed; the dashboards as valid PNG artifacts."""
+    from matplotlib.image import imread
+
+    from asyncrl.telemetry.counters import counter_kind
+    from asyncrl.telemetry.plots import PLOT_FILES
+
+    assert summary["mlflow_tracking_uri"].startswith("http://127.0.0.1:"), summary["mlflow_tracking_uri"]
+    assert "charts: http://127.0.0.1:" in out and "workflowType=machine_learning" in out, out
+    keys = mlflow_metric_keys(tmp_path, summary["mlflow_run_id"])
+    assert keys >= set(REQUIRED_METRICS), sorted(set(REQUIRED_METRICS) - keys)
+    always_zero = {key for key in progress[0] if counter_kind(key) and all(row.get(key) == 0 for row in progress)}
+    assert "buffer/dropped/poisoned_step" in always_zero and not always_zero & keys, always_zero & keys
+    changed = {key for key in progress[0] if counter_kind(key) and key not in always_zero}
+    assert changed <= keys, changed - keys
+    plots = tmp_path / "mlartifacts" / summary["mlflow_experiment_id"] / summary["mlflow_run_id"] / "artifacts" / "plots"
+    for name in PLOT_FILES:
+        image = imread(plots / name)  # decodes the whole PNG
+        assert image.shape[0] > 200 and image.shape[1] > 400, (name, image.shape)
 
 
 def start(role, overrides, tmp_path, job_dir, log_name):
