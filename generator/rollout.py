@@ -57,6 +57,7 @@ class RolloutStats:
         self.skipped_prompts = 0  # prompts whose episode opening was longer than data.max_prompt_tokens
         self.eval_prompts = 0  # held-out prompts sampled for the learner's evaluation rounds
         self.episode_counts: list = []  # per episode this window: (turns, tool calls, environment tokens)
+        self._episode_means: dict = {}  # of the last window that finished an episode
         self.pushes = None  # generator/pushed_weights.py PushedWeights, once the learner pushes to this engine
         self._last = (self.started, 0, 0.0)
         self._reward_last = (0.0, 0)
@@ -82,17 +83,21 @@ class RolloutStats:
         }
 
     def _episode_metrics(self) -> dict:
-        """Means over this window's episodes, and the environments' and tools' failure counts so far."""
+        """Means over this window's episodes, and the environments' and tools' failure counts so far. A window in
+        which no episode finished (the generator idle while the learner trains, or a window shorter than an
+        episode) repeats the last window's means: the learner reads each generator's latest report when it logs a
+        step, and a gap there is not a change in the episodes."""
         if self.episodes is None:
             return {}
         counts, self.episode_counts = self.episode_counts, []
-        means = {}
         if counts:
             turns, calls, env_tokens = (np.asarray(column, dtype=np.float64) for column in zip(*counts))
-            means = {"rollout/turns/mean": float(turns.mean()), "rollout/tool_calls/mean": float(calls.mean()),
-                     "rollout/tool_use_frac": float((calls > 0).mean()),
-                     "rollout/env_tokens/mean": float(env_tokens.mean())}
-        return {**means, **self.episodes.metrics(), "generator/skipped_prompts": float(self.skipped_prompts)}
+            self._episode_means = {"rollout/turns/mean": float(turns.mean()),
+                                   "rollout/tool_calls/mean": float(calls.mean()),
+                                   "rollout/tool_use_frac": float((calls > 0).mean()),
+                                   "rollout/env_tokens/mean": float(env_tokens.mean())}
+        return {**self._episode_means, **self.episodes.metrics(),
+                "generator/skipped_prompts": float(self.skipped_prompts)}
 
     def _reward_metrics(self) -> dict:
         """Failed reward calls by reason (and their total), and the mean seconds of a reward call this window."""

@@ -312,6 +312,8 @@ def test_a_group_of_tool_episodes_through_the_rollout_loop(tokenizer, toolbox):
     assert metrics["rollout/turns/mean"] == 2.0 and metrics["rollout/tool_calls/mean"] == 1.0
     assert metrics["rollout/tool_use_frac"] == 1.0 and metrics["rollout/env_tokens/mean"] > 0
     assert "timing/tool/add_s" in metrics
+    quiet = loop.stats.snapshot(7)  # a window in which no episode finished repeats the last window's means
+    assert quiet["rollout/turns/mean"] == 2.0 and quiet["rollout/tool_use_frac"] == 1.0
 
 
 def test_the_recipe_builds_the_tool_environment_or_the_users_class(tokenizer, tmp_path):
