@@ -15,6 +15,8 @@ COMMANDS = {
     "sft": "supervised fine-tuning on the learner's stack",
     "eval": "evaluate a checkpoint or an exported model on eval.files and print a table per data source",
     "reward-server": "serve a reward model (reward_server.kind=classifier) or an LLM judge (judge) to the generators",
+    "plan": "simulate the job to size the fleet: throughput, staleness and idle time per generator count and eta",
+    "slurm": "write sbatch scripts for the job on a SLURM cluster: a learner job and a generator array",
 }
 
 
@@ -33,6 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("--checkpoint", required=True,
                              help="an HF model directory (asyncrl export's output) or a learner checkpoint")
             cmd.add_argument("--files", nargs="+", default=None, help="parquet prompts (same as eval.files=[...])")
+        if name == "plan":
+            from asyncrl.launch.plan import add_plan_arguments
+
+            add_plan_arguments(cmd)
+        if name == "slurm":
+            from asyncrl.launch.slurm import add_slurm_arguments
+
+            add_slurm_arguments(cmd)
         if name == "run":
             cmd.add_argument("--nproc", type=int, default=1, help="learner ranks (torchrun; default 1)")
             cmd.add_argument("--generators", type=int, default=1,
@@ -413,8 +423,20 @@ def cmd_reward_server(cfg, args) -> int:
     return 0
 
 
+def cmd_plan(cfg, args) -> int:
+    from asyncrl.launch.plan import cmd_plan as plan_command
+
+    return plan_command(cfg, args)
+
+
+def cmd_slurm(cfg, args) -> int:
+    from asyncrl.launch.slurm import cmd_slurm as slurm_command
+
+    return slurm_command(cfg, args)
+
+
 COMMAND_FUNCS = {"run": cmd_run, "learner": cmd_learner, "generator": cmd_generator, "sft": cmd_sft,
-                 "eval": cmd_eval, "reward-server": cmd_reward_server}
+                 "eval": cmd_eval, "reward-server": cmd_reward_server, "plan": cmd_plan, "slurm": cmd_slurm}
 
 if __name__ == "__main__":
     sys.exit(main())

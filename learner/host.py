@@ -44,6 +44,8 @@ class LearnerHost:
         self.metrics_log.log_params({**flatten(cfg), **resolved_hyperparameters(cfg.algo),
                                      "learner.world_size": parallel.world_size, "learner.dp_size": parallel.dp_size})
         self.metrics_log.log_text(to_yaml(cfg), "config/resolved.yaml")
+        with open(os.path.join(job_dir, "config.yaml"), "w") as handle:  # what `asyncrl plan --from-run` reads
+            handle.write(to_yaml(cfg))
         telemetry = cfg.telemetry
         self.system_metrics = start_system_metrics(self.tracking_uri, self.run_id, "learner",
                                                    telemetry.system_metrics_every_s)
@@ -228,9 +230,11 @@ class LearnerHost:
     def record_groups(self, step: int, groups: list) -> None:
         """job_dir/trained_groups.jsonl: which groups, of which prompts, each step trained on (an audit trail:
         with the Redis backend every admitted group appears exactly once across restarts; with dealt prompts,
-        every prompt once per epoch, counting for each step the learner's last life that trained it)."""
+        every prompt once per epoch, counting for each step the learner's last life that trained it), and each
+        sample's completion length, the distribution `asyncrl plan` simulates."""
         record = {"step": step, "groups": [group.group_id for group in groups],
-                  "prompts": [group.prompt_id for group in groups]}
+                  "prompts": [group.prompt_id for group in groups],
+                  "lengths": [[len(sample.completion_ids) for sample in group.samples] for group in groups]}
         with open(self.groups_path, "a") as handle:
             handle.write(json.dumps(record) + "\n")
 

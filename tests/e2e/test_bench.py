@@ -121,3 +121,15 @@ def test_weightsync_fanout_bench_runs_on_a_tiny_setting(tmp_path):
     assert result["bench"] == "weightsync_fanout" and result["mb"] == 4
     for mode in ("chain", "broadcast"):
         assert set(result[mode]) == {"1", "2"} and all(seconds > 0 for seconds in result[mode].values())
+
+
+def test_plan_check_bench_runs_both_checks_on_a_tiny_setting(tmp_path):
+    from tests.unit.test_planner import write_job
+
+    runs = [str(write_job(tmp_path / f"eta{eta}", eta=eta)) for eta in (0, 1)]
+    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.plan_check", "--small", "--steps", "60", "--runs",
+                          *runs], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["closed_form"]["points"] == 4 and result["closed_form"]["max_abs_error"] < 0.5
+    assert result["runs"]["runs"] == 2 and "closed form" in out.stdout and "staleness run" in out.stdout
