@@ -17,6 +17,7 @@ from asyncrl.buffer.interface import LearnerUnavailable
 from asyncrl.buffer.redis.client import RedisBufferClient
 from asyncrl.buffer.redis.conn import RedisOptions, connect
 from asyncrl.buffer.redis.stream import GROUP
+from tests.integration.test_redis_acl import create_job_user, denials, user_url
 from tests.e2e.test_resume import (GROUPS_PER_STEP, N, SAMPLING, VOCAB, child_pids, run_to_end, scripted_group,
                                    start_learner, tiny_model_dir, wait_until_gone)  # noqa: F401 (fixture)
 
@@ -161,9 +162,12 @@ def test_demo_on_redis_with_two_generators_survives_a_generator_kill_9(redis_ser
     from asyncrl.launch.demo import heldout_file
 
     steps = 10  # the kill comes after 4: the restarted generator and the survivor carry the last 6
+    namespace = f"demo{uuid.uuid4().hex[:8]}"
+    admin = connect(RedisOptions(redis_server.url))
+    user, password = create_job_user(admin, namespace)  # everyone runs as the job's least-privilege user
     overrides = common_overrides(demo_cache, free_port(), steps=steps, eta=eta) + [
-        "generator.engine=hf", "buffer.backend=redis", f"buffer.redis_url={redis_server.url}",
-        f"buffer.redis_namespace=demo{uuid.uuid4().hex[:8]}", "buffer.lease_s=5", "generator.max_inflight_groups=2"]
+        "generator.engine=hf", "buffer.backend=redis", f"buffer.redis_url={user_url(redis_server, user, password)}",
+        f"buffer.redis_namespace={namespace}", "buffer.lease_s=5", "generator.max_inflight_groups=2"]
     cfg = load_config(None, overrides)
     pq.write_table(pq.read_table(heldout_file(cfg.demo, cfg.job.seed)).slice(0, 4), tmp_path / "heldout.parquet")
     overrides += [f"eval.files=[{tmp_path / 'heldout.parquet'}]", "eval.before_train=true", "eval.n=1"]
@@ -191,6 +195,10 @@ def test_demo_on_redis_with_two_generators_survives_a_generator_kill_9(redis_ser
         for proc in procs.values():
             if proc.poll() is None:
                 proc.kill()
+    # the least-privilege user was refused nothing but CONFIG GET, which the server checks ask for first and, refused,
+    # read from INFO instead (buffer/redis/conn.py)
+    assert set(denials(admin, user)) <= {("command", "config|get")}, denials(admin, user)
+    admin.acl_deluser(user)
     timeline = effective_timeline(job_dir / "trained_groups.jsonl")
     assert sorted(timeline) == list(range(1, steps + 1))
     trained = [group for step in sorted(timeline) for group in timeline[step]]
