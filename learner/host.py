@@ -166,11 +166,13 @@ class LearnerHost:
         self._step_ended = time.monotonic()
         log.info("learner: buffer at %s, MLflow run %s in %s", self.buffer.endpoint, self.run_id, self.tracking_uri)
 
-    def publish(self, weights, version: int, specs: list, extra: dict | None = None, full_bytes: int = 0) -> None:
+    def publish(self, weights, version: int, specs: list, extra: dict | None = None, full_bytes: int = 0,
+                moved: bool = True) -> None:
         """Publish `version` and announce it; only then may generators be admitted against it. `full_bytes`: what
-        a full version weighs, for the share a LoRA version's adapter sends."""
+        a full version weighs, for the share a LoRA version's adapter sends. `moved`: the step had a gradient
+        (a batch whose advantages are all 0 has none, and may rightly repeat the previous version's bytes)."""
         message = self.publisher.publish(weights, version, specs, extra=extra)
-        self._check_changed(message)
+        self._check_changed(message, moved)
         self.publish_metrics = {"weightsync/publish_bytes": float(message["bytes"]),
                                 "weightsync/publish_bytes_frac": message["bytes"] / max(full_bytes, 1),
                                 "weightsync/unchanged_versions": float(self.unchanged_versions)}
@@ -179,13 +181,13 @@ class LearnerHost:
         self.version = version
         self._open_eval_if_due(version)
 
-    def _check_changed(self, message: dict) -> None:
+    def _check_changed(self, message: dict, moved: bool = True) -> None:
         """Counts and logs a version that repeats the previous one's bytes after a trained step (publish.py's
         repeats_previous says why that matters); the critic's warmup steps leave the policy as it was, so there
         it is expected."""
         repeated, self._last_published = repeats_previous(self._last_published, message)
         warmup = self.cfg.algo.needs_critic() and message["version"] <= self.cfg.critic.warmup_steps
-        if repeated and not warmup:
+        if repeated and not warmup and moved:
             self.unchanged_versions += 1
             log.error("weight sync: v%d sends exactly the bytes of the version before it (%d bytes%s) although a step "
                       "was trained: the generators will sample the old policy (learning rate 0? an adapter that "

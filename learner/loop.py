@@ -114,8 +114,8 @@ def train_one_version(cfg, model, optimizer, scheduler, host: LearnerHost | None
     state.kl_coef = parts.kl_controller.value
     started = time.perf_counter()
     published = final or should_publish(state.version, cfg.weightsync.every_steps, cfg.learner.total_steps)
-    if published:
-        publish_weights(model, parallel, host, state.version, cfg)
+    if published:  # a step with no gradient at all (every advantage 0) may rightly leave the weights as they were
+        publish_weights(model, parallel, host, state.version, cfg, moved=metrics.get("policy/grad_norm", 1.0) > 0)
     if host is not None:
         if published:
             metrics["timing/weightsync/publish_s"] = time.perf_counter() - started
@@ -193,7 +193,8 @@ def next_batch(cfg, host: LearnerHost | None, parallel: ParallelState, version: 
     return groups, Counter(dropped), collected, final
 
 
-def publish_weights(model, parallel: ParallelState, host: LearnerHost | None, version: int, cfg) -> None:
+def publish_weights(model, parallel: ParallelState, host: LearnerHost | None, version: int, cfg,
+                    moved: bool = True) -> None:
     """Gather the full weights bucket by bucket on every rank; rank 0 publishes `version` (the publisher casts to
     weightsync.dtype as it copies each tensor into its ring), then tells the buffer: only now may generators be
     admitted against it (buffer/staleness.py). With learner.lora only the adapter is gathered and published, named
@@ -205,7 +206,8 @@ def publish_weights(model, parallel: ParallelState, host: LearnerHost | None, ve
         for _ in outgoing.weights:  # nothing is yielded here; iterating runs this rank's side of the gathers
             pass
         return
-    host.publish(outgoing.weights, version, outgoing.specs, extra=outgoing.extra, full_bytes=outgoing.full_bytes)
+    host.publish(outgoing.weights, version, outgoing.specs, extra=outgoing.extra, full_bytes=outgoing.full_bytes,
+                 moved=moved)
 
 
 def checkpoint_if_due(cfg, job_dir: str, model_path: str, model, optimizer, scheduler, state: LearnerState,
