@@ -66,7 +66,7 @@ def check_closed_form(steps: int, seed: int, grid: dict = GRID) -> list:
 
 def check_runs(calibrate: str, runs: list, steps: int, seed: int) -> list:
     from asyncrl.configs import load_config
-    from asyncrl.launch.plan import plan_one
+    from asyncrl.launch.plan import check_against_run, plan_one, row_of
 
     base = measure_run(calibrate)
     lengths = empirical_lengths(base.lengths)
@@ -76,24 +76,19 @@ def check_runs(calibrate: str, runs: list, steps: int, seed: int) -> list:
     for job_dir in runs:
         measured = measure_run(job_dir)
         cfg = load_config(f"{job_dir}/config.yaml", [])
-        plan = plan_one(cfg, measured.generators, cfg.buffer.max_staleness, base.gen_tokens_per_s,
-                        base.train_s_per_step, lengths, base.groups_per_step, base.n, steps, seed)
-        rows.append({"run": job_dir, "generators": measured.generators, "eta": cfg.buffer.max_staleness,
-                     "measured_steps_per_s": measured.steps_per_s, "planned_steps_per_s": plan.steps_per_s,
-                     "steps_per_s_error": plan.steps_per_s / measured.steps_per_s - 1,
-                     "measured_staleness": measured.staleness_mean, "planned_staleness": plan.staleness_mean,
-                     "staleness_error": (plan.staleness_mean - measured.staleness_mean)
-                     / max(measured.staleness_mean, 1e-9) if measured.staleness_mean else
-                     plan.staleness_mean - measured.staleness_mean,
-                     "measured_learner_idle": measured.learner_idle_frac,
-                     "planned_learner_idle": plan.learner_idle_frac})
+        eta = cfg.buffer.max_staleness
+        plan = plan_one(cfg, measured.generators, eta, base.gen_tokens_per_s, base.train_s_per_step, lengths,
+                        base.groups_per_step, base.n, steps, seed)
+        rows.append({"run": job_dir, "generators": measured.generators, "eta": eta,
+                     **check_against_run(measured, row_of(measured.generators, eta, plan))})
     print(f"{'generators':>10} {'eta':>4} {'steps/s run':>11} {'plan':>7} {'error':>7} {'staleness run':>13} "
           f"{'plan':>6} {'error':>7} {'learner idle run':>16} {'plan':>5}")
     for row in rows:
         print(f"{row['generators']:>10} {row['eta']:>4} {row['measured_steps_per_s']:>11.3f} "
-              f"{row['planned_steps_per_s']:>7.3f} {row['steps_per_s_error']:>+7.1%} {row['measured_staleness']:>13.2f}"
-              f" {row['planned_staleness']:>6.2f} {row['staleness_error']:>+7.1%} {row['measured_learner_idle']:>16.2f}"
-              f" {row['planned_learner_idle']:>5.2f}")
+              f"{row['planned_steps_per_s']:>7.3f} {row['steps_per_s_error']:>+7.1%} "
+              f"{row['measured_staleness_mean']:>13.2f} {row['planned_staleness_mean']:>6.2f} "
+              f"{row['staleness_error']:>+7.1%} {row['measured_learner_idle']:>16.2f} "
+              f"{row['planned_learner_idle']:>5.2f}")
     return rows
 
 

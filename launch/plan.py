@@ -85,13 +85,18 @@ def print_table(rows: list, say=print) -> None:
             f"{row['generator_idle_frac']:>9.2f}")
 
 
+def staleness_error(planned: float, measured: float) -> float:
+    """Relative, or the plain difference where the run measured 0 (η = 0)."""
+    return (planned - measured) / measured if measured else planned - measured
+
+
 def check_against_run(measured: Measured, planned: dict) -> dict:
-    """The plan for the run's own fleet and η beside what the run measured; errors are relative."""
+    """The plan for the run's own fleet and η beside what the run measured; throughput's error is relative,
+    staleness's too unless the run measured 0."""
     return {"measured_steps_per_s": measured.steps_per_s, "planned_steps_per_s": planned["steps_per_s"],
             "steps_per_s_error": planned["steps_per_s"] / measured.steps_per_s - 1,
             "measured_staleness_mean": measured.staleness_mean, "planned_staleness_mean": planned["staleness_mean"],
-            "staleness_error": (planned["staleness_mean"] - measured.staleness_mean) / max(measured.staleness_mean,
-                                                                                        1e-9),
+            "staleness_error": staleness_error(planned["staleness_mean"], measured.staleness_mean),
             "measured_learner_idle": measured.learner_idle_frac, "planned_learner_idle": planned["learner_idle_frac"],
             "measured_generator_idle": measured.generator_idle_frac,
             "planned_generator_idle": planned["generator_idle_frac"]}
