@@ -29,14 +29,20 @@ GENERATOR_KEYS = ("perf/generator/tokens_per_s", "timing/generator/idle_frac")
 PLOT_FILES = ("reward.png", "staleness.png", "offpolicy.png", "throughput.png")
 
 
+MAX_GENERATORS = 32
+"""Generators drawn, first by name: the run is writable by any process that reaches MLflow, and a flood of
+generator ids must not make every redraw read and draw thousands of series."""
+
+
 def generator_keys(metric_keys) -> dict:
-    """{generator id: {short key: full key}} for every generator that logged a GENERATOR_KEYS metric."""
+    """{generator id: {short key: full key}} for the first MAX_GENERATORS generators (by id) that logged a
+    GENERATOR_KEYS metric."""
     found: dict = {}
     for key in metric_keys:
         for short in GENERATOR_KEYS:
             if key.endswith("/" + short) and key.count("/") == short.count("/") + 1:
                 found.setdefault(key[: -len(short) - 1], {})[short] = key
-    return found
+    return {name: found[name] for name in sorted(found)[:MAX_GENERATORS]}
 
 
 def read_series(client, run_id: str, keys) -> dict:
