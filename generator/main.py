@@ -98,6 +98,9 @@ async def run_generator_async(cfg, say=print) -> int:
     system_metrics = None
     try:
         hello = await join_learner(client, cfg, say)
+        if hello.done:
+            say(f"generator {generator_id}: the learner at {client.endpoint} has finished the job; nothing to do")
+            return 0
         info = hello.run_info
         if cfg.generator.torch_threads:
             import torch
@@ -145,7 +148,13 @@ async def run_generator_async(cfg, say=print) -> int:
             on_stats=(lambda m: metrics_log.log(m, step=engine.version)) if metrics_log else None,
             stats_every_s=cfg.generator.log_every_s, stage=stage, drop_zero_variance=cfg.algo.dynamic_sampling,
             episodes=episodes)
+        # starting the engine takes a while, and the learner may have finished the job (and stopped serving its
+        # weights) meanwhile: ask again before loading, so a generator that came too late stops cleanly
+        hello = await client.hello(shared_hash(cfg), timeout_s=HELLO_TIMEOUT_S)
         rollout.note_reply(hello)
+        if hello.done:
+            say(f"generator {generator_id}: the learner at {client.endpoint} has finished the job; nothing to do")
+            return 0
         await rollout.ensure_latest_weights()  # a late joiner samples nothing before it has the current weights
         say(f"generator {generator_id}: {cfg.generator.engine} engine ready on v{engine.version}")
         await rollout.run()

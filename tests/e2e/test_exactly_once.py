@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from tests.conftest import free_port
-from tests.e2e.test_run import job_env, read_progress
+from tests.e2e.test_run import QUIET_TELEMETRY, job_env, read_progress
 
 pytestmark = pytest.mark.slow
 
@@ -58,12 +58,15 @@ def test_two_generators_a_generator_kill_9_and_a_learner_restart_train_each_prom
     expected = subset_parquet(files[0], str(tmp_path / "epoch.parquet"), PROMPTS)
     job_dir = tmp_path / "job"
     job_dir.mkdir()
+    # done_grace_s: a generator restarted as the resumed learner trains the last prompts may still be starting its
+    # engine; the learner keeps answering until it has heard "done" (generator/main.py asks again before loading)
     overrides = [f"model.path={model_dir}", "demo.task=''", f"data.train_files=[{tmp_path / 'epoch.parquet'}]",
                  "data.epochs=1", "learner.total_steps=100", f"buffer.port={free_port()}", "buffer.max_staleness=1",
                  f"buffer.groups_per_step={GROUPS_PER_STEP}", "rollout.n=2", "rollout.max_tokens=8",
                  "algo.dynamic_sampling=false", "generator.engine=hf", "generator.max_inflight_groups=2",
                  "generator.log_every_s=1", "learner.checkpoint_every=2", "learner.torch_threads=1",
-                 "buffer.done_grace_s=5", "buffer.request_timeout_s=5", "telemetry.progress=false"]
+                 "buffer.done_grace_s=30", "buffer.request_timeout_s=5", "telemetry.progress=false",
+                 *QUIET_TELEMETRY]
     if backend == "redis":  # a generator silent for buffer.lease_s gives its dealt prompts back
         namespace = f"once{uuid.uuid4().hex[:8]}"
         overrides += ["buffer.backend=redis", f"buffer.redis_url={request.getfixturevalue('redis_server').url}",

@@ -1,0 +1,33 @@
+"""A generator that reaches a learner which has already finished the job stops at once, with success: it loads no
+model, and does not wait out a weight fetch from a learner about to close (seen in CI: a generator restarted while
+the resumed learner trained the last prompts waited 60 s for the closed catch-up server, then failed)."""
+import asyncio
+import threading
+
+from asyncrl.buffer.staleness import Coordinator
+from asyncrl.buffer.zmq.server import ZmqBufferServer
+from asyncrl.configs.run_config import load_config, shared_hash
+from asyncrl.generator.main import run_generator_async
+from tests.conftest import free_port
+
+
+def test_a_generator_that_joins_a_finished_job_exits_zero_without_loading_anything():
+    port = free_port()
+    cfg = load_config(None, [f"buffer.port={port}", "model.path=/nonexistent/model", "generator.generator_id=late",
+                             "buffer.request_timeout_s=5", "generator.connect_timeout_s=10"])
+    server = ZmqBufferServer("127.0.0.1", port, Coordinator(1, 2), vocab_size=16, config_hash=shared_hash(cfg),
+                             max_message_bytes=4096, queue_groups=2,
+                             run_info={"model_path": "/nonexistent/model", "train_files": []})
+    server.start()
+    said = []
+    try:
+        finishing = threading.Thread(target=server.finish, args=(5.0,))  # keeps answering until "late" is told
+        finishing.start()
+        code = asyncio.run(run_generator_async(cfg, say=said.append))
+        finishing.join(timeout=10)
+        told = set(server.told_done)
+    finally:
+        server.close()
+    assert code == 0
+    assert any("has finished the job" in line for line in said), said
+    assert "late" in told and not finishing.is_alive()
