@@ -6,6 +6,8 @@ import subprocess
 
 import pytest
 
+from tests.e2e.test_run import QUIET_TELEMETRY
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -13,7 +15,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.vllm
 def test_gpu_check_rehearsal_runs_every_step_and_reports_the_smoke_numbers(tmp_path):
     out = subprocess.run(["bash", os.path.join(REPO, "scripts", "test_gpu"), "--rehearse", "--steps", "4",
-                          "--workdir", str(tmp_path), "buffer.groups_per_step=3"], capture_output=True, text=True, timeout=900)
+                          "--workdir", str(tmp_path), "buffer.groups_per_step=3", *QUIET_TELEMETRY], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["rehearsal"] and result["failed"] == []

@@ -18,6 +18,7 @@ from asyncrl.buffer.redis.client import RedisBufferClient
 from asyncrl.buffer.redis.conn import RedisOptions, connect
 from asyncrl.buffer.redis.stream import GROUP
 from tests.integration.test_redis_acl import create_job_user, denials, user_url
+from tests.e2e.test_run import QUIET_TELEMETRY
 from tests.e2e.test_resume import (GROUPS_PER_STEP, N, SAMPLING, VOCAB, child_pids, run_to_end, scripted_group,
                                    start_learner, tiny_model_dir, wait_until_gone)  # noqa: F401 (fixture)
 
@@ -65,7 +66,7 @@ def scripted_overrides(model_dir, url: str, namespace: str, steps: int, checkpoi
             f"buffer.redis_namespace={namespace}", f"learner.total_steps={steps}", "buffer.max_staleness=0",
             f"buffer.groups_per_step={GROUPS_PER_STEP}", f"rollout.n={N}", f"rollout.max_tokens={SAMPLING.max_tokens}",
             f"learner.checkpoint_every={checkpoint_every}", "learner.torch_threads=1", "buffer.done_grace_s=1",
-            "telemetry.progress=false"]
+            "telemetry.progress=false", *QUIET_TELEMETRY]
 
 
 def effective_timeline(path):

@@ -20,6 +20,7 @@ from asyncrl.buffer.codec import encode_group
 from asyncrl.buffer.group import Group, Sample, Sampling
 from asyncrl.buffer.zmq.wire import pack, unpack_reply
 from tests.conftest import free_port
+from tests.e2e.test_run import QUIET_TELEMETRY
 
 VOCAB = 64
 GROUPS_PER_STEP = 2
@@ -114,7 +115,7 @@ def learner_overrides(model_dir, port, steps):
             "buffer.max_staleness=0", f"buffer.groups_per_step={GROUPS_PER_STEP}", f"rollout.n={N}",
             f"rollout.max_tokens={SAMPLING.max_tokens}", "learner.checkpoint_every=2", "learner.checkpoint_keep=2",
             "learner.torch_threads=1", "learner.lr=1e-3", "learner.warmup_steps=0", "buffer.done_grace_s=1",
-            "telemetry.progress=false",
+            "telemetry.progress=false", *QUIET_TELEMETRY,
             # a reward-KL coefficient the adaptive controller moves every step: the resumed run continues the same
             # loss curve only if the checkpoint kept it (LearnerState.kl_coef)
             "algo.kl_reward_coef=0.05", "algo.kl_controller=adaptive", "algo.kl_target=0.001", "algo.kl_horizon=40"]

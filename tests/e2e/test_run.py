@@ -26,7 +26,12 @@ def common_overrides(demo_cache, port, steps, eta=1):
             f"learner.total_steps={steps}", f"buffer.max_staleness={eta}", "buffer.groups_per_step=4",
             "rollout.n=4", "generator.max_inflight_groups=4", "generator.log_every_s=1", "generator.kv_cache_gib=0.25",
             "eval.every_steps=0", "eval.before_train=false",  # the recipe's held-out evaluation: one test asks for it
-            "telemetry.plots=false", "telemetry.system_metrics_every_s=0"]  # seconds per job; one test checks them
+            *QUIET_TELEMETRY]
+
+
+QUIET_TELEMETRY = ["telemetry.plots=false", "telemetry.system_metrics_every_s=0"]
+"""Drawing the plots costs seconds per job, on CI's two cores; one test (test_asyncrl_run_trains_logs_to_mlflow...)
+turns both back on and checks them."""
 
 
 VLLM_OVERRIDES = ["generator.engine=vllm", "learner.torch_threads=1"]

@@ -10,12 +10,14 @@ import time
 import pytest
 
 from tests.conftest import free_port
+from tests.e2e.test_run import QUIET_TELEMETRY
 
 
 def overrides(demo_cache, port):
     return [f"demo.cache_dir={demo_cache}", "demo.sft_steps=20", "demo.num_prompts=256", f"buffer.port={port}",
             "generator.engine=hf", "buffer.groups_per_step=2", "rollout.n=2", "generator.max_inflight_groups=2",
-            "eval.every_steps=0", "eval.before_train=false"]  # the recipe's held-out evaluation is not tested here
+            "eval.every_steps=0", "eval.before_train=false",  # the recipe's held-out evaluation is not tested here
+            *QUIET_TELEMETRY]
 
 
 def children_of(job_dir):

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tests.conftest import free_port
-from tests.e2e.test_run import job_env, mlflow_metric_keys, read_progress
+from tests.e2e.test_run import QUIET_TELEMETRY, job_env, mlflow_metric_keys, read_progress
 
 EPISODE_METRICS = ("gen-0/rollout/turns/mean", "gen-0/rollout/tool_calls/mean", "gen-0/rollout/tool_use_frac",
                    "gen-0/rollout/env_tokens/mean")
@@ -21,7 +21,7 @@ def test_tool_demo_runs_episodes_with_the_calculator(tmp_path):
     overrides = [f"demo.cache_dir={tmp_path / 'demo'}", "demo.sft_steps=30", "demo.sft_batch_size=32",
                  "demo.num_prompts=128", f"buffer.port={free_port()}", "learner.total_steps=3",
                  "buffer.groups_per_step=2", "rollout.n=4", "generator.max_inflight_groups=2",
-                 "generator.log_every_s=1", "algo.dynamic_sampling=false"]
+                 "generator.log_every_s=1", "algo.dynamic_sampling=false", *QUIET_TELEMETRY]
     out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "run", "--config", "tools_cpu.yaml", *overrides],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
