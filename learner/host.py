@@ -173,7 +173,11 @@ class LearnerHost:
         (a batch whose advantages are all 0 has none, and may rightly repeat the previous version's bytes)."""
         message = self.publisher.publish(weights, version, specs, extra=extra)
         self._check_changed(message, moved)
-        self.publish_metrics = {"weightsync/publish_bytes": float(message["bytes"]),
+        catchup = self.publisher.catchup
+        served = {"weightsync/catchup_served": float(catchup.served), "weightsync/catchup_deltas": float(
+            catchup.deltas_served), "weightsync/catchup_bytes_frac": catchup.sent_bytes / catchup.full_bytes} \
+            if catchup is not None and catchup.full_bytes else {}  # sent over what full copies would have sent
+        self.publish_metrics = {**served, "weightsync/publish_bytes": float(message["bytes"]),
                                 "weightsync/publish_bytes_frac": message["bytes"] / max(full_bytes, 1),
                                 "weightsync/unchanged_versions": float(self.unchanged_versions)}
         self.buffer.announce_weights(message)

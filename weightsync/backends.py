@@ -86,7 +86,8 @@ def make_publisher(ws, job: str) -> WeightPublisher:
     if removed:
         log.info("weight sync: removed rings of learners that died without cleaning up: %s", removed)
     ring_path = os.path.join(ws.shm_dir, f"asyncrl-{job}-{os.getpid()}.ring")
-    catchup = CatchupServer(ws.catchup_host, ws.catchup_port, advertise=ws.catchup_advertise)
+    catchup = CatchupServer(ws.catchup_host, ws.catchup_port, advertise=ws.catchup_advertise,
+                            delta_max_fraction=ws.catchup_delta_max_fraction)
     group = None
     if ws.backend == "broadcast":
         from asyncrl.weightsync.group.host import WeightGroupHost

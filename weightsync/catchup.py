@@ -6,14 +6,20 @@ with one multipart reply, [control message, bucket 0, bucket 1, ...], sending th
 the learner's step never waits for it. Because those bytes are read after the reply is queued, a version the
 learner overwrites meanwhile arrives mixed: the receiver checks every bucket's checksum against the control message
 and simply asks again (for the newest version), so mixed bytes are never loaded.
+
+A generator that holds an earlier version b (named by its number and `delta.base_digest`) gets only what changed
+since (delta.py), when the ring still holds b and the delta costs less than `delta_max_fraction` of the full
+version; otherwise the full version, as before. The last delta is kept, since a fleet asks for the same pair.
 """
 import json
 import logging
 import threading
+import time
 
 import numpy as np
 import zmq
 
+from asyncrl.weightsync import delta
 from asyncrl.weightsync.buckets import FlatBuckets
 
 log = logging.getLogger(__name__)
@@ -24,7 +30,7 @@ class CatchupError(RuntimeError):
 
 
 class CatchupServer:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise: str = ""):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise: str = "", delta_max_fraction: float = 0.5):
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -44,6 +50,11 @@ class CatchupServer:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.served = 0
+        self.delta_max_fraction = delta_max_fraction  # 0: always the full version
+        self.deltas_served = 0
+        self.sent_bytes = 0  # what the replies carried beyond their control messages
+        self.full_bytes = 0  # what full copies of the same versions would have carried
+        self._delta_cache: tuple = ((), None)  # ((base stamp, target stamp), encode's output)
         self._thread = threading.Thread(target=self._serve, name="asyncrl-weight-catchup", daemon=True)
         self._thread.start()
 
@@ -67,22 +78,66 @@ class CatchupServer:
                 continue
             identity, *frames = self._socket.recv_multipart()
             try:
-                wanted = int(json.loads(frames[-1]).get("version", -1))
-            except (ValueError, TypeError, AttributeError):
-                self._socket.send_multipart([identity, json.dumps({"error": "malformed request"}).encode()])
-                continue
-            with self._lock:
-                version = self._newest if wanted < 0 else wanted
-                message = self._messages.get(version)
-                slot = self._ring.find(version) if (message and self._ring is not None) else None
-                buffers = self._ring.buckets(slot).buffers if slot is not None else None
-            if buffers is None:
-                reply = {"error": f"v{version} is not held (newest is v{self._newest})", "newest": self._newest}
-                self._socket.send_multipart([identity, json.dumps(reply).encode()])
-                continue
-            self._socket.send_multipart([identity, json.dumps(message).encode(),
-                                         *[memoryview(b.numpy()) for b in buffers]], copy=False)
-            self.served += 1
+                self._answer(identity, frames)
+            except Exception as err:  # a request that breaks one answer must not stop the server for everyone
+                log.exception("weight catch-up: a request failed (%s); serving on", err)
+                self._reply(identity, {"error": f"the server failed to answer: {type(err).__name__}: {err}"})
+
+    def _reply(self, identity: bytes, message: dict, frames=()) -> None:
+        self._socket.send_multipart([identity, json.dumps(message).encode(), *frames], copy=False)
+
+    def _answer(self, identity: bytes, frames: list) -> None:
+        try:
+            request = json.loads(frames[-1])
+            wanted = int(request.get("version", -1))
+            base = request.get("base")
+            base = (int(base), str(request.get("base_digest", ""))) if base is not None else None
+        except (ValueError, TypeError, AttributeError, IndexError):
+            self._reply(identity, {"error": "malformed request"})
+            return
+        with self._lock:
+            version = self._newest if wanted < 0 else wanted
+            message = self._messages.get(version)
+            ring = self._ring
+            slot = ring.find(version) if (message and ring is not None) else None
+            base_message = self._messages.get(base[0]) if base is not None else None
+        if slot is None:
+            self._reply(identity, {"error": f"v{version} is not held (newest is v{self._newest})",
+                                   "newest": self._newest})
+            return
+        patch = self._delta(ring, base, base_message, version, slot) if base_message else None
+        self.full_bytes += message["bytes"]  # counted before the reply goes, so a reader that got it sees them
+        self.served += 1
+        if patch is not None:
+            entries, patch_frames = patch
+            self.deltas_served += 1
+            self.sent_bytes += delta.nbytes(patch_frames)
+            self._reply(identity, {**message, "delta": {"base": base[0], "entries": entries}},
+                        [memoryview(frame.numpy()) for frame in patch_frames])
+        else:
+            self.sent_bytes += message["bytes"]
+            self._reply(identity, message, [memoryview(b.numpy()) for b in ring.buckets(slot).buffers])
+
+    def _delta(self, ring, base: tuple, base_message: dict, version: int, slot: int):
+        """encode's output for base -> version, or None (the base is not the requester's bytes or is gone from
+        the ring, the delta is too large, or a slot was rewritten while it was read)."""
+        if self.delta_max_fraction <= 0 or delta.base_digest(base_message) != base[1]:
+            return None
+        base_slot = ring.find(base[0])
+        if base_slot is None:
+            return None
+        stamps = (ring.stamp(base_slot), ring.stamp(slot))
+        cached_stamps, cached = self._delta_cache
+        if cached_stamps == stamps:
+            return cached
+        started = time.perf_counter()
+        patch = delta.encode(ring.buckets(base_slot), ring.buckets(slot), self.delta_max_fraction)
+        if (ring.stamp(base_slot), ring.stamp(slot)) != stamps:  # the learner reused a slot meanwhile
+            return None
+        self._delta_cache = (stamps, patch)
+        log.debug("weight catch-up: delta v%d -> v%d in %.3f s (%s)", base[0], version, time.perf_counter() - started,
+                  "too large, full copy" if patch is None else f"{delta.nbytes(patch[1])} bytes")
+        return patch
 
     def close(self) -> None:
         self._stop.set()
@@ -91,25 +146,51 @@ class CatchupServer:
         self._context.term()
 
 
-def fetch(address: str, version: int, dest_for, timeout_s: float) -> tuple[dict, FlatBuckets]:
+def fetch(address: str, version: int, dest_for, timeout_s: float, base: FlatBuckets | None = None,
+          base_message: dict | None = None) -> tuple[dict, FlatBuckets]:
     """Ask `address` for `version` (-1: the newest) and copy its buckets into `dest_for(message)` (FlatBuckets the
-    caller owns, chosen once the message says which layout). Returns (message, dest); checksums are the caller's."""
+    caller owns, chosen once the message says which layout). With `base` (the caller's verified copy of the version
+    `base_message` describes), the server may answer with a delta: `dest` is then `base` with the changes applied.
+    Returns (message, dest); checksums are the caller's (a delta that does not reproduce them is caught there)."""
     context = zmq.Context.instance()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(address)
+    request = {"version": version}
+    if base is not None and base_message is not None:
+        request.update(base=int(base_message["version"]), base_digest=delta.base_digest(base_message))
     try:
-        socket.send(json.dumps({"version": version}).encode())
+        socket.send(json.dumps(request).encode())
         if not socket.poll(int(timeout_s * 1000)):
             raise CatchupError(f"weight catch-up server {address} did not answer for v{version} within "
                                f"{timeout_s:.0f} s")
         frames = socket.recv_multipart(copy=False)
     finally:
         socket.close(linger=0)
-    message = json.loads(frames[0].bytes)
+    try:
+        message = json.loads(frames[0].bytes)
+    except ValueError:
+        raise CatchupError(f"weight catch-up server {address} sent a control message that is not JSON") from None
+    if not isinstance(message, dict):
+        raise CatchupError(f"weight catch-up server {address} sent a control message that is not an object")
     if "error" in message:
         raise CatchupError(f"weight catch-up server {address}: {message['error']}")
     dest = dest_for(message)
+    patch = message.get("delta")
+    if patch is not None:
+        if base is None or not isinstance(patch, dict) or patch.get("base") != base_message["version"]:
+            raise CatchupError(f"weight catch-up server {address} sent a delta from a base this generator did not "
+                               f"name")
+        if base.layout.fingerprint != dest.layout.fingerprint:
+            raise CatchupError(f"weight catch-up server {address} sent a delta between two layouts")
+        for source, target in zip(base.buffers, dest.buffers):
+            if source.data_ptr() != target.data_ptr():
+                target.copy_(source)
+        try:
+            delta.apply(dest, patch.get("entries"), [frame.buffer for frame in frames[1:]])
+        except delta.DeltaError as err:
+            raise CatchupError(f"weight catch-up server {address}: {err}") from None
+        return message, dest
     if len(frames) - 1 != len(dest.buffers):
         raise CatchupError(f"weight catch-up server {address} sent {len(frames) - 1} buckets for v{message['version']}"
                            f", the layout has {len(dest.buffers)}")

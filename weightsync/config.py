@@ -36,6 +36,10 @@ that miss a push load it from staging as with `shm`."""
     """Port of the catch-up server (0: any free port; generators learn it from the control message)."""
     catchup_advertise: str = ""
     """Host name generators on other machines use to reach the catch-up server ("" = catchup_host)."""
+    catchup_delta_max_fraction: float = 0.5
+    """A generator holding an earlier version that the ring still has gets only the elements that changed since
+    (weightsync/delta.py), unless that costs more than this fraction of the full version; 0: always full copies.
+    Pays with bf16 or fp16 weights (dtype), where most elements keep their bits from step to step."""
     broadcast_port: int = 0
     """backend=broadcast or engine_push: port of the rendezvous store on the learner (0: any free port)."""
     timeout_s: float = 60.0
@@ -57,6 +61,9 @@ that miss a push load it from staging as with `shm`."""
             raise ValueError(f"weightsync.keep_versions must be >= 2, got {self.keep_versions}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"weightsync.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not 0 <= self.catchup_delta_max_fraction <= 1:
+            raise ValueError(f"weightsync.catchup_delta_max_fraction must be in [0, 1], got "
+                             f"{self.catchup_delta_max_fraction}")
         if self.bucket_mb <= 0:
             raise ValueError(f"weightsync.bucket_mb must be > 0, got {self.bucket_mb}")
         for name in ("catchup_port", "broadcast_port"):

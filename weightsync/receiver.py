@@ -58,7 +58,7 @@ class WeightStage:
         self.loading: int | None = None  # the slot being staged or loaded
         self._lock = threading.Lock()
         self._learner_rings: dict[str, ShmRing] = {}
-        self.paths_used = {"group": 0, "shm": 0, "catchup": 0}
+        self.paths_used = {"group": 0, "shm": 0, "catchup": 0, "catchup_delta": 0}
         self.member = None  # group.member.WeightGroupMember, joined when a control message names a group
         self._member_address = None
         self._received: tuple | None = None  # (version, buckets) taken from the member, not yet used
@@ -184,9 +184,20 @@ class WeightStage:
     def _from_catchup(self, message: dict, layout: Layout, dest: FlatBuckets) -> bool:
         if not message.get("catchup"):
             return False
-        got, _ = fetch(message["catchup"], message["version"], lambda m: dest, self.catchup_timeout_s)
+        base = self.good if self.good is not None and self.good.message.get("fingerprint") == layout.fingerprint \
+            else None  # the version the engine runs, verified: the server may send only what changed since
+        got, _ = fetch(message["catchup"], message["version"], lambda m: dest, self.catchup_timeout_s,
+                       base=base.buckets if base else None, base_message=base.message if base else None)
         if got.get("fingerprint") != layout.fingerprint:
             raise CatchupError(f"{message['catchup']} answered with another layout")
+        if "delta" in got:
+            bad = verify(dest, message)
+            if bad:  # only if the server's base was not ours after all: the full version is one more request away
+                log.warning("weight sync: a delta to v%d from %s failed the checksums of buckets %s; fetching the "
+                            "full version", message["version"], message["catchup"], bad[:5])
+                fetch(message["catchup"], message["version"], lambda m: dest, self.catchup_timeout_s)
+            else:
+                self.paths_used["catchup_delta"] += 1
         return True
 
     def end_load(self, staged: Staged | None, ok: bool) -> None:

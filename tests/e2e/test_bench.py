@@ -112,6 +112,18 @@ def test_weightsync_bench_runs_on_a_tiny_setting(tmp_path):
     assert result["cast"]["cast_in_copy_s"] > 0 and result["cast"]["to_then_copy_s"] > 0
 
 
+def test_weightsync_delta_bench_runs_on_a_tiny_setting(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.weightsync_delta", "--steps", "2", "--settings",
+                          "tiny:bfloat16:1e-6", "tiny:float32:1e-4"], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "weightsync_delta"
+    small, full = result["settings"]["tiny/bfloat16/lr=1e-06"], result["settings"]["tiny/float32/lr=0.0001"]
+    assert small["deltas_used"] == 2 and 0 < small["bytes_frac"] < 0.5 and small["changed_frac"] < 0.5
+    assert full["deltas_used"] == 0 and full["bytes_frac"] == 1.0 and full["changed_frac"] == 1.0  # fp32: all moved
+
+
 @pytest.mark.slow
 def test_weightsync_fanout_bench_runs_on_a_tiny_setting(tmp_path):
     out = subprocess.run([sys.executable, "-m", "asyncrl.bench.weightsync_fanout", "--mb", "4", "--repeats", "1",

@@ -128,7 +128,7 @@ def test_catch_up_serves_the_newest_version_to_another_host(tmp_path):
         message = publish(publisher, model_tensors(6), 2)
         remote = dict(message, shm={"path": str(tmp_path / "not-on-this-host"), "slots": 2})
         staged = stage.stage(remote)
-        assert stage.paths_used == {"group": 0, "shm": 0, "catchup": 1}
+        assert stage.paths_used == {"group": 0, "shm": 0, "catchup": 1, "catchup_delta": 0}
         assert torch.equal(dict(staged.buckets.tensors())["layer.0.w"], model_tensors(6)[1][1])
         with pytest.raises(CatchupError, match="not held"):
             fetch(server.address, 0, lambda m: staged.buckets, 5)
