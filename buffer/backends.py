@@ -41,10 +41,13 @@ def make_learner_buffer(cfg, *, vocab_size: int, max_positions: int, config_hash
 
         coordinator = Coordinator(buffer.lead_steps, buffer.groups_per_step)
         coordinator.set_version(start_version)
+        from asyncrl.security.curve import server_keys
+
         return ZmqBufferServer(buffer.host, buffer.port, coordinator, vocab_size=vocab_size, config_hash=config_hash,
                                max_message_bytes=buffer.max_message_bytes, queue_groups=buffer.queue_groups,
                                queue_bytes=int(buffer.queue_mb * 2**20), run_info=run_info, limits=limits,
-                               shared_config=shared_config, dealer=dealer, evals=evals)
+                               shared_config=shared_config, dealer=dealer, evals=evals,
+                               keys=server_keys(cfg.security.keys_dir))
     from asyncrl.buffer.redis.conn import check_server, configure_durability, connect
     from asyncrl.buffer.redis.coordinator import RedisCoordinator
     from asyncrl.buffer.redis.dealing import RedisDealer
@@ -76,9 +79,11 @@ def make_generator_buffer(cfg, generator_id: str) -> GeneratorBuffer:
     buffer = cfg.buffer
     if buffer.backend == "zmq":
         from asyncrl.buffer.zmq.client import ZmqBufferClient
+        from asyncrl.security.curve import client_keys
 
         return ZmqBufferClient(f"tcp://{buffer.host}:{buffer.port}", generator_id, buffer.request_timeout_s,
-                               max_message_bytes=buffer.max_message_bytes)
+                               max_message_bytes=buffer.max_message_bytes,
+                               keys=client_keys(cfg.security.keys_dir, cfg.security.client_name))
     from asyncrl.buffer.redis.client import RedisBufferClient
     from asyncrl.buffer.redis.conn import connect
     from asyncrl.buffer.redis.reconnect import Reconnecting

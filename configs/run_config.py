@@ -15,6 +15,7 @@ from asyncrl.configs.sections import (DataConfig, DemoConfig, EvalConfig, JobCon
                                       RewardServerConfig)
 from asyncrl.generator.config import AgentConfig, EnvConfig, GeneratorConfig, RolloutConfig, ToolsConfig
 from asyncrl.learner.config import CriticConfig, LearnerConfig, SFTConfig
+from asyncrl.security.config import SecurityConfig
 from asyncrl.telemetry.config import TelemetryConfig
 from asyncrl.weightsync.config import WeightSyncConfig
 
@@ -46,6 +47,7 @@ class RunConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     weightsync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     reward_server: RewardServerConfig = field(default_factory=RewardServerConfig)
 

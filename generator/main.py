@@ -24,6 +24,7 @@ from asyncrl.generator.reward_server.client import wait_for_server
 from asyncrl.generator.rewards import RewardError, check_builtin_rewards, uses_builtin_rewards
 from asyncrl.generator.rollout import RolloutLoop
 from asyncrl.generator.scoring import RewardScorer
+from asyncrl.security.curve import KeysError, client_keys
 from asyncrl.telemetry.system_metrics import start_system_metrics, stop_system_metrics
 from asyncrl.weightsync.receiver import WeightStage
 
@@ -108,6 +109,7 @@ async def run_generator_async(cfg, say=print) -> int:
             torch.set_num_threads(cfg.generator.torch_threads)
         from transformers import AutoTokenizer
 
+        keys = client_keys(cfg.security.keys_dir, cfg.security.client_name)
         tokenizer = AutoTokenizer.from_pretrained(info["model_path"], trust_remote_code=cfg.model.trust_remote_code)
         prompts, data_sources = None, info.get("data_sources")
         if not info.get("deals"):  # a learner that deals no prompts: walk a copy of the dataset
@@ -137,7 +139,7 @@ async def run_generator_async(cfg, say=print) -> int:
                                             tool_workers=cfg.generator.tool_workers, engine=engine,
                                             tokenizer=tokenizer)
             await episodes.start()
-        stage = WeightStage(cfg.weightsync.shm_dir, generator_id, cfg.weightsync.timeout_s)
+        stage = WeightStage(cfg.weightsync.shm_dir, generator_id, cfg.weightsync.timeout_s, keys=keys)
         metrics_log = _metrics_logger(info, generator_id)
         if metrics_log is not None:
             system_metrics = start_system_metrics(info["tracking_uri"], info["mlflow_run_id"], generator_id,
@@ -221,7 +223,7 @@ def run_generator(cfg, say=print) -> int:
         say(f"generator stopped: {err}")
         return 1
     except (RewardError, ToolLoadError, EnvironmentLoadError, TemplateCannotAppend, McpServerError,
-            AgentLoadError) as err:  # the recipe's mistake
+            AgentLoadError, KeysError) as err:  # the recipe's or the setup's mistake
         say(f"generator stopped: {err}")
         return 1
     except GeneratorRefused as err:  # e.g. started with another recipe than the learner

@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                              help="generator processes, named gen-0, gen-1, ... (default 1)")
     add_export_parser(sub)
     add_data_parser(sub)
+    add_keys_parser(sub)
     return parser
 
 
@@ -128,6 +129,31 @@ def add_data_parser(sub) -> None:
                      help="math only: the data_source to write (a name the built-in math scorer knows)")
 
 
+def add_keys_parser(sub) -> None:
+    """`keys` writes files, not a job: it takes no --config or overrides."""
+    help_text = "make ZeroMQ CURVE keys for the buffer and the weight catch-up server (security.keys_dir)"
+    cmd = sub.add_parser("keys", help=help_text, description=help_text)
+    cmd.add_argument("dir", help="the keys directory: server.key(_secret) and clients/<name>.key(_secret)")
+    cmd.add_argument("--clients", nargs="+", default=["generator"],
+                     help="client names, one key pair each (default: generator, shared by the fleet)")
+
+
+def cmd_keys(args) -> int:
+    from asyncrl.security.curve import make_keys
+
+    bad = [name for name in args.clients if not name or "/" in name or name.startswith(".")]
+    if bad:
+        print(f"asyncrl keys: client names must be plain file names, got {bad}", file=sys.stderr)
+        return 2
+    written = make_keys(args.dir, args.clients)
+    directory = os.path.abspath(args.dir)
+    print(f"keys: wrote {len(written)} files in {directory}" + ("" if written else " (all existed; kept)"))
+    print(f"  learner: security.keys_dir={directory} (reads server.key_secret and clients/*.key)")
+    print(f"  generator host: copy server.key and clients/<name>.key_secret to a keys dir there, then "
+          f"security.keys_dir=<that dir> security.client_name=<name>")
+    return 0
+
+
 def cmd_data(args) -> int:
     from asyncrl.launch.datasets import DataPrepError, convert
 
@@ -147,6 +173,8 @@ def main(argv=None) -> int:
         return cmd_export(args)
     if args.command == "data":
         return cmd_data(args)
+    if args.command == "keys":
+        return cmd_keys(args)
     from asyncrl.configs import ConfigError, load_config, to_yaml
 
     if args.command == "eval" and args.files:
@@ -293,6 +321,7 @@ def cmd_learner(cfg, args) -> int:
     from asyncrl.generator.dataset import DatasetError
     from asyncrl.learner.checkpoint import CheckpointError
     from asyncrl.learner.loop import TrainingPoisoned, run_learner
+    from asyncrl.security.curve import KeysError
 
     parallel = join_ranks(cfg, "learner")
     if isinstance(parallel, int):
@@ -303,7 +332,7 @@ def cmd_learner(cfg, args) -> int:
             summary = run_learner(cfg, model_path, files, job_dir, parallel,
                                   load_prompts=prompt_loader(cfg, model_path, files),
                                   load_eval_prompts=eval_prompt_loader(cfg, model_path))
-        except (CheckpointError, DatasetError, DealError) as err:  # a checkpoint or data it cannot use
+        except (CheckpointError, DatasetError, DealError, KeysError) as err:  # a checkpoint, data or keys it cannot use
             print(f"asyncrl learner: {err}", file=sys.stderr)
             return 2
         except TrainingPoisoned as err:

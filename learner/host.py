@@ -23,6 +23,7 @@ from asyncrl.telemetry.plots import PlotPublisher
 from asyncrl.telemetry.progress import ProgressDisplay
 from asyncrl.telemetry.system_metrics import start_system_metrics, stop_system_metrics
 from asyncrl.telemetry.timing import share
+from asyncrl.security.curve import server_keys
 from asyncrl.weightsync.backends import make_publisher
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class LearnerHost:
                                                    telemetry.system_metrics_every_s)
         self.plots = (PlotPublisher(self.tracking_uri, self.run_id, job_dir, telemetry.plots_every_s)
                       if telemetry.plots else None)
-        self.publisher = make_publisher(cfg.weightsync, cfg.job.name)
+        self.publisher = make_publisher(cfg.weightsync, cfg.job.name, keys=server_keys(cfg.security.keys_dir))
         run_info = {"model_path": os.path.abspath(model_path), "train_files": [os.path.abspath(f) for f in train_files],
                     "mlflow_run_id": self.run_id, "tracking_uri": self.tracking_uri, "host": socket.gethostname(),
                     "job_dir": os.path.abspath(job_dir), "job": cfg.job.name}
@@ -284,3 +285,4 @@ class LearnerHost:
         with open(os.path.join(self.job_dir, "summary.json"), "w") as handle:
             json.dump(summary, handle, indent=2)
         return summary
+

@@ -81,13 +81,13 @@ class EnginePusher:
         self.host.close()
 
 
-def make_publisher(ws, job: str) -> WeightPublisher:
+def make_publisher(ws, job: str, keys=None) -> WeightPublisher:
     removed = remove_stale(ws.shm_dir, f"asyncrl-{job}-", ".ring")
     if removed:
         log.info("weight sync: removed rings of learners that died without cleaning up: %s", removed)
     ring_path = os.path.join(ws.shm_dir, f"asyncrl-{job}-{os.getpid()}.ring")
     catchup = CatchupServer(ws.catchup_host, ws.catchup_port, advertise=ws.catchup_advertise,
-                            delta_max_fraction=ws.catchup_delta_max_fraction)
+                            delta_max_fraction=ws.catchup_delta_max_fraction, keys=keys)
     group = None
     if ws.backend == "broadcast":
         from asyncrl.weightsync.group.host import WeightGroupHost

@@ -19,6 +19,7 @@ import time
 import numpy as np
 import zmq
 
+from asyncrl.security.curve import CurveGuard, secure_client, warn_if_open
 from asyncrl.weightsync import delta
 from asyncrl.weightsync.buckets import FlatBuckets
 
@@ -30,19 +31,25 @@ class CatchupError(RuntimeError):
 
 
 class CatchupServer:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise: str = "", delta_max_fraction: float = 0.5):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise: str = "", delta_max_fraction: float = 0.5,
+                 keys=None):
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self.curve = CurveGuard(self._context, keys, "the weight catch-up server")  # keys: curve.ServerKeys or None
+        self.curve.before_bind(self._socket)
         try:
             if port:
                 self._socket.bind(f"tcp://{host}:{port}")
             else:
                 port = self._socket.bind_to_random_port(f"tcp://{host}")
         except zmq.ZMQError as err:
+            self.curve.close()
             self._socket.close()
             self._context.term()
             raise CatchupError(f"weight catch-up server cannot bind {host}:{port}: {err}") from None
+        self.curve.after_bind(self._socket)
+        warn_if_open(host, keys, "the weight catch-up server")
         self.address = f"tcp://{advertise or host}:{port}"
         self._ring = None
         self._messages: dict[int, dict] = {}
@@ -142,19 +149,22 @@ class CatchupServer:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        self.curve.close(self._socket)
         self._socket.close(linger=0)
         self._context.term()
 
 
 def fetch(address: str, version: int, dest_for, timeout_s: float, base: FlatBuckets | None = None,
-          base_message: dict | None = None) -> tuple[dict, FlatBuckets]:
+          base_message: dict | None = None, keys=None) -> tuple[dict, FlatBuckets]:
     """Ask `address` for `version` (-1: the newest) and copy its buckets into `dest_for(message)` (FlatBuckets the
     caller owns, chosen once the message says which layout). With `base` (the caller's verified copy of the version
     `base_message` describes), the server may answer with a delta: `dest` is then `base` with the changes applied.
-    Returns (message, dest); checksums are the caller's (a delta that does not reproduce them is caught there)."""
+    Returns (message, dest); checksums are the caller's (a delta that does not reproduce them is caught there).
+    `keys` (security.curve.ClientKeys): this generator's CURVE keys, when the server wants them."""
     context = zmq.Context.instance()
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    secure_client(socket, keys)
     socket.connect(address)
     request = {"version": version}
     if base is not None and base_message is not None:
@@ -163,7 +173,8 @@ def fetch(address: str, version: int, dest_for, timeout_s: float, base: FlatBuck
         socket.send(json.dumps(request).encode())
         if not socket.poll(int(timeout_s * 1000)):
             raise CatchupError(f"weight catch-up server {address} did not answer for v{version} within "
-                               f"{timeout_s:.0f} s")
+                               f"{timeout_s:.0f} s" + (" (with CURVE keys: does the learner use them, with this "
+                                                       "generator's public key?)" if keys else ""))
         frames = socket.recv_multipart(copy=False)
     finally:
         socket.close(linger=0)
@@ -201,3 +212,4 @@ def fetch(address: str, version: int, dest_for, timeout_s: float, base: FlatBuck
                                f"{source.size} bytes, the layout says {target.numel()}")
         np.copyto(target.numpy(), source)
     return message, dest
+

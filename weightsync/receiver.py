@@ -47,11 +47,12 @@ def verify(buckets: FlatBuckets, message: dict) -> list[int]:
 
 
 class WeightStage:
-    def __init__(self, directory: str, name: str, catchup_timeout_s: float = 60.0):
+    def __init__(self, directory: str, name: str, catchup_timeout_s: float = 60.0, keys=None):
         self.name = name
         remove_stale(directory, f"asyncrl-stage-{name}-")  # a previous life of this generator, killed with -9
         self.path = os.path.join(directory, f"asyncrl-stage-{name}-{os.getpid()}")
         self.catchup_timeout_s = catchup_timeout_s
+        self.keys = keys  # security.curve.ClientKeys for a catch-up server that wants CURVE, or None
         self.ring: ShmRing | None = None
         self.layout: Layout | None = None
         self.good: Staged | None = None  # what the engine runs
@@ -187,7 +188,8 @@ class WeightStage:
         base = self.good if self.good is not None and self.good.message.get("fingerprint") == layout.fingerprint \
             else None  # the version the engine runs, verified: the server may send only what changed since
         got, _ = fetch(message["catchup"], message["version"], lambda m: dest, self.catchup_timeout_s,
-                       base=base.buckets if base else None, base_message=base.message if base else None)
+                       base=base.buckets if base else None, base_message=base.message if base else None,
+                       keys=self.keys)
         if got.get("fingerprint") != layout.fingerprint:
             raise CatchupError(f"{message['catchup']} answered with another layout")
         if "delta" in got:
@@ -195,7 +197,7 @@ class WeightStage:
             if bad:  # only if the server's base was not ours after all: the full version is one more request away
                 log.warning("weight sync: a delta to v%d from %s failed the checksums of buckets %s; fetching the "
                             "full version", message["version"], message["catchup"], bad[:5])
-                fetch(message["catchup"], message["version"], lambda m: dest, self.catchup_timeout_s)
+                fetch(message["catchup"], message["version"], lambda m: dest, self.catchup_timeout_s, keys=self.keys)
             else:
                 self.paths_used["catchup_delta"] += 1
         return True

@@ -23,6 +23,7 @@ from asyncrl.buffer.eval_rounds import decode_eval_task
 from asyncrl.buffer.interface import (AdmitReply, GeneratorRefused, HelloReply, LearnerUnavailable, SendReply,
                                      Status, too_large_reply)
 from asyncrl.buffer.zmq.wire import pack, status_fields, unpack_reply
+from asyncrl.security.curve import secure_client
 
 BATCH_MAX_GROUPS = 16
 """Most groups sent in one message (wire.py); one more than that starts another."""
@@ -36,7 +37,7 @@ SEND_RETRY_S = 0.001
 
 
 class ZmqBufferClient:
-    def __init__(self, endpoint: str, generator_id: str, timeout_s: float, max_message_bytes: int = 0):
+    def __init__(self, endpoint: str, generator_id: str, timeout_s: float, max_message_bytes: int = 0, keys=None):
         self.endpoint = endpoint
         self.max_message_bytes = max_message_bytes  # the job's limit (buffer.max_message_bytes); 0: not checked here
         self.generator_id = generator_id
@@ -46,6 +47,8 @@ class ZmqBufferClient:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        secure_client(self._socket, keys)  # keys: security.curve.ClientKeys, or None for plain TCP
+        self.curve = keys is not None
         self._socket.connect(endpoint)
         self._fd = self._socket.getsockopt(zmq.FD)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -114,6 +117,8 @@ class ZmqBufferClient:
         except asyncio.TimeoutError:
             raise LearnerUnavailable(
                 f"learner at {self.endpoint} did not answer {op!r} within {timeout_s:.0f} s"
+                + (" (with CURVE keys: is the learner using them too, with this generator's public key in its "
+                   "security.keys_dir/clients/?)" if self.curve else "")
             ) from None
         finally:
             timer.cancel()

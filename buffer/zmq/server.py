@@ -28,6 +28,7 @@ from asyncrl.buffer.plausibility import JobLimits, check_stats
 from asyncrl.buffer.rejections import RejectionLog
 from asyncrl.buffer.staleness import Coordinator
 from asyncrl.buffer.zmq.wire import ProtocolError, pack, unpack_request
+from asyncrl.security.curve import CurveGuard, warn_if_open
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class ZmqBufferServer:
     def __init__(self, host: str, port: int, coordinator: Coordinator, *, vocab_size: int, config_hash: str,
                  max_message_bytes: int, queue_groups: int, run_info: dict, peer_timeout_s: float = 120.0,
                  queue_bytes: int = 0, limits: JobLimits | None = None, shared_config: dict | None = None,
-                 dealer: PromptDealer | None = None, evals: EvalRounds | None = None):
+                 dealer: PromptDealer | None = None, evals: EvalRounds | None = None, keys=None):
         self.coordinator = coordinator
         self.dealer = dealer  # deals the prompts with the admissions (buffer/dealer.py); None: generators walk theirs
         self.evals = evals  # evaluation rounds dealt beside the admissions (buffer/eval_rounds.py)
@@ -89,12 +90,17 @@ class ZmqBufferServer:
         self._socket.setsockopt(zmq.MAXMSGSIZE, TRANSPORT_SLACK * max_message_bytes + (1 << 20))
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.curve = CurveGuard(self._context, keys, "the buffer")  # keys: security.curve.ServerKeys, or None
+        self.curve.before_bind(self._socket)
         try:
             self._socket.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as err:
+            self.curve.close()
             self._socket.close()
             self._context.term()
             raise RuntimeError(f"buffer cannot bind tcp://{host}:{port}: {err} (is another job using buffer.port?)")
+        self.curve.after_bind(self._socket)
+        warn_if_open(host, keys, "the buffer")
         self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._thread = threading.Thread(target=self._serve, name="asyncrl-buffer", daemon=True)
 
@@ -212,7 +218,8 @@ class ZmqBufferServer:
     def metrics(self) -> dict:
         """Copies first (one C call each, so atomic): the server thread adds keys while the learner reads."""
         out = {"buffer/size": float(self.queued()), "buffer/size_bytes": float(self._bytes_in - self._bytes_out),
-               "buffer/received": float(self.received), "buffer/dropped/future_version": float(self.dropped_future)}
+               "buffer/received": float(self.received), "buffer/dropped/future_version": float(self.dropped_future),
+               "buffer/refused_connections": float(self.curve.refused)}
         for reason, count in self.rejected.items():
             out[f"buffer/rejected/{reason}"] = float(count)
         if self.dealer is not None:
@@ -225,6 +232,7 @@ class ZmqBufferServer:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
+        self.curve.close(self._socket)
         self._socket.close(linger=0)
         self._context.term()
 

@@ -13,6 +13,8 @@ import uuid
 
 import pytest
 
+from asyncrl.security.curve import make_keys
+
 from tests.conftest import free_port
 from tests.e2e.test_run import QUIET_TELEMETRY, job_env, read_progress
 
@@ -71,6 +73,9 @@ def test_two_generators_a_generator_kill_9_and_a_learner_restart_train_each_prom
         namespace = f"once{uuid.uuid4().hex[:8]}"
         overrides += ["buffer.backend=redis", f"buffer.redis_url={request.getfixturevalue('redis_server').url}",
                       f"buffer.redis_namespace={namespace}", "buffer.lease_s=5"]
+    else:  # the zmq job runs with CURVE keys: every request of both lives is encrypted and authenticated
+        make_keys(str(tmp_path / "keys"), ["generator"])
+        overrides += [f"security.keys_dir={tmp_path / 'keys'}"]
     env = {**job_env(tmp_path), "ASYNCRL_JOB_DIR": str(job_dir), "PYTHONUNBUFFERED": "1"}
     procs = {}
 
@@ -115,6 +120,7 @@ def test_two_generators_a_generator_kill_9_and_a_learner_restart_train_each_prom
     assert last["data/epoch"] == pytest.approx(1.0)
     if backend == "zmq":  # b's prompts, out when it died, were dealt again after the restart
         assert last["data/consumed"] == PROMPTS and last["data/returned/restart"] >= 1
+        assert last["buffer/refused_connections"] == 0  # every process presented its CURVE key
     else:  # the cursor lived in Redis: the prompts b and a held came back when they fell silent
         assert last["data/returned/generator_gone"] >= 1
         import redis

@@ -126,7 +126,7 @@ def test_generator_and_learner_never_import_each_other():
 def test_the_checker_sees_a_violation():
     """A rule that cannot fail checks nothing: a weightsync module importing the learner is caught."""
     rules = read_rules()
-    assert rules["weightsync"][0] == {"configs"}
+    assert rules["weightsync"][0] == {"configs", "security"}
     fake = os.path.join("weightsync", "imaginary.py")
     source = "import os\nfrom asyncrl.learner.loop import run_learner\n\ndef f():\n    import transformers\n"
     assert violations(fake, rules, source) == [f"{fake} imports asyncrl.learner.loop", f"{fake} imports transformers"]
