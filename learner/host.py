@@ -25,6 +25,7 @@ from asyncrl.telemetry.system_metrics import start_system_metrics, stop_system_m
 from asyncrl.telemetry.timing import share
 from asyncrl.security.curve import server_keys
 from asyncrl.weightsync.backends import make_publisher
+from asyncrl.weightsync.model_files import ModelFilesError, pack
 
 log = logging.getLogger(__name__)
 DROP_REASONS = ("stale", "zero_variance", "no_baseline", "empty", "poisoned_step")
@@ -56,6 +57,10 @@ class LearnerHost:
         run_info = {"model_path": os.path.abspath(model_path), "train_files": [os.path.abspath(f) for f in train_files],
                     "mlflow_run_id": self.run_id, "tracking_uri": self.tracking_uri, "host": socket.gethostname(),
                     "job_dir": os.path.abspath(job_dir), "job": cfg.job.name}
+        files = model_files_for(model_path)
+        if files is not None:  # a generator on another host starts from these and the weights it is sent
+            self.publisher.catchup.serve_files(*files)
+            run_info["model_files"] = files[1]
         if cfg.learner.lora.enabled:  # the generators' vLLM engines size their adapter slots from the learner's
             run_info["lora_rank"] = cfg.learner.lora.rank
         self.overlong_prompts = 0
@@ -286,3 +291,13 @@ class LearnerHost:
             json.dump(summary, handle, indent=2)
         return summary
 
+
+def model_files_for(model_path: str):
+    """(archive, digest) of the model's config and tokenizer for generators with nothing shared, or None (logged)
+    when the directory cannot be packed: generators then need the model at the same path."""
+    try:
+        return pack(model_path)
+    except (ModelFilesError, OSError) as err:
+        log.warning("learner: generators on other hosts cannot get the model files (%s); they need %s themselves",
+                    err, model_path)
+        return None

@@ -62,12 +62,17 @@ class CatchupServer:
         self.sent_bytes = 0  # what the replies carried beyond their control messages
         self.full_bytes = 0  # what full copies of the same versions would have carried
         self._delta_cache: tuple = ((), None)  # ((base stamp, target stamp), encode's output)
+        self._files: tuple = ("", b"")  # (digest, archive) of the model's non-weight files (model_files.py)
         self._thread = threading.Thread(target=self._serve, name="asyncrl-weight-catchup", daemon=True)
         self._thread.start()
 
     def attach(self, ring) -> None:
         with self._lock:
             self._ring, self._messages = ring, {}
+
+    def serve_files(self, blob: bytes, digest: str) -> None:
+        """Answer {"files": ...} requests with this archive: a generator with nothing shared starts from it."""
+        self._files = (digest, blob)
 
     def announce(self, message: dict) -> None:
         """A complete version is in the ring; keep the messages of the versions the ring still holds."""
@@ -96,6 +101,11 @@ class CatchupServer:
     def _answer(self, identity: bytes, frames: list) -> None:
         try:
             request = json.loads(frames[-1])
+            if request.get("files"):
+                digest, blob = self._files
+                self._reply(identity, {"files": digest, "bytes": len(blob)} if digest else
+                            {"error": "this learner serves no model files"}, [blob] if digest else [])
+                return
             wanted = int(request.get("version", -1))
             base = request.get("base")
             base = (int(base), str(request.get("base_digest", ""))) if base is not None else None
@@ -213,3 +223,26 @@ def fetch(address: str, version: int, dest_for, timeout_s: float, base: FlatBuck
         np.copyto(target.numpy(), source)
     return message, dest
 
+
+def fetch_files(address: str, timeout_s: float, keys=None) -> tuple[bytes, str]:
+    """(archive, digest) of the learner's model files (model_files.py checks the digest when unpacking)."""
+    context = zmq.Context.instance()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    secure_client(socket, keys)
+    socket.connect(address)
+    try:
+        socket.send(json.dumps({"files": True}).encode())
+        if not socket.poll(int(timeout_s * 1000)):
+            raise CatchupError(f"weight catch-up server {address} did not send the model files within {timeout_s:.0f} s")
+        frames = socket.recv_multipart()
+    finally:
+        socket.close(linger=0)
+    try:
+        message = json.loads(frames[0])
+    except ValueError:
+        raise CatchupError(f"weight catch-up server {address} answered the model files request with no JSON") from None
+    if not isinstance(message, dict) or "error" in message or len(frames) != 2:
+        raise CatchupError(f"weight catch-up server {address}: "
+                           f"{message.get('error') if isinstance(message, dict) else 'a malformed answer'}")
+    return frames[1], str(message.get("files", ""))
