@@ -19,6 +19,8 @@ from asyncrl.weightsync.receiver import verify
 
 log = logging.getLogger(__name__)
 WEIGHTS_POLL_S = 0.5
+HELLO_TIMEOUT_S = 10.0
+"""Each repeated hello's own limit: a learner that went away is noticed in seconds, not after the whole wait."""
 
 
 def uses_local(source: str, learner_path: str) -> bool:
@@ -37,7 +39,7 @@ async def first_weights(client, config_hash: str, hello, timeout_s: float) -> di
             raise LearnerUnavailable(f"the learner at {client.endpoint} announced no weights with a catch-up address "
                                      f"within {timeout_s:.0f} s, and this generator has no model of its own")
         await asyncio.sleep(WEIGHTS_POLL_S)
-        reply = await client.hello(config_hash, timeout_s=timeout_s)
+        reply = await client.hello(config_hash, timeout_s=min(HELLO_TIMEOUT_S, timeout_s))
     return reply.weights
 
 
