@@ -66,10 +66,9 @@ def changed_elements(ring, base_version: int, version: int) -> tuple[int, int]:
     base, target = ring.buckets(ring.find(base_version)), ring.buckets(ring.find(version))
     changed = total = 0
     for entry in target.layout.entries:
-        new, old = target.view(entry), base.view(entry)
+        new = delta._words(target, entry)
         total += new.numel()
-        changed += int((delta._words(target, entry) != delta._words(base, entry)).sum())
-        del new, old
+        changed += int((new != delta._words(base, entry)).sum())
     return changed, total
 
 

@@ -175,7 +175,7 @@ class CurveGuard:
             if socket is not None:
                 try:
                     socket.disable_monitor()
-                except zmq.ZMQError:
+                except zmq.ZMQError:  # the socket is closing already, and its monitor with it
                     pass
             self._monitor.close(linger=0)
             self._monitor = None

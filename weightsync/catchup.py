@@ -164,27 +164,19 @@ class CatchupServer:
         self._context.term()
 
 
-def fetch(address: str, version: int, dest_for, timeout_s: float, base: FlatBuckets | None = None,
-          base_message: dict | None = None, keys=None) -> tuple[dict, FlatBuckets]:
-    """Ask `address` for `version` (-1: the newest) and copy its buckets into `dest_for(message)` (FlatBuckets the
-    caller owns, chosen once the message says which layout). With `base` (the caller's verified copy of the version
-    `base_message` describes), the server may answer with a delta: `dest` is then `base` with the changes applied.
-    Returns (message, dest); checksums are the caller's (a delta that does not reproduce them is caught there).
-    `keys` (security.curve.ClientKeys): this generator's CURVE keys, when the server wants them."""
-    context = zmq.Context.instance()
-    socket = context.socket(zmq.DEALER)
+def _ask(address: str, request: dict, timeout_s: float, keys, what: str) -> tuple[dict, list]:
+    """Send one request to the catch-up server and return (its control message, the frames after it). `what` names
+    the request in errors; a missing answer, a control message that is not a JSON object, or an error raise."""
+    socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     secure_client(socket, keys)
     socket.connect(address)
-    request = {"version": version}
-    if base is not None and base_message is not None:
-        request.update(base=int(base_message["version"]), base_digest=delta.base_digest(base_message))
     try:
         socket.send(json.dumps(request).encode())
         if not socket.poll(int(timeout_s * 1000)):
-            raise CatchupError(f"weight catch-up server {address} did not answer for v{version} within "
-                               f"{timeout_s:.0f} s" + (" (with CURVE keys: does the learner use them, with this "
-                                                       "generator's public key?)" if keys else ""))
+            raise CatchupError(f"weight catch-up server {address} did not answer {what} within {timeout_s:.0f} s"
+                               + (" (with CURVE keys: does the learner use them, with this generator's public "
+                                  "key?)" if keys else ""))
         frames = socket.recv_multipart(copy=False)
     finally:
         socket.close(linger=0)
@@ -196,6 +188,20 @@ def fetch(address: str, version: int, dest_for, timeout_s: float, base: FlatBuck
         raise CatchupError(f"weight catch-up server {address} sent a control message that is not an object")
     if "error" in message:
         raise CatchupError(f"weight catch-up server {address}: {message['error']}")
+    return message, frames[1:]
+
+
+def fetch(address: str, version: int, dest_for, timeout_s: float, base: FlatBuckets | None = None,
+          base_message: dict | None = None, keys=None) -> tuple[dict, FlatBuckets]:
+    """Ask `address` for `version` (-1: the newest) and copy its buckets into `dest_for(message)` (FlatBuckets the
+    caller owns, chosen once the message says which layout). With `base` (the caller's verified copy of the version
+    `base_message` describes), the server may answer with a delta: `dest` is then `base` with the changes applied.
+    Returns (message, dest); checksums are the caller's (a delta that does not reproduce them is caught there).
+    `keys` (security.curve.ClientKeys): this generator's CURVE keys, when the server wants them."""
+    request = {"version": version}
+    if base is not None and base_message is not None:
+        request.update(base=int(base_message["version"]), base_digest=delta.base_digest(base_message))
+    message, frames = _ask(address, request, timeout_s, keys, f"for v{version}")
     dest = dest_for(message)
     patch = message.get("delta")
     if patch is not None:
@@ -208,14 +214,14 @@ def fetch(address: str, version: int, dest_for, timeout_s: float, base: FlatBuck
             if source.data_ptr() != target.data_ptr():
                 target.copy_(source)
         try:
-            delta.apply(dest, patch.get("entries"), [frame.buffer for frame in frames[1:]])
+            delta.apply(dest, patch.get("entries"), [frame.buffer for frame in frames])
         except delta.DeltaError as err:
             raise CatchupError(f"weight catch-up server {address}: {err}") from None
         return message, dest
-    if len(frames) - 1 != len(dest.buffers):
-        raise CatchupError(f"weight catch-up server {address} sent {len(frames) - 1} buckets for v{message['version']}"
+    if len(frames) != len(dest.buffers):
+        raise CatchupError(f"weight catch-up server {address} sent {len(frames)} buckets for v{message['version']}"
                            f", the layout has {len(dest.buffers)}")
-    for frame, target in zip(frames[1:], dest.buffers):
+    for frame, target in zip(frames, dest.buffers):
         source = np.frombuffer(frame.buffer, dtype=np.uint8)  # read-only view of the received frame
         if source.size != target.numel():
             raise CatchupError(f"weight catch-up server {address}: a bucket of v{message['version']} has "
@@ -226,23 +232,7 @@ def fetch(address: str, version: int, dest_for, timeout_s: float, base: FlatBuck
 
 def fetch_files(address: str, timeout_s: float, keys=None) -> tuple[bytes, str]:
     """(archive, digest) of the learner's model files (model_files.py checks the digest when unpacking)."""
-    context = zmq.Context.instance()
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    secure_client(socket, keys)
-    socket.connect(address)
-    try:
-        socket.send(json.dumps({"files": True}).encode())
-        if not socket.poll(int(timeout_s * 1000)):
-            raise CatchupError(f"weight catch-up server {address} did not send the model files within {timeout_s:.0f} s")
-        frames = socket.recv_multipart()
-    finally:
-        socket.close(linger=0)
-    try:
-        message = json.loads(frames[0])
-    except ValueError:
-        raise CatchupError(f"weight catch-up server {address} answered the model files request with no JSON") from None
-    if not isinstance(message, dict) or "error" in message or len(frames) != 2:
-        raise CatchupError(f"weight catch-up server {address}: "
-                           f"{message.get('error') if isinstance(message, dict) else 'a malformed answer'}")
-    return frames[1], str(message.get("files", ""))
+    message, frames = _ask(address, {"files": True}, timeout_s, keys, "for the model files")
+    if len(frames) != 1:
+        raise CatchupError(f"weight catch-up server {address} sent {len(frames)} frames for the model files, not 1")
+    return frames[0].bytes, str(message.get("files", ""))

@@ -63,6 +63,7 @@ class WeightStage:
         self.member = None  # group.member.WeightGroupMember, joined when a control message names a group
         self._member_address = None
         self._received: tuple | None = None  # (version, buckets) taken from the member, not yet used
+        self._last_delta = False  # the last catch-up answer was a delta (its checksums are checked in `stage`)
 
     def _ring_for(self, layout: Layout) -> ShmRing:
         if self.ring is None or self.layout.fingerprint != layout.fingerprint:
@@ -104,8 +105,9 @@ class WeightStage:
             self.end_load(None, ok=False)
         slot = self._reserve_loading(layout)
         tried = []
+        self._last_delta = False
         for path, copy in (("group", self._from_group), ("shm", self._from_learner_ring),
-                           ("catchup", self._from_catchup)):
+                           ("catchup", self._from_catchup), ("catchup", self._from_catchup_whole)):
             ring.begin_write(slot)
             try:
                 if not copy(message, layout, ring.buckets(slot)):
@@ -122,6 +124,8 @@ class WeightStage:
             ring.begin_write(slot)
             ring.end_write(slot, version)
             self.paths_used[path] += 1
+            if self._last_delta:
+                self.paths_used["catchup_delta"] += 1
             return Staged(version, message, self.path, slot, ring.buckets(slot))
         self.end_load(None, ok=False)
         raise WeightSyncError(f"weights v{version}: no complete copy could be staged ({'; '.join(tried) or 'no path'})")
@@ -192,14 +196,18 @@ class WeightStage:
                        keys=self.keys)
         if got.get("fingerprint") != layout.fingerprint:
             raise CatchupError(f"{message['catchup']} answered with another layout")
-        if "delta" in got:
-            bad = verify(dest, message)
-            if bad:  # only if the server's base was not ours after all: the full version is one more request away
-                log.warning("weight sync: a delta to v%d from %s failed the checksums of buckets %s; fetching the "
-                            "full version", message["version"], message["catchup"], bad[:5])
-                fetch(message["catchup"], message["version"], lambda m: dest, self.catchup_timeout_s, keys=self.keys)
-            else:
-                self.paths_used["catchup_delta"] += 1
+        self._last_delta = "delta" in got
+        return True
+
+    def _from_catchup_whole(self, message: dict, layout: Layout, dest: FlatBuckets) -> bool:
+        """Only after a delta that failed the checksums (the server's base was not ours after all): the full
+        version, one more request away."""
+        if not self._last_delta:
+            return False
+        self._last_delta = False
+        log.warning("weight sync: a delta to v%d from %s failed its checksums; fetching the full version",
+                    message["version"], message["catchup"])
+        fetch(message["catchup"], message["version"], lambda m: dest, self.catchup_timeout_s, keys=self.keys)
         return True
 
     def end_load(self, staged: Staged | None, ok: bool) -> None:

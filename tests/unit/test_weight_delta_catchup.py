@@ -183,3 +183,24 @@ def test_a_server_told_to_send_full_copies_never_sends_a_delta(tmp_path):
     finally:
         stage.close()
         publisher.close()
+
+
+def test_a_delta_that_fails_its_checksums_is_followed_by_the_full_version(tmp_path):
+    """The generator's copy of the base is not what the server's digest says (here: corrupted after staging), so
+    the patched result fails the checksums: stage asks again for the whole version and never hands on bad bytes."""
+    server = CatchupServer("127.0.0.1", 0)
+    publisher = WeightPublisher(str(tmp_path / "ring"), slots=3, bucket_bytes=2048, catchup=server)
+    stage = WeightStage(str(tmp_path), "remote")
+    try:
+        v1 = tensors(0)
+        staged = stage.stage(remote(publish(publisher, v1, 1), tmp_path))
+        stage.end_load(staged, ok=True)
+        staged.buckets.buffers[0][0] ^= 1
+        v2 = stepped(v1, {"embed.weight": [1, 2, 3]})
+        staged = stage.stage(remote(publish(publisher, v2, 2), tmp_path))
+        assert same_bytes(staged.buckets, flat(v2))
+        assert server.deltas_served == 1 and server.served == 3  # the delta, then the whole version
+        assert stage.paths_used["catchup"] == 2 and stage.paths_used["catchup_delta"] == 0
+    finally:
+        stage.close()
+        publisher.close()
