@@ -19,7 +19,7 @@ import math
 import random
 
 from asyncrl.planner.closed_form import mean_staleness, tailness
-from asyncrl.planner.from_run import empirical_lengths, measure_run
+from asyncrl.planner.from_run import measure_run
 from asyncrl.planner.simulate import Fleet, Learner, Queue, simulate
 
 GRID = {"concurrency_over_batch": (0.5, 1.0, 2.0), "rho": (0.5, 0.8, 1.25, 2.0), "queue_factor": (1, 2),
@@ -66,19 +66,17 @@ def check_closed_form(steps: int, seed: int, grid: dict = GRID) -> list:
 
 def check_runs(calibrate: str, runs: list, steps: int, seed: int) -> list:
     from asyncrl.configs import load_config
-    from asyncrl.launch.plan import check_against_run, plan_one, row_of
+    from asyncrl.launch.plan import check_against_run, describe, inputs_of, plan_one, row_of
 
     base = measure_run(calibrate)
-    lengths = empirical_lengths(base.lengths)
-    print(f"calibrated on {calibrate}: {base.gen_tokens_per_s:.0f} busy tokens/s per generator, "
-          f"{base.train_s_per_step:.3f} s per learner step")
+    inputs = inputs_of(base)
+    print(f"calibrated on {calibrate}: {describe(base)}")
     rows = []
     for job_dir in runs:
         measured = measure_run(job_dir)
         cfg = load_config(f"{job_dir}/config.yaml", [])
         eta = cfg.buffer.max_staleness
-        plan = plan_one(cfg, measured.generators, eta, base.gen_tokens_per_s, base.train_s_per_step, lengths,
-                        base.groups_per_step, base.n, steps, seed)
+        plan = plan_one(cfg, measured.generators, eta, inputs, steps, seed)
         rows.append({"run": job_dir, "generators": measured.generators, "eta": eta,
                      **check_against_run(measured, row_of(measured.generators, eta, plan))})
     print(f"{'generators':>10} {'eta':>4} {'steps/s run':>11} {'plan':>7} {'error':>7} {'staleness run':>13} "

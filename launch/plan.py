@@ -9,6 +9,7 @@ The last line is JSON.
 """
 import json
 import sys
+from dataclasses import dataclass
 
 from asyncrl.planner.from_run import Measured, empirical_lengths, lognormal_lengths, measure_run
 from asyncrl.planner.simulate import Fleet, Learner, Queue, simulate
@@ -32,30 +33,58 @@ def add_plan_arguments(cmd) -> None:
     cmd.add_argument("--mean-len", type=float, default=None, help="mean completion length (without --from-run)")
     cmd.add_argument("--len-cv", type=float, default=0.5,
                      help="coefficient of variation of completion lengths, lognormal (without --from-run)")
+    cmd.add_argument("--filter-frac", type=float, default=0.0,
+                     help="the share of sampled groups dynamic sampling drops (without --from-run; default 0)")
+
+
+@dataclass
+class PlanInputs:
+    """What a plan is simulated from: measured from a finished job (`inputs_of`) or given as flags."""
+    gen_tokens_per_s: float
+    train_s: float
+    lengths: object
+    """callable(rng, n) -> a group's completion lengths (planner/from_run.py's samplers)."""
+    groups_per_step: int
+    n: int
+    filter_frac: float = 0.0
+    """The share of sampled groups dynamic sampling drops."""
+
+
+def inputs_of(measured: Measured) -> PlanInputs:
+    return PlanInputs(measured.gen_tokens_per_s, measured.train_s_per_step, empirical_lengths(measured.lengths),
+                      measured.groups_per_step, measured.n, measured.filter_frac)
 
 
 def plan_inputs(cfg, args) -> tuple:
-    """(measured run or None, per-generator tokens/s, seconds per step, lengths sampler, groups per step, n)."""
+    """(measured run or None, PlanInputs)."""
     if args.from_run:
         measured = measure_run(args.from_run)
-        return (measured, measured.gen_tokens_per_s, measured.train_s_per_step, empirical_lengths(measured.lengths),
-                measured.groups_per_step, measured.n)
+        return measured, inputs_of(measured)
     missing = [flag for flag, value in (("--gen-tokens-per-s", args.gen_tokens_per_s), ("--train-s", args.train_s),
                                         ("--mean-len", args.mean_len)) if value is None]
     if missing:
         raise ValueError(f"give --from-run JOB_DIR, or {', '.join(missing)}")
-    return (None, args.gen_tokens_per_s, args.train_s, lognormal_lengths(args.mean_len, args.len_cv),
-            cfg.buffer.groups_per_step, cfg.rollout.n)
+    if not 0.0 <= args.filter_frac < 1.0:
+        raise ValueError(f"--filter-frac must be in [0, 1), got {args.filter_frac}")
+    return None, PlanInputs(args.gen_tokens_per_s, args.train_s, lognormal_lengths(args.mean_len, args.len_cv),
+                            cfg.buffer.groups_per_step, cfg.rollout.n, args.filter_frac)
 
 
-def plan_one(cfg, generators: int, eta: int, gen_tokens_per_s: float, train_s: float, lengths, groups_per_step: int,
-             n: int, steps: int, seed: int):
+def plan_one(cfg, generators: int, eta: int, inputs: PlanInputs, steps: int, seed: int):
+    """The job `cfg` with `generators` generators at max staleness `eta`."""
     lead = cfg.buffer.admission_lead
-    return simulate(Fleet(generators=generators, slots=cfg.generator.max_inflight_groups, n=n,
-                          gen_tokens_per_s=gen_tokens_per_s),
-                    Learner(groups_per_step=groups_per_step, max_staleness=eta,
-                            lead=None if lead is None else min(lead, eta), train_s_per_step=train_s),
-                    Queue(), lengths, steps=steps, seed=seed, warmup_steps=max(steps // 10, 5))
+    fleet = Fleet(generators=generators, slots=cfg.generator.max_inflight_groups, n=inputs.n,
+                  gen_tokens_per_s=inputs.gen_tokens_per_s, filter_frac=inputs.filter_frac)
+    return simulate(fleet, Learner(groups_per_step=inputs.groups_per_step, max_staleness=eta,
+                                   lead=None if lead is None else min(lead, eta), train_s_per_step=inputs.train_s),
+                    Queue(), inputs.lengths, steps=steps, seed=seed, warmup_steps=max(steps // 10, 5))
+
+
+def describe(measured: Measured) -> str:
+    return (f"{measured.generators} generator(s) at {measured.gen_tokens_per_s:.0f} busy tokens/s each; "
+            f"{measured.train_s_per_step:.3f} s per learner step; "
+            f"{measured.groups_per_step} groups of {measured.n} per step, {measured.filter_frac:.0%} of sampled groups "
+            f"filtered; {len(measured.lengths)} groups' lengths")
 
 
 def row_of(generators: int, eta: int, result) -> dict:
@@ -112,7 +141,7 @@ def cmd_plan(cfg, args) -> int:
     if args.from_run and os.path.isfile(os.path.join(args.from_run, "config.yaml")):
         cfg = load_config(os.path.join(args.from_run, "config.yaml"), list(args.overrides))
     try:
-        measured, gen_rate, train_s, lengths, groups_per_step, n = plan_inputs(cfg, args)
+        measured, inputs = plan_inputs(cfg, args)
     except ValueError as err:
         print(f"asyncrl plan: {err}", file=sys.stderr)
         return 2
@@ -121,11 +150,8 @@ def cmd_plan(cfg, args) -> int:
         print("asyncrl plan: --generators must be >= 1, --etas >= 0 and --steps >= 1", file=sys.stderr)
         return 2
     if measured is not None:
-        print(f"measured from {args.from_run}: {measured.generators} generator(s) at {gen_rate:.0f} busy tokens/s "
-              f"each, {train_s:.3f} s per learner step, {groups_per_step} groups of {n} per step, "
-              f"{len(measured.lengths)} groups' lengths")
-    rows = [row_of(g, eta, plan_one(cfg, g, eta, gen_rate, train_s, lengths, groups_per_step, n, args.steps,
-                                    args.seed))
+        print(f"measured from {args.from_run}: {describe(measured)}")
+    rows = [row_of(g, eta, plan_one(cfg, g, eta, inputs, args.steps, args.seed))
             for eta in etas for g in args.generators]
     print_table(rows)
     enough = enough_generators(rows)
@@ -135,8 +161,7 @@ def cmd_plan(cfg, args) -> int:
     out = {"plans": rows, "enough_generators": {str(eta): g for eta, g in enough.items()}}
     if measured is not None:
         own = row_of(measured.generators, cfg.buffer.max_staleness,
-                     plan_one(cfg, measured.generators, cfg.buffer.max_staleness, gen_rate, train_s, lengths,
-                              groups_per_step, n, args.steps, args.seed))
+                     plan_one(cfg, measured.generators, cfg.buffer.max_staleness, inputs, args.steps, args.seed))
         out["check"] = check_against_run(measured, own)
         check = out["check"]
         print(f"check against the run (its own {measured.generators} generator(s), eta={cfg.buffer.max_staleness}):"

@@ -17,7 +17,8 @@ class Measured:
     gen_tokens_per_s: float
     """Completion tokens/s of one generator while busy (the fleet's rate / generators / (1 - idle))."""
     train_s_per_step: float
-    """Median wall time of a step less the learner's wait for its batch: train, publish, log."""
+    """Mean wall time of a step less the learner's wait for its batch: train, publish, log, and the odd checkpoint
+    (the mean, as a learner-bound job's steps/s is 1 / it)."""
     lengths: list
     """Completion lengths, per trained group."""
     steps_per_s: float
@@ -28,6 +29,8 @@ class Measured:
     groups_per_step: int
     n: int
     """Samples per group."""
+    filter_frac: float = 0.0
+    """The share of sampled groups dynamic sampling dropped: filtered / (filtered + trained)."""
 
 
 def read_jsonl(path: str) -> list:
@@ -64,19 +67,33 @@ def measure_run(job_dir: str, warmup_frac: float = 0.2) -> Measured:
     if not lengths:
         raise ValueError(f"{groups_path} records no completion lengths (a job from before asyncrl recorded them); "
                          f"give the length distribution with --mean-len and --len-cv instead")
+    groups_per_step = statistics.mode(len(row["groups"]) for row in trained)
     return Measured(
         generators=generators,
         gen_tokens_per_s=fleet_rate / generators / max(1.0 - gen_idle, 0.05),
-        train_s_per_step=statistics.median(busy),
+        train_s_per_step=statistics.mean(busy),
         lengths=lengths,
         steps_per_s=len(walls) / sum(walls),
         staleness_mean=statistics.mean(row["buffer/staleness/mean"] for row in steady),
         learner_idle_frac=statistics.mean(row.get("timing/learner/idle_frac", 0.0) for row in steady),
         generator_idle_frac=gen_idle,
         steps=len(rows),
-        groups_per_step=statistics.mode(len(row["groups"]) for row in trained),
+        groups_per_step=groups_per_step,
         n=statistics.mode(len(group) for group in lengths),
+        filter_frac=filtered_fraction(rows[skip - 1:], groups_per_step),
     )
+
+
+def filtered_fraction(rows: list, groups_per_step: int) -> float:
+    """The share of the groups sampled over `rows` that dynamic sampling dropped. `generator/filtered_groups` is
+    the fleet's running total (a generator's count since it started), logged when a report carries it; trained
+    groups are the steps' batches."""
+    totals = [row["generator/filtered_groups"] for row in rows if "generator/filtered_groups" in row]
+    if len(totals) < 2:
+        return 0.0
+    filtered = sum(max(later - earlier, 0.0) for earlier, later in zip(totals, totals[1:]))  # a restart resets one
+    trained = (len(rows) - 1) * groups_per_step
+    return filtered / (filtered + trained) if filtered + trained else 0.0
 
 
 def _generator_count(job_dir: str) -> int:

@@ -6,8 +6,10 @@ What is modelled, and why it is enough to size a fleet:
   tokens/s (`gen_tokens_per_s`, measured while busy) is shared by every sequence it is decoding (processor
   sharing: a CPU or a saturated GPU batch). `engine="slots"`: each sequence decodes at `gen_tokens_per_s` on its
   own (a GPU far from saturation; Applied Compute's model). A group is done when its longest sample is, plus
-  `group_overhead_s` (reward, transport). A group is sampled by the newest published version when it starts
-  (in-flight updates: its staleness counts from its start, the version of its oldest token).
+  `group_overhead_s` (reward, transport). With dynamic sampling a done group is dropped with probability
+  `filter_frac` (all its rewards equal) and its admission given back, so another starts in its place. A group is
+  sampled by the newest published version when it starts (in-flight updates: its staleness counts from its start,
+  the version of its oldest token).
 - **Admission** is asyncrl's rule, called as the buffer calls it (`buffer/staleness.py::admission_capacity`):
   a group may start while `started < (lead + v + 1) * B`. `admission=False` lets generators run freely, for the
   evicting queue below.
@@ -43,6 +45,9 @@ class Fleet:
     finished sample's slot takes the next one (continuous batching). 0: every sample of a running group decodes.
     With seq_slots set, a generator starts groups while fewer than seq_slots sequences are waiting or running, up
     to `slots` groups."""
+    filter_frac: float = 0.0
+    """The share of finished groups dynamic sampling drops (algo.dynamic_sampling: all rewards equal); each gives
+    its admission back, so the learner's batch waits for another round of sampling."""
 
 
 @dataclass
@@ -78,6 +83,7 @@ class Result:
     dropped_stale: int = 0
     evicted: int = 0
     produced_groups: int = 0
+    filtered: int = 0
 
     @property
     def steps_per_s(self) -> float:
@@ -114,6 +120,8 @@ def simulate(fleet: Fleet, learner: Learner, queue: Queue, lengths, steps: int, 
              warmup_steps: int = 0) -> Result:
     """Runs until the learner has trained `steps` steps after `warmup_steps` more (not counted). `lengths`:
     callable(rng, n) -> the n completion lengths of one group, in tokens (planner/from_run.py's samplers)."""
+    if fleet.engine not in ("shared", "slots"):
+        raise ValueError(f"engine must be shared or slots, got {fleet.engine!r}")
     rng = random.Random(seed)
     lead = learner.max_staleness if learner.lead is None else learner.lead
     B = learner.groups_per_step
@@ -202,6 +210,11 @@ def simulate(fleet: Fleet, learner: Learner, queue: Queue, lengths, steps: int, 
                 heapq.heappush(finishing, (clock + fleet.group_overhead_s, seq, gen.index, group))
         while finishing and finishing[0][0] <= clock + 1e-12:
             _, _, _, group = heapq.heappop(finishing)
+            if fleet.filter_frac and rng.random() < fleet.filter_frac:
+                result.filtered += counted_from is not None
+                if queue.admission:
+                    started -= 1
+                continue
             result.produced_groups += counted_from is not None
             buffer.append((group[0], group[1], group[3], fleet.n))
             if queue.capacity and len(buffer) > queue.capacity:

@@ -43,6 +43,21 @@ def test_more_generators_help_a_starved_learner_until_the_learner_is_the_bottlen
     assert rates[3] == pytest.approx(2.0, rel=0.02)  # 1 / train_s: the learner never waits
 
 
+def test_filtered_groups_give_their_admission_back_and_cost_an_on_policy_learner_another_round():
+    """Dynamic sampling drops a group whose rewards are all equal and gives its admission back: at eta = 0 the
+    batch waits for the replacements (another round of sampling), so the learner waits longer; every trained group
+    is still on-policy, and about filter_frac of the finished groups are dropped."""
+    lengths = lognormal_lengths(20, 0.5)
+    runs = {frac: simulate(Fleet(generators=2, slots=8, n=4, gen_tokens_per_s=400, filter_frac=frac),
+                           Learner(groups_per_step=8, max_staleness=0, train_s_per_step=0.3), Queue(), lengths,
+                           steps=80, seed=2, warmup_steps=8) for frac in (0.0, 0.3)}
+    assert runs[0.0].filtered == 0
+    kept = runs[0.3]
+    assert set(kept.staleness) == {0} and kept.trained_groups == 640
+    assert kept.filtered / (kept.filtered + kept.produced_groups) == pytest.approx(0.3, abs=0.05)
+    assert kept.steps_per_s < 0.9 * runs[0.0].steps_per_s and kept.learner_idle_frac > runs[0.0].learner_idle_frac
+
+
 def test_the_simulator_reproduces_the_closed_form_in_its_setting():
     from asyncrl.bench.plan_check import closed_form_point
 
@@ -51,9 +66,9 @@ def test_the_simulator_reproduces_the_closed_form_in_its_setting():
         assert abs(point["error"]) < 0.15, point
 
 
-def write_job(path, steps=20, gens=2, eta=1):
+def write_job(path, steps=20, gens=2, eta=1, filtered_per_step=0):
     """A finished job directory as the learner writes it: progress, trained groups with lengths, summary,
-    config."""
+    config. `filtered_per_step`: groups dynamic sampling dropped per step (the fleet's running total, logged)."""
     from asyncrl.configs import load_config, to_yaml
 
     path.mkdir()
@@ -61,7 +76,8 @@ def write_job(path, steps=20, gens=2, eta=1):
         for step in range(1, steps + 1):
             handle.write(json.dumps({"step": step, "elapsed_s": 2.0 * step, "timing/learner/wait_for_batch_s": 0.5,
                                      "perf/generator/tokens_per_s": 300.0, "timing/generator/idle_frac": 0.25,
-                                     "buffer/staleness/mean": 1.0, "timing/learner/idle_frac": 0.25}) + "\n")
+                                     "buffer/staleness/mean": 1.0, "timing/learner/idle_frac": 0.25,
+                                     "generator/filtered_groups": float(filtered_per_step * step)}) + "\n")
     with open(path / "trained_groups.jsonl", "w") as handle:
         for step in range(1, steps + 1):
             handle.write(json.dumps({"step": step, "groups": ["a", "b", "c", "d"], "prompts": ["p"] * 4,
@@ -80,6 +96,8 @@ def test_a_finished_job_gives_the_planners_inputs(tmp_path):
     import random
 
     assert empirical_lengths(measured.lengths)(random.Random(0), 4) == [10, 20, 30, 40]  # a whole measured group
+    assert measured.filter_frac == 0.0
+    assert measure_run(str(write_job(tmp_path / "filtering", filtered_per_step=1))).filter_frac == pytest.approx(0.2)
     with pytest.raises(ValueError, match="not a finished"):
         measure_run(str(tmp_path))
 
@@ -97,6 +115,21 @@ def test_asyncrl_plan_sizes_the_fleet_and_checks_itself_against_the_run(tmp_path
     refused = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "plan", "--train-s", "1"],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "--gen-tokens-per-s" in refused.stderr
+    bad_share = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "plan", "--gen-tokens-per-s", "100",
+                                "--train-s", "1", "--mean-len", "10", "--filter-frac", "1.5"],
+                               capture_output=True, text=True, timeout=120)
+    assert bad_share.returncode == 2 and "--filter-frac" in bad_share.stderr
     no_fleet = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "plan", "--from-run", str(job),
                                "--generators", "0"], capture_output=True, text=True, timeout=120)
     assert no_fleet.returncode == 2 and ">= 1" in no_fleet.stderr
+
+
+def test_the_run_script_parses_and_asks_for_its_directory():
+    """bench/plan_runs.sh makes the README's measured runs (minutes of `asyncrl run`, not run here): it must at least
+    parse, and without a directory say how it is used instead of writing runs somewhere."""
+    import os
+
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "plan_runs.sh")
+    assert subprocess.run(["bash", "-n", script], capture_output=True, timeout=30).returncode == 0
+    out = subprocess.run(["bash", script], capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0 and "usage: bash bench/plan_runs.sh OUT_DIR" in out.stderr
