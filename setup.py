@@ -52,7 +52,7 @@ setup(
         "reasoning": ["reasoning-gym==0.1.25"],
         # bench/time_to_reward.py's peer (bench/trl_grpo.py); nothing outside bench/ imports it
         "bench": ["trl==1.16.0"],
-        "dev": ["pytest>=8", "pytest-timeout", "hypothesis>=6",
+        "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3", "hypothesis>=6",
                 "cryptography>=42"],  # test_redis_tls.py makes its certificates
     },
     entry_points={

@@ -15,9 +15,16 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def demo_cache(tmp_path_factory):
-    """A demo cache dir shared by the session; tests that need the demo model build it once here."""
-    path = os.environ.get("ASYNCRL_TEST_DEMO_CACHE") or str(tmp_path_factory.mktemp("demo-cache"))
-    return path
+    """A demo cache dir shared by the session; tests that need the demo model build it once here. Under
+    pytest-xdist (scripts/test runs two workers) every worker uses the same one, beside the workers' own temp dirs:
+    launch/demo.py builds under a file lock, so the first worker builds and the other waits and reuses it."""
+    if os.environ.get("ASYNCRL_TEST_DEMO_CACHE"):
+        return os.environ["ASYNCRL_TEST_DEMO_CACHE"]
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        path = tmp_path_factory.getbasetemp().parent / "demo-cache"
+        path.mkdir(exist_ok=True)
+        return str(path)
+    return str(tmp_path_factory.mktemp("demo-cache"))
 
 
 @pytest.fixture(scope="session")
