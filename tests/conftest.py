@@ -14,13 +14,13 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def demo_cache(tmp_path_factory):
+def demo_cache(tmp_path_factory, request):
     """A demo cache dir shared by the session; tests that need the demo model build it once here. Under
     pytest-xdist (scripts/test runs two workers) every worker uses the same one, beside the workers' own temp dirs:
     launch/demo.py builds under a file lock, so the first worker builds and the other waits and reuses it."""
     if os.environ.get("ASYNCRL_TEST_DEMO_CACHE"):
         return os.environ["ASYNCRL_TEST_DEMO_CACHE"]
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    if hasattr(request.config, "workerinput"):  # an xdist worker (its environment reaches subprocesses: not that)
         path = tmp_path_factory.getbasetemp().parent / "demo-cache"
         path.mkdir(exist_ok=True)
         return str(path)
