@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 
 from asyncrl.planner.from_run import Measured, empirical_lengths, lognormal_lengths, measure_run
-from asyncrl.planner.simulate import Fleet, Learner, Queue, simulate
+from asyncrl.planner.simulate import MAX_FILTER_FRAC, Fleet, Learner, Queue, simulate
 
 ENOUGH = 0.95
 """A fleet is big enough once its throughput is within 5% of the best in the sweep."""
@@ -64,8 +64,8 @@ def plan_inputs(cfg, args) -> tuple:
                                         ("--mean-len", args.mean_len)) if value is None]
     if missing:
         raise ValueError(f"give --from-run JOB_DIR, or {', '.join(missing)}")
-    if not 0.0 <= args.filter_frac < 1.0:
-        raise ValueError(f"--filter-frac must be in [0, 1), got {args.filter_frac}")
+    if not 0.0 <= args.filter_frac <= MAX_FILTER_FRAC:
+        raise ValueError(f"--filter-frac must be in [0, {MAX_FILTER_FRAC}], got {args.filter_frac}")
     return None, PlanInputs(args.gen_tokens_per_s, args.train_s, lognormal_lengths(args.mean_len, args.len_cv),
                             cfg.buffer.groups_per_step, cfg.rollout.n, args.filter_frac)
 

@@ -10,6 +10,8 @@ import os
 import statistics
 from dataclasses import dataclass
 
+from asyncrl.planner.simulate import MAX_FILTER_FRAC
+
 
 @dataclass
 class Measured:
@@ -68,6 +70,11 @@ def measure_run(job_dir: str, warmup_frac: float = 0.2) -> Measured:
         raise ValueError(f"{groups_path} records no completion lengths (a job from before asyncrl recorded them); "
                          f"give the length distribution with --mean-len and --len-cv instead")
     groups_per_step = statistics.mode(len(row["groups"]) for row in trained)
+    filter_frac = filtered_fraction(rows[skip - 1:], groups_per_step)
+    if filter_frac > MAX_FILTER_FRAC:
+        raise ValueError(f"{progress_path}: the generators reported {filter_frac:.2%} of their groups filtered by "
+                         f"dynamic sampling (over {MAX_FILTER_FRAC:.0%} is a run that barely trained, or reports that "
+                         f"cannot be trusted); give --filter-frac with the flags instead")
     return Measured(
         generators=generators,
         gen_tokens_per_s=fleet_rate / generators / max(1.0 - gen_idle, 0.05),
@@ -80,7 +87,7 @@ def measure_run(job_dir: str, warmup_frac: float = 0.2) -> Measured:
         steps=len(rows),
         groups_per_step=groups_per_step,
         n=statistics.mode(len(group) for group in lengths),
-        filter_frac=filtered_fraction(rows[skip - 1:], groups_per_step),
+        filter_frac=filter_frac,
     )
 
 

@@ -29,6 +29,11 @@ from dataclasses import dataclass, field
 from asyncrl.buffer.staleness import admission_capacity, group_staleness, is_too_stale
 
 
+MAX_FILTER_FRAC = 0.99
+"""A larger share of dropped groups is not a plan (a hundred sampled per trained) but a broken run or a lying
+report: the share measured from a run comes from the generators' own counts."""
+
+
 @dataclass
 class Fleet:
     generators: int = 1
@@ -122,6 +127,8 @@ def simulate(fleet: Fleet, learner: Learner, queue: Queue, lengths, steps: int, 
     callable(rng, n) -> the n completion lengths of one group, in tokens (planner/from_run.py's samplers)."""
     if fleet.engine not in ("shared", "slots"):
         raise ValueError(f"engine must be shared or slots, got {fleet.engine!r}")
+    if not 0.0 <= fleet.filter_frac <= MAX_FILTER_FRAC:
+        raise ValueError(f"filter_frac must be in [0, {MAX_FILTER_FRAC}], got {fleet.filter_frac}")
     rng = random.Random(seed)
     lead = learner.max_staleness if learner.lead is None else learner.lead
     B = learner.groups_per_step

@@ -98,6 +98,11 @@ def test_a_finished_job_gives_the_planners_inputs(tmp_path):
     assert empirical_lengths(measured.lengths)(random.Random(0), 4) == [10, 20, 30, 40]  # a whole measured group
     assert measured.filter_frac == 0.0
     assert measure_run(str(write_job(tmp_path / "filtering", filtered_per_step=1))).filter_frac == pytest.approx(0.2)
+    # the count comes from the generators' reports: an absurd one is refused, not planned with for hours
+    with pytest.raises(ValueError, match="reported .* filtered"):
+        measure_run(str(write_job(tmp_path / "lying", filtered_per_step=10**9)))
+    with pytest.raises(ValueError, match="filter_frac"):
+        simulate(Fleet(filter_frac=1.0), Learner(), Queue(), lognormal_lengths(20, 0.5), steps=5)
     with pytest.raises(ValueError, match="not a finished"):
         measure_run(str(tmp_path))
 
