@@ -241,8 +241,12 @@ def trained_to_the_end_on_honest_groups_only(cfg, job_dir, hostile, honest, summ
     rows = [json.loads(line) for line in open(job_dir / "progress.jsonl")]
     assert rows[-1]["learner/skipped_steps"] == 1 and rows[-1]["buffer/dropped/future_version"] == 1
     assert max(row["buffer/staleness/max"] for row in rows) <= 1
-    # every version published while it sampled (the last may reach it only with "done")
-    assert honest.versions_checked[:STEPS] == list(range(STEPS)) and not honest.non_finite
+    # The versions it heard of, in order, up to the last step's. It may hear of none between two: the learner runs in
+    # this process, and under load two steps can pass between the probe's turns at the GIL. NaN weights stay NaN
+    # under AdamW, so finite later versions also speak for a skipped one.
+    checked = honest.versions_checked
+    assert checked[0] == 0 and checked == sorted(set(checked)) and checked[-1] >= STEPS - 1, checked
+    assert not honest.non_finite
 
 
 def test_a_live_zmq_learner_survives_every_hostile_group_and_trains_none(tiny_model_dir, tmp_path, monkeypatch):
