@@ -3,6 +3,7 @@ test process, and each generator (WeightGroupMember with its background receiver
 in its own process. Each generator prints one JSON line per version it holds (with a CRC32 per bucket) and exits
 when its stdin closes. Buckets are a few MB."""
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -171,6 +172,14 @@ def test_receive_without_a_send_times_out_naming_the_learner(host):
 def test_connect_to_a_missing_learner_names_the_address():
     with pytest.raises(PeerError, match="'nobody'.*127.0.0.1:9"):
         WeightGroupMember.connect("127.0.0.1:9", "nobody", timeout_s=0.5)
+
+
+def test_a_store_bound_beyond_loopback_says_it_has_no_authentication(caplog):
+    with caplog.at_level(logging.WARNING, logger="asyncrl.weightsync.group.roster"):
+        for bind in ("0.0.0.0", "127.0.0.1"):
+            WeightGroupHost(bind, 0).close()
+    warnings = [r.getMessage() for r in caplog.records if "authentication" in r.getMessage()]
+    assert len(warnings) == 1 and "binds 0.0.0.0" in warnings[0] and "backend=broadcast" in warnings[0]
 
 
 def run_generator(address: str, member_id: str) -> None:

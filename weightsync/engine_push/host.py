@@ -37,7 +37,7 @@ from asyncrl.weightsync.engine_push.calls import StoreEngineClient
 from asyncrl.weightsync.engine_push.delta import sparse_patches
 from asyncrl.weightsync.group.host import SendReport
 from asyncrl.weightsync.group.protocol import describe_member, timedelta_s
-from asyncrl.weightsync.group.roster import Roster
+from asyncrl.weightsync.group.roster import Roster, warn_if_store_open
 
 
 def bucket_source(buckets: FlatBuckets):
@@ -124,6 +124,7 @@ class EnginePushHost:
             raise ValueError(f"engine push transport must be one of {TRANSPORTS}, got {transport!r}")
         self.transport = transport
         self.to_patches = to_patches
+        warn_if_store_open(host, "weightsync.backend=engine_push")
         self.store = dist.TCPStore(host, port, None, True, timedelta_s(store_timeout_s), wait_for_workers=False)
         self.bind_host = host
         self.advertise = advertise or host

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from asyncrl.weightsync.group.chain import PeerError, abort_process_group, make_process_group, send_chain
 from asyncrl.weightsync.group.protocol import ACK_POLL_S, KEEP_ANNOUNCEMENTS, describe_member, timedelta_s
-from asyncrl.weightsync.group.roster import Roster
+from asyncrl.weightsync.group.roster import Roster, warn_if_store_open
 
 
 @dataclass
@@ -41,6 +41,7 @@ class WeightGroupHost:
                  heartbeat_timeout_s: float = 5.0, store_timeout_s: float = 30.0):
         self.backend = backend
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        warn_if_store_open(host, "weightsync.backend=broadcast")
         self.store = dist.TCPStore(host, port, None, True, timedelta_s(store_timeout_s), wait_for_workers=False)
         self.address = f"{host}:{self.store.port}"
         """host:port of the store, for the control plane to hand to generators."""

@@ -10,6 +10,7 @@ Under a prefix P:
   (the reason); a member that wakes up and sees it registers again.
 """
 import json
+import logging
 import os
 import socket
 import threading
@@ -17,7 +18,10 @@ import time
 
 import torch.distributed as dist
 
+from asyncrl.security.curve import is_loopback
 from asyncrl.weightsync.group.protocol import describe_member, timedelta_s
+
+log = logging.getLogger(__name__)
 
 
 class Roster:
@@ -66,6 +70,21 @@ class Roster:
         self._heartbeats.pop(ticket, None)
         self.store.set(f"{self.prefix}/dropped/{ticket}", reason)
         return info
+
+
+def warn_if_store_open(host: str, what: str) -> bool:
+    """Log a warning when the learner's store binds beyond loopback; True when it did. torch.distributed's TCPStore
+    and the process groups it sets up have no authentication, and CURVE keys do not cover them: whoever reaches
+    the port can register, be sent every version, and drop or stall members. What generators load stays correct (a
+    relayed version is checked against the checksums in the buffer's control message, and a push comes from the
+    learner's rank alone), so the harm is disclosure and delay."""
+    if is_loopback(host):
+        return False
+    log.warning("%s: the learner's TCPStore binds %s, and neither it nor the process groups it sets up have "
+                "authentication (security.keys_dir does not cover them): anyone who can reach it can join and be "
+                "sent every version, or drop members. Bind weightsync.catchup_host to a private network the "
+                "generators share, or firewall weightsync.broadcast_port and the ranks' ports.", what, host)
+    return True
 
 
 def connect_store(address: str, who: str, timeout_s: float) -> dist.TCPStore:
