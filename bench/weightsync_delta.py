@@ -8,6 +8,12 @@ it) fetches it through catch-up holding the previous version, then the same vers
 comparison. Printed per step: elements whose published bits changed, bytes sent as a share of a full copy, and the
 time of the delta fetch (encode on the server, apply and verify on the generator) against the full fetch.
 
+Each setting runs twice, in the same job: "on demand", the server encoding a delta when it is asked for it, and
+"prepared", the server encoding the next delta as soon as a version is announced (what the learner does once a
+fleet follows through catch-up). There the generator asks once it is ready, as one that hears of the version a
+moment later would; `ready s` is how long after the publish that was. The first step is on demand in both: no
+delta has been served yet, so nobody is known to follow.
+
 Settings: "demo" is the CPU demo's shape (Qwen2, 128 wide, 4 layers) at the demo's learning rate; "0.5b" is
 Qwen2-0.5B's shape with its 151936-token vocabulary (494M parameters) at an RL learning rate of 1e-6. The published
 figure to beat is verl's: about 1-3% of bytes change per step.
@@ -72,12 +78,21 @@ def changed_elements(ring, base_version: int, version: int) -> tuple[int, int]:
     return changed, total
 
 
-def run_setting(shape: str, dtype: str, lr: float, steps: int, seed: int, workdir: str) -> list[dict]:
+def wait_prepared(server, before: int, timeout_s: float = 600.0) -> None:
+    """Until the server has encoded one more delta ahead (the request then finds it ready)."""
+    deadline = time.monotonic() + timeout_s
+    while server.deltas_prepared == before:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the catch-up server prepared no delta within {timeout_s} s")
+        time.sleep(0.005)
+
+
+def run_setting(shape: str, dtype: str, lr: float, steps: int, seed: int, workdir: str, prepare: bool) -> list[dict]:
     model = build(shape, seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(seed)
     specs = [(name, dtype, tuple(t.shape)) for name, t in model.state_dict().items()]
-    server = CatchupServer("127.0.0.1", 0)
+    server = CatchupServer("127.0.0.1", 0, prepare_deltas=prepare)
     publisher = WeightPublisher(os.path.join(workdir, f"ring-{shape}-{dtype}"), slots=3, bucket_bytes=64 << 20,
                                 catchup=server)
     stage = WeightStage(workdir, f"remote-{shape}-{dtype}", catchup_timeout_s=600)
@@ -89,8 +104,13 @@ def run_setting(shape: str, dtype: str, lr: float, steps: int, seed: int, workdi
         scratch = FlatBuckets(from_message(message))
         for step in range(1, steps + 1):
             policy_gradient_step(model, optimizer, SHAPES[shape]["vocab"], generator)
+            prepared_before = server.deltas_prepared
             message = publisher.publish(iter(model.state_dict().items()), step, specs)
-            sent_before, deltas_before = server.sent_bytes, server.deltas_served
+            published = time.perf_counter()
+            if prepare and rows and rows[-1]["delta_used"]:  # a delta was served: the server follows the fleet
+                wait_prepared(server, prepared_before)
+            ready_s = time.perf_counter() - published
+            sent_before, deltas_before, hits_before = server.sent_bytes, server.deltas_served, server.prepared_used
             started = time.perf_counter()
             staged = stage.stage(dict(message, shm={"path": hidden, "slots": 3}))
             delta_s = time.perf_counter() - started
@@ -100,9 +120,11 @@ def run_setting(shape: str, dtype: str, lr: float, steps: int, seed: int, workdi
             fetch(server.address, step, lambda m: scratch, 600)
             full_s = time.perf_counter() - started
             changed, total = changed_elements(publisher.ring, step - 1, step)
-            rows.append({"model": shape, "dtype": dtype, "lr": lr, "step": step, "changed_frac": changed / total,
-                         "bytes_frac": sent / message["bytes"], "delta_used": server.deltas_served > deltas_before,
-                         "delta_s": delta_s, "full_s": full_s, "full_bytes": message["bytes"]})
+            rows.append({"model": shape, "dtype": dtype, "lr": lr, "mode": "prepared" if prepare else "on demand",
+                         "step": step, "changed_frac": changed / total, "bytes_frac": sent / message["bytes"],
+                         "delta_used": server.deltas_served > deltas_before,
+                         "prepared_hit": server.prepared_used > hits_before, "ready_s": ready_s, "delta_s": delta_s,
+                         "full_s": full_s, "full_bytes": message["bytes"]})
             print_row(rows[-1])
     finally:
         stage.close()
@@ -110,27 +132,30 @@ def run_setting(shape: str, dtype: str, lr: float, steps: int, seed: int, workdi
     return rows
 
 
-HEADER = (f"{'model':>5} {'dtype':>8} {'lr':>7} {'step':>4} {'changed %':>9} {'bytes sent %':>12} "
-          f"{'delta fetch s':>13} {'full fetch s':>12}")
+HEADER = (f"{'model':>5} {'dtype':>8} {'lr':>7} {'mode':>9} {'step':>4} {'changed %':>9} {'bytes sent %':>12} "
+          f"{'ready s':>7} {'delta fetch s':>13} {'full fetch s':>12}")
 
 
 def print_row(row: dict) -> None:
-    print(f"{row['model']:>5} {row['dtype']:>8} {row['lr']:>7.0e} {row['step']:>4} {100 * row['changed_frac']:>9.2f} "
-          f"{100 * row['bytes_frac']:>12.2f} {row['delta_s']:>13.3f} {row['full_s']:>12.3f}", flush=True)
+    print(f"{row['model']:>5} {row['dtype']:>8} {row['lr']:>7.0e} {row['mode']:>9} {row['step']:>4} "
+          f"{100 * row['changed_frac']:>9.2f} {100 * row['bytes_frac']:>12.2f} {row['ready_s']:>7.3f} "
+          f"{row['delta_s']:>13.3f} {row['full_s']:>12.3f}", flush=True)
 
 
 def summarise(rows: list[dict]) -> dict:
-    """Per setting: medians over the steps (the first step included: AdamW's first update is its largest)."""
+    """Per setting and mode: medians over the steps (the first step included: AdamW's first update is its largest;
+    it is on demand in both modes)."""
     out = {}
-    for key in dict.fromkeys((r["model"], r["dtype"], r["lr"]) for r in rows):
-        mine = [r for r in rows if (r["model"], r["dtype"], r["lr"]) == key]
-        out[f"{key[0]}/{key[1]}/lr={key[2]:g}"] = {
+    for key in dict.fromkeys((r["model"], r["dtype"], r["lr"], r["mode"]) for r in rows):
+        mine = [r for r in rows if (r["model"], r["dtype"], r["lr"], r["mode"]) == key]
+        out[f"{key[0]}/{key[1]}/lr={key[2]:g}/{key[3]}"] = {
             "full_mb": mine[0]["full_bytes"] / 2**20,
             "changed_frac": statistics.median(r["changed_frac"] for r in mine),
             "bytes_frac": statistics.median(r["bytes_frac"] for r in mine),
             "delta_s": statistics.median(r["delta_s"] for r in mine),
             "full_s": statistics.median(r["full_s"] for r in mine),
-            "deltas_used": sum(r["delta_used"] for r in mine), "steps": len(mine)}
+            "deltas_used": sum(r["delta_used"] for r in mine), "prepared_hits": sum(r["prepared_hit"] for r in mine),
+            "steps": len(mine)}
     return out
 
 
@@ -157,7 +182,8 @@ def main(argv=None):
     rows = []
     try:
         for shape, dtype, lr in args.settings:
-            rows += run_setting(shape, dtype, lr, args.steps, args.seed, workdir)
+            for prepare in (False, True):
+                rows += run_setting(shape, dtype, lr, args.steps, args.seed, workdir, prepare)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     summary = summarise(rows)

@@ -181,7 +181,9 @@ class LearnerHost:
         self._check_changed(message, moved)
         catchup = self.publisher.catchup
         served = {"weightsync/catchup_served": float(catchup.served), "weightsync/catchup_deltas": float(
-            catchup.deltas_served), "weightsync/catchup_bytes_frac": catchup.sent_bytes / catchup.full_bytes} \
+            catchup.deltas_served), "weightsync/catchup_deltas_prepared": float(catchup.deltas_prepared),
+            "weightsync/catchup_prepared_used": float(catchup.prepared_used),
+            "weightsync/catchup_bytes_frac": catchup.sent_bytes / catchup.full_bytes} \
             if catchup is not None and catchup.full_bytes else {}  # sent over what full copies would have sent
         self.publish_metrics = {**served, "weightsync/publish_bytes": float(message["bytes"]),
                                 "weightsync/publish_bytes_frac": message["bytes"] / max(full_bytes, 1),

@@ -19,7 +19,8 @@ CUMULATIVE = (
     "data/refused", "data/returned/*", "rollout/resumed_turns",
     "eval/rounds_abandoned", "generator/weight_failures", "generator/rejected_groups", "generator/filtered_groups",
     "generator/skipped_prompts", "generator/reward_errors*", "generator/weight_pushes/*",
-    "weightsync/catchup_served", "weightsync/catchup_deltas",
+    "weightsync/catchup_served", "weightsync/catchup_deltas", "weightsync/catchup_deltas_prepared",
+    "weightsync/catchup_prepared_used",
     "rollout/*_errors*", "rollout/*_failures*", "rollout/*timeouts*",
 )
 """Running totals since the job (or the process) started."""

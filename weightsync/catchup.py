@@ -10,6 +10,12 @@ and simply asks again (for the newest version), so mixed bytes are never loaded.
 A generator that holds an earlier version b (named by its number and `delta.base_digest`) gets only what changed
 since (delta.py), when the ring still holds b and the delta costs less than `delta_max_fraction` of the full
 version; otherwise the full version, as before. The last delta is kept, since a fleet asks for the same pair.
+
+Encoding costs most of a delta fetch (0.7-1.1 s of 0.9-2.0 s for Qwen2-0.5B's shape here), so the server prepares
+the next one before anyone asks: once it has served a delta b -> v, a fleet holds v, and when v' is announced the
+server encodes v -> v' in its idle moments. A prepared delta that nobody asks for stops the preparing until the
+next delta request, so a job whose generators are all on the learner's host (or in the broadcast group) pays
+nothing for it.
 """
 import json
 import logging
@@ -32,7 +38,7 @@ class CatchupError(RuntimeError):
 
 class CatchupServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise: str = "", delta_max_fraction: float = 0.5,
-                 keys=None):
+                 keys=None, prepare_deltas: bool = True):
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -58,10 +64,16 @@ class CatchupServer:
         self._stop = threading.Event()
         self.served = 0
         self.delta_max_fraction = delta_max_fraction  # 0: always the full version
+        self.prepare_deltas = prepare_deltas  # False: encode only on request (bench/weightsync_delta.py compares)
         self.deltas_served = 0
         self.sent_bytes = 0  # what the replies carried beyond their control messages
         self.full_bytes = 0  # what full copies of the same versions would have carried
         self._delta_cache: tuple = ((), None)  # ((base stamp, target stamp), encode's output)
+        self._follow: int | None = None  # the version the fleet holds: the target of the last delta served
+        self._prepare: int | None = None  # a version announced since, whose delta from _follow is to be encoded
+        self._prepared: tuple | None = None  # (base, target) encoded ahead and not asked for yet
+        self.deltas_prepared = 0
+        self.prepared_used = 0  # requests answered from a delta encoded before they came
         self._files: tuple = ("", b"")  # (digest, archive) of the model's non-weight files (model_files.py)
         self._thread = threading.Thread(target=self._serve, name="asyncrl-weight-catchup", daemon=True)
         self._thread.start()
@@ -81,12 +93,16 @@ class CatchupServer:
             self._newest = message["version"]
             for old in [v for v in self._messages if v <= self._newest - self._ring.slots]:
                 del self._messages[old]
+            if self._prepared is not None:  # encoded for nobody: the fleet does not follow through catch-up (now)
+                self._follow = self._prepared = None
+            self._prepare = self._newest if self._follow is not None else None
 
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(200):
+            if not poller.poll(50):  # idle: a short wait, so a delta is prepared soon after its version is announced
+                self._prepare_next()
                 continue
             identity, *frames = self._socket.recv_multipart()
             try:
@@ -122,12 +138,20 @@ class CatchupServer:
             self._reply(identity, {"error": f"v{version} is not held (newest is v{self._newest})",
                                    "newest": self._newest})
             return
-        patch = self._delta(ring, base, base_message, version, slot) if base_message else None
+        patch = None
+        if base_message and self.delta_max_fraction > 0 and delta.base_digest(base_message) == base[1]:
+            patch = self._delta(ring, base[0], version, slot)
         self.full_bytes += message["bytes"]  # counted before the reply goes, so a reader that got it sees them
         self.served += 1
         if patch is not None:
             entries, patch_frames = patch
             self.deltas_served += 1
+            with self._lock:
+                if self._prepared == (base[0], version):
+                    self.prepared_used += 1
+                self._prepared = None
+                if self.prepare_deltas and (self._follow is None or version > self._follow):
+                    self._follow = version
             self.sent_bytes += delta.nbytes(patch_frames)
             self._reply(identity, {**message, "delta": {"base": base[0], "entries": entries}},
                         [memoryview(frame.numpy()) for frame in patch_frames])
@@ -135,12 +159,28 @@ class CatchupServer:
             self.sent_bytes += message["bytes"]
             self._reply(identity, message, [memoryview(b.numpy()) for b in ring.buckets(slot).buffers])
 
-    def _delta(self, ring, base: tuple, base_message: dict, version: int, slot: int):
-        """encode's output for base -> version, or None (the base is not the requester's bytes or is gone from
-        the ring, the delta is too large, or a slot was rewritten while it was read)."""
-        if self.delta_max_fraction <= 0 or delta.base_digest(base_message) != base[1]:
-            return None
-        base_slot = ring.find(base[0])
+    def _prepare_next(self) -> None:
+        """Encode the delta from the version the fleet holds to the newest one, into the cache, ahead of the
+        fleet's requests (on the server's thread, between them)."""
+        with self._lock:
+            target, base, ring = self._prepare, self._follow, self._ring
+            self._prepare = None
+            slot = ring.find(target) if (target is not None and ring is not None and
+                                         target in self._messages and base in self._messages) else None
+        if slot is None or base >= target:
+            return
+        patch = self._delta(ring, base, target, slot)
+        with self._lock:
+            if patch is None:  # deltas do not pay now (or a slot was reused): the next delta served starts again
+                self._follow = None
+            elif self._newest == target:
+                self._prepared = (base, target)
+            self.deltas_prepared += 1  # last: a reader that sees the count sees the state
+
+    def _delta(self, ring, base_version: int, version: int, slot: int):
+        """encode's output for base_version -> version, or None (the base is gone from the ring, the delta is too
+        large, or a slot was rewritten while it was read)."""
+        base_slot = ring.find(base_version)
         if base_slot is None:
             return None
         stamps = (ring.stamp(base_slot), ring.stamp(slot))
@@ -152,7 +192,8 @@ class CatchupServer:
         if (ring.stamp(base_slot), ring.stamp(slot)) != stamps:  # the learner reused a slot meanwhile
             return None
         self._delta_cache = (stamps, patch)
-        log.debug("weight catch-up: delta v%d -> v%d in %.3f s (%s)", base[0], version, time.perf_counter() - started,
+        log.debug("weight catch-up: delta v%d -> v%d in %.3f s (%s)", base_version, version,
+                  time.perf_counter() - started,
                   "too large, full copy" if patch is None else f"{delta.nbytes(patch[1])} bytes")
         return patch
 

@@ -119,9 +119,13 @@ def test_weightsync_delta_bench_runs_on_a_tiny_setting(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "weightsync_delta"
-    small, full = result["settings"]["tiny/bfloat16/lr=1e-06"], result["settings"]["tiny/float32/lr=0.0001"]
-    assert small["deltas_used"] == 2 and 0 < small["bytes_frac"] < 0.5 and small["changed_frac"] < 0.5
-    assert full["deltas_used"] == 0 and full["bytes_frac"] == 1.0 and full["changed_frac"] == 1.0  # fp32: all moved
+    for mode, hits in (("on demand", 0), ("prepared", 1)):  # step 2 finds its delta encoded ahead
+        small = result["settings"][f"tiny/bfloat16/lr=1e-06/{mode}"]
+        full = result["settings"][f"tiny/float32/lr=0.0001/{mode}"]
+        assert small["deltas_used"] == 2 and 0 < small["bytes_frac"] < 0.5 and small["changed_frac"] < 0.5
+        assert small["prepared_hits"] == hits
+        assert full["deltas_used"] == 0 and full["bytes_frac"] == 1.0 and full["changed_frac"] == 1.0  # fp32: all
+        assert full["prepared_hits"] == 0
 
 
 @pytest.mark.slow

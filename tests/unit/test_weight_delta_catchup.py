@@ -1,6 +1,8 @@
 """Catch-up sends what changed: delta.py's encoding is bit-exact and refuses hostile input, and the catch-up server
 answers a generator that names the version it holds with only the changes, falling back to the full version when
 the base is gone from the ring, is another learner life's bytes, or the delta would not be smaller."""
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -143,6 +145,48 @@ def test_catch_up_sends_only_what_changed_since_the_version_the_generator_holds(
         staged = stage.stage(remote(publish(publisher, v5, 5), tmp_path))
         stage.end_load(staged, ok=True)
         assert stage.paths_used["catchup_delta"] == 1 and same_bytes(staged.buckets, flat(v5))
+    finally:
+        stage.close()
+        publisher.close()
+
+
+def wait_for(condition, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_the_next_delta_is_encoded_before_the_fleet_asks_and_only_while_it_asks(tmp_path):
+    server = CatchupServer("127.0.0.1", 0)
+    publisher = WeightPublisher(str(tmp_path / "ring"), slots=3, bucket_bytes=2048, catchup=server)
+    stage = WeightStage(str(tmp_path), "remote")
+    try:
+        v1 = tensors(0)
+        stage.end_load(stage.stage(remote(publish(publisher, v1, 1), tmp_path)), ok=True)
+        message = publish(publisher, stepped(v1, {"layer.w": [2]}), 2)
+        time.sleep(0.3)
+        assert server.deltas_prepared == 0  # no delta served yet: nobody follows through catch-up
+        stage.end_load(stage.stage(remote(message, tmp_path)), ok=True)
+        assert server.deltas_served == 1 and server.prepared_used == 0
+        v3 = stepped(v1, {"layer.w": [3], "big": [7]})
+        message = publish(publisher, v3, 3)
+        wait_for(lambda: server.deltas_prepared == 1)  # v2 -> v3, before anyone asked
+        staged = stage.stage(remote(message, tmp_path))
+        stage.end_load(staged, ok=True)
+        assert server.prepared_used == 1 and stage.paths_used["catchup_delta"] == 2 and same_bytes(staged.buckets,
+                                                                                                      flat(v3))
+        publish(publisher, stepped(v3, {"layer.w": [4]}), 4)
+        wait_for(lambda: server.deltas_prepared == 2)  # v3 -> v4, which nobody asks for
+        v5 = stepped(v3, {"layer.w": [5]})
+        message = publish(publisher, v5, 5)
+        time.sleep(0.3)
+        assert server.deltas_prepared == 2  # the unasked v3 -> v4 stopped the preparing
+        staged = stage.stage(remote(message, tmp_path))  # v3 -> v5, encoded on demand
+        stage.end_load(staged, ok=True)
+        assert server.deltas_served == 3 and server.prepared_used == 1 and same_bytes(staged.buckets, flat(v5))
+        publish(publisher, stepped(v5, {"layer.w": [6]}), 6)
+        wait_for(lambda: server.deltas_prepared == 3)  # a delta served again: preparing resumes (v5 -> v6)
     finally:
         stage.close()
         publisher.close()
