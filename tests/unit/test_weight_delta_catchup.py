@@ -1,6 +1,7 @@
 """Catch-up sends what changed: delta.py's encoding is bit-exact and refuses hostile input, and the catch-up server
 answers a generator that names the version it holds with only the changes, falling back to the full version when
 the base is gone from the ring, is another learner life's bytes, or the delta would not be smaller."""
+import contextlib
 import time
 
 import numpy as np
@@ -115,6 +116,19 @@ def test_a_hostile_delta_is_refused_before_a_byte_is_written(tamper, error):
     assert same_bytes(dest, flat(old))
 
 
+@contextlib.contextmanager
+def remote_job(tmp_path, **server_options):
+    """The learner's publisher and catch-up server, and a generator's stage that cannot map the learner's ring."""
+    server = CatchupServer("127.0.0.1", 0, **server_options)
+    publisher = WeightPublisher(str(tmp_path / "ring"), slots=3, bucket_bytes=2048, catchup=server)
+    stage = WeightStage(str(tmp_path), "remote")
+    try:
+        yield server, publisher, stage
+    finally:
+        stage.close()
+        publisher.close()
+
+
 def publish(publisher, named, version):
     return publisher.publish(iter(named), version, specs(named))
 
@@ -124,10 +138,7 @@ def remote(message, tmp_path):
 
 
 def test_catch_up_sends_only_what_changed_since_the_version_the_generator_holds(tmp_path):
-    server = CatchupServer("127.0.0.1", 0)
-    publisher = WeightPublisher(str(tmp_path / "ring"), slots=3, bucket_bytes=2048, catchup=server)
-    stage = WeightStage(str(tmp_path), "remote")
-    try:
+    with remote_job(tmp_path) as (server, publisher, stage):
         v1 = tensors(0)
         staged = stage.stage(remote(publish(publisher, v1, 1), tmp_path))  # nothing held: the full version
         stage.end_load(staged, ok=True)
@@ -145,9 +156,6 @@ def test_catch_up_sends_only_what_changed_since_the_version_the_generator_holds(
         staged = stage.stage(remote(publish(publisher, v5, 5), tmp_path))
         stage.end_load(staged, ok=True)
         assert stage.paths_used["catchup_delta"] == 1 and same_bytes(staged.buckets, flat(v5))
-    finally:
-        stage.close()
-        publisher.close()
 
 
 def wait_for(condition, timeout_s: float = 20.0) -> None:
@@ -158,10 +166,7 @@ def wait_for(condition, timeout_s: float = 20.0) -> None:
 
 
 def test_the_next_delta_is_encoded_before_the_fleet_asks_and_only_while_it_asks(tmp_path):
-    server = CatchupServer("127.0.0.1", 0)
-    publisher = WeightPublisher(str(tmp_path / "ring"), slots=3, bucket_bytes=2048, catchup=server)
-    stage = WeightStage(str(tmp_path), "remote")
-    try:
+    with remote_job(tmp_path) as (server, publisher, stage):
         v1 = tensors(0)
         stage.end_load(stage.stage(remote(publish(publisher, v1, 1), tmp_path)), ok=True)
         message = publish(publisher, stepped(v1, {"layer.w": [2]}), 2)
@@ -187,9 +192,6 @@ def test_the_next_delta_is_encoded_before_the_fleet_asks_and_only_while_it_asks(
         assert server.deltas_served == 3 and server.prepared_used == 1 and same_bytes(staged.buckets, flat(v5))
         publish(publisher, stepped(v5, {"layer.w": [6]}), 6)
         wait_for(lambda: server.deltas_prepared == 3)  # a delta served again: preparing resumes (v5 -> v6)
-    finally:
-        stage.close()
-        publisher.close()
 
 
 def test_a_restarted_learners_same_version_number_is_not_a_base(tmp_path):
@@ -216,26 +218,17 @@ def test_a_restarted_learners_same_version_number_is_not_a_base(tmp_path):
 
 
 def test_a_server_told_to_send_full_copies_never_sends_a_delta(tmp_path):
-    server = CatchupServer("127.0.0.1", 0, delta_max_fraction=0)
-    publisher = WeightPublisher(str(tmp_path / "ring"), slots=3, bucket_bytes=2048, catchup=server)
-    stage = WeightStage(str(tmp_path), "remote")
-    try:
+    with remote_job(tmp_path, delta_max_fraction=0) as (server, publisher, stage):
         stage.end_load(stage.stage(remote(publish(publisher, tensors(0), 1), tmp_path)), ok=True)
         staged = stage.stage(remote(publish(publisher, stepped(tensors(0), {"layer.w": [1]}), 2), tmp_path))
         assert same_bytes(staged.buckets, flat(stepped(tensors(0), {"layer.w": [1]})))
         assert server.deltas_served == 0 and server.sent_bytes == 2 * staged.message["bytes"]
-    finally:
-        stage.close()
-        publisher.close()
 
 
 def test_a_delta_that_fails_its_checksums_is_followed_by_the_full_version(tmp_path):
     """The generator's copy of the base is not what the server's digest says (here: corrupted after staging), so
     the patched result fails the checksums: stage asks again for the whole version and never hands on bad bytes."""
-    server = CatchupServer("127.0.0.1", 0)
-    publisher = WeightPublisher(str(tmp_path / "ring"), slots=3, bucket_bytes=2048, catchup=server)
-    stage = WeightStage(str(tmp_path), "remote")
-    try:
+    with remote_job(tmp_path) as (server, publisher, stage):
         v1 = tensors(0)
         staged = stage.stage(remote(publish(publisher, v1, 1), tmp_path))
         stage.end_load(staged, ok=True)
@@ -245,6 +238,3 @@ def test_a_delta_that_fails_its_checksums_is_followed_by_the_full_version(tmp_pa
         assert same_bytes(staged.buckets, flat(v2))
         assert server.deltas_served == 1 and server.served == 3  # the delta, then the whole version
         assert stage.paths_used["catchup"] == 2 and stage.paths_used["catchup_delta"] == 0
-    finally:
-        stage.close()
-        publisher.close()
