@@ -45,6 +45,21 @@ def subset_parquet(source: str, path: str, rows: int) -> list:
     return [f"{os.path.basename(path)}:{index}" for index in range(rows)]
 
 
+def undelivered_deals(request, namespace: str, generator_id: str) -> list:
+    """The deals out to `generator_id` whose groups it has not delivered (delivery takes a deal out of `out`)."""
+    import redis
+
+    from asyncrl.buffer.redis.stream import job_keys
+
+    keys = job_keys(namespace)
+    client = redis.Redis.from_url(request.getfixturevalue("redis_server").url)
+    try:
+        return [deal for deal in client.zrange(keys["data_out"], 0, -1)
+                if client.hget(keys["data_holder"], deal) == generator_id.encode()]
+    finally:
+        client.close()
+
+
 def wait_for(condition, proc, log_path, timeout_s=240):
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -78,6 +93,7 @@ def test_two_generators_a_generator_kill_9_and_a_learner_restart_train_each_prom
         overrides += [f"security.keys_dir={tmp_path / 'keys'}"]
     env = {**job_env(tmp_path), "ASYNCRL_JOB_DIR": str(job_dir), "PYTHONUNBUFFERED": "1"}
     procs = {}
+    held_when_killed = {}  # redis: generator -> its deals not yet delivered when it was killed
 
     def start(role, name, extra=()):
         log_path = tmp_path / f"{name}.log"
@@ -94,13 +110,18 @@ def test_two_generators_a_generator_kill_9_and_a_learner_restart_train_each_prom
         start("generator", "a")
         start("generator", "b")
         wait_for(lambda: steps_done() >= 1, learner, learner_log)
-        procs["b"].send_signal(signal.SIGKILL)  # holding dealt prompts
+        procs["b"].send_signal(signal.SIGKILL)  # most often holding dealt prompts (not always: a deal is out for
+        # only as long as its group takes, and under load b may not have started before a made the first groups)
         procs["b"].wait()
+        if backend == "redis":
+            held_when_killed["b"] = undelivered_deals(request, namespace, "b")
         wait_for(lambda: (job_dir / "checkpoints" / "step-00000002" / "meta.json").exists(), learner, learner_log)
         learner.send_signal(signal.SIGKILL)
         learner.wait()
         procs["a"].send_signal(signal.SIGKILL)  # it would only wait out its request timeout
         procs["a"].wait()
+        if backend == "redis":
+            held_when_killed["a"] = undelivered_deals(request, namespace, "a")
         learner, learner_log = start("learner", "learner-2", extra=["--resume"])
         start("generator", "a-2")
         start("generator", "b-2")
@@ -121,8 +142,10 @@ def test_two_generators_a_generator_kill_9_and_a_learner_restart_train_each_prom
     if backend == "zmq":  # b's prompts, out when it died, were dealt again after the restart
         assert last["data/consumed"] == PROMPTS and last["data/returned/restart"] >= 1
         assert last["buffer/refused_connections"] == 0  # every process presented its CURVE key
-    else:  # the cursor lived in Redis: the prompts b and a held came back when they fell silent
-        assert last["data/returned/generator_gone"] >= 1
+    else:  # the cursor lived in Redis: the prompts b and a held came back when they fell silent (a live generator
+        # silent for buffer.lease_s under load may lose its deals too, so this is a floor)
+        assert last.get("data/returned/generator_gone", 0) >= sum(
+            len(deals) for deals in held_when_killed.values()), held_when_killed
         import redis
 
         from asyncrl.buffer.redis.stream import job_keys
@@ -134,5 +157,6 @@ def test_two_generators_a_generator_kill_9_and_a_learner_restart_train_each_prom
         assert client.hlen(keys["data_place"]) == client.llen(keys["data_returned"]) == 0
         client.close()
     print(f"exactly once ({backend}): {len(trained)} prompts trained over {len(timeline)} steps, resumed at "
-          f"v{summary['start_version']}; dealt {last['data/dealt']:.0f}, returned "
+          f"v{summary['start_version']}; held when killed {({k: len(v) for k, v in held_when_killed.items()})}; "
+          f"dealt {last['data/dealt']:.0f}, returned "
           f"{ {k: v for k, v in last.items() if k.startswith('data/returned/')} }")
