@@ -3,6 +3,7 @@ the cursor lives in Redis, buffer/redis/dealing.py) to two real generators; one 
 prompts, then the learner is killed with -9 after a checkpoint and resumed, with the generators started again. The
 job ends when the epoch (data.epochs=1) is trained, and the learner's trained_groups.jsonl, read as the final model
 saw it, lists every prompt of the file once. Both backends."""
+import contextlib
 import json
 import os
 import signal
@@ -45,19 +46,25 @@ def subset_parquet(source: str, path: str, rows: int) -> list:
     return [f"{os.path.basename(path)}:{index}" for index in range(rows)]
 
 
-def undelivered_deals(request, namespace: str, generator_id: str) -> list:
-    """The deals out to `generator_id` whose groups it has not delivered (delivery takes a deal out of `out`)."""
+@contextlib.contextmanager
+def job_state(request, namespace: str):
+    """(a client of the test's redis-server, the job's keys), to read the dealing state the learner keeps there."""
     import redis
 
     from asyncrl.buffer.redis.stream import job_keys
 
-    keys = job_keys(namespace)
     client = redis.Redis.from_url(request.getfixturevalue("redis_server").url)
     try:
-        return [deal for deal in client.zrange(keys["data_out"], 0, -1)
-                if client.hget(keys["data_holder"], deal) == generator_id.encode()]
+        yield client, job_keys(namespace)
     finally:
         client.close()
+
+
+def undelivered_deals(request, namespace: str, generator_id: str) -> list:
+    """The deals out to `generator_id` whose groups it has not delivered (delivery takes a deal out of `out`)."""
+    with job_state(request, namespace) as (client, keys):
+        return [deal for deal in client.zrange(keys["data_out"], 0, -1)
+                if client.hget(keys["data_holder"], deal) == generator_id.encode()]
 
 
 def newest_checkpoint(job_dir) -> dict:
@@ -155,16 +162,10 @@ def test_two_generators_a_generator_kill_9_and_a_learner_restart_train_each_prom
         # silent for buffer.lease_s under load may lose its deals too, so this is a floor)
         assert last.get("data/returned/generator_gone", 0) >= sum(
             len(deals) for deals in held_when_killed.values()), held_when_killed
-        import redis
-
-        from asyncrl.buffer.redis.stream import job_keys
-
-        keys = job_keys(namespace)
-        client = redis.Redis.from_url(request.getfixturevalue("redis_server").url)
-        # consumed as the final checkpoint acked the last groups; nothing is left dealt, ready or returned
-        assert int(client.hget(keys["data_cursor"], "consumed")) == PROMPTS
-        assert client.hlen(keys["data_place"]) == client.llen(keys["data_returned"]) == 0
-        client.close()
+        with job_state(request, namespace) as (client, keys):
+            # consumed as the final checkpoint acked the last groups; nothing is left dealt, ready or returned
+            assert int(client.hget(keys["data_cursor"], "consumed")) == PROMPTS
+            assert client.hlen(keys["data_place"]) == client.llen(keys["data_returned"]) == 0
     print(f"exactly once ({backend}): {len(trained)} prompts trained over {len(timeline)} steps, resumed at "
           f"v{summary['start_version']} ({resumed_from['out']} prompts out then); held when killed "
           f"{({k: len(v) for k, v in held_when_killed.items()})}; "
