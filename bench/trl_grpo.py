@@ -18,7 +18,7 @@ import time
 
 def reward_function(cfg):
     """TRL's reward signature around the recipe's verl-style reward: completions are chat messages."""
-    from asyncrl.generator.rewards import load_reward_fn, score
+    from asyncrl.generator.rewards.functions import load_reward_fn, score
 
     compute_score = load_reward_fn(cfg.reward.path, cfg.reward.function)
 

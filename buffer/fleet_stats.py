@@ -16,7 +16,7 @@ ERROR_REASONS = {
                             "bad_reward"),
     "generator/reward_errors/": ("timeout", "error", "bad_value"),
 }
-"""The reasons the generator counts (generator/agents/, generator/scoring.py; tests/unit/test_timing.py checks
+"""The reasons the generator counts (generator/agents/, generator/rewards/scorer.py; tests/unit/test_timing.py checks
 they agree): only these are summed, whatever else a report names."""
 MEAN_FAMILIES = ("timing/tool/",)
 MAX_FAMILY_KEYS = 16

@@ -2,9 +2,10 @@
 to metrics per data source (telemetry/eval_metrics.py). `asyncrl eval` (launch/evaluate.py) runs it offline on a checkpoint
 or an exported model.
 
-Samples come from the same engines and the same reward path as training (generator/engines, generator/scoring.py),
-so an evaluation measures what training optimises; greedy by default (eval.temperature = 0), with at most
-`concurrency` prompts in flight. A prompt too long for data.max_prompt_tokens is skipped and counted.
+Samples come from the same engines and the same reward path as training (generator/engines,
+generator/rewards/scorer.py), so an evaluation measures what training optimises; greedy by default
+(eval.temperature = 0), with at most `concurrency` prompts in flight. A prompt too long for data.max_prompt_tokens is
+skipped and counted.
 """
 import asyncio
 

@@ -20,11 +20,12 @@ from asyncrl.generator.agents.tools import ToolLoadError
 from asyncrl.generator.dataset import iterate_prompts, job_rows, tokenize_rows
 from asyncrl.buffer.event_loop import run as run_event_loop
 from asyncrl.generator.engines.base import EngineBroken, EngineUnsupported, make_engine
-from asyncrl.generator.reward_server.client import wait_for_server
-from asyncrl.generator.rewards import RewardError, check_builtin_rewards, uses_builtin_rewards
+from asyncrl.generator.rewards.client import wait_for_server
+from asyncrl.generator.rewards.errors import RewardError
+from asyncrl.generator.rewards.functions import check_builtin_rewards, uses_builtin_rewards
 from asyncrl.generator.model_source import resolve_model
 from asyncrl.generator.rollout import RolloutLoop
-from asyncrl.generator.scoring import RewardScorer
+from asyncrl.generator.rewards.scorer import RewardScorer
 from asyncrl.security.curve import KeysError, client_keys
 from asyncrl.telemetry.system_metrics import start_system_metrics, stop_system_metrics
 from asyncrl.weightsync.catchup import CatchupError

@@ -2,7 +2,7 @@
 
 Each of `max_inflight_groups` workers repeats: ask the learner for admission -> load the newest weights it has
 heard of (docs/architecture.md §4: before sampling a new group) -> sample n completions -> score them (off the
-event loop: generator/scoring.py) -> send the group. It talks to the learner only through
+event loop: generator/rewards/scorer.py) -> send the group. It talks to the learner only through
 `interface.GeneratorBuffer` (either backend), whose typed replies it reads. It waits on: admission
 (generator/admission.py: every waiting worker's in one request, polled with backoff while the learner says no),
 weight loads, and the learner's replies (each bounded by a timeout). It stops when the learner says the job is done
@@ -26,7 +26,7 @@ from asyncrl.generator.admission import AdmissionGate
 from asyncrl.generator.agents.episode import PromptTooLong, episodes_to_samples
 from asyncrl.generator.engines.base import EngineBroken, WeightLoadError
 from asyncrl.generator.pushed_weights import join_push
-from asyncrl.generator.rewards import overlong_penalty
+from asyncrl.generator.rewards.functions import overlong_penalty
 from asyncrl.telemetry.timing import BusyClock, idle_fraction
 from asyncrl.weightsync.receiver import WeightSyncError
 
@@ -122,7 +122,7 @@ class RolloutLoop:
         self.engine = engine
         self.stage = stage  # weightsync.receiver.WeightStage: verified copies of announced versions
         self.prompts = prompts  # endless iterator of PromptRow; None when the learner deals them (buffer/dealer.py)
-        self.scorer = scorer  # generator/scoring.py RewardScorer: `await score(...)`, never blocking the loop
+        self.scorer = scorer  # generator/rewards/scorer.py RewardScorer: `await score(...)`, never blocking the loop
         self.tokenizer = tokenizer
         self.rollout = rollout_cfg
         self.reward_shaping = reward_shaping or RewardConfig()  # reward.overlong_* (DAPO)

@@ -1,7 +1,7 @@
 """`asyncrl data gsm8k|math --input FILE --out DIR`: a local copy of a public dataset (jsonl or parquet, in the
 dataset's own columns) turned into verl-format parquet (prompt, data_source, ability, reward_model, extra_info), the
-rows the generators read and the built-in scorers grade (generator/scorers/). There is no hub here: the user brings
-the file.
+rows the generators read and the built-in scorers grade (generator/rewards/builtin/). There is no hub here: the
+user brings the file.
 
 - gsm8k: columns `question`, `answer` (the worked solution ending in "#### n"); data_source "openai/gsm8k", ground
   truth n, and verl's instruction to put the final answer after "####".
@@ -57,7 +57,7 @@ def last_boxed(text: str) -> str | None:
 
 
 def gsm8k_row(record: dict, index: int, split: str) -> dict | None:
-    from asyncrl.generator.scorers.gsm8k import extract
+    from asyncrl.generator.rewards.builtin.gsm8k import extract
 
     question, answer = record.get("question"), record.get("answer")
     truth = extract(answer) if isinstance(answer, str) else None

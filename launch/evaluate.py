@@ -29,9 +29,9 @@ async def run_eval(cfg, model_path: str, say=print) -> dict:
     from asyncrl.generator.engines.base import make_engine
     from asyncrl.generator.evaluation import evaluate
     from asyncrl.generator.main import vllm_placement
-    from asyncrl.generator.reward_server.client import wait_for_server
-    from asyncrl.generator.rewards import check_builtin_rewards, uses_builtin_rewards
-    from asyncrl.generator.scoring import RewardScorer
+    from asyncrl.generator.rewards.client import wait_for_server
+    from asyncrl.generator.rewards.functions import check_builtin_rewards, uses_builtin_rewards
+    from asyncrl.generator.rewards.scorer import RewardScorer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     rows, skipped = tokenize_rows(read_rows(cfg.eval.files), tokenizer, cfg.data.max_prompt_tokens)

@@ -18,7 +18,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Optional
 
-from asyncrl.generator.user_code import load_from_file
+from asyncrl.generator.user_code.loader import load_from_file
 
 
 @dataclass

@@ -16,7 +16,7 @@ from collections import Counter
 
 from asyncrl.generator.agents.episode import Episode, row_dict
 from asyncrl.generator.agents.openai_session import AgentSession
-from asyncrl.generator.user_code import load_from_file
+from asyncrl.generator.user_code.loader import load_from_file
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 and those of MCP servers (`tools.mcp_servers`, mcp_tools.py), described to the model by their schemas and called
 without ever blocking the generator.
 
-A plain function runs in a `ProcessCallPool` (generator/call_pool.py) under `tools.timeout_s`, so a hung or
+A plain function runs in a `ProcessCallPool` (generator/user_code/pool.py) under `tools.timeout_s`, so a hung or
 crashing tool costs a worker, never the generator; an `async def` is awaited under the same timeout. Every way a
 call can go wrong becomes the text of its tool message, so the model reads what happened and the episode goes on:
 a timeout, an exception, a result over `tools.max_output_chars`, and the parser's malformed calls, unknown tools
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from asyncrl.generator.agents.mcp_tools import McpToolSource
 from asyncrl.generator.agents.tool_calls import ToolCall, ToolCallError
 from asyncrl.generator.agents.tool_schema import tool_schema
-from asyncrl.generator.call_pool import CallFailed, CallTarget, CallTimeout, PoolBroken, ProcessCallPool
-from asyncrl.generator.user_code import load_from_file
+from asyncrl.generator.user_code.loader import load_from_file
+from asyncrl.generator.user_code.pool import CallFailed, CallTarget, CallTimeout, PoolBroken, ProcessCallPool
 
 
 class ToolLoadError(ValueError):

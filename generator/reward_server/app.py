@@ -9,7 +9,7 @@
     GET  /metrics -> items, batches, mean batch size, queue, refusals, timeouts, unparsed verdicts
 
 It may be started before or after the generators: a generator whose reward names a server waits for /health when it
-starts, and its calls retry a server that is away or full until reward.timeout_s (generator/reward_server/client.py).
+starts, and its calls retry a server that is away or full until reward.timeout_s (generator/rewards/client.py).
 Items of concurrent requests are scored together (batcher.py).
 """
 import asyncio

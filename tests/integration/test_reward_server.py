@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from asyncrl.configs import load_config
-from asyncrl.generator.reward_server.client import score_remote, wait_for_server
+from asyncrl.generator.rewards.client import score_remote, wait_for_server
 from tests.conftest import free_port
 
 
@@ -112,7 +112,7 @@ def test_the_reward_server_batches_backs_off_and_can_start_after_its_clients(rew
 
 def test_a_generators_reward_worker_pool_scores_through_the_server(reward_model, tmp_path):
     """reward.functions mixes a built-in scorer and the reward server; the server component gets the prompt."""
-    from asyncrl.generator.scoring import RewardScorer
+    from asyncrl.generator.rewards.scorer import RewardScorer
 
     port = free_port()
     proc = start_server(reward_model, port, tmp_path)

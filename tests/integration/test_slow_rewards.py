@@ -2,8 +2,8 @@
 groups keep reaching the learner at close to the rate of a run without the slow ones.
 
 Real parts: the zmq buffer server and client, the rollout loop, and the reward worker processes
-(generator/scoring.py). The engine is a fake that decodes one group at a time in 0.1 s, so the fast rate is set by
-the engine (about 10 groups/s), not by this machine's two cores."""
+(generator/rewards/scorer.py). The engine is a fake that decodes one group at a time in 0.1 s, so the fast rate
+is set by the engine (about 10 groups/s), not by this machine's two cores."""
 import asyncio
 import time
 
@@ -15,7 +15,7 @@ from asyncrl.generator.config import RolloutConfig
 from asyncrl.generator.dataset import PromptRow
 from asyncrl.generator.engines.base import Completion
 from asyncrl.generator.rollout import RolloutLoop
-from asyncrl.generator.scoring import RewardScorer
+from asyncrl.generator.rewards.scorer import RewardScorer
 from tests.conftest import free_port
 
 REWARD = '''

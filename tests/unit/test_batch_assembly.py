@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from asyncrl.buffer.group import Group, Sample, Sampling
-from asyncrl.generator.rewards import overlong_penalty
+from asyncrl.generator.rewards.functions import overlong_penalty
 from asyncrl.learner.batch import build_batch
 from asyncrl.learner.collect import BatchFilter, BatchTimeout, collect_batch
 

@@ -7,10 +7,11 @@ import pytest
 
 from asyncrl.configs import ConfigError, load_config
 from asyncrl.generator.reward_server.batcher import Batcher, QueueFull, ScoreTimeout
-from asyncrl.generator.reward_server.client import read_reply
 from asyncrl.generator.reward_server.items import BadItem, ScoreItem, parse_items
 from asyncrl.generator.reward_server.judge import judge_message, parse_verdict
-from asyncrl.generator.rewards import RewardError, uses_builtin_rewards
+from asyncrl.generator.rewards.client import read_reply
+from asyncrl.generator.rewards.errors import RewardError
+from asyncrl.generator.rewards.functions import uses_builtin_rewards
 
 
 def run(coroutine):

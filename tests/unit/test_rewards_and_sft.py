@@ -2,7 +2,8 @@
 process: tests/integration/test_cli.py)."""
 import pytest
 
-from asyncrl.generator.rewards import RewardError, load_reward_fn, score
+from asyncrl.generator.rewards.errors import RewardError
+from asyncrl.generator.rewards.functions import load_reward_fn, score
 
 
 def test_user_reward_function_plugs_in_from_a_file(tmp_path):

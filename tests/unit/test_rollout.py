@@ -9,7 +9,7 @@ from asyncrl.configs.sections import RewardConfig
 from asyncrl.generator.config import RolloutConfig
 from asyncrl.generator.dataset import PromptRow
 from asyncrl.generator.engines.base import Completion, EngineBroken, WeightLoadError
-from asyncrl.generator.rewards import score
+from asyncrl.generator.rewards.functions import score
 from asyncrl.generator.rollout import RolloutLoop
 
 

@@ -1,11 +1,12 @@
-"""The built-in scorers (generator/scorers/), on examples shaped like the datasets', malformed answers included,
-and through the data_source dispatch that verl's names select."""
+"""The built-in scorers (generator/rewards/builtin/), on examples shaped like the datasets', malformed answers
+included, and through the data_source dispatch that verl's names select."""
 import json
 
 import pytest
 
-from asyncrl.generator.rewards import RewardError, builtin_reward, check_builtin_rewards, score
-from asyncrl.generator.scorers import code_tests, gsm8k, math_answer, multiple_choice
+from asyncrl.generator.rewards.builtin import code_tests, gsm8k, math_answer, multiple_choice
+from asyncrl.generator.rewards.errors import RewardError
+from asyncrl.generator.rewards.functions import builtin_reward, check_builtin_rewards, score
 
 GSM8K_SOLUTION = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips "
                   "altogether in April and May.\n#### 72")

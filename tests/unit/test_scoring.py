@@ -1,14 +1,14 @@
-"""The reward worker pool (generator/call_pool.py) and the scorer on top of it (generator/scoring.py), with real
-spawned worker processes: a hung call is killed at its timeout, a dying worker fails only its call, a cancelled
-call never answers the next caller, the loop keeps running meanwhile, and every failure scores 0, counted."""
+"""The reward worker pool (generator/user_code/pool.py) and the scorer on top of it (generator/rewards/scorer.py),
+with real spawned worker processes: a hung call is killed at its timeout, a dying worker fails only its call, a
+cancelled call never answers the next caller, the loop keeps running meanwhile, and every failure scores 0, counted."""
 import asyncio
 import os
 import time
 
 import pytest
 
-from asyncrl.generator.call_pool import CallFailed, CallTarget, CallTimeout, ProcessCallPool
-from asyncrl.generator.scoring import RewardScorer
+from asyncrl.generator.rewards.scorer import RewardScorer
+from asyncrl.generator.user_code.pool import CallFailed, CallTarget, CallTimeout, ProcessCallPool
 
 REWARD_FILE = '''
 import os, time
@@ -54,7 +54,7 @@ def reward_path(tmp_path):
 
 
 def make_pool(reward_path, workers=2, timeout_s=2.0):
-    return ProcessCallPool(CallTarget("asyncrl.generator.rewards:build_reward_call", (reward_path, "judge")),
+    return ProcessCallPool(CallTarget("asyncrl.generator.rewards.functions:build_reward_call", (reward_path, "judge")),
                            workers=workers, timeout_s=timeout_s, name="test-pool")
 
 
@@ -138,7 +138,7 @@ def test_a_dying_worker_or_a_raising_call_fails_only_that_call(reward_path):
 
 
 def test_workers_that_die_before_answering_break_the_pool_instead_of_respawning_forever():
-    from asyncrl.generator.call_pool import PoolBroken
+    from asyncrl.generator.user_code.pool import PoolBroken
 
     async def scenario():
         pool = ProcessCallPool(CallTarget("os:_exit", (1,)), workers=1, timeout_s=5.0, name="doomed")
@@ -231,7 +231,8 @@ def test_an_async_reward_function_is_awaited_under_the_timeout(reward_path):
 
 
 def test_a_missing_reward_file_or_function_fails_before_any_sampling(reward_path, tmp_path):
-    from asyncrl.generator.rewards import RewardError, check_builtin_rewards
+    from asyncrl.generator.rewards.errors import RewardError
+    from asyncrl.generator.rewards.functions import check_builtin_rewards
 
     with pytest.raises(RewardError, match="does not exist"):
         RewardScorer(str(tmp_path / "absent.py"), "judge", workers=1, timeout_s=1.0)
@@ -278,7 +279,7 @@ def test_reward_functions_are_checked_when_the_config_loads(tmp_path):
     with pytest.raises(ConfigError, match="weight must be finite"):
         load_config(None, ["reward.functions=[{name: a, weight: .inf}]"])
     from asyncrl.configs.sections import RewardFunction
-    from asyncrl.generator.rewards import RewardError
+    from asyncrl.generator.rewards.errors import RewardError
 
     with pytest.raises(RewardError, match="absent.py"):  # before any worker starts
         RewardScorer(None, "compute_score", 1, 1.0, functions=[RewardFunction("a", 1.0, str(tmp_path / "absent.py"))])

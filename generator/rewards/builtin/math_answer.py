@@ -1,4 +1,4 @@
-"""Competition math (MATH, MATH-500, AIME, DAPO-Math, NuminaMath; verl's data_source names in rewards.py):
+"""Competition math (MATH, MATH-500, AIME, DAPO-Math, NuminaMath; verl's data_source names in functions.py):
 the completion's final answer checked against the ground truth with Hugging Face's `math-verify`.
 
 math-verify parses both sides to SymPy (boxed answers first, then LaTeX, then plain expressions) and compares them

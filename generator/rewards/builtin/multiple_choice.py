@@ -1,5 +1,5 @@
 """Multiple choice (data_source "multiple_choice", and MMLU, ARC, GPQA, CommonsenseQA by their hub names in
-rewards.py): the letter the completion commits to, against the ground truth's letter.
+functions.py): the letter the completion commits to, against the ground truth's letter.
 
 The committed letter is the last of: "answer is (X)" / "Answer: X", a boxed letter, or a lone "(X)" or "X." at
 the end. Scanning for the last standalone capital would reward a completion that lists every option, so nothing

@@ -1,6 +1,6 @@
 """Scoring completions without ever blocking the generator's event loop.
 
-A plain reward function runs in a `ProcessCallPool` (generator/call_pool.py): one call per sample, each under
+A plain reward function runs in a `ProcessCallPool` (generator/user_code/pool.py): one call per sample, each under
 `reward.timeout_s`; a hung call has its worker killed. An `async def` reward function is awaited under the same
 timeout (it is the user's promise not to block; a coroutine cannot be killed, only abandoned). Either way a call
 that raises, returns something that is not a finite score, or times out scores 0, is counted by reason in
@@ -15,8 +15,8 @@ import time
 from typing import Optional
 
 from asyncrl.buffer.rejections import RejectionLog
-from asyncrl.generator.call_pool import CallFailed, CallTarget, CallTimeout, PoolBroken, ProcessCallPool
-from asyncrl.generator.rewards import load_reward_fn, normalize_score
+from asyncrl.generator.rewards.functions import load_reward_fn, normalize_score
+from asyncrl.generator.user_code.pool import CallFailed, CallTarget, CallTimeout, PoolBroken, ProcessCallPool
 
 log = logging.getLogger(__name__)
 FAILED_INFO = {"reward_error": 1.0}
@@ -38,8 +38,9 @@ class RewardScorer:
         self.specs = specs
         self.servers = sorted({server for *_, server in specs if server})
         self.async_fn = fn if not specs and inspect.iscoroutinefunction(fn) else None
-        target = (CallTarget("asyncrl.generator.rewards:build_combined_call", (specs, timeout_s)) if specs else
-                  CallTarget("asyncrl.generator.rewards:build_reward_call", (path, function)))
+        factories = "asyncrl.generator.rewards.functions"
+        target = (CallTarget(f"{factories}:build_combined_call", (specs, timeout_s)) if specs else
+                  CallTarget(f"{factories}:build_reward_call", (path, function)))
         self.pool = None if self.async_fn else ProcessCallPool(target, workers, timeout_s, name="asyncrl-reward")
         self.failures = RejectionLog(log, "its reward", area=source, verb="scored 0 for")
         self.seconds = 0.0

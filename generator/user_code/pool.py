@@ -1,7 +1,7 @@
 """A bounded pool of worker processes for user code that must never block the generator's event loop.
 
 Reward functions, tools and environment steps are written by other people and may hang, spin, or crash the
-interpreter. Each call runs in a worker process (generator/call_worker.py), one call per worker at a time, under a
+interpreter. Each call runs in a worker process (pool_worker.py), one call per worker at a time, under a
 wall-clock timeout. A call past its timeout, or cancelled by its caller, has its worker killed and replaced: a
 thread could not be stopped, and a process still running someone else's call must never answer the next caller.
 A worker that dies (a segfault, `os._exit`) fails only the call it was running. Workers that die before ever
@@ -10,9 +10,9 @@ answering, three in a row, break the pool (`PoolBroken`): respawning them would 
 Contract: `await call(*args)` waits for a free worker (the pool is bounded: that is the back-pressure), writes
 the arguments to its stdin and awaits the answer on its stdout (asyncio subprocess pipes: the loop never blocks).
 It returns the callable's result or raises `CallTimeout` / `CallFailed`. Workers are fresh interpreters
-(`python -m asyncrl.generator.call_worker`), not forks of the generator, which has torch and engine threads, and
-not `multiprocessing` children, which re-import the parent's main script. Each builds its callable once from a
-`CallTarget`, an importable factory and its arguments, so only names and plain values cross the pipe.
+(`python -m asyncrl.generator.user_code.pool_worker`), not forks of the generator, which has torch and engine
+threads, and not `multiprocessing` children, which re-import the parent's main script. Each builds its callable
+once from a `CallTarget`, an importable factory and its arguments, so only names and plain values cross the pipe.
 """
 import asyncio
 import importlib
@@ -22,7 +22,7 @@ import pickle
 import sys
 from dataclasses import dataclass
 
-from asyncrl.generator.call_worker import HEADER
+from asyncrl.generator.user_code.pool_worker import HEADER
 
 log = logging.getLogger(__name__)
 KILL_WAIT_S = 2.0
@@ -107,7 +107,7 @@ class ProcessCallPool:
 
     async def _spawn(self) -> _Worker:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "asyncrl.generator.call_worker", str(os.getpid()),
+            sys.executable, "-m", "asyncrl.generator.user_code.pool_worker", str(os.getpid()),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         worker = _Worker(process)
         self._all.add(worker)
@@ -136,7 +136,7 @@ class ProcessCallPool:
             raise CallFailed("PoolClosed", f"{self.name} is closed")
         if self._start_deaths >= START_DEATHS_TO_BREAK:
             raise PoolBroken(f"{self.name}: {self._start_deaths} workers in a row died before answering a call; "
-                             f"run `{sys.executable} -m asyncrl.generator.call_worker` to see why")
+                             f"run `{sys.executable} -m asyncrl.generator.user_code.pool_worker` to see why")
         limit = timeout_s or self.timeout_s
         worker = await self._idle.get()
         try:

@@ -1,7 +1,7 @@
 """Loading a name from a user's Python file (a reward function, a tool, an environment class).
 
 The file runs as a module of its own, once per call, in the process that loads it: the generator, to read a tool's
-schema or check an environment's interface, and each worker process that runs the code (generator/call_pool.py).
+schema or check an environment's interface, and each worker process that runs the code (pool.py).
 """
 import importlib.util
 import os

@@ -1,4 +1,4 @@
-"""One worker process of a `ProcessCallPool` (generator/call_pool.py): `python -m asyncrl.generator.call_worker PPID`.
+"""One worker process of a `ProcessCallPool` (pool.py): `python -m asyncrl.generator.user_code.pool_worker PPID`.
 
 It reads frames from stdin and writes frames to its private copy of stdout; a frame is a 4-byte big-endian length
 and a pickle. The first frame is the `CallTarget`; every later one is a call's arguments, answered by

@@ -1,5 +1,5 @@
 """A generator's side of the reward server: one blocking call per sample, made in a reward worker process
-(generator/scoring.py), so it never blocks the generator's event loop, and a wait for the server at start.
+(generator/rewards/scorer.py), so it never blocks the generator's event loop, and a wait for the server at start.
 
 A server that is away (not started yet, restarting) or full (503) is retried with backoff until the call's deadline
 (reward.timeout_s, less a margin so the pool does not kill the worker first); then the sample scores 0 and is
@@ -9,7 +9,7 @@ import asyncio
 import math
 import time
 
-from asyncrl.generator.rewards import RewardError
+from asyncrl.generator.rewards.errors import RewardError
 
 DEADLINE_MARGIN = 0.9
 """The share of reward.timeout_s a call may spend before it gives up on its own."""

@@ -3,16 +3,18 @@
 A user's own function plugs in through `reward.path` (a Python file) and `reward.function`. It may return a float
 or a dict with a `score` key; the other numeric entries travel with the sample as `reward_info`. It may also be
 an `async def`, which the generator awaits; a plain function runs in the reward worker processes
-(generator/scoring.py), so it never blocks sampling.
+(generator/rewards/scorer.py), so it never blocks sampling.
 """
 import asyncio
 import inspect
 import math
 from typing import Callable, Optional
 
-from asyncrl.generator.scorers import code_tests, gsm8k, math_answer, multiple_choice, reasoning_gym_score
+from asyncrl.generator.rewards.builtin import code_tests, gsm8k, math_answer, multiple_choice, reasoning_gym_score
+from asyncrl.generator.rewards.client import score_remote
+from asyncrl.generator.rewards.errors import RewardError
 from asyncrl.generator.tasks import add_numbers, sort_digits
-from asyncrl.generator.user_code import load_from_file
+from asyncrl.generator.user_code.loader import load_from_file
 
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math_dapo",
                 "numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc",
@@ -39,10 +41,6 @@ def builtin_for(data_source: str) -> Callable | None:
     if fn is None:
         fn = next((f for prefix, f in BUILTIN_PREFIXES.items() if str(data_source).startswith(prefix)), None)
     return fn
-
-
-class RewardError(RuntimeError):
-    """The reward function is missing, failed, or returned something that is not a finite score."""
 
 
 def load_reward_fn(path: Optional[str], function: str) -> Callable:
@@ -91,8 +89,8 @@ def score(fn: Callable, data_source: str, solution_str: str, ground_truth, extra
 
 
 def build_reward_call(path: Optional[str], function: str) -> Callable:
-    """What a reward worker process runs (generator/call_pool.py CallTarget): the user's function, loaded once in
-    the worker, with its result normalised there (only two floats and a dict cross the pipe)."""
+    """What a reward worker process runs (generator/user_code/pool.py CallTarget): the user's function, loaded once
+    in the worker, with its result normalised there (only two floats and a dict cross the pipe)."""
     fn = load_reward_fn(path, function)
     return lambda data_source, solution_str, ground_truth, extra_info: score(fn, data_source, solution_str,
                                                                                ground_truth, extra_info)
@@ -127,14 +125,13 @@ def build_combined_call(specs: tuple, timeout_s: float = 30.0) -> Callable:
 
 
 class RemoteReward:
-    """A reward.functions component scored by a reward server (generator/reward_server/): it also gets the prompt."""
+    """A reward.functions component scored by a reward server (generator/reward_server/, asked through client.py):
+    it also gets the prompt."""
 
     def __init__(self, url: str, timeout_s: float):
         self.url, self.timeout_s = url, timeout_s
 
     def __call__(self, data_source, solution_str, ground_truth, extra_info, prompt=None) -> dict:
-        from asyncrl.generator.reward_server.client import score_remote
-
         score, info = score_remote(self.url, prompt, solution_str, data_source, ground_truth, self.timeout_s)
         return {"score": score, **info}
 
