@@ -359,7 +359,7 @@ def cmd_sft(cfg, args) -> int:
         return exec_torchrun(cfg, args, module="asyncrl.launch.cli", command_name="sft")
     from asyncrl.launch.demo import say_stderr
     from asyncrl.learner.checkpoint import CheckpointError
-    from asyncrl.learner.sft_data import SFTDataError
+    from asyncrl.data.sft import SFTDataError
     from asyncrl.learner.sft_job import run_sft_job
 
     parallel = join_ranks(cfg, "sft")
