@@ -74,7 +74,7 @@ def iterate_prompts(rows: list[PromptRow], shuffle: bool, seed: int) -> Iterator
 def job_rows(data_cfg, seed: int, train_files: list) -> list[dict]:
     """The job's prompt rows, untokenized: `data.train_files`, or reasoning-gym's tasks (data.source), generated
     from `seed` (job.seed, the same in every process)."""
-    from asyncrl.generator.scorers.reasoning_gym_score import reasoning_gym_rows
+    from asyncrl.data.reasoning_gym import reasoning_gym_rows
 
     if data_cfg.source == "reasoning_gym":
         return reasoning_gym_rows(data_cfg.reasoning_gym_tasks, data_cfg.reasoning_gym_size, seed)
