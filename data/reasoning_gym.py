@@ -4,7 +4,7 @@ reasoning-gym generates reasoning tasks procedurally (arithmetic, logic, puzzles
 task, so a job needs no dataset download. Rows are built the same in every process that builds them (the task's
 generator seeded from job.seed): the learner deals them, and a generator that walks its own copy builds the same
 ones. Each row carries its reasoning-gym entry in `extra_info["entry"]`, because the task's verifier needs the
-entry's metadata, not only the answer (generator/scorers/reasoning_gym_score.py scores with it).
+entry's metadata, not only the answer (the built-in scorer reasoning_gym_score.py scores with it).
 """
 
 INSTRUCTION = "Think it through, then give only the final answer inside <answer></answer>."
