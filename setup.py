@@ -1,7 +1,7 @@
 """asyncrl: every top-level role folder installs as ``asyncrl.<folder>`` (implicit namespace package)."""
 from setuptools import setup
 
-PARTS = ["algos", "buffer", "generator", "learner", "weightsync", "configs", "launch", "telemetry", "bench", "planner", "security"]
+PARTS = ["algos", "buffer", "data", "generator", "learner", "weightsync", "configs", "launch", "telemetry", "bench", "planner", "security"]
 SUBPACKAGES = ["buffer.zmq", "buffer.redis", "generator.agents", "generator.engines", "generator.tasks", "weightsync.group"]
 
 packages = [f"asyncrl.{p}" for p in PARTS + SUBPACKAGES]

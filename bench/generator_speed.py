@@ -29,7 +29,7 @@ def demo_batch(overrides: list) -> tuple:
     from transformers import AutoTokenizer
 
     from asyncrl.configs import load_config
-    from asyncrl.generator.dataset import read_rows, tokenize_rows
+    from asyncrl.data.prompts import read_rows, tokenize_rows
     from asyncrl.launch.cli import resolve_rl_inputs
 
     cfg = load_config("demo_cpu.yaml", overrides)

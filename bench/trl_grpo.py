@@ -65,7 +65,7 @@ def run_trl(job_dir: str, seed: int, steps: int, overrides: list, threads: int) 
     from trl import GRPOConfig, GRPOTrainer
 
     from asyncrl.configs import load_config
-    from asyncrl.generator.dataset import read_rows
+    from asyncrl.data.prompts import read_rows
     from asyncrl.launch.cli import resolve_rl_inputs
 
     if threads:

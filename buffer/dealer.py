@@ -3,7 +3,8 @@
 Why the learner deals: when each generator walked the whole dataset with a shuffle of its own, two generators
 sampled the same prompts, nobody knew which prompts of an epoch had been trained, and a restart replayed. Here each
 admission comes with one row of the dataset (its prompt tokens, data source, ground truth, extra info and chat
-messages), so a generator needs no copy of the data, and every prompt of an epoch is trained exactly once:
+messages, encoded by data/prompts.py: the dealer keeps only the cursor and deals the bytes it was given), so a
+generator needs no copy of the data, and every prompt of an epoch is trained exactly once:
 
 - A prompt is in exactly one place: not yet dealt (after the cursor), returned (to be dealt again first), out (held
   by a generator under a deal id; delivered once its group is in the learner's queue), or consumed (the learner
@@ -29,9 +30,6 @@ import uuid
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 
-import msgpack
-import numpy as np
-
 STATE_FORMAT = 1
 RECENT_TAKES = 4096
 """Taken deals remembered for `give_back` (collect_batch gives back right after a take; a poisoned step's groups
@@ -49,51 +47,30 @@ would otherwise keep the epoch from ever ending."""
 
 
 class DealError(ValueError):
-    """A dealt prompt that is not a well-formed row (the generator refuses it), or a dealer state that does not fit
-    this dataset (the learner refuses to resume with it)."""
+    """A dealt prompt that is not a well-formed deal or row (the generator refuses it; data/prompts.py checks the
+    row), or a dealer state that does not fit this dataset (the learner refuses to resume with it)."""
 
 
 @dataclass
-class DealtPrompt:
-    """One dealt row, with the attributes of generator/dataset.py's PromptRow, so the rollout samples it alike."""
+class EncodedPrompts:
+    """The dataset as the dealer (and the evaluation rounds, buffer/eval_rounds.py) hold it: each prompt's id (what
+    its group names when it comes back), its row encoded for a deal, and its data source. The buffer never reads a
+    row: data/prompts.py encodes it on the learner and decodes it on the generator, so the buffer needs no row type
+    and stays below data/."""
 
-    deal_id: str
-    prompt_id: str
     prompt_ids: list
-    data_source: str
-    ground_truth: object
-    extra_info: dict
-    messages: list | None = None
+    rows: list
+    """bytes each, dealt as they are."""
+    data_sources: list
 
 
-def encode_prompt(row) -> bytes:
-    """A prompt row (anything with PromptRow's attributes) as the msgpack map a deal carries. Raises DealError for
-    a row msgpack cannot carry (a parquet cell of a type it does not know), at load time, naming the row."""
-    try:
-        return msgpack.packb({"prompt_id": row.prompt_id, "prompt_ids": np.asarray(row.prompt_ids, "<i4").tobytes(),
-                              "data_source": row.data_source, "ground_truth": row.ground_truth,
-                              "extra_info": row.extra_info or {}, "messages": row.messages}, use_bin_type=True)
-    except (TypeError, ValueError) as err:
-        raise DealError(f"prompt {row.prompt_id}: its row cannot be dealt ({err})") from None
-
-
-def decode_prompt(deal_id, blob) -> DealtPrompt:
-    """The generator's side of `encode_prompt`; raises DealError for anything that is not such a row."""
-    if not isinstance(deal_id, str) or not isinstance(blob, bytes):
+def check_deal(entry) -> tuple:
+    """One deal of an admit reply, [deal id, row bytes], as (deal id, row bytes) for the generator to decode
+    (data/prompts.py::decode_prompt); DealError for anything else."""
+    if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], str)
+            and isinstance(entry[1], bytes)):
         raise DealError("a deal must be [deal id, row bytes]")
-    try:
-        row = msgpack.unpackb(blob, raw=False, strict_map_key=False)
-    except Exception as err:
-        raise DealError(f"deal {deal_id}: row is not msgpack ({type(err).__name__})") from None
-    if not isinstance(row, dict):
-        raise DealError(f"deal {deal_id}: row is not a map")
-    ids, extra, messages = row.get("prompt_ids"), row.get("extra_info"), row.get("messages")
-    if (not isinstance(row.get("prompt_id"), str) or not isinstance(row.get("data_source"), str)
-            or not isinstance(ids, bytes) or not ids or len(ids) % 4 or not isinstance(extra, dict)
-            or not (messages is None or isinstance(messages, list))):
-        raise DealError(f"deal {deal_id}: row lacks prompt_id, prompt_ids, data_source, extra_info or messages")
-    return DealtPrompt(deal_id, row["prompt_id"], np.frombuffer(ids, "<i4").tolist(), row["data_source"],
-                       row.get("ground_truth"), extra, messages)
+    return entry[0], entry[1]
 
 
 def epoch_order(size: int, epoch: int, shuffle: bool, seed: int) -> list:
@@ -123,18 +100,19 @@ class Deal:
 
 
 class PromptDealer:
-    def __init__(self, rows: list, *, shuffle: bool, seed: int, epochs: int | None, timeout_s: float,
+    def __init__(self, prompts: EncodedPrompts, *, shuffle: bool, seed: int, epochs: int | None, timeout_s: float,
                  clock=time.monotonic):
-        """`rows`: the dataset (PromptRow-like, already tokenized and filtered); `epochs`: None deals forever."""
-        if not rows:
+        """`prompts`: the dataset, already tokenized, filtered and encoded (data/prompts.py::encode_prompts);
+        `epochs`: None deals forever."""
+        if not prompts.rows:
             raise DealError("no prompts to deal")
-        self._blobs = [encode_prompt(row) for row in rows]
-        self._prompt_ids = [row.prompt_id for row in rows]
+        self._blobs = list(prompts.rows)
+        self._prompt_ids = list(prompts.prompt_ids)
         self.fingerprint = fingerprint(self._prompt_ids)
-        self.data_sources = sorted({row.data_source for row in rows})
+        self.data_sources = sorted(set(prompts.data_sources))
         self.shuffle, self.seed, self.epochs, self.timeout_s, self.clock = shuffle, seed, epochs, timeout_s, clock
         self.epoch, self.position = 0, 0
-        self._order = epoch_order(len(rows), 0, shuffle, seed)
+        self._order = epoch_order(self.size, 0, shuffle, seed)
         self._returned: deque = deque()  # (epoch, index), dealt again before the cursor moves
         self._out: OrderedDict = OrderedDict()  # deal id -> Deal, in dealing order (= deadline order)
         self._by_holder: dict = {}  # holder -> its deal ids (a dict: in dealing order)

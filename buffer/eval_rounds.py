@@ -21,7 +21,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
-from asyncrl.buffer.dealer import DealError, decode_prompt
+from asyncrl.buffer.dealer import DealError, EncodedPrompts
 from asyncrl.buffer.interface import EvalTask
 
 EVALS_PER_REQUEST = 8
@@ -55,11 +55,11 @@ class FinishedRound:
 
 
 class EvalRounds:
-    def __init__(self, rows: list, blobs: list, timeout_s: float, clock=time.monotonic):
-        """`rows`: the eval prompts (PromptRow-like: their data_source is used); `blobs`: each encoded for a deal
-        (buffer/dealer.py encode_prompt)."""
-        self.data_sources = [row.data_source for row in rows]
-        self.blobs = blobs
+    def __init__(self, prompts: EncodedPrompts, timeout_s: float, clock=time.monotonic):
+        """`prompts`: the eval prompts, encoded for a deal (data/prompts.py::encode_prompts); each one's data source
+        names its metrics."""
+        self.data_sources = list(prompts.data_sources)
+        self.blobs = list(prompts.rows)
         self.timeout_s, self.clock = timeout_s, clock
         self._rounds: dict = {}  # version -> EvalRound, open ones
         self._finished: list = []
@@ -180,11 +180,12 @@ def eval_due(version: int, next_due: int | None, every: int, before_train: bool)
 
 def decode_eval_task(entry) -> EvalTask:
     """[deal id, version, row bytes, n, temperature, max_tokens] (`EvalRounds.deal`) as an EvalTask, on the
-    generator; DealError for anything else."""
-    if not (isinstance(entry, list) and len(entry) == 6 and isinstance(entry[1], int) and isinstance(entry[3], int)
-            and isinstance(entry[4], (int, float)) and isinstance(entry[5], int)):
+    generator (which decodes its row: data/prompts.py::decode_prompt); DealError for anything else."""
+    if not (isinstance(entry, list) and len(entry) == 6 and isinstance(entry[0], str) and isinstance(entry[1], int)
+            and isinstance(entry[2], bytes) and isinstance(entry[3], int) and isinstance(entry[4], (int, float))
+            and isinstance(entry[5], int)):
         raise DealError("an evaluation deal must be [id, version, row, n, temperature, max_tokens]")
-    return EvalTask(entry[0], entry[1], decode_prompt(entry[0], entry[2]), entry[3], float(entry[4]), entry[5])
+    return EvalTask(entry[0], entry[1], entry[2], entry[3], float(entry[4]), entry[5])
 
 
 def check_result(rewards, lengths, n: int, max_tokens: int) -> str | None:

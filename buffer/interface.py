@@ -66,8 +66,9 @@ class AdmitReply(Status):
     granted: int = 0
     """Groups this generator may start now (0: the staleness budget is used up; ask again later)."""
     deals: list = field(default_factory=list)
-    """When the learner deals the prompts (buffer/dealer.py): one `DealtPrompt` per grant, the prompt to sample;
-    [] when the generator walks its own copy of the dataset (a learner without data)."""
+    """When the learner deals the prompts (buffer/dealer.py): one (deal id, row bytes) per grant, the prompt to
+    sample, which the generator decodes (data/prompts.py::decode_prompt); [] when the generator walks its own copy
+    of the dataset (a learner without data)."""
     evals: list = field(default_factory=list)
     """Held-out prompts to evaluate at a pinned weight version (`EvalTask`s, buffer/eval_rounds.py), beside the
     grants: they take no admission."""
@@ -80,8 +81,8 @@ class EvalTask:
 
     deal_id: str
     version: int
-    prompt: object
-    """A `dealer.DealtPrompt`."""
+    row: bytes
+    """The prompt, encoded as a deal carries it: the generator decodes it (data/prompts.py::decode_prompt)."""
     n: int
     temperature: float
     max_tokens: int

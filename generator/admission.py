@@ -8,7 +8,8 @@ paid its per-step cost for each. Asked for together, the grants of one reply sta
 batch.
 
 Contract of `AdmissionGate.take()`: it returns once this caller holds one admission (which it must later use or
-release), with the prompt the learner dealt for it (buffer/dealer.py; None when the learner deals none), or with an
+release), with the prompt the learner dealt for it (a `PromptRow`, decoded here: data/prompts.py; None when the
+learner deals none), or with an
 evaluation prompt (an `EvalTask`, buffer/eval_rounds.py, which holds no admission); it raises what the learner's
 client raised. It waits on: the learner's reply to the pooled request, and
 while the learner says no, a backoff (`min_backoff_s` doubling to `max_backoff_s`) cut short when another worker
@@ -17,6 +18,8 @@ while waiting takes nothing with it: a grant that finds its caller gone is relea
 """
 import asyncio
 from collections import deque
+
+from asyncrl.data.prompts import decode_prompt
 
 
 class AdmissionGate:
@@ -36,8 +39,8 @@ class AdmissionGate:
         self._pump: asyncio.Task | None = None
 
     async def take(self):
-        """Wait until this caller holds one admission or evaluation prompt; returns its dealt prompt (a
-        DealtPrompt), an EvalTask, or None."""
+        """Wait until this caller holds one admission or evaluation prompt; returns its dealt prompt (a PromptRow
+        with its deal id), an EvalTask, or None."""
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         self._arrived.set()
@@ -101,7 +104,7 @@ class AdmissionGate:
                 waiter.set_result(unplaced.pop(0))
         for task in unplaced:
             self.on_reply(await self.client.eval_done(task.deal_id, None, None))
-        deals = list(deals)
+        deals = [decode_prompt(deal_id, row) for deal_id, row in deals]
         handed = 0
         while handed < granted and self._waiters:
             waiter = self._waiters.popleft()

@@ -15,7 +15,7 @@ from asyncrl.telemetry.eval_metrics import eval_metrics
 
 async def evaluate(engine, scorer, tokenizer, rows: list, n: int, temperature: float, max_tokens: int, ks: list,
                    pass_threshold: float, concurrency: int = 8, on_done=None) -> dict:
-    """`rows`: PromptRows (generator/dataset.py). `on_done(done, total)` reports progress."""
+    """`rows`: PromptRows (data/prompts.py). `on_done(done, total)` reports progress."""
     sampling = Sampling(temperature=temperature, top_p=1.0, top_k=-1, max_tokens=max_tokens)
     gate = asyncio.Semaphore(concurrency)
     done = 0

@@ -17,11 +17,11 @@ from collections import Counter
 import numpy as np
 
 from asyncrl.buffer.codec import encode_group
-from asyncrl.buffer.dealer import DealtPrompt
 from asyncrl.buffer.done import JobEnd
 from asyncrl.buffer.group import Group, Sample, Sampling, new_group_id
 from asyncrl.buffer.interface import EvalTask, Status
 from asyncrl.configs.sections import RewardConfig
+from asyncrl.data.prompts import decode_prompt
 from asyncrl.generator.admission import AdmissionGate
 from asyncrl.generator.agents.episode import PromptTooLong, episodes_to_samples
 from asyncrl.generator.engines.base import EngineBroken, WeightLoadError
@@ -282,7 +282,7 @@ class RolloutLoop:
                 self.note_reply(await self.client.eval_done(task.deal_id, None, None))
                 return
             with self.stats.busy:
-                row = task.prompt
+                row = decode_prompt(task.deal_id, task.row)
                 completions = await self.engine.sample(row.prompt_ids, Sampling(task.temperature, 1.0, -1,
                                                                                  task.max_tokens), task.n)
                 texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
@@ -302,7 +302,7 @@ class RolloutLoop:
         sampling = Sampling(self.rollout.temperature, self.rollout.top_p, self.rollout.top_k, self.rollout.max_tokens)
         created = time.time()
         meta = {"data_source": row.data_source}
-        if isinstance(row, DealtPrompt):  # the learner accepts the group only under its deal
+        if row.deal_id is not None:  # the learner accepts the group only under its deal
             meta["deal"] = row.deal_id
         if self.episodes is not None:
             return await self._sample_episodes(row, sampling, created, meta)

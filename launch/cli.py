@@ -275,20 +275,9 @@ def locate_job(cfg, parallel, resolve) -> tuple:
     return broadcast_object(where, parallel)
 
 
-def prompt_loader(cfg, model_path: str, files: list):
-    """What the learner deals (buffer/dealer.py): the job's prompts, loaded on rank 0 when it builds its buffer;
-    None for a job without data (its generators are scripted clients that bring their own prompts)."""
-    if cfg.data.source != "reasoning_gym" and not files:
-        return None
-    from asyncrl.generator.dataset import job_rows, load_prompt_rows
-
-    return lambda: load_prompt_rows(job_rows(cfg.data, cfg.job.seed, files), model_path, cfg.data.max_prompt_tokens,
-                                    cfg.model.trust_remote_code)
-
-
-def eval_prompt_loader(cfg, model_path: str):
-    """The held-out prompts evaluated during training: eval.files, or the demo's held-out split; None when
-    eval.every_steps and eval.before_train are off."""
+def eval_files(cfg) -> list | None:
+    """The held-out files evaluated during training (data/prompts.py::load_eval_prompts reads them): eval.files, or
+    the demo's held-out split; None when this job does not evaluate while training."""
     if not (cfg.eval.every_steps or cfg.eval.before_train):
         return None
     from asyncrl.configs import training_eval_blocker
@@ -307,10 +296,19 @@ def eval_prompt_loader(cfg, model_path: str):
         logging.getLogger(__name__).warning("eval.every_steps is set but there is nothing to evaluate on (no "
                                             "eval.files, no demo.task): training goes on without evaluation")
         return None
-    from asyncrl.generator.dataset import load_prompt_rows, read_rows
+    return files
 
-    return lambda: load_prompt_rows(read_rows(files), model_path, cfg.data.max_prompt_tokens,
-                                    cfg.model.trust_remote_code)
+
+def load_learner_prompts(cfg, model_path: str, files: list) -> tuple:
+    """(the prompts rank 0 deals, the held-out prompts its evaluation rounds deal), each None when there are none."""
+    from asyncrl.data.prompts import load_eval_prompts, load_train_prompts
+
+    trust = cfg.model.trust_remote_code
+    prompts = load_train_prompts(cfg.data, files, model_path, cfg.job.seed, trust)
+    held_out = eval_files(cfg)
+    eval_prompts = (load_eval_prompts(held_out, model_path, cfg.data.max_prompt_tokens, trust)
+                    if held_out is not None else None)
+    return prompts, eval_prompts
 
 
 def cmd_learner(cfg, args) -> int:
@@ -318,7 +316,7 @@ def cmd_learner(cfg, args) -> int:
     if args.nproc * args.nnodes > 1 and "LOCAL_RANK" not in os.environ:
         return exec_torchrun(cfg, args, module="asyncrl.learner", command_name="learner")
     from asyncrl.buffer.dealer import DealError
-    from asyncrl.generator.dataset import DatasetError
+    from asyncrl.data.prompts import DatasetError
     from asyncrl.learner.checkpoint import CheckpointError
     from asyncrl.learner.loop import TrainingPoisoned, run_learner
     from asyncrl.security.curve import KeysError
@@ -329,9 +327,9 @@ def cmd_learner(cfg, args) -> int:
     try:
         model_path, files, job_dir = locate_job(cfg, parallel, resolve_rl_inputs)
         try:
-            summary = run_learner(cfg, model_path, files, job_dir, parallel,
-                                  load_prompts=prompt_loader(cfg, model_path, files),
-                                  load_eval_prompts=eval_prompt_loader(cfg, model_path))
+            prompts, eval_prompts = load_learner_prompts(cfg, model_path, files) if parallel.is_main else (None, None)
+            summary = run_learner(cfg, model_path, files, job_dir, parallel, prompts=prompts,
+                                  eval_prompts=eval_prompts)
         except (CheckpointError, DatasetError, DealError, KeysError) as err:  # a checkpoint, data or keys it cannot use
             print(f"asyncrl learner: {err}", file=sys.stderr)
             return 2
@@ -359,7 +357,7 @@ def cmd_sft(cfg, args) -> int:
         return exec_torchrun(cfg, args, module="asyncrl.launch.cli", command_name="sft")
     from asyncrl.launch.demo import say_stderr
     from asyncrl.learner.checkpoint import CheckpointError
-    from asyncrl.learner.sft_data import SFTDataError
+    from asyncrl.data.sft import SFTDataError
     from asyncrl.learner.sft_job import run_sft_job
 
     parallel = join_ranks(cfg, "sft")

@@ -155,7 +155,7 @@ def warm_start(base_dir: str, out_dir: str, sft_file: str, task, demo_cfg, seed:
 
     from asyncrl.learner.model import load_model, load_tokenizer
     from asyncrl.learner.sft import run_sft
-    from asyncrl.learner.sft_data import read_sft_examples
+    from asyncrl.data.sft import read_sft_examples
     from asyncrl.learner.train_step import StepSettings
 
     torch.manual_seed(seed)

@@ -25,7 +25,7 @@ def model_dir_for(path: str, workdir: str) -> str:
 async def run_eval(cfg, model_path: str, say=print) -> dict:
     from transformers import AutoTokenizer
 
-    from asyncrl.generator.dataset import read_rows, tokenize_rows
+    from asyncrl.data.prompts import read_rows, tokenize_rows
     from asyncrl.generator.engines.base import make_engine
     from asyncrl.generator.evaluation import evaluate
     from asyncrl.generator.main import vllm_placement
@@ -87,7 +87,7 @@ def cmd_eval(cfg, args) -> int:
     if not os.path.exists(args.checkpoint):
         print(f"asyncrl eval: {args.checkpoint} does not exist", file=sys.stderr)
         return 2
-    from asyncrl.generator.dataset import DatasetError
+    from asyncrl.data.prompts import DatasetError
     from asyncrl.learner.checkpoint import CheckpointError
 
     with tempfile.TemporaryDirectory(prefix="asyncrl-eval-") as workdir:

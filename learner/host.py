@@ -7,9 +7,10 @@ import socket
 import time
 
 from asyncrl.buffer.backends import make_learner_buffer
-from asyncrl.buffer.dealer import DealError, PromptDealer, encode_prompt
+from asyncrl.buffer.dealer import DealError, PromptDealer
 from asyncrl.buffer.eval_rounds import EvalRounds, eval_due, first_due
 from asyncrl.configs import flatten, shared_hash, shared_sections, to_yaml
+from asyncrl.data.prompts import PromptSet, encode_prompts
 from asyncrl.learner.checkpoint import CheckpointError
 from asyncrl.learner.model import model_positions
 from asyncrl.learner.objective import resolved_hyperparameters
@@ -36,7 +37,8 @@ it when it changes: telemetry/counters.py)."""
 
 class LearnerHost:
     def __init__(self, cfg, model, model_path: str, train_files: list, job_dir: str, parallel: ParallelState,
-                 state: LearnerState, resumed_from: str | None, load_prompts=None, load_eval_prompts=None):
+                 state: LearnerState, resumed_from: str | None, prompts: PromptSet | None = None,
+                 eval_prompts: PromptSet | None = None):
         self.cfg = cfg
         self.job_dir = job_dir
         self.tracking_uri = resolve_tracking_uri(cfg.telemetry.tracking_uri)
@@ -64,11 +66,11 @@ class LearnerHost:
         if cfg.learner.lora.enabled:  # the generators' vLLM engines size their adapter slots from the learner's
             run_info["lora_rank"] = cfg.learner.lora.rank
         self.overlong_prompts = 0
-        self.dealer = self._build_dealer(load_prompts, state.data_cursor)
+        self.dealer = self._build_dealer(prompts, state.data_cursor)
         if self.dealer is not None:  # generators sample what they are dealt and need no copy of the data
             run_info.update(deals=True, data_sources=self.dealer.data_sources,
                             deal_timeout_s=cfg.data.deal_timeout_s)
-        self.evals = self._build_evals(load_eval_prompts)
+        self.evals = self._build_evals(eval_prompts)
         if self.evals is not None:  # a Redis generator asks for evaluation prompts only then
             run_info["evals"] = True
         self.buffer = make_learner_buffer(cfg, vocab_size=model.get_input_embeddings().num_embeddings,
@@ -93,19 +95,20 @@ class LearnerHost:
         if resumed_from is not None:
             log.info("learner: resumed from %s at version %d", resumed_from, state.version)
 
-    def _build_dealer(self, load_prompts, cursor: dict) -> PromptDealer | None:
+    def _build_dealer(self, prompts: PromptSet | None, cursor: dict) -> PromptDealer | None:
         """The prompts dealt with the admissions (buffer/dealer.py), carrying on from the checkpoint's cursor (with
         Redis, from the cursor in Redis; the checkpoint's serves only a Redis that lost it). None without data (a
         learner fed by scripted generators)."""
-        if load_prompts is None:
+        if prompts is None:
             return None
         data = self.cfg.data
-        rows, self.overlong_prompts = load_prompts()
+        self.overlong_prompts = prompts.overlong
         if self.overlong_prompts:
             log.warning("learner: %d prompts longer than data.max_prompt_tokens=%d are left out", self.overlong_prompts,
                         data.max_prompt_tokens)
-        dealer = PromptDealer(rows, shuffle=data.shuffle, seed=self.cfg.job.seed if data.seed is None else data.seed,
-                              epochs=data.epochs, timeout_s=data.deal_timeout_s)
+        dealer = PromptDealer(encode_prompts(prompts.rows), shuffle=data.shuffle,
+                              seed=self.cfg.job.seed if data.seed is None else data.seed, epochs=data.epochs,
+                              timeout_s=data.deal_timeout_s)
         if cursor:
             try:
                 dealer.restore(cursor)
@@ -115,17 +118,17 @@ class LearnerHost:
                  f" of {data.epochs}" if data.epochs else "")
         return dealer
 
-    def _build_evals(self, load_eval_prompts) -> EvalRounds | None:
+    def _build_evals(self, eval_prompts: PromptSet | None) -> EvalRounds | None:
         """The held-out prompts evaluated on the fleet during training (buffer/eval_rounds.py); None when
         eval.every_steps and eval.before_train are off or there are no eval prompts."""
-        if load_eval_prompts is None:
+        if eval_prompts is None:
             return None
-        rows, skipped = load_eval_prompts()
-        if skipped:
-            log.warning("learner: %d eval prompts longer than data.max_prompt_tokens are left out", skipped)
-        log.info("learner: evaluating %d held-out prompts every %d steps on the fleet", len(rows),
+        if eval_prompts.overlong:
+            log.warning("learner: %d eval prompts longer than data.max_prompt_tokens are left out",
+                        eval_prompts.overlong)
+        log.info("learner: evaluating %d held-out prompts every %d steps on the fleet", len(eval_prompts.rows),
                  self.cfg.eval.every_steps)
-        return EvalRounds(rows, [encode_prompt(row) for row in rows], self.cfg.eval.timeout_s)
+        return EvalRounds(encode_prompts(eval_prompts.rows), self.cfg.eval.timeout_s)
 
     def _open_eval_if_due(self, version: int) -> None:
         """Version 0 with eval.before_train; then the first published version at or past each multiple of

@@ -14,6 +14,7 @@ from collections import Counter
 
 import torch
 
+from asyncrl.data.prompts import PromptSet
 from asyncrl.learner.build import (StepParts, build_optimizer, build_policy, build_step_parts, checkpoint_root,
                                    find_resume_point)
 from asyncrl.learner.checkpoint import load_checkpoint, save_checkpoint, wait_for_pending_save
@@ -35,11 +36,12 @@ class TrainingPoisoned(RuntimeError):
 
 
 def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
-                parallel: ParallelState | None = None, load_prompts=None, load_eval_prompts=None) -> dict | None:
+                parallel: ParallelState | None = None, prompts: PromptSet | None = None,
+                eval_prompts: PromptSet | None = None) -> dict | None:
     """Trains the whole job on this rank; returns the summary on rank 0 (also written to job_dir/summary.json),
-    None on the others. `load_prompts()` returns the job's prompt rows and how many were too long; with it, rank 0
-    deals them to the generators (buffer/dealer.py) and the job also ends when data.epochs are trained;
-    `load_eval_prompts()` likewise returns the held-out prompts evaluated on the fleet (buffer/eval_rounds.py)."""
+    None on the others. `prompts`: the job's prompts, read on rank 0 (data/prompts.py::load_train_prompts); with
+    them, rank 0 deals them to the generators (buffer/dealer.py) and the job also ends when data.epochs are trained;
+    `eval_prompts` likewise are the held-out prompts evaluated on the fleet (buffer/eval_rounds.py)."""
     parallel = parallel or ParallelState()
     torch.manual_seed(cfg.learner.seed)
     if cfg.learner.torch_threads:
@@ -55,7 +57,7 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
         resync_after_load(scheduler)  # this job's schedule (learner.total_steps may have grown) at the restored step
     parts.restore(state)
     host = LearnerHost(cfg, model, model_path, train_files, job_dir, parallel, state, resumed_from=resume_from,
-                       load_prompts=load_prompts, load_eval_prompts=load_eval_prompts) if parallel.is_main else None
+                       prompts=prompts, eval_prompts=eval_prompts) if parallel.is_main else None
     acks = AckLedger(host.buffer if host is not None else None, state)
     start_version, status = state.version, "FAILED"
     try:

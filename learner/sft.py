@@ -1,7 +1,7 @@
 """Supervised fine-tuning on the learner's own stack: the same micro-batch planner (token budget, balanced over
 data-parallel ranks), the same chunked logprobs (padded or packed, Ulysses when sp_size > 1) and FSDP2.
 
-Data comes from `sft_data` (chat parquet with a loss mask on assistant turns, or verl rows). The loss is the
+Data comes from `asyncrl.data.sft` (chat parquet with a loss mask on assistant turns, or verl rows). The loss is the
 token-mean cross-entropy over every trained token of the step: each micro-batch's sum is divided by the step's
 total trained tokens, so the split into micro-batches and ranks does not change it.
 """

@@ -28,7 +28,7 @@ from asyncrl.learner.model import load_tokenizer
 from asyncrl.learner.parallel import ParallelState
 from asyncrl.learner.publish import iter_full_weights
 from asyncrl.learner.sft import batch_for_step, sft_eval_loss, sft_step
-from asyncrl.learner.sft_data import SFTDataError, read_sft_examples
+from asyncrl.data.sft import SFTDataError, read_sft_examples
 from asyncrl.learner.state import LearnerState
 from asyncrl.learner.train_step import StepSettings
 

@@ -25,7 +25,7 @@ import redis
 
 import msgpack
 
-from asyncrl.buffer.dealer import decode_prompt
+from asyncrl.buffer.dealer import check_deal
 from asyncrl.buffer.eval_rounds import decode_eval_task, evals_wanted
 from asyncrl.buffer.interface import (AdmitReply, GeneratorRefused, HelloReply, LearnerUnavailable, SendReply,
                                      Status, too_large_reply)
@@ -71,7 +71,7 @@ class RedisBufferClient:
     async def admit(self, want: int = 1, version: int | None = None) -> AdmitReply:
         reply = await self._request("admit", want=want, version=version)
         return AdmitReply(**_status(reply), granted=reply["granted"],
-                          deals=[decode_prompt(deal_id, row) for deal_id, row in reply.get("deals", ())],
+                          deals=[check_deal(deal) for deal in reply.get("deals", ())],
                           evals=[decode_eval_task(_unpack(task)) for task in reply.get("evals", ())])
 
     async def send(self, group_id: str, payload: bytes, deal: str = "") -> SendReply:

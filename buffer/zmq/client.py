@@ -18,7 +18,7 @@ from collections import deque
 
 import zmq
 
-from asyncrl.buffer.dealer import decode_prompt
+from asyncrl.buffer.dealer import check_deal
 from asyncrl.buffer.eval_rounds import decode_eval_task
 from asyncrl.buffer.interface import (AdmitReply, GeneratorRefused, HelloReply, LearnerUnavailable, SendReply,
                                      Status, too_large_reply)
@@ -69,8 +69,7 @@ class ZmqBufferClient:
         reply = await self._request("admit", want=want, **({"ver": version} if version is not None else {}))
         granted = reply.get("granted") if reply.get("ok") else 0
         deals = reply.get("deals") if reply.get("ok") else None
-        deals = [decode_prompt(*deal) if isinstance(deal, list) and len(deal) == 2 else decode_prompt(None, None)
-                 for deal in deals] if isinstance(deals, list) else []
+        deals = [check_deal(deal) for deal in deals] if isinstance(deals, list) else []
         evals = reply.get("evals") if reply.get("ok") else None
         evals = [decode_eval_task(entry) for entry in evals] if isinstance(evals, list) else []
         return AdmitReply(**status_fields(reply), granted=granted if isinstance(granted, int) else 0, deals=deals,

@@ -17,7 +17,7 @@ copies at fixed offsets (with 4- and 5-digit results mixed it learned one offset
 wrong); the guesses are random, not the sum, which the model would otherwise half learn and use after a call too.
 
 Rows follow verl's format, as the sort task's do; the SFT rows are chat transcripts (`messages`, and `tools`
-as JSON: learner/sft_data.py renders them with the same template and tool list as the generator).
+as JSON: data/sft.py renders them with the same template and tool list as the generator).
 """
 import json
 import random

@@ -35,7 +35,7 @@ def make_rows(num_prompts: int, seed: int, min_len: int = 4, max_len: int = 7) -
 
 
 def sft_rows(num_rows: int, seed: int) -> list[dict]:
-    """SFT rows for the warm start: the task's own rows, whose ground truth is the target (learner/sft_data.py)."""
+    """SFT rows for the warm start: the task's own rows, whose ground truth is the target (data/sft.py)."""
     return make_rows(num_rows, seed)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from asyncrl.buffer.group import Sampling
-from asyncrl.generator.dataset import read_rows, tokenize_rows
+from asyncrl.data.prompts import read_rows, tokenize_rows
 from asyncrl.learner.build import build_optimizer
 from asyncrl.learner.checkpoint import save_checkpoint
 from asyncrl.learner.config import LearnerConfig

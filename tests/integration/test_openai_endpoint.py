@@ -14,7 +14,7 @@ from asyncrl.generator.agents.episode import EpisodeBudget
 from asyncrl.generator.agents.openai_agent import OpenAIAgentRunner
 from asyncrl.generator.agents.openai_server import OpenAIEndpoint
 from asyncrl.generator.agents.openai_session import AgentSession
-from asyncrl.generator.dataset import PromptRow
+from asyncrl.data.prompts import PromptRow
 from tests.chat_tokenizer import chat_tokenizer
 from tests.unit.test_episodes import ScriptedEngine, call
 

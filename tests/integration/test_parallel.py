@@ -23,7 +23,7 @@ from asyncrl.learner.parallel import ParallelConfigError, ParallelState, apply_f
 from asyncrl.learner.lora import apply_lora, trainable_parameters
 from asyncrl.learner.publish import bucket_names, iter_full_weights
 from asyncrl.learner.sft import sft_step
-from asyncrl.learner.sft_data import SFTExample
+from asyncrl.data.sft import SFTExample
 from asyncrl.learner.train_step import StepSettings, train_step
 from asyncrl.learner.ulysses import UlyssesConfigError, apply_ulysses, check_heads
 from asyncrl.weightsync.lora_names import is_adapter_key

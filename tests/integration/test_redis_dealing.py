@@ -3,6 +3,7 @@ deals in its script, DELIVER refuses a group whose deal is not out to its produc
 against its deal, returns prompts it will not train, consumes them with the ack, and a restarted learner finds the
 deals its stream still owes it."""
 import asyncio
+import dataclasses
 import time
 import uuid
 
@@ -18,15 +19,29 @@ from asyncrl.buffer.redis.coordinator import RedisCoordinator
 from asyncrl.buffer.redis.dealing import RedisDealer, forget_holder, settle_deals
 from asyncrl.buffer.redis.server import RedisBufferServer
 from asyncrl.buffer.redis.stream import REFUSED, GroupStream
-from tests.unit.test_dealer import Row
+from asyncrl.data.prompts import PromptRow, decode_prompt, encode_prompts
 
 pytestmark = pytest.mark.redis
 VOCAB = 64
 
 
+def Row(prompt_id: str, prompt_ids: list, data_source="openai/gsm8k", extra_info=None) -> PromptRow:
+    return PromptRow(prompt_id, prompt_ids, data_source, "4", extra_info or {})
+
+
 def base_dealer(count: int, epochs=1, timeout_s=60.0) -> PromptDealer:
     rows = [Row(f"f.parquet:{i}", [3, 4 + i % 5], extra_info={"index": i}) for i in range(count)]
-    return PromptDealer(rows, shuffle=True, seed=7, epochs=epochs, timeout_s=timeout_s)
+    return PromptDealer(encode_prompts(rows), shuffle=True, seed=7, epochs=epochs, timeout_s=timeout_s)
+
+
+def admitted(client, want: int, version=None):
+    """The client's admit reply with its deals decoded, as the generator's admission gate hands them out."""
+    reply = asyncio.run(client.admit(want, version=version))
+    return dataclasses.replace(reply, deals=[decode_prompt(*deal) for deal in reply.deals])
+
+
+def eval_prompt_id(task) -> str:
+    return decode_prompt(task.deal_id, task.row).prompt_id
 
 
 def group_for(deal, generator_id: str, group_id: str | None = None, prompt_id: str | None = None) -> Group:
@@ -97,11 +112,11 @@ def test_admission_deals_ready_prompts_and_a_resend_gets_the_same(make_job):
     job = make_job(6)
     gen = job.generator("a")
     assert gen.deal_ms == 60_000
-    reply = asyncio.run(gen.admit(10))
+    reply = admitted(gen, 10)
     assert reply.granted == len(reply.deals) == 4  # never more grants than deals are ready (ready_target 4)
     assert len({deal.prompt_id for deal in reply.deals}) == 4 and all(deal.prompt_ids for deal in reply.deals)
     coordinator = gen.coordinator
-    assert asyncio.run(gen.admit(1)).granted == 0  # nothing ready until the learner refills
+    assert admitted(gen, 1).granted == 0  # nothing ready until the learner refills
     job.server.dealer.tick(force=True)
     first = coordinator.admit_dealt("a", 1, 60_000, request_id="same")
     again = coordinator.admit_dealt("a", 1, 60_000, request_id="same")  # a resend after a lost reply
@@ -115,7 +130,7 @@ def test_a_full_epoch_is_each_prompt_once_and_consumed_with_the_ack(make_job):
     trained, receipts = [], []
     while not job.server.dealer.exhausted():
         for gen in gens:
-            for deal in asyncio.run(gen.admit(2)).deals:
+            for deal in admitted(gen, 2).deals:
                 assert send(gen, group_for(deal, gen.generator_id)).accepted
         groups = job.take_all()
         trained += [group.prompt_id for group in groups]
@@ -132,10 +147,10 @@ def test_a_full_epoch_is_each_prompt_once_and_consumed_with_the_ack(make_job):
 def test_deliver_refuses_a_deal_not_out_to_the_producer_and_gives_its_lease_back(make_job):
     job = make_job(4)
     a, b = job.generator("a"), job.generator("b")
-    deal = asyncio.run(a.admit(1)).deals[0]
+    deal = admitted(a, 1).deals[0]
     started = a.coordinator.started
     stolen = group_for(deal, "b")  # b answers a deal dealt to a
-    asyncio.run(b.admit(1))
+    admitted(b, 1)
     reply = send(b, stolen)
     assert not reply.accepted and reply.reason == "unknown_deal"
     assert a.coordinator.started == started  # b's lease went back with the refusal
@@ -151,7 +166,7 @@ def test_deliver_refuses_a_deal_not_out_to_the_producer_and_gives_its_lease_back
 def test_the_learner_checks_each_group_against_its_deal(make_job):
     job = make_job(4)
     gen = job.generator("a")
-    deals = asyncio.run(gen.admit(3)).deals
+    deals = admitted(gen, 3).deals
     assert send(gen, group_for(deals[0], "a", prompt_id="f.parquet:99")).accepted  # the wrong prompt
     liar = group_for(deals[1], "a")
     liar.meta["deal"] = deals[2].deal_id  # its meta names another deal than the one it was sent under
@@ -173,7 +188,7 @@ def test_entries_added_past_deliver_never_train_a_deal_twice(make_job):
     already, is dead-lettered, and the genuine group is trained once."""
     job = make_job(4)
     gen = job.generator("a")
-    held, out = asyncio.run(gen.admit(2)).deals
+    held, out = admitted(gen, 2).deals
     assert send(gen, group_for(held, "a")).accepted
     assert len(job.take_all()) == 1
     for deal in (held, out):
@@ -188,7 +203,7 @@ def test_entries_added_past_deliver_never_train_a_deal_twice(make_job):
 def test_given_back_groups_return_their_prompts_and_filtered_ones_stay_consumed(make_job):
     job = make_job(5)
     gen = job.generator("a")
-    for deal in asyncio.run(gen.admit(3)).deals:
+    for deal in admitted(gen, 3).deals:
         send(gen, group_for(deal, "a"))
     stale, filtered, kept = job.take_all()
     started = gen.coordinator.started
@@ -202,7 +217,7 @@ def test_given_back_groups_return_their_prompts_and_filtered_ones_stay_consumed(
     assert job.server.dealer.metrics()["data/consumed"] == 2
     # the stale prompt is dealt again first, before the cursor moves
     job.server.dealer.tick(force=True)
-    again = asyncio.run(gen.admit(10)).deals
+    again = admitted(gen, 10).deals
     assert stale.prompt_id in [deal.prompt_id for deal in again]
     assert {deal.prompt_id for deal in again} | {filtered.prompt_id, kept.prompt_id} == {
         f"f.parquet:{i}" for i in range(5)}
@@ -211,7 +226,7 @@ def test_given_back_groups_return_their_prompts_and_filtered_ones_stay_consumed(
 def test_generators_hand_back_unused_and_filtered_deals_and_a_rejoin_frees_its_predecessors(make_job):
     job = make_job(6)
     gen = job.generator("a")
-    deals = asyncio.run(gen.admit(4)).deals
+    deals = admitted(gen, 4).deals
     asyncio.run(gen.release(1, deals=[deals[0].deal_id], outcome="unused"))
     asyncio.run(gen.release(1, deals=[deals[1].deal_id], outcome="zero_variance"))
     assert settle_deals(gen.client, gen.keys, "b", [deals[2].deal_id], "unused") == 0  # not b's to hand back
@@ -234,18 +249,18 @@ def test_deals_past_their_deadline_and_silent_generators_go_back(make_job):
     job = make_job(4)
     gen = job.generator("a")
     gen.deal_ms = 50
-    late = asyncio.run(gen.admit(1)).deals[0]
+    late = admitted(gen, 1).deals[0]
     time.sleep(0.1)
     job.server.dealer.tick(force=True)
     assert job.server.dealer.metrics()["data/returned/expired"] == 1
     assert not send(gen, group_for(late, "a")).accepted
     gen.deal_ms = 60_000
-    held = asyncio.run(gen.admit(2)).deals
+    held = admitted(gen, 2).deals
     job.server.dealer.tick(force=True, gone=["a"])
     assert job.server.dealer.metrics()["data/returned/generator_gone"] == 2
     assert len(held) == 2
     # a generator killed before its first report: silent from when the learner first saw it hold a deal
-    asyncio.run(gen.admit(1))
+    admitted(gen, 1)
     job.server.dealer.tick(force=True, last_heard={}, silence_s=0.2)
     assert job.server.dealer.metrics()["data/out"] == 1
     time.sleep(0.3)
@@ -258,7 +273,7 @@ def test_deals_past_their_deadline_and_silent_generators_go_back(make_job):
 def test_a_restarted_learner_trains_what_its_stream_owes_and_skips_what_it_resolved(make_job):
     job = make_job(6)
     gen = job.generator("a")
-    for deal in asyncio.run(gen.admit(4)).deals:
+    for deal in admitted(gen, 4).deals:
         send(gen, group_for(deal, "a"))
     trained, stale, owed = [job.server.take(1.0) for _ in range(3)]
     job.server.give_back(stale, "stale")
@@ -284,7 +299,7 @@ def test_a_redis_without_the_cursor_starts_from_the_checkpoints(make_job, redis_
     base = base_dealer(4)
     job = make_job(4)
     gen = job.generator("a")
-    deals = asyncio.run(gen.admit(2)).deals
+    deals = admitted(gen, 2).deals
     snapshot = job.server.dealer.snapshot()
     assert sorted(map(tuple, snapshot["out"])) == sorted((0, int(d.prompt_id.split(":")[1])) for d in deals)
     base.restore(snapshot)
@@ -293,7 +308,7 @@ def test_a_redis_without_the_cursor_starts_from_the_checkpoints(make_job, redis_
         metrics = fresh.server.dealer.metrics()
         assert metrics["data/returned/restart"] == 2
         gen2 = fresh.generator("a")
-        dealt = {deal.prompt_id for deal in asyncio.run(gen2.admit(10)).deals}
+        dealt = {deal.prompt_id for deal in admitted(gen2, 10).deals}
         assert {deal.prompt_id for deal in deals} <= dealt  # the prompts out then are dealt first
     finally:
         fresh.close()
@@ -307,31 +322,30 @@ def test_evaluation_rounds_are_dealt_through_redis_pinned_to_their_version(make_
     """The learner's rounds (buffer/eval_rounds.py) through buffer/redis/eval_bridge.py: a generator gets prompts
     of rounds at or after its engine's version, at most half its request; results come back checked; a refused or
     given-back prompt is dealt again; the round finishes with every prompt's result."""
-    from asyncrl.buffer.dealer import encode_prompt
     from asyncrl.buffer.eval_rounds import EvalRounds
 
     rows = eval_rows(3)
-    evals = EvalRounds(rows, [encode_prompt(row) for row in rows], timeout_s=60)
+    evals = EvalRounds(encode_prompts(rows), timeout_s=60)
     job = make_job(8, evals=evals)
     gen = job.generator("a")
     assert gen.evaluates
     evals.open(0, 2, 0.0, 8)
     job.take_all(0.3)  # the learner's tick deals the round into Redis
-    ahead = asyncio.run(gen.admit(4, version=1))  # an engine past v0 cannot evaluate v0
+    ahead = admitted(gen, 4, version=1)  # an engine past v0 cannot evaluate v0
     assert ahead.evals == [] and ahead.granted == 4
     job.server.dealer.tick(force=True)
-    first = asyncio.run(gen.admit(4, version=0))
+    first = admitted(gen, 4, version=0)
     assert len(first.evals) == 2 and first.granted == 2  # at most half of the request
     task, other = first.evals
-    assert task.version == 0 and task.n == 2 and task.prompt.prompt_id.startswith("heldout:")
+    assert task.version == 0 and task.n == 2 and eval_prompt_id(task).startswith("heldout:")
     asyncio.run(gen.eval_done(task.deal_id, [1.0, 0.0], [3, 4]))
     asyncio.run(gen.eval_done(other.deal_id, [1.0], [3]))  # implausible: one result for n = 2
     asyncio.run(gen.eval_done(task.deal_id, [1.0, 1.0], [3, 4]))  # answered twice: the second is not its to give
     job.take_all(0.3)
     assert evals.refused == 1 and evals.finished() == []
-    rest = asyncio.run(gen.admit(8, version=0)).evals  # the third prompt, and the refused one dealt again
-    assert sorted(t.prompt.prompt_id for t in rest) == sorted(
-        {r.prompt_id for r in rows} - {task.prompt.prompt_id})
+    rest = admitted(gen, 8, version=0).evals  # the third prompt, and the refused one dealt again
+    assert sorted(eval_prompt_id(t) for t in rest) == sorted(
+        {r.prompt_id for r in rows} - {eval_prompt_id(task)})
     for t in rest:
         asyncio.run(gen.eval_done(t.deal_id, [0.5, 0.5], [2, 2]))
     job.take_all(0.3)
@@ -343,20 +357,19 @@ def test_evaluation_rounds_are_dealt_through_redis_pinned_to_their_version(make_
 
 
 def test_a_silent_generators_evaluation_prompts_are_dealt_again(make_job):
-    from asyncrl.buffer.dealer import encode_prompt
     from asyncrl.buffer.eval_rounds import EvalRounds
 
     rows = eval_rows(2)
-    evals = EvalRounds(rows, [encode_prompt(row) for row in rows], timeout_s=60)
+    evals = EvalRounds(encode_prompts(rows), timeout_s=60)
     job = make_job(4, evals=evals)
     a, b = job.generator("a"), job.generator("b")
     evals.open(3, 1, 0.0, 8)
     job.take_all(0.3)
-    held = asyncio.run(a.admit(4, version=3)).evals
-    assert len(held) == 2 and asyncio.run(b.admit(4, version=3)).evals == []
+    held = admitted(a, 4, version=3).evals
+    assert len(held) == 2 and admitted(b, 4, version=3).evals == []
     job.server.evals.tick(gone=["a"])
-    again = asyncio.run(b.admit(4, version=3)).evals
-    assert sorted(t.prompt.prompt_id for t in again) == sorted(t.prompt.prompt_id for t in held)
+    again = admitted(b, 4, version=3).evals
+    assert sorted(eval_prompt_id(t) for t in again) == sorted(eval_prompt_id(t) for t in held)
     asyncio.run(a.eval_done(held[0].deal_id, [1.0], [1]))  # the silent one's late answer counts for nothing
     for t in again:
         asyncio.run(b.eval_done(t.deal_id, [1.0], [1]))

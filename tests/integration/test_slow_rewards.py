@@ -12,7 +12,7 @@ from asyncrl.buffer.zmq.client import ZmqBufferClient
 from asyncrl.buffer.zmq.server import ZmqBufferServer
 from asyncrl.configs.sections import RewardConfig
 from asyncrl.generator.config import RolloutConfig
-from asyncrl.generator.dataset import PromptRow
+from asyncrl.data.prompts import PromptRow
 from asyncrl.generator.engines.base import Completion
 from asyncrl.generator.rollout import RolloutLoop
 from asyncrl.generator.rewards.scorer import RewardScorer

@@ -98,7 +98,7 @@ def test_a_three_turn_episode_matches_the_learners_logprobs_on_every_model_token
     gets a template that ends each turn with its eos (the stop token), so turns can be appended."""
     from asyncrl.generator.agents.chat_render import ChatAppender
     from asyncrl.generator.agents.episode import EpisodeBudget, EpisodeRunner
-    from asyncrl.generator.dataset import PromptRow
+    from asyncrl.data.prompts import PromptRow
     from asyncrl.learner.model import load_tokenizer
 
     tokenizer = load_tokenizer(demo_assets[0])
@@ -134,7 +134,7 @@ def test_an_openai_client_agent_on_the_endpoint_records_what_vllm_sampled(vllm_e
     from asyncrl.generator.agents.episode import EpisodeBudget
     from asyncrl.generator.agents.openai_agent import OpenAIAgentRunner
     from asyncrl.generator.agents.openai_server import OpenAIEndpoint
-    from asyncrl.generator.dataset import PromptRow
+    from asyncrl.data.prompts import PromptRow
     from asyncrl.learner.model import load_tokenizer
 
     tokenizer = load_tokenizer(demo_assets[0])

@@ -3,7 +3,7 @@ import asyncio
 
 import pytest
 
-from asyncrl.buffer.dealer import DealtPrompt
+from asyncrl.data.prompts import PromptRow, encode_prompt
 from asyncrl.buffer.interface import AdmitReply, Status
 from asyncrl.generator.admission import AdmissionGate
 
@@ -31,7 +31,7 @@ class Learner:
         self.admits.append((want, granted))
         deals = []
         if self.deals:
-            deals = [DealtPrompt(f"d{self.dealt + i}", f"p{self.dealt + i}", [5], "src", None, {})
+            deals = [(f"d{self.dealt + i}", encode_prompt(PromptRow(f"p{self.dealt + i}", [5], "src", None, {})))
                      for i in range(granted)]
             self.dealt += granted
         return AdmitReply(granted=granted, deals=deals)

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from asyncrl.generator.dataset import read_rows
+from asyncrl.data.prompts import read_rows
 from asyncrl.generator.rewards.functions import builtin_reward, score
 from asyncrl.launch.cli import main
 from asyncrl.launch.datasets import DataPrepError, convert, last_boxed

@@ -1,5 +1,6 @@
 """The learner's dataset cursor (buffer/dealer.py): every prompt of an epoch trained once, whatever the fleet does,
-and a real zmq server and client dealing prompts with the admissions."""
+and a real zmq server and client dealing prompts with the admissions (their rows encoded and decoded by
+data/prompts.py)."""
 import asyncio
 import dataclasses
 import time
@@ -9,22 +10,18 @@ import numpy as np
 import pytest
 
 from asyncrl.buffer.codec import encode_group
-from asyncrl.buffer.dealer import DealError, PromptDealer, decode_prompt, encode_prompt, epoch_order
+from asyncrl.buffer.dealer import DealError, PromptDealer, check_deal, epoch_order
 from asyncrl.buffer.group import Group, Sample, Sampling
 from asyncrl.buffer.staleness import Coordinator
 from asyncrl.buffer.zmq.client import ZmqBufferClient
 from asyncrl.buffer.zmq.server import ZmqBufferServer
+from asyncrl.data.prompts import PromptRow, decode_prompt, encode_prompts
 from tests.conftest import free_port
 
 
-@dataclasses.dataclass
-class Row:
-    prompt_id: str
-    prompt_ids: list
-    data_source: str = "openai/gsm8k"
-    ground_truth: object = "4"
-    extra_info: dict = dataclasses.field(default_factory=dict)
-    messages: list | None = None
+def Row(prompt_id: str, prompt_ids: list, data_source="openai/gsm8k", ground_truth="4", extra_info=None,
+        messages=None) -> PromptRow:
+    return PromptRow(prompt_id, prompt_ids, data_source, ground_truth, extra_info or {}, messages)
 
 
 def rows(count):
@@ -41,7 +38,7 @@ class Clock:
 
 
 def dealer(count=6, epochs=1, timeout_s=60.0, clock=None, shuffle=True):
-    return PromptDealer(rows(count), shuffle=shuffle, seed=7, epochs=epochs, timeout_s=timeout_s,
+    return PromptDealer(encode_prompts(rows(count)), shuffle=shuffle, seed=7, epochs=epochs, timeout_s=timeout_s,
                         clock=clock or Clock())
 
 
@@ -49,17 +46,11 @@ def prompt_of(deal):
     return decode_prompt(*deal).prompt_id
 
 
-def test_a_dealt_row_round_trips_and_a_malformed_one_is_refused():
-    row = Row("a:0", [5, 6, 7], ground_truth=["x", 1], extra_info={"k": {"n": 2}}, messages=[{"role": "user"}])
-    got = decode_prompt("d1", encode_prompt(row))
-    assert (got.deal_id, got.prompt_id, got.prompt_ids, got.ground_truth, got.extra_info, got.messages) == (
-        "d1", "a:0", [5, 6, 7], ["x", 1], {"k": {"n": 2}}, [{"role": "user"}])
-    for blob in (b"\xc1", msgpack.packb([1]), msgpack.packb({"prompt_id": "a", "prompt_ids": b"\x01\x02\x03",
-                                                             "data_source": "s", "extra_info": {}})):
-        with pytest.raises(DealError):
-            decode_prompt("d", blob)
-    with pytest.raises(DealError, match="a:1"):
-        encode_prompt(Row("a:1", [1], ground_truth=object()))
+def test_a_deal_is_checked_as_deal_id_and_row_bytes_before_the_generator_decodes_it():
+    assert check_deal(["d1", b"row"]) == ("d1", b"row")
+    for entry in (None, ["d1"], ["d1", "row"], [1, b"row"], ["d1", b"row", 3]):
+        with pytest.raises(DealError, match="deal id, row bytes"):
+            check_deal(entry)
 
 
 def test_one_epoch_deals_every_prompt_once_in_a_seeded_order_then_runs_dry():
@@ -171,6 +162,11 @@ def group_for(deal, gen="gen-a", reward=1.0):
                  created_at=time.time(), meta={"data_source": deal.data_source, "deal": deal.deal_id})
 
 
+def decoded(reply):
+    """The admit reply with its deals decoded, as the generator's admission gate hands them out."""
+    return dataclasses.replace(reply, deals=[decode_prompt(*deal) for deal in reply.deals])
+
+
 def test_the_zmq_buffer_deals_with_admissions_and_refuses_groups_outside_their_deal():
     d = dealer(4, epochs=1)
     server = ZmqBufferServer("127.0.0.1", free_port(), Coordinator(4, 2), vocab_size=16, config_hash="h",
@@ -180,8 +176,8 @@ def test_the_zmq_buffer_deals_with_admissions_and_refuses_groups_outside_their_d
     gen_b = ZmqBufferClient(server.endpoint, "gen-b", timeout_s=5)
 
     async def scenario():
-        first = await gen_a.admit(3)
-        other = await gen_b.admit(3)  # only one prompt is left
+        first = decoded(await gen_a.admit(3))
+        other = decoded(await gen_b.admit(3))  # only one prompt is left
         undealt = dataclasses.replace(first.deals[0], deal_id="forged-9")
         for payload in (encode_group(group_for(first.deals[0])),  # valid
                         encode_group(group_for(other.deals[0], gen="gen-a")),  # another's deal, under its own id
@@ -189,7 +185,7 @@ def test_the_zmq_buffer_deals_with_admissions_and_refuses_groups_outside_their_d
             await gen_a.send("x", payload, deal=msgpack.unpackb(payload)["meta"]["deal"])
         await gen_a.release(1, deals=[first.deals[1].deal_id], outcome="zero_variance")
         await gen_a.bye()  # its third prompt goes back
-        again = await gen_b.admit(3)
+        again = decoded(await gen_b.admit(3))
         return first, other, again
 
     try:

@@ -17,7 +17,7 @@ from asyncrl.generator.agents.tool_calls import HermesToolCallParser
 from asyncrl.generator.agents.tool_env import ToolEnvironment
 from asyncrl.generator.agents.tools import ToolBox
 from asyncrl.generator.config import RolloutConfig
-from asyncrl.generator.dataset import PromptRow
+from asyncrl.data.prompts import PromptRow
 from asyncrl.generator.engines.base import Completion
 from asyncrl.generator.rollout import RolloutLoop
 from tests.chat_tokenizer import chat_tokenizer

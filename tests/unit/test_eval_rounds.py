@@ -5,21 +5,11 @@ import dataclasses
 
 import pytest
 
-from asyncrl.buffer.dealer import DealtPrompt, encode_prompt
 from asyncrl.buffer.eval_rounds import EvalRounds, check_result, eval_due, first_due
 from asyncrl.buffer.interface import AdmitReply, EvalTask, Status
 from asyncrl.configs import load_config, training_eval_blocker
+from asyncrl.data.prompts import PromptRow, encode_prompt, encode_prompts
 from asyncrl.generator.admission import AdmissionGate
-
-
-@dataclasses.dataclass
-class Row:
-    prompt_id: str
-    prompt_ids: list
-    data_source: str
-    ground_truth: object = None
-    extra_info: dict = dataclasses.field(default_factory=dict)
-    messages: list | None = None
 
 
 class Clock:
@@ -30,8 +20,8 @@ class Clock:
 
 
 def rounds(count=3, clock=None):
-    rows = [Row(f"t:{i}", [3, 4], "a" if i % 2 else "b") for i in range(count)]
-    return EvalRounds(rows, [encode_prompt(row) for row in rows], timeout_s=60.0, clock=clock or Clock())
+    rows = [PromptRow(f"t:{i}", [3, 4], "a" if i % 2 else "b", None, {}) for i in range(count)]
+    return EvalRounds(encode_prompts(rows), timeout_s=60.0, clock=clock or Clock())
 
 
 def test_a_round_is_dealt_only_to_generators_at_or_behind_its_version_and_finishes_in_order():
@@ -80,7 +70,7 @@ class Learner:
 
     async def admit(self, want=1, version=None):
         self.versions.append(version)
-        prompt = DealtPrompt("e1", "t:0", [3], "a", None, {})
+        prompt = encode_prompt(PromptRow("t:0", [3], "a", None, {}))
         return AdmitReply(granted=1, evals=[EvalTask("e1", 7, prompt, 1, 0.0, 4)])
 
     async def release(self, count=1, deals=None, outcome="unused"):

@@ -130,3 +130,13 @@ def test_the_checker_sees_a_violation():
     fake = os.path.join("weightsync", "imaginary.py")
     source = "import os\nfrom asyncrl.learner.loop import run_learner\n\ndef f():\n    import transformers\n"
     assert violations(fake, rules, source) == [f"{fake} imports asyncrl.learner.loop", f"{fake} imports transformers"]
+
+
+def test_data_sits_below_generator_and_learner_and_above_buffer():
+    """One PromptRow for both processes (data/prompts.py): generator and learner may import data; buffer, which
+    carries a dealt row as bytes, may not."""
+    rules = read_rules()
+    assert "data" in rules["generator"][0] and "data" in rules["learner"][0] and "buffer" in rules["data"][0]
+    fake = os.path.join("buffer", "imaginary.py")
+    assert violations(fake, rules, "from asyncrl.data.prompts import PromptRow\n") == [
+        f"{fake} imports asyncrl.data.prompts"]

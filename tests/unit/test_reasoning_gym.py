@@ -1,11 +1,12 @@
-"""data.source=reasoning_gym (generator/rewards/builtin/reasoning_gym_score.py): rows built from the package's
-generators, the same for the same seed, scored by its own verifiers."""
+"""data.source=reasoning_gym: rows built from the package's generators (data/reasoning_gym.py), the same for the same
+seed, scored by its own verifiers (generator/rewards/builtin/reasoning_gym_score.py)."""
 import pytest
 
 pytest.importorskip("reasoning_gym")
 
+from asyncrl.data.reasoning_gym import reasoning_gym_rows  # noqa: E402
 from asyncrl.generator.rewards.functions import builtin_reward, check_builtin_rewards, score  # noqa: E402
-from asyncrl.generator.rewards.builtin.reasoning_gym_score import final_answer, reasoning_gym_rows  # noqa: E402
+from asyncrl.generator.rewards.builtin.reasoning_gym_score import final_answer  # noqa: E402
 
 
 def test_rows_are_verl_rows_the_same_on_every_generator_and_scored_by_the_packages_verifier():

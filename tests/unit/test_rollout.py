@@ -7,7 +7,7 @@ import pytest
 from asyncrl.buffer.interface import AdmitReply, Rejections, Status
 from asyncrl.configs.sections import RewardConfig
 from asyncrl.generator.config import RolloutConfig
-from asyncrl.generator.dataset import PromptRow
+from asyncrl.data.prompts import PromptRow
 from asyncrl.generator.engines.base import Completion, EngineBroken, WeightLoadError
 from asyncrl.generator.rewards.functions import score
 from asyncrl.generator.rollout import RolloutLoop
@@ -281,8 +281,8 @@ class EvalLearner:
 def test_an_evaluation_prompt_is_sampled_at_its_version_or_given_back():
     """At v3 the engine samples a v3 prompt greedily and scores it without shaping; a v2 prompt (the engine is past
     it) goes back to its round; while a prompt is pinned to v3, the engine is not moved to the newer v5."""
-    from asyncrl.buffer.dealer import DealtPrompt
     from asyncrl.buffer.interface import EvalTask
+    from asyncrl.data.prompts import encode_prompt
 
     client, engine = EvalLearner(), ScriptedEngine()
     loop = RolloutLoop(client=client, engine=engine, prompts=None, scorer=InlineScorer(reward_is_nine),
@@ -291,7 +291,7 @@ def test_an_evaluation_prompt_is_sampled_at_its_version_or_given_back():
                        reward_shaping=RewardConfig(overlong_buffer_len=2, overlong_penalty_factor=5.0))
     loop.note_reply(Status(weights={"version": 3, "names": []}))
     loop.note_reply(Status(weights={"version": 5, "names": []}))
-    prompt = DealtPrompt("e1", "t:0", [1], "t", "9", {})
+    prompt = encode_prompt(PromptRow("t:0", [1], "t", "9", {}))
     loads = []
 
     async def never_load(target):

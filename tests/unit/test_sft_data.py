@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from asyncrl.learner.sft_data import SFTDataError, SFTExample, read_sft_examples
+from asyncrl.data.sft import SFTDataError, SFTExample, read_sft_examples
 
 CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,!?'\n"
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -268,7 +268,7 @@ def test_too_long_example_raises_by_default(long_and_short, chatml):
 
 def test_too_long_example_is_dropped_and_counted(long_and_short, chatml, caplog):
     path, max_length = long_and_short
-    with caplog.at_level(logging.WARNING, logger="asyncrl.learner.sft_data"):
+    with caplog.at_level(logging.WARNING, logger="asyncrl.data.sft"):
         examples = read_sft_examples([path], chatml, max_length=max_length, truncation="drop")
     assert [e.source for e in examples] == [f"{path}:1"]
     assert "dropped 1 of 2" in caplog.text

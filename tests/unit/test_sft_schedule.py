@@ -4,7 +4,7 @@ import pytest
 
 from asyncrl.learner.config import SFTConfig
 from asyncrl.learner.sft import batch_for_step, epoch_batches
-from asyncrl.learner.sft_data import SFTDataError
+from asyncrl.data.sft import SFTDataError
 from asyncrl.learner.sft_job import split_validation, total_steps
 
 

@@ -1,42 +1,15 @@
-"""Prompts from the `reasoning-gym` package (data.source=reasoning_gym), and their scoring by its own verifiers.
+"""Scoring of reasoning-gym rows (data.source=reasoning_gym; the rows are built by data/reasoning_gym.py) by the
+package's own verifiers, so such a job needs no scorer of ours.
 
-reasoning-gym generates reasoning tasks procedurally (arithmetic, logic, puzzles, graphs, ...) with a verifier
-per task, so a job needs no dataset download and no scorer of ours. Rows are built the same on every generator
-(the task's generator seeded from job.seed), each carrying its reasoning-gym entry in `extra_info["entry"]`:
-the verifier needs the entry's metadata, not only the answer. The completion's answer is the content of its last
-<answer>...</answer>, or, without one, its last non-empty line.
+Each row carries its reasoning-gym entry in `extra_info["entry"]`: the verifier needs the entry's metadata, not
+only the answer. The completion's answer is the content of its last <answer>...</answer>, or, without one, its last
+non-empty line.
 """
 import re
 
+from asyncrl.data.reasoning_gym import PREFIX, import_reasoning_gym
+
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-INSTRUCTION = "Think it through, then give only the final answer inside <answer></answer>."
-PREFIX = "reasoning_gym/"
-
-
-def import_reasoning_gym():
-    try:
-        import reasoning_gym
-    except ImportError:
-        raise RuntimeError("data.source=reasoning_gym needs the reasoning-gym package: pip install "
-                           "'asyncrl[reasoning]' (or reasoning-gym==0.1.25)") from None
-    return reasoning_gym
-
-
-def reasoning_gym_rows(tasks: list, size: int, seed: int) -> list[dict]:
-    """`size` rows per task in verl's row format (what generator/dataset.read_rows returns)."""
-    reasoning_gym = import_reasoning_gym()
-    rows = []
-    for task in tasks:
-        try:
-            dataset = reasoning_gym.create_dataset(task, size=size, seed=seed)
-        except Exception as err:  # an unknown name raises inside the package's registry
-            raise ValueError(f"data.reasoning_gym_tasks: reasoning-gym cannot make {task!r} ({err})") from None
-        for index in range(size):
-            entry = dataset[index]
-            rows.append({"prompt": [{"role": "user", "content": f"{entry['question']}\n{INSTRUCTION}"}],
-                         "data_source": f"{PREFIX}{task}", "reward_model": {"ground_truth": entry["answer"]},
-                         "extra_info": {"entry": entry}, "_id": f"{PREFIX}{task}:{index}"})
-    return rows
 
 
 def final_answer(text: str) -> str | None:

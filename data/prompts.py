@@ -1,0 +1,171 @@
+"""Prompts, one `PromptRow` type whether the learner deals a row or a generator walks its own copy: parquet in
+verl's row format (or reasoning-gym's generated rows) turned into token ids with the model's chat template, and a
+row's encoding for a deal.
+
+Why the encoding lives here and not in buffer/: the buffer is below data/ (it may import only configs), yet it is the
+buffer that carries a dealt row from the learner to a generator. So the buffer carries the row as opaque bytes: the
+dealer (buffer/dealer.py) keeps the cursor over `EncodedPrompts` (each prompt's id, its encoded row and its data
+source) and deals what it was given, and the admit reply hands the generator [deal id, row bytes]. The row's fields
+are known in one module, this one: `encode_prompt` runs on the learner when it loads its data (so a row msgpack
+cannot carry fails at load time, naming the row), and `decode_prompt` runs on the generator when a deal arrives
+(generator/admission.py, and the evaluation rounds' prompts), checking it like any input from the network.
+"""
+import os
+import random
+from dataclasses import dataclass
+from typing import Iterator
+
+import msgpack
+import numpy as np
+
+from asyncrl.buffer.dealer import DealError, EncodedPrompts
+
+
+class DatasetError(ValueError):
+    """A dataset file is missing or its rows do not have verl's columns."""
+
+
+@dataclass
+class PromptRow:
+    prompt_id: str
+    prompt_ids: list
+    data_source: str
+    ground_truth: object
+    extra_info: dict
+    messages: list | None = None
+    """The row's prompt as chat messages: an episode renders its opening from them (with the tools' schemas)."""
+    deal_id: str | None = None
+    """The learner dealt this row under this id (the group goes back with it: the learner accepts the group only
+    under its deal); None when the generator walks its own copy of the data."""
+
+
+@dataclass
+class PromptSet:
+    """A dataset read and tokenised: the rows that fit data.max_prompt_tokens, and how many did not."""
+
+    rows: list
+    overlong: int
+
+
+REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
+
+
+def read_rows(paths: list) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    if not paths:
+        raise DatasetError("data.train_files is empty: give at least one parquet file")
+    rows = []
+    for path in paths:
+        path = os.path.expanduser(path)
+        if not os.path.isfile(path):
+            raise DatasetError(f"data.train_files: {path!r} does not exist")
+        table = pq.read_table(path)
+        missing = [c for c in REQUIRED_COLUMNS if c not in table.column_names]
+        if missing:
+            raise DatasetError(f"{path}: missing verl columns {missing} (has {table.column_names})")
+        for index, row in enumerate(table.to_pylist()):
+            row.setdefault("extra_info", None)
+            row["_id"] = f"{os.path.basename(path)}:{index}"
+            rows.append(row)
+    return rows
+
+
+def tokenize_rows(rows: list[dict], tokenizer, max_prompt_tokens: int) -> tuple[list[PromptRow], int]:
+    """Render each prompt with the chat template and tokenize; returns the rows that fit and how many were skipped."""
+    out, skipped = [], 0
+    for row in rows:
+        text = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not ids or len(ids) > max_prompt_tokens:
+            skipped += 1
+            continue
+        ground_truth = (row["reward_model"] or {}).get("ground_truth")
+        out.append(PromptRow(row["_id"], ids, row["data_source"], ground_truth, row["extra_info"] or {},
+                             messages=row["prompt"]))
+    if not out:
+        raise DatasetError(f"no prompt fits data.max_prompt_tokens={max_prompt_tokens} ({skipped} skipped)")
+    return out, skipped
+
+
+def iterate_prompts(rows: list[PromptRow], shuffle: bool, seed: int) -> Iterator[PromptRow]:
+    """Endless epochs over the rows, reshuffled each epoch (a generator walking its own copy of the data)."""
+    rng = random.Random(seed)
+    epoch = list(rows)
+    while True:
+        if shuffle:
+            rng.shuffle(epoch)
+        yield from epoch
+
+
+def job_rows(data_cfg, seed: int, train_files: list) -> list[dict]:
+    """The job's prompt rows, untokenized: `train_files`, or reasoning-gym's tasks (data.source), generated
+    from `seed` (job.seed, the same in every process)."""
+    from asyncrl.data.reasoning_gym import reasoning_gym_rows
+
+    if data_cfg.source == "reasoning_gym":
+        return reasoning_gym_rows(data_cfg.reasoning_gym_tasks, data_cfg.reasoning_gym_size, seed)
+    return read_rows(train_files)
+
+
+def tokenize_with_model(raw_rows: list, model_path: str, max_prompt_tokens: int,
+                        trust_remote_code: bool = False) -> PromptSet:
+    """`raw_rows` tokenized with the chat template of the model at `model_path`."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    return PromptSet(*tokenize_rows(raw_rows, tokenizer, max_prompt_tokens))
+
+
+def load_train_prompts(data_cfg, train_files: list, model_path: str, seed: int,
+                       trust_remote_code: bool = False) -> PromptSet | None:
+    """What the learner deals (buffer/dealer.py): the job's prompts (`train_files`, resolved by the CLI, or
+    reasoning-gym's); None for a job without data (its generators are scripted clients that bring their own)."""
+    if data_cfg.source != "reasoning_gym" and not train_files:
+        return None
+    return tokenize_with_model(job_rows(data_cfg, seed, train_files), model_path, data_cfg.max_prompt_tokens,
+                               trust_remote_code)
+
+
+def load_eval_prompts(files: list, model_path: str, max_prompt_tokens: int,
+                      trust_remote_code: bool = False) -> PromptSet:
+    """The held-out prompts the learner's evaluation rounds deal to the fleet (buffer/eval_rounds.py)."""
+    return tokenize_with_model(read_rows(files), model_path, max_prompt_tokens, trust_remote_code)
+
+
+# --- a row as a deal carries it --------------------------------------------------------------------------------
+def encode_prompt(row: PromptRow) -> bytes:
+    """A prompt row as the msgpack map a deal carries. Raises DealError for a row msgpack cannot carry (a parquet
+    cell of a type it does not know), at load time, naming the row."""
+    try:
+        return msgpack.packb({"prompt_id": row.prompt_id, "prompt_ids": np.asarray(row.prompt_ids, "<i4").tobytes(),
+                              "data_source": row.data_source, "ground_truth": row.ground_truth,
+                              "extra_info": row.extra_info or {}, "messages": row.messages}, use_bin_type=True)
+    except (TypeError, ValueError) as err:
+        raise DealError(f"prompt {row.prompt_id}: its row cannot be dealt ({err})") from None
+
+
+def encode_prompts(rows: list) -> EncodedPrompts:
+    """The rows as the dealer and the evaluation rounds hold them."""
+    return EncodedPrompts(prompt_ids=[row.prompt_id for row in rows], rows=[encode_prompt(row) for row in rows],
+                          data_sources=[row.data_source for row in rows])
+
+
+def decode_prompt(deal_id, blob) -> PromptRow:
+    """The generator's side of `encode_prompt`: the row dealt under `deal_id`; raises DealError for anything that
+    is not such a row."""
+    if not isinstance(deal_id, str) or not isinstance(blob, bytes):
+        raise DealError("a deal must be [deal id, row bytes]")
+    try:
+        row = msgpack.unpackb(blob, raw=False, strict_map_key=False)
+    except Exception as err:
+        raise DealError(f"deal {deal_id}: row is not msgpack ({type(err).__name__})") from None
+    if not isinstance(row, dict):
+        raise DealError(f"deal {deal_id}: row is not a map")
+    ids, extra, messages = row.get("prompt_ids"), row.get("extra_info"), row.get("messages")
+    if (not isinstance(row.get("prompt_id"), str) or not isinstance(row.get("data_source"), str)
+            or not isinstance(ids, bytes) or not ids or len(ids) % 4 or not isinstance(extra, dict)
+            or not (messages is None or isinstance(messages, list))):
+        raise DealError(f"deal {deal_id}: row lacks prompt_id, prompt_ids, data_source, extra_info or messages")
+    return PromptRow(row["prompt_id"], np.frombuffer(ids, "<i4").tolist(), row["data_source"],
+                     row.get("ground_truth"), extra, messages, deal_id=deal_id)

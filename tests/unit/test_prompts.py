@@ -1,0 +1,72 @@
+"""Prompts (data/prompts.py): one PromptRow whether a generator walks its own copy or the learner deals it, the
+row's encoding for a deal checked like network input on the generator, and the learner's prompt sets."""
+import msgpack
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from asyncrl.buffer.dealer import DealError, PromptDealer
+from asyncrl.configs.sections import DataConfig
+from asyncrl.data.prompts import (DatasetError, PromptRow, decode_prompt, encode_prompt, encode_prompts,
+                                  iterate_prompts, load_train_prompts, read_rows, tokenize_rows)
+
+
+class CharTokenizer:
+    """One token per character of the rendered prompt: enough to test what fits data.max_prompt_tokens."""
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return "".join(message["content"] for message in messages)
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(char) % 50 for char in text]}
+
+
+def write_rows(path, questions):
+    pq.write_table(pa.Table.from_pylist([
+        {"prompt": [{"role": "user", "content": question}], "data_source": "openai/gsm8k",
+         "reward_model": {"ground_truth": str(len(question))}, "extra_info": {"index": index}}
+        for index, question in enumerate(questions)]), path)
+
+
+def test_a_dealt_row_round_trips_with_its_deal_id_and_a_malformed_one_is_refused():
+    row = PromptRow("a:0", [5, 6, 7], "s", ["x", 1], {"k": {"n": 2}}, messages=[{"role": "user"}])
+    got = decode_prompt("d1", encode_prompt(row))
+    assert got == PromptRow("a:0", [5, 6, 7], "s", ["x", 1], {"k": {"n": 2}}, [{"role": "user"}], deal_id="d1")
+    for blob in (b"\xc1", msgpack.packb([1]), msgpack.packb({"prompt_id": "a", "prompt_ids": b"\x01\x02\x03",
+                                                             "data_source": "s", "extra_info": {}})):
+        with pytest.raises(DealError):
+            decode_prompt("d", blob)
+    with pytest.raises(DealError, match="deal id, row bytes"):
+        decode_prompt(None, encode_prompt(row))
+    with pytest.raises(DealError, match="a:1"):  # at load time, naming the row
+        encode_prompt(PromptRow("a:1", [1], "s", object(), {}))
+
+
+def test_walked_rows_carry_no_deal_and_prompts_too_long_are_left_out_and_counted(tmp_path):
+    write_rows(tmp_path / "train.parquet", ["short", "a question far too long to fit", "tiny"])
+    rows, overlong = tokenize_rows(read_rows([str(tmp_path / "train.parquet")]), CharTokenizer(), 8)
+    assert overlong == 1 and [row.prompt_id for row in rows] == ["train.parquet:0", "train.parquet:2"]
+    assert rows[0].deal_id is None and rows[0].ground_truth == "5" and rows[0].extra_info == {"index": 0}
+    assert rows[0].messages == [{"role": "user", "content": "short"}] and len(rows[0].prompt_ids) == 5
+    walked = iterate_prompts(rows, shuffle=True, seed=1)
+    assert sorted(next(walked).prompt_id for _ in range(4)) == sorted([row.prompt_id for row in rows] * 2)
+    with pytest.raises(DatasetError, match="no prompt fits"):
+        tokenize_rows(read_rows([str(tmp_path / "train.parquet")]), CharTokenizer(), 3)
+
+
+def test_the_dealer_deals_the_rows_it_was_given_and_the_generator_decodes_the_same_row():
+    rows = [PromptRow(f"p{i}", [1, 2 + i], "b" if i else "a", str(i), {}) for i in range(3)]
+    prompts = encode_prompts(rows)
+    assert prompts.prompt_ids == ["p0", "p1", "p2"] and prompts.data_sources == ["a", "b", "b"]
+    dealer = PromptDealer(prompts, shuffle=False, seed=0, epochs=1, timeout_s=60.0)
+    assert dealer.data_sources == ["a", "b"]
+    dealt = [decode_prompt(*deal) for deal in dealer.deal("g", 3)]
+    assert [(row.prompt_id, row.prompt_ids, row.ground_truth) for row in dealt] == [
+        (row.prompt_id, row.prompt_ids, row.ground_truth) for row in rows]
+    assert all(row.deal_id for row in dealt) and len({row.deal_id for row in dealt}) == 3
+
+
+def test_a_job_without_files_deals_nothing_and_a_missing_file_is_named(tmp_path):
+    assert load_train_prompts(DataConfig(), [], str(tmp_path), seed=0) is None
+    with pytest.raises(DatasetError, match="nowhere.parquet"):
+        load_train_prompts(DataConfig(), [str(tmp_path / "nowhere.parquet")], str(tmp_path), seed=0)
