@@ -1,11 +1,31 @@
-"""asyncrl: every top-level role folder installs as ``asyncrl.<folder>`` (implicit namespace package)."""
+"""asyncrl: every top-level role folder installs as ``asyncrl.<folder>`` (implicit namespace package).
+
+The subpackages of each part are discovered (every folder with an __init__.py), not listed: an editable install
+imports from the source folders and would hide a subpackage left out of a list, which a regular install (a wheel)
+then lacks. tests/e2e/test_wheel.py installs the wheel and imports every module."""
+import os
+
 from setuptools import setup
 
-PARTS = ["algos", "buffer", "generator", "learner", "weightsync", "configs", "launch", "telemetry", "bench", "planner", "security"]
-SUBPACKAGES = ["buffer.zmq", "buffer.redis", "generator.agents", "generator.engines", "generator.tasks", "weightsync.group"]
+PARTS = ["algos", "buffer", "generator", "learner", "weightsync", "configs", "launch", "telemetry", "bench", "planner",
+         "security"]
+"""The top-level parts, each installed as asyncrl.<part> (tests/unit/test_import_rules.py reads this list)."""
 
-packages = [f"asyncrl.{p}" for p in PARTS + SUBPACKAGES]
-package_dir = {f"asyncrl.{p}": p.replace(".", "/") for p in PARTS + SUBPACKAGES}
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def folders_of(part: str) -> list[str]:
+    """The part and every folder below it with an __init__.py, as paths relative to the project root."""
+    found = []
+    for root, dirs, files in os.walk(os.path.join(HERE, part)):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        if root == os.path.join(HERE, part) or "__init__.py" in files:
+            found.append(os.path.relpath(root, HERE))
+    return found
+
+
+package_dir = {"asyncrl." + folder.replace(os.sep, "."): folder for part in PARTS for folder in folders_of(part)}
+packages = list(package_dir)
 
 setup(
     name="asyncrl",
@@ -14,6 +34,7 @@ setup(
     python_requires=">=3.10",
     packages=packages,
     package_dir=package_dir,
+    # files a module reads from its own folder at run time: the shipped recipes (configs/run_config.py)
     package_data={"asyncrl.configs": ["*.yaml"]},
     install_requires=[
         "torch>=2.6",
