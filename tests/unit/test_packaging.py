@@ -58,3 +58,11 @@ def test_the_vllm_plugin_and_the_cli_are_entry_points(distribution):
     assert distribution.entry_points["console_scripts"] == ["asyncrl=asyncrl.launch.cli:main"]
     [plugin] = distribution.entry_points["vllm.general_plugins"]
     assert plugin.replace(" ", "") == "asyncrl_weight_transfer=asyncrl.generator.engines.vllm_transfer:register"
+
+
+@pytest.mark.parametrize("extra", ["cpu", "gpu", "sglang"])
+def test_the_engine_extras_pin_every_package_they_name(distribution, extra):
+    """The engines pin torch exactly, so an unpinned package beside them may resolve to a release that cannot
+    install with them (setup.py says why SGLang has an extra of its own)."""
+    requirements = distribution.extras_require[extra]
+    assert requirements and all("==" in requirement for requirement in requirements), requirements
