@@ -25,8 +25,15 @@ from tests.conftest import free_port
 pytestmark = pytest.mark.slow
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-NOT_SOURCE = ("tests", "docs", "build", "dist", "*.egg-info", "__pycache__", ".*", "mlruns", "runs", "mlflow.db")
-"""Left out of the copy the wheel is built from (the .venv and .git among the dot folders)."""
+NOT_SOURCE = ("tests", "docs", "build", "dist", "*.egg-info", ".*", "mlruns", "runs", "mlflow.db")
+"""Top-level entries left out of the copy the wheel is built from (the .venv and .git among the dot folders)."""
+
+
+def not_source(folder: str, names: list) -> set:
+    """shutil.copytree's ignore: NOT_SOURCE at the top, __pycache__ everywhere."""
+    top = shutil.ignore_patterns(*NOT_SOURCE)(folder, names) if os.path.samefile(folder, REPO) else set()
+    return top | {name for name in names if name == "__pycache__"}
+
 
 CHECK_INSTALL = r"""
 import importlib, importlib.metadata, importlib.resources, json, os, sys
@@ -64,7 +71,7 @@ def wheel_venv(tmp_path_factory):
     """(the fresh venv, a working directory outside the source tree, its environment)."""
     base = tmp_path_factory.mktemp("wheel")
     source, dist, venv, work = base / "source", base / "dist", base / "venv", base / "work"
-    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(*NOT_SOURCE))
+    shutil.copytree(REPO, source, ignore=not_source)
     run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q", "-w",
          str(dist)], cwd=base)
     [wheel] = dist.glob("asyncrl-*.whl")
