@@ -121,9 +121,7 @@ def test_every_module_imports_from_the_installed_wheel_with_its_recipes_and_plug
     assert len(report["roots"]) == 1 and report["roots"][0].startswith(str(venv)), report["roots"]
     assert not report["failed"], json.dumps(report["failed"], indent=1)
     assert not report["outside"], report["outside"]
-    assert sorted(report["modules"]) == source_modules()
-    for package in ("generator.scorers", "generator.reward_server", "weightsync.engine_push"):
-        assert f"asyncrl.{package}" in report["modules"], package  # the three setup.py once left out
+    assert sorted(report["modules"]) == source_modules()  # every subpackage, whatever its name
     shipped = sorted(name for name in os.listdir(os.path.join(REPO, "configs")) if name.endswith(".yaml"))
     assert report["recipes"] == shipped
     assert report["dist_inside"], "importlib.metadata finds the editable install's asyncrl, not the wheel's"
