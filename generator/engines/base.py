@@ -55,7 +55,8 @@ def make_engine(name: str, **kwargs):
             except ImportError as err:
                 raise RuntimeError(
                     f"generator.engine=sglang but SGLang cannot be imported ({err}); it needs CUDA "
-                    "(pip install 'sglang[all]'), or use generator.engine=vllm or hf"
+                    "(pip install 'asyncrl[sglang]', in an environment without vLLM), or use "
+                    "generator.engine=vllm or hf"
                 ) from None
         return SglangEngine(**kwargs)
     if name == "hf":

@@ -188,7 +188,8 @@ class AsyncSglangEngine:
             import sglang
         except ImportError as err:
             raise RuntimeError(f"generator.engine=sglang but SGLang cannot be imported ({err}); it needs CUDA "
-                               "(pip install 'sglang[all]') -- or use generator.engine=vllm or hf") from None
+                               "(pip install 'asyncrl[sglang]', in an environment without vLLM) -- or use "
+                               "generator.engine=vllm or hf") from None
         self.engine = sglang.Engine(**server_args)
         self.tokenizer_manager = self.engine.tokenizer_manager
 

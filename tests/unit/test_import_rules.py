@@ -33,11 +33,11 @@ def parse_list(cell: str):
 
 
 def installed_parts() -> list[str]:
-    """The top-level folders setup.py installs as asyncrl.<folder>."""
-    namespace = {}
-    source = open(os.path.join(REPO, "setup.py")).read().split("packages = ")[0]
-    exec(compile(source.replace("from setuptools import setup", ""), "setup.py", "exec"), namespace)
-    return namespace["PARTS"]
+    """The top-level folders setup.py installs as asyncrl.<folder>: its PARTS list, read without running it."""
+    tree = ast.parse(open(os.path.join(REPO, "setup.py")).read(), "setup.py")
+    [parts] = [node.value for node in tree.body if isinstance(node, ast.Assign)
+               and [getattr(target, "id", None) for target in node.targets] == ["PARTS"]]
+    return ast.literal_eval(parts)
 
 
 def modules_of(part: str) -> list[str]:
