@@ -5,6 +5,7 @@ Only the stdlib and omegaconf are imported here, so `asyncrl <cmd> --help` and `
 import hashlib
 import json
 import os
+import warnings
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from typing import List, Optional
@@ -24,8 +25,47 @@ SHARED_SECTIONS = ("model", "data", "reward", "rollout", "tools", "env", "agent"
 """Sections the learner and every generator must agree on; their hash is checked when a generator joins."""
 
 
+MOVED_KEYS = {
+    **{f"buffer.redis_{key}": f"buffer.redis.{key}" for key in ("url", "tls_ca_file", "tls_cert_file", "tls_key_file",
+                                                                "namespace", "reconnect_s", "appendfsync")},
+    "buffer.lease_s": "buffer.redis.lease_s",
+    "buffer.reclaim_idle_s": "buffer.redis.reclaim_idle_s",
+    **{f"generator.{key}": f"generator.vllm.{key}" for key in ("tensor_parallel_size", "gpu_memory_utilization",
+                                                               "enforce_eager", "enable_prefix_caching")},
+}
+"""Old flat key -> its home under its backend. Recipes and overrides written before the move still load, with a
+FutureWarning (shown by default, unlike DeprecationWarning) that names the new key."""
+
+
 class ConfigError(ValueError):
     """A recipe or override is wrong; the message names the key."""
+
+
+def warn_moved(old: str) -> str:
+    """The new name of a moved key, after a warning that names it."""
+    new = MOVED_KEYS[old]
+    warnings.warn(f"config key {old} is deprecated: it is now {new}", FutureWarning, stacklevel=4)
+    return new
+
+
+def move_flat_keys(tree: dict) -> dict:
+    """A recipe's tree with every old flat key (MOVED_KEYS) moved to its new place, each with a warning."""
+    for old in MOVED_KEYS:
+        section, key = old.split(".")
+        if isinstance(tree.get(section), dict) and key in tree[section]:
+            value = tree[section].pop(key)
+            new_section, sub, new_key = warn_moved(old).split(".")
+            tree[new_section].setdefault(sub, {})
+            if not isinstance(tree[new_section][sub], dict):
+                raise ConfigError(f"config key {new_section}.{sub} must be a mapping, got {tree[new_section][sub]!r}")
+            tree[new_section][sub][new_key] = value
+    return tree
+
+
+def move_flat_override(item: str) -> str:
+    """`buffer.redis_url=x` -> `buffer.redis.url=x` (with a warning); other overrides are returned as they are."""
+    key, _, value = item.partition("=")
+    return f"{warn_moved(key.strip())}={value}" if key.strip() in MOVED_KEYS else item
 
 
 @dataclass
@@ -53,6 +93,10 @@ class RunConfig:
 
     def __post_init__(self):
         check_sections_agree(self)
+
+    def samples_episodes(self) -> bool:
+        """Whether samples are multi-turn episodes: tools, an environment or an agent answers the model."""
+        return bool(self.tools.offered() or self.env.path or self.agent.path)
 
 
 def check_episodes(cfg: "RunConfig") -> None:
@@ -133,7 +177,7 @@ def training_eval_blocker(cfg: "RunConfig") -> Optional[str]:
     with tools or engine_push."""
     if cfg.weightsync.backend == "engine_push":
         return "it needs a staged weightsync.backend (shm or broadcast): a pushed engine cannot hold an older version"
-    if cfg.tools.offered() or cfg.env.path or cfg.agent.path:
+    if cfg.samples_episodes():
         return "it samples single-turn completions, and this job's prompts are episodes"
     return None
 
@@ -157,10 +201,12 @@ def load_config(recipe: Optional[str] = None, overrides: Optional[List[str]] = N
     path = recipe_path(recipe)
     try:
         cfg = OmegaConf.structured(RunConfig)
-        cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+        recipe_tree = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        cfg = OmegaConf.merge(cfg, OmegaConf.create(move_flat_keys(recipe_tree or {})))
         for item in overrides or []:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not of the form key=value")
+            item = move_flat_override(item)
             try:
                 parsed = OmegaConf.from_dotlist([item])
             except Exception as err:  # PyYAML's errors, without importing PyYAML here (omegaconf wraps it)
@@ -220,9 +266,15 @@ def describe_difference(mine: dict, theirs: dict, limit: int = 8) -> str:
 
 
 def flatten(cfg: RunConfig) -> dict:
-    """`section.key -> str(value)`, for MLflow params."""
+    """`section.key -> str(value)` (nested sections as `section.sub.key`), for MLflow params."""
     out = {}
-    for section, values in asdict(cfg).items():
+
+    def walk(prefix: str, values: dict) -> None:
         for key, value in values.items():
-            out[f"{section}.{key}"] = str(value)
+            if isinstance(value, dict):
+                walk(f"{prefix}{key}.", value)
+            else:
+                out[f"{prefix}{key}"] = str(value)
+
+    walk("", asdict(cfg))
     return out
