@@ -32,8 +32,12 @@ MOVED_KEYS = {
     "buffer.reclaim_idle_s": "buffer.redis.reclaim_idle_s",
     **{f"generator.{key}": f"generator.vllm.{key}" for key in ("tensor_parallel_size", "gpu_memory_utilization",
                                                                "enforce_eager", "enable_prefix_caching")},
+    "learner.publish_bucket_mb": "learner.gather_bucket_mb",
+    "weightsync.catchup_host": "weightsync.host",
+    "weightsync.catchup_advertise": "weightsync.advertise",
 }
-"""Old flat key -> its home under its backend. Recipes and overrides written before the move still load, with a
+"""Old key -> its new name: backend knobs moved under their backend, and names that now say what they are.
+Recipes and overrides written before the move still load, with a
 FutureWarning (shown by default, unlike DeprecationWarning) that names the new key."""
 
 
@@ -49,16 +53,22 @@ def warn_moved(old: str) -> str:
 
 
 def move_flat_keys(tree: dict) -> dict:
-    """A recipe's tree with every old flat key (MOVED_KEYS) moved to its new place, each with a warning."""
+    """A recipe's tree with every old key (MOVED_KEYS) moved to its new place, each with a warning."""
     for old in MOVED_KEYS:
         section, key = old.split(".")
-        if isinstance(tree.get(section), dict) and key in tree[section]:
-            value = tree[section].pop(key)
-            new_section, sub, new_key = warn_moved(old).split(".")
-            tree[new_section].setdefault(sub, {})
-            if not isinstance(tree[new_section][sub], dict):
-                raise ConfigError(f"config key {new_section}.{sub} must be a mapping, got {tree[new_section][sub]!r}")
-            tree[new_section][sub][new_key] = value
+        if not (isinstance(tree.get(section), dict) and key in tree[section]):
+            continue
+        value = tree[section].pop(key)
+        new = warn_moved(old)
+        *path, leaf = new.split(".")
+        node = tree
+        for depth, part in enumerate(path):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"config key {'.'.join(path[:depth + 1])} must be a mapping, got {node!r}")
+        if leaf in node:
+            raise ConfigError(f"config keys {old} and {new} are both set; {old} is the old name of {new}: keep one")
+        node[leaf] = value
     return tree
 
 

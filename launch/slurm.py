@@ -37,7 +37,7 @@ class Cluster:
 def shared_overrides(cluster: Cluster, learner_host: str) -> list:
     """What the learner and every generator must both pass (the job's shared config)."""
     return [*cluster.overrides, "buffer.backend=redis", f"buffer.redis.url={cluster.redis_url}",
-            "weightsync.catchup_host=0.0.0.0", f"weightsync.catchup_advertise={learner_host}"]
+            "weightsync.host=0.0.0.0", f"weightsync.advertise={learner_host}"]
 
 
 def learner_command(cluster: Cluster, node_rank: int, learner_host: str) -> list:

@@ -215,6 +215,23 @@ def test_an_old_flat_key_still_loads_with_a_warning_naming_its_new_key(tmp_path,
         assert node == expected
 
 
+@pytest.mark.parametrize("old, new, value", [("learner.publish_bucket_mb", "learner.gather_bucket_mb", 32.0),
+                                             ("weightsync.catchup_host", "weightsync.host", "0.0.0.0"),
+                                             ("weightsync.catchup_advertise", "weightsync.advertise", "node-a")])
+def test_a_renamed_key_still_loads_with_a_warning_naming_its_new_name(old, new, value):
+    with pytest.warns(FutureWarning, match=f"{old} is deprecated: it is now {new}"):
+        cfg = load_config(None, [f"{old}={value}"])
+    section, key = new.split(".")
+    assert getattr(getattr(cfg, section), key) == value
+
+
+def test_a_recipe_setting_a_key_under_its_old_and_new_name_is_refused(tmp_path):
+    recipe = tmp_path / "both.yaml"
+    recipe.write_text("weightsync:\n  catchup_host: 0.0.0.0\n  host: 10.0.0.1\n")
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match="weightsync.catchup_host and weightsync.host"):
+        load_config(str(recipe))
+
+
 @pytest.mark.parametrize("overrides, named", [
     (["generator.engine=hf", "generator.vllm.enforce_eager=true"],
      "generator.vllm.enforce_eager is only read by generator.engine=vllm"),
