@@ -276,15 +276,9 @@ def describe_difference(mine: dict, theirs: dict, limit: int = 8) -> str:
 
 
 def flatten(cfg: RunConfig) -> dict:
-    """`section.key -> str(value)` (nested sections as `section.sub.key`), for MLflow params."""
+    """`section.key -> str(value)`, for MLflow params (a nested section, such as buffer.redis, is one param)."""
     out = {}
-
-    def walk(prefix: str, values: dict) -> None:
+    for section, values in asdict(cfg).items():
         for key, value in values.items():
-            if isinstance(value, dict):
-                walk(f"{prefix}{key}.", value)
-            else:
-                out[f"{prefix}{key}"] = str(value)
-
-    walk("", asdict(cfg))
+            out[f"{section}.{key}"] = str(value)
     return out

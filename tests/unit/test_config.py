@@ -2,7 +2,7 @@
 registries (the CLI as a process: tests/integration/test_cli.py)."""
 import pytest
 
-from asyncrl.configs import ConfigError, flatten, load_config, shared_hash, to_yaml
+from asyncrl.configs import ConfigError, load_config, shared_hash, to_yaml
 
 
 def test_overrides_change_values_and_types():
@@ -250,7 +250,3 @@ def test_another_backends_knob_is_an_error_naming_it(overrides, named):
 def test_a_backend_knob_left_at_its_default_is_not_an_error():
     assert load_config(None, ["generator.engine=hf", "generator.vllm.enable_prefix_caching=true"]).generator.engine == "hf"
 
-
-def test_mlflow_params_name_nested_keys():
-    params = flatten(load_config(None, ["buffer.backend=redis", "buffer.redis.namespace=ns"]))
-    assert params["buffer.redis.namespace"] == "ns" and "buffer.redis" not in params
