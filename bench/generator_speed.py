@@ -30,7 +30,7 @@ def demo_batch(overrides: list) -> tuple:
 
     from asyncrl.configs import load_config
     from asyncrl.data.prompts import read_rows, tokenize_rows
-    from asyncrl.launch.cli import resolve_rl_inputs
+    from asyncrl.launch.job import resolve_rl_inputs
 
     cfg = load_config("demo_cpu.yaml", overrides)
     model_dir, files = resolve_rl_inputs(cfg)

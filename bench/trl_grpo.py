@@ -66,7 +66,7 @@ def run_trl(job_dir: str, seed: int, steps: int, overrides: list, threads: int) 
 
     from asyncrl.configs import load_config
     from asyncrl.data.prompts import read_rows
-    from asyncrl.launch.cli import resolve_rl_inputs
+    from asyncrl.launch.job import resolve_rl_inputs
 
     if threads:
         torch.set_num_threads(threads)

@@ -1,15 +1,56 @@
 """Buffer and coordinator settings (stdlib only, so `--help` and `--dry-run` never import torch)."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 BACKENDS = ("zmq", "redis")
+APPENDFSYNC = ("", "always", "everysec", "no")
+
+
+@dataclass
+class RedisConfig:
+    """What only backend=redis reads: the server, its TLS files, the job's key namespace and the stream's leases."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    """The Redis server: redis://[user[:password]@]host:port/db, or rediss:// for TLS, or unix:// for a socket."""
+    tls_ca_file: str = ""
+    """CA bundle for rediss:// ("" = the system's)."""
+    tls_cert_file: str = ""
+    """Client certificate for rediss:// with mutual TLS."""
+    tls_key_file: str = ""
+    """Client key for rediss:// with mutual TLS."""
+    namespace: str = ""
+    """Key namespace of this job in Redis ("" = job.name); a generator must use the learner's."""
+    lease_s: float = 120.0
+    """An admitted group not delivered within this long is given back (a dead generator's capacity returns), in s."""
+    reclaim_idle_s: float = 60.0
+    """Entries a dead learner consumer left unacked this long are taken over, in s."""
+    reconnect_s: float = 120.0
+    """How long the learner and generators wait through a Redis outage (a restart) before they stop with an error
+    naming it, in s."""
+    appendfsync: str = ""
+    """"" leaves the server's persistence as configured; always/everysec/no makes the learner turn AOF on with that
+    fsync policy at startup. The README's Redis section says what each loses in a crash."""
+
+    def __post_init__(self):
+        if self.lease_s <= 0 or self.reclaim_idle_s <= 0:
+            raise ValueError(f"buffer.redis.lease_s and buffer.redis.reclaim_idle_s must be > 0, got {self.lease_s}, "
+                             f"{self.reclaim_idle_s}")
+        if self.reconnect_s <= 0:
+            raise ValueError(f"buffer.redis.reconnect_s must be > 0, got {self.reconnect_s}")
+        if self.appendfsync not in APPENDFSYNC:
+            raise ValueError(f"buffer.redis.appendfsync must be '', always, everysec or no, got {self.appendfsync!r}")
+
+    def set_keys(self) -> list:
+        """The keys that differ from their defaults, as `buffer.redis.<key>`."""
+        default = RedisConfig()
+        return [f"buffer.redis.{f.name}" for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)]
 
 
 @dataclass
 class BufferConfig:
     backend: str = "zmq"
     """Transport between generators and the learner. `zmq`: embedded in the learner process. `redis`: a durable
-    stream in buffer.redis_url, shared by a learner and generators on any machines."""
+    stream in buffer.redis.url, shared by a learner and generators on any machines."""
     host: str = "127.0.0.1"
     """Address the learner's embedded buffer binds to and generators connect to. 127.0.0.1 keeps it local."""
     port: int = 47500
@@ -29,27 +70,8 @@ class BufferConfig:
     queue_mb: float = 512.0
     """Bound on the bytes of the groups waiting for the learner (zmq), in MiB; 0 bounds the queue in groups only.
     Back-pressure beyond it, as for queue_groups (an empty queue always takes one group)."""
-    redis_url: str = "redis://127.0.0.1:6379/0"
-    """Redis for backend=redis: redis://[user[:password]@]host:port/db, or rediss:// for TLS."""
-    redis_tls_ca_file: str = ""
-    """CA bundle for rediss:// ("" = the system's)."""
-    redis_tls_cert_file: str = ""
-    """Client certificate for rediss:// with mutual TLS."""
-    redis_tls_key_file: str = ""
-    """Client key for rediss:// with mutual TLS."""
-    redis_namespace: str = ""
-    """Key namespace of this job in Redis ("" = job.name); a generator must use the learner's."""
-    lease_s: float = 120.0
-    """backend=redis: an admitted group not delivered within this long is given back (a dead generator's
-    capacity returns), in s."""
-    reclaim_idle_s: float = 60.0
-    """backend=redis: entries a dead learner consumer left unacked this long are taken over, in s."""
-    redis_reconnect_s: float = 120.0
-    """backend=redis: how long the learner and generators wait through a Redis outage (a restart) before they stop
-    with an error naming it, in s."""
-    redis_appendfsync: str = ""
-    """backend=redis: "" leaves the server's persistence as configured; always/everysec/no makes the learner turn
-    AOF on with that fsync policy at startup. The README's Redis section says what each loses in a crash."""
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    """backend=redis: the Redis server and the stream's leases (buffer.redis.*); a zmq job leaves them unset."""
     request_timeout_s: float = 30.0
     """How long a generator waits for one reply from the learner before it calls the learner dead, in seconds."""
     done_grace_s: float = 20.0
@@ -83,17 +105,12 @@ class BufferConfig:
             raise ValueError(
                 f"buffer.queue_groups ({self.queue_groups}) must be >= buffer.groups_per_step ({self.groups_per_step})"
             )
-        if self.lease_s <= 0 or self.reclaim_idle_s <= 0:
-            raise ValueError(f"buffer.lease_s and buffer.reclaim_idle_s must be > 0, got {self.lease_s}, "
-                             f"{self.reclaim_idle_s}")
-        if self.backend == "redis" and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"buffer.redis_url must start with redis://, rediss:// or unix://, got "
-                             f"{self.redis_url.split('@')[-1]!r}")
-        if self.redis_reconnect_s <= 0:
-            raise ValueError(f"buffer.redis_reconnect_s must be > 0, got {self.redis_reconnect_s}")
-        if self.redis_appendfsync not in ("", "always", "everysec", "no"):
-            raise ValueError(f"buffer.redis_appendfsync must be '', always, everysec or no, got "
-                             f"{self.redis_appendfsync!r}")
+        if self.backend == "redis" and not self.redis.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"buffer.redis.url must start with redis://, rediss:// or unix://, got "
+                             f"{self.redis.url.split('@')[-1]!r}")
+        if self.backend != "redis" and self.redis.set_keys():
+            raise ValueError(f"{self.redis.set_keys()[0]} is only read by buffer.backend=redis (this job's backend is "
+                             f"{self.backend}); remove it or set buffer.backend=redis")
         if self.request_timeout_s <= 0:
             raise ValueError(f"buffer.request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.done_grace_s < 0:

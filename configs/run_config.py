@@ -5,6 +5,7 @@ Only the stdlib and omegaconf are imported here, so `asyncrl <cmd> --help` and `
 import hashlib
 import json
 import os
+import warnings
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from typing import List, Optional
@@ -24,8 +25,57 @@ SHARED_SECTIONS = ("model", "data", "reward", "rollout", "tools", "env", "agent"
 """Sections the learner and every generator must agree on; their hash is checked when a generator joins."""
 
 
+MOVED_KEYS = {
+    **{f"buffer.redis_{key}": f"buffer.redis.{key}" for key in ("url", "tls_ca_file", "tls_cert_file", "tls_key_file",
+                                                                "namespace", "reconnect_s", "appendfsync")},
+    "buffer.lease_s": "buffer.redis.lease_s",
+    "buffer.reclaim_idle_s": "buffer.redis.reclaim_idle_s",
+    **{f"generator.{key}": f"generator.vllm.{key}" for key in ("tensor_parallel_size", "gpu_memory_utilization",
+                                                               "enforce_eager", "enable_prefix_caching")},
+    "learner.publish_bucket_mb": "learner.gather_bucket_mb",
+    "weightsync.catchup_host": "weightsync.host",
+    "weightsync.catchup_advertise": "weightsync.advertise",
+}
+"""Old key -> its new name: backend knobs moved under their backend, and names that now say what they are.
+Recipes and overrides written before the move still load, with a
+FutureWarning (shown by default, unlike DeprecationWarning) that names the new key."""
+
+
 class ConfigError(ValueError):
     """A recipe or override is wrong; the message names the key."""
+
+
+def warn_moved(old: str) -> str:
+    """The new name of a moved key, after a warning that names it."""
+    new = MOVED_KEYS[old]
+    warnings.warn(f"config key {old} is deprecated: it is now {new}", FutureWarning, stacklevel=4)
+    return new
+
+
+def move_flat_keys(tree: dict) -> dict:
+    """A recipe's tree with every old key (MOVED_KEYS) moved to its new place, each with a warning."""
+    for old in MOVED_KEYS:
+        section, key = old.split(".")
+        if not (isinstance(tree.get(section), dict) and key in tree[section]):
+            continue
+        value = tree[section].pop(key)
+        new = warn_moved(old)
+        *path, leaf = new.split(".")
+        node = tree
+        for depth, part in enumerate(path):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"config key {'.'.join(path[:depth + 1])} must be a mapping, got {node!r}")
+        if leaf in node:
+            raise ConfigError(f"config keys {old} and {new} are both set; {old} is the old name of {new}: keep one")
+        node[leaf] = value
+    return tree
+
+
+def move_flat_override(item: str) -> str:
+    """`buffer.redis_url=x` -> `buffer.redis.url=x` (with a warning); other overrides are returned as they are."""
+    key, _, value = item.partition("=")
+    return f"{warn_moved(key.strip())}={value}" if key.strip() in MOVED_KEYS else item
 
 
 @dataclass
@@ -53,6 +103,10 @@ class RunConfig:
 
     def __post_init__(self):
         check_sections_agree(self)
+
+    def samples_episodes(self) -> bool:
+        """Whether samples are multi-turn episodes: tools, an environment or an agent answers the model."""
+        return bool(self.tools.offered() or self.env.path or self.agent.path)
 
 
 def check_episodes(cfg: "RunConfig") -> None:
@@ -133,7 +187,7 @@ def training_eval_blocker(cfg: "RunConfig") -> Optional[str]:
     with tools or engine_push."""
     if cfg.weightsync.backend == "engine_push":
         return "it needs a staged weightsync.backend (shm or broadcast): a pushed engine cannot hold an older version"
-    if cfg.tools.offered() or cfg.env.path or cfg.agent.path:
+    if cfg.samples_episodes():
         return "it samples single-turn completions, and this job's prompts are episodes"
     return None
 
@@ -157,10 +211,12 @@ def load_config(recipe: Optional[str] = None, overrides: Optional[List[str]] = N
     path = recipe_path(recipe)
     try:
         cfg = OmegaConf.structured(RunConfig)
-        cfg = OmegaConf.merge(cfg, OmegaConf.load(path))
+        recipe_tree = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        cfg = OmegaConf.merge(cfg, OmegaConf.create(move_flat_keys(recipe_tree or {})))
         for item in overrides or []:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not of the form key=value")
+            item = move_flat_override(item)
             try:
                 parsed = OmegaConf.from_dotlist([item])
             except Exception as err:  # PyYAML's errors, without importing PyYAML here (omegaconf wraps it)
@@ -220,7 +276,7 @@ def describe_difference(mine: dict, theirs: dict, limit: int = 8) -> str:
 
 
 def flatten(cfg: RunConfig) -> dict:
-    """`section.key -> str(value)`, for MLflow params."""
+    """`section.key -> str(value)`, for MLflow params (a nested section, such as buffer.redis, is one param)."""
     out = {}
     for section, values in asdict(cfg).items():
         for key, value in values.items():

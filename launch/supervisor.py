@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+from asyncrl.launch.job import job_dir_for, print_summary, resolve_rl_inputs, say_stderr
 from asyncrl.telemetry.progress import format_line
 from asyncrl.telemetry.server import TrackingServerError, artifacts_dir_for, start_tracking_server
 
@@ -22,10 +23,7 @@ POLL_S = 0.5
 
 
 def run_job(cfg, recipe, overrides: list, generators: int = 1, learner_args: list = ()) -> int:
-    from asyncrl.launch.cli import job_dir_for, print_summary, resolve_rl_inputs
-    from asyncrl.launch.demo import say_stderr
-
-    job_dir = os.path.abspath(job_dir_for(cfg))
+    job_dir = os.path.abspath(job_dir_for(cfg.job))
     resolve_rl_inputs(cfg)
     say_stderr(f"asyncrl run: job directory {job_dir}")
     os.makedirs(job_dir, exist_ok=True)
@@ -33,7 +31,7 @@ def run_job(cfg, recipe, overrides: list, generators: int = 1, learner_args: lis
     server = None  # telemetry.serve's MLflow server: not a generator, so not among the supervised children
     try:
         if cfg.telemetry.serve:  # first: the learner's run lives there
-            server, url = tracking_server(cfg, job_dir)
+            server, url = tracking_server(cfg.telemetry, job_dir)
             overrides = [*overrides, f"telemetry.tracking_uri={url}", "telemetry.serve=false"]
         children["learner"] = start_child("learner", "learner", recipe, overrides, job_dir, list(learner_args))
         for name in generator_names(cfg.generator.generator_id, generators):
@@ -62,13 +60,12 @@ def run_job(cfg, recipe, overrides: list, generators: int = 1, learner_args: lis
     return code
 
 
-def tracking_server(cfg, job_dir: str) -> tuple:
+def tracking_server(telemetry, job_dir: str) -> tuple:
     """telemetry.serve: the MLflow server on the job's store (telemetry/server.py), as a child, and its URL."""
-    from asyncrl.launch.demo import say_stderr
     from asyncrl.telemetry.mlflow_logger import resolve_tracking_uri
 
-    store = resolve_tracking_uri(cfg.telemetry.tracking_uri)
-    proc, url = start_tracking_server(store, job_dir, cfg.telemetry.serve_host, cfg.telemetry.serve_port,
+    store = resolve_tracking_uri(telemetry.tracking_uri)
+    proc, url = start_tracking_server(store, job_dir, telemetry.serve_host, telemetry.serve_port,
                                       say=say_stderr)
     say_stderr(f"asyncrl run: MLflow tracking server at {url} (store {store}, log {job_dir}/mlflow-server.log)")
     return {"name": "mlflow-server", "proc": proc, "log": os.path.join(job_dir, "mlflow-server.log"), "store": store,

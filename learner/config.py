@@ -103,8 +103,9 @@ class LearnerConfig:
     before the job stops with an error: one bad batch is skipped, a run that can no longer train is not hidden."""
     dist_timeout_s: float = 1800.0
     """Timeout of the learner's collectives (gloo/NCCL), in s; a rank that stops answering fails the job then."""
-    publish_bucket_mb: float = 256.0
-    """Weights are gathered from the FSDP shards this many MB at a time when a version is published."""
+    gather_bucket_mb: float = 256.0
+    """When a version is published, the full weights are gathered from the FSDP shards this many MiB at a time (the
+    learner's memory peak; weightsync.bucket_mb is the size of the buckets they are then sent in)."""
     checkpoint_every: int = 50
     """Save a checkpoint every this many steps (and after the last); 0 turns checkpoints off."""
     checkpoint_keep: int = 2
@@ -160,8 +161,8 @@ class LearnerConfig:
             raise ValueError(f"learner.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
         if self.dist_timeout_s <= 0:
             raise ValueError(f"learner.dist_timeout_s must be > 0, got {self.dist_timeout_s}")
-        if self.publish_bucket_mb <= 0:
-            raise ValueError(f"learner.publish_bucket_mb must be > 0, got {self.publish_bucket_mb}")
+        if self.gather_bucket_mb <= 0:
+            raise ValueError(f"learner.gather_bucket_mb must be > 0, got {self.gather_bucket_mb}")
         if self.checkpoint_every < 0 or self.checkpoint_keep < 0:
             raise ValueError(f"learner.checkpoint_every and learner.checkpoint_keep must be >= 0, got "
                              f"{self.checkpoint_every}, {self.checkpoint_keep}")

@@ -6,7 +6,7 @@ import os
 import socket
 import time
 
-from asyncrl.buffer.backends import make_learner_buffer
+from asyncrl.buffer.backends import job_limits, make_learner_buffer
 from asyncrl.buffer.dealer import DealError, PromptDealer
 from asyncrl.buffer.eval_rounds import EvalRounds, eval_due, first_due
 from asyncrl.configs import flatten, shared_hash, shared_sections, to_yaml
@@ -73,8 +73,11 @@ class LearnerHost:
         self.evals = self._build_evals(eval_prompts)
         if self.evals is not None:  # a Redis generator asks for evaluation prompts only then
             run_info["evals"] = True
-        self.buffer = make_learner_buffer(cfg, vocab_size=model.get_input_embeddings().num_embeddings,
-                                          max_positions=model_positions(model), config_hash=shared_hash(cfg),
+        limits = job_limits(cfg.rollout, cfg.data.max_prompt_tokens, model_positions(model),
+                            episodes=cfg.samples_episodes())
+        self.buffer = make_learner_buffer(cfg.buffer, cfg.security, cfg.job.name, limits,
+                                          vocab_size=model.get_input_embeddings().num_embeddings,
+                                          config_hash=shared_hash(cfg),
                                           shared_config=shared_sections(cfg), run_info=run_info,
                                           start_version=state.version, fresh=resumed_from is None,
                                           dealer=self.dealer, evals=self.evals)

@@ -203,7 +203,7 @@ def publish_weights(model, parallel: ParallelState, host: LearnerHost | None, ve
     as PEFT's adapter files name it, with its settings in the control message: the engines serve it as an
     adapter on the base model they already hold (generator/engines/lora_adapter.py)."""
     outgoing = outgoing_version(model, parallel, cfg.learner.lora, cfg.weightsync.dtype,
-                                int(cfg.learner.publish_bucket_mb * 2**20))
+                                int(cfg.learner.gather_bucket_mb * 2**20))
     if host is None:
         for _ in outgoing.weights:  # nothing is yielded here; iterating runs this rank's side of the gathers
             pass

@@ -105,7 +105,7 @@ def smoke_command(steps: int, rehearse: bool, port: int) -> list:
     return common + ["demo.model_shape=qwen2-0.5b", "demo.num_prompts=2048", "buffer.groups_per_step=16",
                      "generator.max_inflight_groups=32", "learner.dtype=bfloat16", "weightsync.dtype=bfloat16",
                      "learner.packing=true",
-                     "generator.gpu_memory_utilization=0.3", "learner.torch_threads=0", "generator.torch_threads=0"]
+                     "generator.vllm.gpu_memory_utilization=0.3", "learner.torch_threads=0", "generator.torch_threads=0"]
 
 
 def summarize_progress(path: str) -> dict:

@@ -86,15 +86,15 @@ def make_publisher(ws, job: str, keys=None) -> WeightPublisher:
     if removed:
         log.info("weight sync: removed rings of learners that died without cleaning up: %s", removed)
     ring_path = os.path.join(ws.shm_dir, f"asyncrl-{job}-{os.getpid()}.ring")
-    catchup = CatchupServer(ws.catchup_host, ws.catchup_port, advertise=ws.catchup_advertise,
+    catchup = CatchupServer(ws.host, ws.catchup_port, advertise=ws.advertise,
                             delta_max_fraction=ws.catchup_delta_max_fraction, keys=keys)
     group = None
     if ws.backend == "broadcast":
         from asyncrl.weightsync.group.host import WeightGroupHost
 
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        host = WeightGroupHost(ws.catchup_host, ws.broadcast_port, backend=backend, store_timeout_s=ws.timeout_s)
-        group = GroupSender(host, ws.timeout_s, ws.catchup_advertise)
+        host = WeightGroupHost(ws.host, ws.broadcast_port, backend=backend, store_timeout_s=ws.timeout_s)
+        group = GroupSender(host, ws.timeout_s, ws.advertise)
     elif ws.backend == "engine_push":
         from asyncrl.weightsync.engine_push.host import EnginePushHost
 
@@ -106,7 +106,7 @@ def make_publisher(ws, job: str, keys=None) -> WeightPublisher:
             raise RuntimeError("weightsync.engine_transport=ipc: vLLM's IPC trainer gathers handles over every rank "
                                "of the learner, and asyncrl publishes from rank 0 alone; use nccl with a "
                                "multi-rank learner")
-        host = EnginePushHost(ws.catchup_host, ws.broadcast_port, advertise=ws.catchup_advertise,
+        host = EnginePushHost(ws.host, ws.broadcast_port, advertise=ws.advertise,
                               store_timeout_s=ws.timeout_s, transport=ws.engine_transport)
         group = EnginePusher(host, ws.timeout_s)
     return WeightPublisher(ring_path, ws.keep_versions, int(ws.bucket_mb * 2**20), group=group, catchup=catchup)

@@ -30,12 +30,13 @@ that miss a push load it from staging as with `shm`."""
     bucket_mb: float = 64.0
     """Transfer bucket size, in MiB: tensors are packed into flat buckets of about this size, each checksummed and
     sent whole (bucket k travels while k+1 is gathered)."""
-    catchup_host: str = "127.0.0.1"
-    """Address the learner's catch-up server binds to (0.0.0.0 to serve generators on other hosts)."""
+    host: str = "127.0.0.1"
+    """Address every learner-side weight server binds to: the catch-up server, and with backend=broadcast or
+    engine_push the rendezvous store (0.0.0.0 to serve generators on other hosts)."""
     catchup_port: int = 0
     """Port of the catch-up server (0: any free port; generators learn it from the control message)."""
-    catchup_advertise: str = ""
-    """Host name generators on other machines use to reach the catch-up server ("" = catchup_host)."""
+    advertise: str = ""
+    """Host name generators on other machines use to reach the learner's weight servers ("" = weightsync.host)."""
     catchup_delta_max_fraction: float = 0.5
     """A generator holding an earlier version that the ring still has gets only the elements that changed since
     (weightsync/delta.py), unless that costs more than this fraction of the full version; 0: always full copies.

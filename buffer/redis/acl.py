@@ -1,11 +1,11 @@
 """A least-privilege Redis user for a job: only the commands asyncrl sends, only the job's keys.
 
-Every key of a job is `asyncrl:{<namespace>}:...` (stream.py::job_keys; `buffer.redis_namespace`, default the job
+Every key of a job is `asyncrl:{<namespace>}:...` (stream.py::job_keys; `buffer.redis.namespace`, default the job
 name), so the user's key pattern is that prefix and nothing else. The commands are those the learner and the
 generators send, directly or from their Lua scripts (Redis checks a script's calls against the caller's ACL too):
 streams (the group stream and its consumer group), hashes, lists, sorted sets and strings for the coordinator and
 the dealer, scripts, and the read-only INFO and TIME. Not granted: CONFIG (the server check reads INFO instead and
-`buffer.redis_appendfsync` must stay empty: set persistence in redis.conf), FLUSH*, KEYS, DEBUG, pub/sub, and any
+`buffer.redis.appendfsync` must stay empty: set persistence in redis.conf), FLUSH*, KEYS, DEBUG, pub/sub, and any
 key outside the prefix. `tests/integration/test_redis_acl.py` runs a job's Redis traffic as this user and checks
 what it is refused.
 """

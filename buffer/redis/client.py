@@ -9,7 +9,7 @@ run info says `deals`), admission hands out a ready deal with each lease in the 
 deal to DELIVER (refused there unless the deal is out to this generator), and released or abandoned deals go back
 through `dealing.settle_deals` (buffer/redis/dealing.py).
 
-A Redis that stops answering (restarted, network cut) is retried for buffer.redis_reconnect_s (reconnect.py):
+A Redis that stops answering (restarted, network cut) is retried for buffer.redis.reconnect_s (reconnect.py):
 each request is idempotent, so it is resent whole. Its token is fixed before the first try: admission's lease
 prefix, so a resent admit is answered with the same grant; a group's lease, taken once, so a resent group neither
 loses its lease nor takes another. Past the patience the request raises LearnerUnavailable naming the server, and

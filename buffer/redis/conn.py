@@ -54,7 +54,7 @@ def connect(options: RedisOptions):
     import redis
 
     if urlsplit(options.url).scheme not in ("redis", "rediss", "unix"):
-        raise RedisSetupError(f"buffer.redis_url {redacted(options.url)!r} must start with redis://, rediss:// "
+        raise RedisSetupError(f"buffer.redis.url {redacted(options.url)!r} must start with redis://, rediss:// "
                               f"(TLS) or unix://")
     tls = _tls_files(options)
     from redis.backoff import NoBackoff
@@ -73,20 +73,19 @@ def _tls_files(options: RedisOptions) -> dict:
     """redis-py's ssl_* arguments, after checking the TLS options make sense together: each file exists, the client
     certificate and key come as a pair, and they are only given with a rediss:// URL (a redis:// URL would ignore
     them and talk plain text)."""
-    given = {key: path for key, path in (("redis_tls_ca_file", options.tls_ca_file),
-                                         ("redis_tls_cert_file", options.tls_cert_file),
-                                         ("redis_tls_key_file", options.tls_key_file)) if path}
+    given = {key: path for key, path in (("tls_ca_file", options.tls_ca_file),
+                                         ("tls_cert_file", options.tls_cert_file),
+                                         ("tls_key_file", options.tls_key_file)) if path}
     if given and not options.url.startswith("rediss://"):
-        raise RedisSetupError(f"buffer.{', buffer.'.join(given)} set, but buffer.redis_url {redacted(options.url)!r} "
+        raise RedisSetupError(f"buffer.redis.{', buffer.redis.'.join(given)} set, but buffer.redis.url {redacted(options.url)!r} "
                               f"is not TLS; use rediss://")
     for key, path in given.items():
         if not os.path.isfile(path):
-            raise RedisSetupError(f"buffer.{key}={path!r}: no such file")
+            raise RedisSetupError(f"buffer.redis.{key}={path!r}: no such file")
     if bool(options.tls_cert_file) != bool(options.tls_key_file):
-        raise RedisSetupError("buffer.redis_tls_cert_file and buffer.redis_tls_key_file go together (the client "
+        raise RedisSetupError("buffer.redis.tls_cert_file and buffer.redis.tls_key_file go together (the client "
                               "certificate for mutual TLS, and its key)")
-    names = {"redis_tls_ca_file": "ssl_ca_certs", "redis_tls_cert_file": "ssl_certfile",
-             "redis_tls_key_file": "ssl_keyfile"}
+    names = {"tls_ca_file": "ssl_ca_certs", "tls_cert_file": "ssl_certfile", "tls_key_file": "ssl_keyfile"}
     return {names[key]: path for key, path in given.items()}
 
 
@@ -96,10 +95,10 @@ def _unreachable_hint(url: str, err: Exception) -> str:
     if url.startswith("rediss://"):
         if "CERTIFICATE_VERIFY_FAILED" in text:
             return ("the server's TLS certificate is not signed by a CA this machine trusts: give its CA in "
-                    "buffer.redis_tls_ca_file")
+                    "buffer.redis.tls_ca_file")
         if "EOF" in text or "reset" in text or "CERTIFICATE_REQUIRED" in text:
             return ("the server closed the TLS connection; if it requires client certificates (tls-auth-clients), "
-                    "give buffer.redis_tls_cert_file and buffer.redis_tls_key_file")
+                    "give buffer.redis.tls_cert_file and buffer.redis.tls_key_file")
         if "WRONG_VERSION_NUMBER" in text or "record layer" in text:
             return "the server does not speak TLS on that port: use redis:// or its tls-port"
         return "is redis-server running there, with TLS on that port?"
@@ -117,7 +116,7 @@ def check_server(client, url: str) -> dict:
         client.ping()
     except redis.AuthenticationError as err:
         raise RedisSetupError(f"Redis at {where} refused the credentials ({err}); put user:password in "
-                              f"buffer.redis_url") from None
+                              f"buffer.redis.url") from None
     except redis.ConnectionError as err:
         raise RedisSetupError(f"cannot reach Redis at {where}: {err} ({_unreachable_hint(url, err)})") from None
     except redis.TimeoutError as err:  # e.g. a TLS hello to a plain-text port: that server waits for more bytes
@@ -126,7 +125,7 @@ def check_server(client, url: str) -> dict:
         raise RedisSetupError(f"Redis at {where} did not answer: {err} ({hint})") from None
     except redis.ResponseError as err:
         raise RedisSetupError(f"Redis at {where} answered PING with an error: {err} (NOAUTH: give a password in "
-                              f"buffer.redis_url)") from None
+                              f"buffer.redis.url)") from None
     info = client.info("server")
     version = tuple(int(part) for part in str(info.get("redis_version", "0.0")).split(".")[:2])
     if version < MIN_VERSION:
@@ -144,7 +143,7 @@ def check_server(client, url: str) -> dict:
 
 
 def configure_durability(client, url: str, appendfsync: str) -> str:
-    """Apply buffer.redis_appendfsync ("" leaves the server as configured) and describe the resulting loss window.
+    """Apply buffer.redis.appendfsync ("" leaves the server as configured) and describe the resulting loss window.
 
     Without AOF a Redis restart loses the stream, the consumer group and the coordinator's state; the learner
     recreates them and carries on, but every queued and unacked group is gone, so that is warned about loudly.
@@ -154,14 +153,14 @@ def configure_durability(client, url: str, appendfsync: str) -> str:
     where = redacted(url)
     if appendfsync:
         if appendfsync not in APPENDFSYNC:
-            raise RedisSetupError(f"buffer.redis_appendfsync must be one of {APPENDFSYNC} or '', got {appendfsync!r}")
+            raise RedisSetupError(f"buffer.redis.appendfsync must be one of {APPENDFSYNC} or '', got {appendfsync!r}")
         try:
             client.config_set("appendonly", "yes")
             client.config_set("appendfsync", appendfsync)
         except redis.ResponseError as err:
             raise RedisSetupError(f"Redis at {where} refused CONFIG SET appendonly/appendfsync ({err}); set "
                                   f"`appendonly yes` and `appendfsync {appendfsync}` in its redis.conf, and leave "
-                                  f"buffer.redis_appendfsync empty") from None
+                                  f"buffer.redis.appendfsync empty") from None
         # Turning AOF on starts a rewrite that writes the initial file; until it finishes nothing is durable (and
         # Redis refuses to shut down), so the claim below waits for it to be true.
         deadline = time.monotonic() + 60
@@ -173,7 +172,7 @@ def configure_durability(client, url: str, appendfsync: str) -> str:
     persistence = client.info("persistence")
     if not int(persistence.get("aof_enabled", 0)):
         message = (f"Redis at {where} has AOF off: if redis-server restarts, every queued and unacked group is lost "
-                   f"(set buffer.redis_appendfsync=everysec, or `appendonly yes` on the server)")
+                   f"(set buffer.redis.appendfsync=everysec, or `appendonly yes` on the server)")
         log.warning(message)
         return message
     try:

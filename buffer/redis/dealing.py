@@ -199,7 +199,7 @@ class RedisDealer:
             raise DealError(f"the data cursor in Redis belongs to another dataset (fingerprint {fingerprint} over "
                             f"{int(cursor.get(b'size', 0))} prompts; this job has {self.fingerprint} over "
                             f"{self.size}): resume with the same data files, data.max_prompt_tokens and tokenizer, "
-                            f"or start a new job (or another buffer.redis_namespace)")
+                            f"or start a new job (or another buffer.redis.namespace)")
         self.epoch, self.position = int(cursor[b"epoch"]), int(cursor[b"position"])
         self.refills = int(cursor.get(b"refills", 0))
         self._order = epoch_order(self.size, self.epoch, self.base.shuffle, self.base.seed)

@@ -23,13 +23,13 @@ RETRYABLE = (redis.ConnectionError, redis.TimeoutError)
 
 
 class RedisUnavailable(RuntimeError):
-    """Redis did not come back within buffer.redis_reconnect_s; the message names the server and the wait."""
+    """Redis did not come back within buffer.redis.reconnect_s; the message names the server and the wait."""
 
 
 class Reconnecting:
     """Runs idempotent Redis operations, retrying with backoff while the server is unreachable.
 
-    `patience_s` bounds the whole outage one operation may wait through (buffer.redis_reconnect_s); past it the
+    `patience_s` bounds the whole outage one operation may wait through (buffer.redis.reconnect_s); past it the
     caller gets RedisUnavailable. After a failure, listeners run before each retry (they restore what the server may
     have lost, such as the consumer group the retried read needs); they must be idempotent and must not themselves
     go through this object.
@@ -70,7 +70,7 @@ class Reconnecting:
                 if now - lost_at >= self.patience_s:
                     raise RedisUnavailable(
                         f"Redis at {self.endpoint} has not answered {what} for {now - lost_at:.0f} s (last error: "
-                        f"{err}); buffer.redis_reconnect_s={self.patience_s:g} bounds the wait. Is redis-server "
+                        f"{err}); buffer.redis.reconnect_s={self.patience_s:g} bounds the wait. Is redis-server "
                         f"running and reachable?") from None
                 self.sleep(delay)
                 delay = min(delay * 2, 1.0)

@@ -331,7 +331,7 @@ def engine_args(model_path: str, dtype: str, max_model_len: int, kv_cache_gib: f
     vLLM's LoRA for adapters up to that rank, `max_loras` of them in one batch (every version the buffer admits),
     and a CPU cache of two more (an adapter evicted from it is reloaded from its directory)."""
     if gpu_memory_utilization > 0 and not on_gpu:
-        raise ValueError(f"generator.gpu_memory_utilization={gpu_memory_utilization} sizes the KV cache from GPU "
+        raise ValueError(f"generator.vllm.gpu_memory_utilization={gpu_memory_utilization} sizes the KV cache from GPU "
                          f"memory, and this machine has no GPU: size it with generator.kv_cache_gib (and "
                          f"gpu_memory_utilization=0)")
     memory = ({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization > 0

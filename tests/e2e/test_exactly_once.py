@@ -98,10 +98,10 @@ def test_two_generators_a_generator_kill_9_and_a_learner_restart_train_each_prom
                  "generator.log_every_s=1", "learner.checkpoint_every=2", "learner.torch_threads=1",
                  "buffer.done_grace_s=30", "buffer.request_timeout_s=5", "telemetry.progress=false",
                  *QUIET_TELEMETRY]
-    if backend == "redis":  # a generator silent for buffer.lease_s gives its dealt prompts back
+    if backend == "redis":  # a generator silent for buffer.redis.lease_s gives its dealt prompts back
         namespace = f"once{uuid.uuid4().hex[:8]}"
-        overrides += ["buffer.backend=redis", f"buffer.redis_url={request.getfixturevalue('redis_server').url}",
-                      f"buffer.redis_namespace={namespace}", "buffer.lease_s=5"]
+        overrides += ["buffer.backend=redis", f"buffer.redis.url={request.getfixturevalue('redis_server').url}",
+                      f"buffer.redis.namespace={namespace}", "buffer.redis.lease_s=5"]
     else:  # the zmq job runs with CURVE keys: every request of both lives is encrypted and authenticated
         make_keys(str(tmp_path / "keys"), ["generator"])
         overrides += [f"security.keys_dir={tmp_path / 'keys'}"]
@@ -159,7 +159,7 @@ def test_two_generators_a_generator_kill_9_and_a_learner_restart_train_each_prom
         assert last.get("data/returned/restart", 0) == resumed_from["out"]
         assert last["buffer/refused_connections"] == 0  # every process presented its CURVE key
     else:  # the cursor lived in Redis: the prompts b and a held came back when they fell silent (a live generator
-        # silent for buffer.lease_s under load may lose its deals too, so this is a floor)
+        # silent for buffer.redis.lease_s under load may lose its deals too, so this is a floor)
         assert last.get("data/returned/generator_gone", 0) >= sum(
             len(deals) for deals in held_when_killed.values()), held_when_killed
         with job_state(request, namespace) as (client, keys):

@@ -20,7 +20,7 @@ def test_a_learner_on_two_nodes_trains_and_publishes_with_the_slurm_commands(red
                                                                               demo_cache):
     steps = 4
     overrides = common_overrides(demo_cache, free_port(), steps=steps) + [
-        "generator.engine=hf", f"buffer.redis_namespace=nodes{uuid.uuid4().hex[:8]}", "learner.torch_threads=1",
+        "generator.engine=hf", f"buffer.redis.namespace=nodes{uuid.uuid4().hex[:8]}", "learner.torch_threads=1",
         "algo.dynamic_sampling=false"]  # every group trains: the weak demo model's all-0 groups would starve 4 steps
     cluster = Cluster(recipe=None, overrides=overrides, redis_url=redis_server.url, learner_nodes=2, gpus_per_node=1,
                       master_port=free_port(), program=(sys.executable, "-m", "asyncrl.launch.cli"))

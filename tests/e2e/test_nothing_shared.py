@@ -30,8 +30,8 @@ def test_a_generator_with_an_empty_home_gets_everything_from_the_learner(demo_as
               "generator.max_inflight_groups=2", "learner.torch_threads=1", "buffer.done_grace_s=5",
               "telemetry.progress=false", *QUIET_TELEMETRY]
     if backend == "redis":
-        recipe += ["buffer.backend=redis", f"buffer.redis_url={request.getfixturevalue('redis_server').url}",
-                   f"buffer.redis_namespace=bare{uuid.uuid4().hex[:8]}"]
+        recipe += ["buffer.backend=redis", f"buffer.redis.url={request.getfixturevalue('redis_server').url}",
+                   f"buffer.redis.namespace=bare{uuid.uuid4().hex[:8]}"]
     learner_env = {**job_env(tmp_path), "ASYNCRL_JOB_DIR": str(job_dir), "PYTHONUNBUFFERED": "1"}
     learner = subprocess.Popen([sys.executable, "-m", "asyncrl.launch.cli", "learner", *recipe], cwd=tmp_path,
                                env=learner_env, stdout=open(tmp_path / "learner.log", "wb"), stderr=subprocess.STDOUT)

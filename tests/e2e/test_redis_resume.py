@@ -62,8 +62,8 @@ class RedisScriptedGenerator(threading.Thread):
 def scripted_overrides(model_dir, url: str, namespace: str, steps: int, checkpoint_every: int) -> list[str]:
     """A tiny learner on Redis at η = 0, fed by RedisScriptedGenerator."""
     return [f"model.path={model_dir}", "demo.task=''", "algo.dynamic_sampling=false",
-            "buffer.backend=redis", f"buffer.redis_url={url}",
-            f"buffer.redis_namespace={namespace}", f"learner.total_steps={steps}", "buffer.max_staleness=0",
+            "buffer.backend=redis", f"buffer.redis.url={url}",
+            f"buffer.redis.namespace={namespace}", f"learner.total_steps={steps}", "buffer.max_staleness=0",
             f"buffer.groups_per_step={GROUPS_PER_STEP}", f"rollout.n={N}", f"rollout.max_tokens={SAMPLING.max_tokens}",
             f"learner.checkpoint_every={checkpoint_every}", "learner.torch_threads=1", "buffer.done_grace_s=1",
             "telemetry.progress=false", *QUIET_TELEMETRY]
@@ -106,7 +106,7 @@ def test_kill_9_and_resume_trains_every_admitted_group_exactly_once(tiny_model_d
     job_dir.mkdir()
     steps = 10
     overrides = scripted_overrides(tiny_model_dir, redis_server.url, namespace, steps, checkpoint_every=4) + [
-        "buffer.reclaim_idle_s=2"]
+        "buffer.redis.reclaim_idle_s=2"]
     generator = RedisScriptedGenerator(redis_server.url, namespace, shared_hash(load_config(None, overrides)), 0.05)
     proc, log = start_learner(overrides, job_dir, tmp_path, 1)
     generator.start()
@@ -167,8 +167,8 @@ def test_demo_on_redis_with_two_generators_survives_a_generator_kill_9(redis_ser
     admin = connect(RedisOptions(redis_server.url))
     user, password = create_job_user(admin, namespace)  # everyone runs as the job's least-privilege user
     overrides = common_overrides(demo_cache, free_port(), steps=steps, eta=eta) + [
-        "generator.engine=hf", "buffer.backend=redis", f"buffer.redis_url={user_url(redis_server, user, password)}",
-        f"buffer.redis_namespace={namespace}", "buffer.lease_s=5", "generator.max_inflight_groups=2"]
+        "generator.engine=hf", "buffer.backend=redis", f"buffer.redis.url={user_url(redis_server, user, password)}",
+        f"buffer.redis.namespace={namespace}", "buffer.redis.lease_s=5", "generator.max_inflight_groups=2"]
     cfg = load_config(None, overrides)
     pq.write_table(pq.read_table(heldout_file(cfg.demo, cfg.job.seed)).slice(0, 4), tmp_path / "heldout.parquet")
     overrides += [f"eval.files=[{tmp_path / 'heldout.parquet'}]", "eval.before_train=true", "eval.n=1"]
@@ -227,10 +227,10 @@ def test_two_rank_learner_and_a_generator_ride_out_a_kill_9_of_redis(tiny_model_
     job_dir.mkdir()
     steps = 8
     overrides = scripted_overrides(tiny_model_dir, redis_proc.url, namespace, steps, checkpoint_every=3) + [
-        "learner.sp_size=2", "buffer.redis_reconnect_s=60"]
+        "learner.sp_size=2", "buffer.redis.reconnect_s=60"]
     cfg = load_config(None, overrides)
     generator = RedisScriptedGenerator(redis_proc.url, namespace, shared_hash(cfg), 0.05)
-    generator.client = make_generator_buffer(cfg, "scripted")  # the client a generator process would use
+    generator.client = make_generator_buffer(cfg.buffer, cfg.security, cfg.job.name, "scripted")  # the client a generator process would use
     proc, log = start_learner(overrides, job_dir, tmp_path, 2)
     generator.start()
     groups_file = job_dir / "trained_groups.jsonl"

@@ -17,6 +17,22 @@ def test_dry_run_prints_yaml_and_never_imports_torch():
     assert "max_staleness: 5" in out.stdout
 
 
+@pytest.mark.parametrize("argv, shows", [(["--help"], "reward-server"), (["learner", "--help"], "--resume"),
+                                         (["config", "buffer.redis.url"], "buffer.redis.url: str = redis://")])
+def test_help_and_the_config_reference_never_import_torch(argv, shows):
+    code = (f"import sys; from asyncrl.launch.cli import main\ntry: rc = main({argv!r})\nexcept SystemExit as e: "
+            f"rc = e.code\nassert rc == 0, rc; assert 'torch' not in sys.modules, 'torch imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert shows in out.stdout
+
+
+def test_asyncrl_config_names_an_unknown_key_with_exit_code_2():
+    out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "config", "buffer.redis_url"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "buffer.redis.url" in out.stderr
+
+
 def test_cli_reports_bad_override_with_exit_code_2():
     out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "learner", "--dry-run", "buffer.bogus=1"],
                          capture_output=True, text=True, timeout=60)

@@ -258,7 +258,7 @@ def test_a_live_zmq_learner_survives_every_hostile_group_and_trains_none(tiny_mo
     port = free_port()
     cfg = job_config(tiny_model_dir, tmp_path, [f"buffer.port={port}"])
     hostile = ZmqHostile(cfg, f"tcp://127.0.0.1:{port}", unrequested=10)
-    honest = Honest(cfg, make_generator_buffer(cfg, "honest"), shared_hash(cfg), str(tmp_path), after=hostile)
+    honest = Honest(cfg, make_generator_buffer(cfg.buffer, cfg.security, cfg.job.name, "honest"), shared_hash(cfg), str(tmp_path), after=hostile)
     hostile.start()
     honest.start()
     trained_to_the_end_on_honest_groups_only(cfg, tmp_path, hostile, honest,
@@ -276,10 +276,10 @@ def test_a_live_redis_learner_survives_every_hostile_entry_and_dead_letters_each
 
     monkeypatch.chdir(tmp_path)
     job = "hostile" + uuid.uuid4().hex[:8]
-    cfg = job_config(tiny_model_dir, tmp_path, ["buffer.backend=redis", f"buffer.redis_url={redis_server.url}",
-                                                f"buffer.redis_namespace={job}"])
+    cfg = job_config(tiny_model_dir, tmp_path, ["buffer.backend=redis", f"buffer.redis.url={redis_server.url}",
+                                                f"buffer.redis.namespace={job}"])
     hostile = RedisHostile(cfg, connect(RedisOptions(redis_server.url)), job, unrequested=10)
-    honest = Honest(cfg, make_generator_buffer(cfg, "honest"), shared_hash(cfg), str(tmp_path), after=hostile)
+    honest = Honest(cfg, make_generator_buffer(cfg.buffer, cfg.security, cfg.job.name, "honest"), shared_hash(cfg), str(tmp_path), after=hostile)
     hostile.start()
     honest.start()
     trained_to_the_end_on_honest_groups_only(cfg, tmp_path, hostile, honest,
@@ -446,8 +446,8 @@ def test_a_step_that_fails_unexpectedly_dead_letters_its_groups_before_the_learn
     monkeypatch.setattr(loop, "train_step", fails_on_crash_prompts)  # the fault injected; the learner is real
     monkeypatch.chdir(tmp_path)
     job = "fail" + uuid.uuid4().hex[:8]
-    cfg = job_config(tiny_model_dir, tmp_path, ["buffer.backend=redis", f"buffer.redis_url={redis_server.url}",
-                                                f"buffer.redis_namespace={job}"])
+    cfg = job_config(tiny_model_dir, tmp_path, ["buffer.backend=redis", f"buffer.redis.url={redis_server.url}",
+                                                f"buffer.redis.namespace={job}"])
     client = connect(RedisOptions(redis_server.url))
     stream = GroupStream(client, job, producer="gen")
 

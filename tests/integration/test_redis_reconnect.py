@@ -154,7 +154,7 @@ def test_an_outage_longer_than_the_patience_is_an_error_naming_redis(tmp_path):
     client = generator_side(redis_proc.url, job, patience_s=1.0)
     redis_proc.kill(signal.SIGKILL)
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match=f"127.0.0.1:{redis_proc.port}.*redis_reconnect_s"):
+    with pytest.raises(RuntimeError, match=f"127.0.0.1:{redis_proc.port}.*redis.reconnect_s"):
         server.take(0.5)
     with pytest.raises(LearnerUnavailable, match="127.0.0.1"):
         asyncio.run(client.admit(1))

@@ -87,8 +87,8 @@ def test_groups_and_admission_go_over_mutual_tls(tls_redis):
 
 
 @pytest.mark.parametrize("ca, client, says", [
-    (True, False, "buffer.redis_tls_cert_file and buffer.redis_tls_key_file"),  # the server requires a client cert
-    (False, True, "buffer.redis_tls_ca_file"),  # the server's certificate is not trusted
+    (True, False, "buffer.redis.tls_cert_file and buffer.redis.tls_key_file"),  # the server requires a client cert
+    (False, True, "buffer.redis.tls_ca_file"),  # the server's certificate is not trusted
 ])
 def test_a_tls_handshake_that_fails_names_the_option(tls_redis, ca, client, says):
     url, directory = tls_redis

@@ -98,10 +98,14 @@ def test_invalid_algorithm_combinations_are_rejected_with_the_reason(override, m
 def test_the_learner_bounds_episodes_by_their_budget_and_single_samples_by_max_tokens():
     from asyncrl.buffer.backends import job_limits
 
-    assert job_limits(load_config(None, ["rollout.max_tokens=10"]), 128).max_completion_tokens == 10
+    def limits(overrides):
+        cfg = load_config(None, overrides)
+        return job_limits(cfg.rollout, cfg.data.max_prompt_tokens, 128, episodes=cfg.samples_episodes())
+
+    assert limits(["rollout.max_tokens=10"]).max_completion_tokens == 10
     multi = ["tools.functions=[t.py:add]", "rollout.max_turns=3", "rollout.max_tokens=10"]
-    assert job_limits(load_config(None, multi), 128).max_completion_tokens == 128
-    assert job_limits(load_config(None, [*multi, "rollout.max_episode_tokens=60"]), 128).max_completion_tokens == 60
+    assert limits(multi).max_completion_tokens == 128
+    assert limits([*multi, "rollout.max_episode_tokens=60"]).max_completion_tokens == 60
 
 
 def test_remax_switches_on_the_generators_greedy_baseline():
@@ -177,3 +181,72 @@ def test_an_override_whose_value_is_not_yaml_is_a_config_error_naming_it():
 
     with pytest.raises(ConfigError, match=r"override 'data.train_files=\[a,\[b\]': its value is not valid YAML"):
         load_config(None, ["data.train_files=[a,[b]"])
+
+
+def test_backend_knobs_load_under_their_backend():
+    cfg = load_config(None, ["buffer.backend=redis", "buffer.redis.url=rediss://r.example:6380/1",
+                             "buffer.redis.lease_s=5", "generator.engine=vllm", "generator.vllm.enforce_eager=true",
+                             "generator.vllm.tensor_parallel_size=2"])
+    assert cfg.buffer.redis.url == "rediss://r.example:6380/1" and cfg.buffer.redis.lease_s == 5
+    assert cfg.generator.vllm.enforce_eager is True and cfg.generator.vllm.tensor_parallel_size == 2
+
+
+@pytest.mark.parametrize("old, new, value, expected", [
+    ("buffer.redis_url", "buffer.redis.url", "redis://h:1/0", "redis://h:1/0"),
+    ("buffer.lease_s", "buffer.redis.lease_s", "7", 7.0),
+    ("buffer.redis_namespace", "buffer.redis.namespace", "ns", "ns"),
+    ("generator.gpu_memory_utilization", "generator.vllm.gpu_memory_utilization", "0.5", 0.5),
+])
+def test_an_old_flat_key_still_loads_with_a_warning_naming_its_new_key(tmp_path, old, new, value, expected):
+    backends = ["buffer.backend=redis", "generator.engine=vllm"]
+    with pytest.warns(FutureWarning, match=f"{old} is deprecated: it is now {new}"):
+        from_override = load_config(None, [*backends, f"{old}={value}"])
+    section, key = old.split(".")
+    lines = {"buffer": ["  backend: redis"], "generator": ["  engine: vllm"]}
+    lines[section].append(f"  {key}: {value}")
+    recipe = tmp_path / "old.yaml"
+    recipe.write_text("".join(f"{name}:\n" + "\n".join(body) + "\n" for name, body in lines.items()))
+    with pytest.warns(FutureWarning, match=f"{old} is deprecated: it is now {new}"):
+        from_recipe = load_config(str(recipe))
+    for cfg in (from_override, from_recipe):
+        node = cfg
+        for part in new.split("."):
+            node = getattr(node, part)
+        assert node == expected
+
+
+@pytest.mark.parametrize("old, new, value", [("learner.publish_bucket_mb", "learner.gather_bucket_mb", 32.0),
+                                             ("weightsync.catchup_host", "weightsync.host", "0.0.0.0"),
+                                             ("weightsync.catchup_advertise", "weightsync.advertise", "node-a")])
+def test_a_renamed_key_still_loads_with_a_warning_naming_its_new_name(old, new, value):
+    with pytest.warns(FutureWarning, match=f"{old} is deprecated: it is now {new}"):
+        cfg = load_config(None, [f"{old}={value}"])
+    section, key = new.split(".")
+    assert getattr(getattr(cfg, section), key) == value
+
+
+def test_a_recipe_setting_a_key_under_its_old_and_new_name_is_refused(tmp_path):
+    recipe = tmp_path / "both.yaml"
+    recipe.write_text("weightsync:\n  catchup_host: 0.0.0.0\n  host: 10.0.0.1\n")
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match="weightsync.catchup_host and weightsync.host"):
+        load_config(str(recipe))
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["generator.engine=hf", "generator.vllm.enforce_eager=true"],
+     "generator.vllm.enforce_eager is only read by generator.engine=vllm"),
+    (["generator.engine=sglang", "generator.tensor_parallel_size=2"],
+     "generator.vllm.tensor_parallel_size is only read by generator.engine=vllm"),
+    (["buffer.backend=zmq", "buffer.redis.lease_s=5"], "buffer.redis.lease_s is only read by buffer.backend=redis"),
+    (["buffer.backend=zmq", "buffer.redis_url=redis://h:1/0"],
+     "buffer.redis.url is only read by buffer.backend=redis"),
+])
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # the old flat keys among them warn as well
+def test_another_backends_knob_is_an_error_naming_it(overrides, named):
+    with pytest.raises(ConfigError, match=named):
+        load_config(None, overrides)
+
+
+def test_a_backend_knob_left_at_its_default_is_not_an_error():
+    assert load_config(None, ["generator.engine=hf", "generator.vllm.enable_prefix_caching=true"]).generator.engine == "hf"
+

@@ -55,7 +55,7 @@ def test_gives_up_after_its_patience_naming_the_server_without_the_password():
     with pytest.raises(RedisUnavailable) as err:
         retry("admission", operation, 1)
     assert "host:6379" in str(err.value) and "secret" not in str(err.value)
-    assert "admission" in str(err.value) and "redis_reconnect_s=5" in str(err.value)
+    assert "admission" in str(err.value) and "redis.reconnect_s=5" in str(err.value)
     assert 5 <= clock.now < 7 and 5 < len(calls) < 40  # backoff, not a spin
 
 

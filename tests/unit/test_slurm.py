@@ -48,7 +48,7 @@ def test_the_sbatch_scripts_run_one_learner_per_node_and_one_generator_per_task(
     expected = [cmd[1:] for cmd in (learner_command(cluster, 0, "node-a"), learner_command(cluster, 1, "node-a"))]
     calls, _ = run_script(learner, tmp_path, SLURM_NNODES="2", SLURM_JOB_NODELIST="node-[a-b]")
     assert calls == expected  # one learner per node, node ranks 0 and 1, both meeting on the first node
-    assert calls[1][calls[1].index("--node-rank") + 1] == "1" and "weightsync.catchup_advertise=node-a" in calls[0]
+    assert calls[1][calls[1].index("--node-rank") + 1] == "1" and "weightsync.advertise=node-a" in calls[0]
     (tmp_path / "record" / "asyncrl").unlink()
     calls, record = run_script(generators, tmp_path, SLURM_ARRAY_TASK_ID="2", LEARNER_JOB_ID="4242")
     assert calls == [generator_command(cluster, 2, "node-a")[1:]]

@@ -260,17 +260,17 @@ def test_vllm_placement_settings_are_validated_and_reach_only_the_vllm_engine():
     from asyncrl.configs import load_config
     from asyncrl.generator.main import vllm_placement
 
-    cfg = load_config(None, ["generator.engine=vllm", "generator.tensor_parallel_size=2",
-                             "generator.enforce_eager=false"])
+    cfg = load_config(None, ["generator.engine=vllm", "generator.vllm.tensor_parallel_size=2",
+                             "generator.vllm.enforce_eager=false"])
     assert vllm_placement(cfg.generator, cfg.model) == {
         "tensor_parallel_size": 2, "gpu_memory_utilization": 0.0, "enforce_eager": False,
         "enable_prefix_caching": True, "lm_head_fp32": False}
     hf = load_config(None, ["generator.engine=hf"])
     assert vllm_placement(hf.generator, hf.model) == {}
     with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
-        load_config(None, ["generator.gpu_memory_utilization=1.5"])
+        load_config(None, ["generator.vllm.gpu_memory_utilization=1.5"])
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
-        load_config(None, ["generator.tensor_parallel_size=0"])
+        load_config(None, ["generator.vllm.tensor_parallel_size=0"])
 
 
 def test_the_transfer_engine_hands_a_pushed_version_to_vllms_nccl_engine_and_refuses_one_before_init():

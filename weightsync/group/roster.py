@@ -82,7 +82,7 @@ def warn_if_store_open(host: str, what: str) -> bool:
         return False
     log.warning("%s: the learner's TCPStore binds %s, and neither it nor the process groups it sets up have "
                 "authentication (security.keys_dir does not cover them): anyone who can reach it can join and be "
-                "sent every version, or drop members. Bind weightsync.catchup_host to a private network the "
+                "sent every version, or drop members. Bind weightsync.host to a private network the "
                 "generators share, or firewall weightsync.broadcast_port and the ranks' ports.", what, host)
     return True
 
