@@ -20,8 +20,6 @@ ALLOWED_CYCLES = {
         "make_engine imports each engine lazily, and the engines import base's shared helpers",
     frozenset({"asyncrl.learner.ulysses", "asyncrl.learner.ulysses_deepspeed"}):
         "ulysses calls the DeepSpeed exchange lazily (learner.sp_impl=deepspeed), which reuses ulysses' attention",
-    frozenset({"asyncrl.launch.cli", "asyncrl.launch.supervisor"}):
-        "the supervisor reuses the CLI's job directory, input and summary helpers (lazily)",
 }
 """Cycles known and accepted, each with why it is there. When one goes, delete its entry: the test fails on an
 entry that no longer matches a cycle, so the list cannot hide a cycle that comes back."""
