@@ -19,7 +19,7 @@ from asyncrl.generator.agents.openai_agent import AgentLoadError
 from asyncrl.generator.agents.tools import ToolLoadError
 from asyncrl.generator.dataset import iterate_prompts, job_rows, tokenize_rows
 from asyncrl.buffer.event_loop import run as run_event_loop
-from asyncrl.generator.engines.base import EngineBroken, EngineUnsupported, make_engine
+from asyncrl.generator.engines.base import EngineBroken, EngineUnsupported, engine_options, make_engine
 from asyncrl.generator.reward_server.client import wait_for_server
 from asyncrl.generator.rewards import RewardError, check_builtin_rewards, uses_builtin_rewards
 from asyncrl.generator.model_source import resolve_model
@@ -34,27 +34,6 @@ from asyncrl.weightsync.receiver import WeightStage
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 2.0
 """Each hello waits this long for an answer; they repeat until generator.connect_timeout_s."""
-
-
-def vllm_placement(gen, model) -> dict:
-    """The settings only the vLLM engine takes (generator.tensor_parallel_size, ..., model.lm_head_fp32); none for
-    the others."""
-    if gen.engine != "vllm":
-        return {}
-    return {"tensor_parallel_size": gen.tensor_parallel_size, "gpu_memory_utilization": gen.gpu_memory_utilization,
-            "enforce_eager": gen.enforce_eager, "enable_prefix_caching": gen.enable_prefix_caching,
-            "lm_head_fp32": model.lm_head_fp32}
-
-
-def vllm_lora(gen, lora_rank, max_staleness: int) -> dict:
-    """A LoRA learner (its run info's `lora_rank`, learner.lora.rank: the learner's setting, whatever the
-    generator's recipe says) publishes adapters, which the vLLM engine serves as such: up to that rank, and every
-    version the buffer admits (buffer.max_staleness + 1) at once. The hf engine needs nothing up front."""
-    if gen.engine != "vllm" or not lora_rank:
-        return {}
-    if not isinstance(lora_rank, int) or isinstance(lora_rank, bool) or not 1 <= lora_rank <= 512:
-        raise ValueError(f"the learner announced LoRA rank {lora_rank!r}, which is not an integer in [1, 512]")
-    return {"lora_rank": lora_rank, "max_loras": max_staleness + 1}
 
 
 def sampling_seed(base: int, generator_id: str) -> int:
@@ -125,16 +104,9 @@ async def run_generator_async(cfg, say=print) -> int:
         await scorer.start()  # the workers import the reward function while the engine starts
         for url in scorer.servers:  # a reward server may start after the generators
             await wait_for_server(url, cfg.generator.connect_timeout_s, say)
-        if cfg.weightsync.backend == "engine_push" and cfg.weightsync.engine_transport == "ipc":
-            # vLLM's IPC engine decodes the learner's CUDA IPC handles only with this set (they travel pickled
-            # through the learner's store, weightsync/engine_push/calls.py); its workers inherit it at start
-            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        engine = make_engine(cfg.generator.engine, model_path=model_path, dtype=cfg.generator.dtype,
-                             max_model_len=cfg.generator.max_model_len, kv_cache_gib=cfg.generator.kv_cache_gib,
-                             seed=seed, update_mode=cfg.generator.update_mode,
-                             trust_remote_code=cfg.model.trust_remote_code,
-                             **vllm_placement(cfg.generator, cfg.model),
-                             **vllm_lora(cfg.generator, info.get("lora_rank", 0), cfg.buffer.max_staleness))
+        ipc_push = cfg.weightsync.backend == "engine_push" and cfg.weightsync.engine_transport == "ipc"
+        engine = make_engine(cfg.generator.engine, engine_options(
+            cfg.generator, cfg.model, model_path, seed, info.get("lora_rank", 0), cfg.buffer.max_staleness, ipc_push))
         await engine.start()
         if wants_episodes(cfg.tools, cfg.env, cfg.agent):
             episodes = build_episode_runner(cfg.tools, cfg.env, cfg.agent, cfg.rollout,

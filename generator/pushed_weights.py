@@ -19,7 +19,7 @@ import asyncio
 import concurrent.futures
 import logging
 
-from asyncrl.generator.engines.base import EngineBroken
+from asyncrl.generator.engines.base import EngineBroken, PushableEngine
 
 log = logging.getLogger(__name__)
 LOCK_WAIT_S = 2.0
@@ -145,9 +145,9 @@ async def join_push(target: dict, engine, lock: asyncio.Lock, recover_target, st
                     timeout_s: float):
     """Register this generator's engine for the push the control message `target` names ("engines"); returns
     (the member, close it when done; the PushedWeights, whose counts say what came), or (None, None) if the
-    message names none or the engine cannot take pushes."""
+    message names none or the engine cannot take pushes (it is no PushableEngine: the hf engine)."""
     engines = target.get("engines")
-    if not engines or not hasattr(engine, "push_init"):
+    if not engines or not isinstance(engine, PushableEngine):
         return None, None
     from asyncrl.weightsync.engine_push.member import EnginePushMember
 
