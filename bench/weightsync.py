@@ -102,7 +102,7 @@ def run_stage_generator(directory: str, name: str, inbox, outbox) -> None:
 
 def run_engine_generator(directory: str, model_dir: str, inbox, outbox) -> None:
     """A generator with the hf engine: per version, the transfer (stage) and the stall (load_weights) in seconds,
-    done as generator/rollout.py does (staging in a worker thread, the load under the engine's lock)."""
+    done as generator/weights.py does (staging in a worker thread, the load under the engine's lock)."""
     from asyncrl.generator.engines.base import EngineOptions
     from asyncrl.generator.engines.hf_engine import HfEngine
     from asyncrl.weightsync.receiver import WeightStage

@@ -133,7 +133,7 @@ async def run_generator_async(cfg, say=print) -> int:
         if hello.done:
             say(f"generator {generator_id}: the learner at {client.endpoint} has finished the job; nothing to do")
             return 0
-        await rollout.ensure_latest_weights()  # a late joiner samples nothing before it has the current weights
+        await rollout.weights.ensure_latest()  # a late joiner samples nothing before it has the current weights
         say(f"generator {generator_id}: {cfg.generator.engine} engine ready on v{engine.version}")
         await rollout.run()
         return 0

@@ -144,7 +144,7 @@ class SglangEngine:
         `update_weights_from_tensor`; a failure goes back to `fallback` (see sglang_receiver.py)."""
         await self.receiver.load_staged(staged, fallback)
 
-    # --- versions pushed from the learner's GPU (weightsync/engine_push), driven by generator/pushed_weights.py ---
+    # --- versions pushed from the learner's GPU (weightsync/engine_push), driven by generator/weights.py ---
 
     push_kind = "sglang"
     """Which trainer side the learner opens for this engine (weightsync/engine_push/host.py)."""

@@ -195,7 +195,7 @@ class VllmEngine:
         await self._engine.resume_generation()
         self._loaded.set()
 
-    # --- versions pushed from the learner's GPU (weightsync/engine_push), driven by generator/pushed_weights.py ---
+    # --- versions pushed from the learner's GPU (weightsync/engine_push), driven by generator/weights.py ---
 
     push_kind = "vllm"
     """Which trainer side the learner opens for this engine (weightsync/engine_push/host.py)."""

@@ -1,7 +1,7 @@
 """The engine push for real (weightsync.backend=engine_push): the learner side in this process on GPU 0 (vLLM's
 NCCL trainer engine, or SGLang's weight-update group opened with SGLang's own helper), a generator in a child
 process on GPU 1 (NCCL wants one GPU per rank) with vLLM or SGLang on CUDA, registered through
-generator/pushed_weights.py. A version perturbed on the learner is pushed; after it the engine
+generator/weights.py. A version perturbed on the learner is pushed; after it the engine
 samples the new weights' distribution and tags every token with the new version. Needs two GPUs and the `gpu`
 extra's engines; scripts/test_gpu runs it (skipped on one GPU)."""
 import asyncio
@@ -23,7 +23,7 @@ async def generator_side(kind: str, model_path: str, address: str, shm_dir: str,
     first pushed version."""
     from asyncrl.buffer.group import Sampling
     from asyncrl.generator.engines.base import EngineOptions, SglangOptions, VllmOptions
-    from asyncrl.generator.pushed_weights import join_push
+    from asyncrl.generator.weights import join_push
     from asyncrl.weightsync.receiver import WeightStage
 
     if kind == "vllm":

@@ -1,5 +1,5 @@
 """Every engine class satisfies the interface the generator types it by (generator/engines/base.py): `Engine`
-for all, `PushableEngine` for those the learner may push versions into (generator/pushed_weights.py asks that
+for all, `PushableEngine` for those the learner may push versions into (generator/weights.py asks that
 question instead of probing for methods), and the SGLang handle the sglang engine drives is implemented alike by
 the real wrapper and the test fake. Built without starting: no model, vLLM or SGLang is needed."""
 import inspect

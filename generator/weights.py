@@ -1,11 +1,25 @@
-"""Versions pushed from the learner's GPU straight into this generator's engine, vLLM or SGLang
-(weightsync.backend=engine_push; the learner's side is weightsync/engine_push/host.py).
+"""Following the learner's weights, on the generator's side: what the announcements in its replies mean, and
+bringing the engine to the version they name.
 
-The learner drives vLLM's update round through the store (init, start, update, finish); `PushedWeights.handle`
-runs each call on the generator's event loop, under the same lock as the staged loads of rollout.py, so a push and
-a catch-up never overlap:
-- start: refused (after LOCK_WAIT_S) while a staged load runs (the learner skips this engine for the version, which then
-  arrives by staging), otherwise pause and open the reload;
+Every reply of the learner carries its newest weights control message (weightsync/layout.py). `WeightFollower`:
+- hears them (`hear`): keeps the newest, and the last KEPT_WEIGHT_MESSAGES of them for evaluation rounds pinned to a
+  version; a message of another learner life (the learner restarted from a checkpoint: its versions repeat or go
+  back, with other bytes) replaces everything the previous life announced, whose late messages are then ignored;
+- loads (`ensure_latest`, before each group is sampled): stages the target version whole and checksummed
+  (weightsync/receiver.py WeightStage) and hands it to the engine, one load at a time; a failed load is counted and
+  sampling goes on on the last good version, unless the engine is broken;
+- pins (`pinned`): while evaluation prompts of a version are sampled, that version is the target, and rounds of
+  later versions wait their turn;
+- joins the engine push (weightsync.backend=engine_push) the first time a message names one, if the engine can take
+  pushed versions (`PushableEngine`).
+
+Every read of the control message's fields on the generator is in this module.
+
+Pushed versions (the learner's side is weightsync/engine_push/host.py): the learner drives the engine's update
+round through its store (init, start, update, finish); `PushedWeights.handle` runs each call on the generator's
+event loop, under the same lock as the staged loads, so a push and a catch-up never overlap:
+- start: refused (after LOCK_WAIT_S) while a staged load runs (the learner skips this engine for the version, which
+  then arrives by staging), otherwise pause and open the reload;
 - update: the workers receive while the learner broadcasts;
 - finish: commit the version (vLLM stamps it on every token after), reset the prefix cache, resume.
 
@@ -17,13 +31,117 @@ marked broken, sampling raises EngineBroken, and the generator exits for its sup
 """
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
+import time
+from collections import Counter
 
-from asyncrl.generator.engines.base import EngineBroken, PushableEngine
+from asyncrl.generator.engines.base import EngineBroken, PushableEngine, WeightLoadError
+from asyncrl.weightsync.receiver import WeightSyncError
 
 log = logging.getLogger(__name__)
+KEPT_WEIGHT_MESSAGES = 8
+"""Control messages of recent versions kept, so an evaluation round can load the version it is pinned to."""
 LOCK_WAIT_S = 2.0
 """How long a push waits for the weights lock before it gives this engine up for the version (PushBusy)."""
+
+
+class WeightFollower:
+    def __init__(self, engine, stage, generator_id: str, stats):
+        """`stage`: the generator's weightsync/receiver.py WeightStage (None: nothing is ever loaded); `stats`: the
+        rollout's RolloutStats, which counts loads, failures, pushes and the time spent waiting for weights."""
+        self.engine, self.stage, self.generator_id, self.stats = engine, stage, generator_id, stats
+        self.latest: dict = {}  # the newest control message of the current learner life ({}: none yet)
+        self.by_version: dict = {}  # the last few control messages heard of, for evaluation rounds
+        self.pins: Counter = Counter()  # version -> evaluation prompts being sampled at it
+        self.push_member = None  # weightsync/engine_push member, once a control message names a push
+        self._publisher: str | None = None  # the learner life whose messages are current (weightsync publisher)
+        self._retired: set = set()  # earlier lives: their messages, late in stale replies, are ignored
+        self._loaded_publisher: str | None = None  # the life whose weights the engine holds (None: the model's)
+        self._lock = asyncio.Lock()  # one load at a time, staged or pushed
+        self._unpinned = asyncio.Event()
+
+    def hear(self, message: dict) -> None:
+        """The weights control message of a reply ({}: the learner has published nothing yet)."""
+        version, life = message.get("version", -1), message.get("publisher")
+        if isinstance(life, str) and life in self._retired:  # a dead learner's message, late: ignored
+            return
+        if isinstance(version, int) and isinstance(life, str) and life != self._publisher:
+            # a learner that restarted from a checkpoint: its versions repeat or go back, with other bytes, and
+            # replace everything the previous life announced
+            if self._publisher is not None:
+                self._retired.add(self._publisher)
+                log.info("generator %s: the learner restarted (publisher %s); following its v%d", self.generator_id,
+                         life, version)
+            self._publisher = life
+            self.latest = message
+            self.by_version = {version: message}
+        elif isinstance(version, int) and version > self.latest.get("version", -1):
+            self.latest = message
+            self.by_version[version] = message
+            for old in sorted(self.by_version)[:-KEPT_WEIGHT_MESSAGES]:
+                del self.by_version[old]
+
+    async def ensure_latest(self) -> None:
+        """Load the newest announced version if the engine is behind (while evaluation prompts are pinned to a
+        version, that one instead); one load at a time."""
+        async with self._lock:
+            target = self.latest if not self.pins else self.by_version.get(min(self.pins), {})
+            if self.push_member is None and target.get("engines") and self.stage is not None:
+                self.push_member, self.stats.pushes = await join_push(
+                    target, self.engine, self._lock, lambda: self.latest, self.stage, self.generator_id,
+                    self.stage.catchup_timeout_s)
+            foreign = (self._loaded_publisher is not None and target.get("publisher") is not None
+                       and target["publisher"] != self._loaded_publisher)  # an earlier learner life's weights
+            if not target or (target["version"] <= self.engine.version and not foreign):
+                return
+            started = time.monotonic()
+            try:
+                with self.stats.busy:
+                    await self._load(target)
+            finally:
+                self.stats.weight_wait_s += time.monotonic() - started
+
+    async def _load(self, target: dict) -> None:
+        """Stage `target` and load it; a failed load is counted and logged, and sampling goes on on the last good
+        version, unless the engine is broken (EngineBroken is raised: nothing good is left to sample from)."""
+        staged = None
+        try:
+            staged = await asyncio.to_thread(self.stage.stage, target)  # whole and checksummed, or an error
+            await self.engine.load_weights(staged, self.stage.good)
+            self.stage.end_load(staged, ok=True)
+            self._loaded_publisher = target.get("publisher")
+            self.stats.weight_loads += 1
+        except (WeightSyncError, WeightLoadError) as err:
+            if staged is not None:
+                self.stage.end_load(staged, ok=False)
+            self.stats.weight_failures += 1
+            if isinstance(err, EngineBroken):
+                raise
+            log.error("generator %s: %s; continuing on v%d", self.generator_id, err, self.engine.version)
+
+    @contextlib.asynccontextmanager
+    async def pinned(self, version: int):
+        """Hold the engine at `version` (buffer/eval_rounds.py: an evaluation round samples with exactly its
+        version's weights), training groups included, until the block ends; pins of later versions wait their
+        turn. Yields whether the engine holds `version`: False when it is already past it."""
+        self.pins[version] += 1
+        try:
+            while min(self.pins) != version:
+                self._unpinned.clear()
+                await self._unpinned.wait()
+            await self.ensure_latest()
+            yield self.engine.version == version
+        finally:
+            self.pins[version] -= 1
+            if not self.pins[version]:
+                del self.pins[version]
+            self._unpinned.set()
+
+    def close(self) -> None:
+        """Leave the engine push, if this generator joined one."""
+        if self.push_member is not None:
+            self.push_member.close()
 
 
 class PushBusy(RuntimeError):
