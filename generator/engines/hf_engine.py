@@ -4,11 +4,11 @@ The logprob of each token is taken from exactly the distribution it was sampled 
 top-k and top-p, renormalised). Requests are batched: every `sample` call that arrives while the engine is busy, or
 within `batch_wait_s` of the first, is decoded together in one left-padded batch (position ids from the attention
 mask, so each row computes what it would alone). A request's prompt is prefilled once and its cache copied to its
-n rows, and rows that stop leave the batch, so the decode pays only for live rows: on one demo step (128 samples,
-1 thread) 0.10 s against 0.23 s when every row was decoded to the end, and 1.9x HF `generate`'s tokens/s
-(bench/generator_speed.py, which measures vLLM's CPU engine too: at this size its per-step scheduling and IPC
-dominate, so this engine is the faster one). Generation runs in a worker thread so
-the generator's event loop never blocks; a weight load waits for the running batch and the next one waits for it.
+n rows (they would compute the same), and rows that stop leave the batch, so the decode pays only for live rows:
+samples of one prompt end at very different lengths. bench/generator_speed.py compares it with HF `generate` and
+vLLM's CPU engine, whose per-step scheduling and IPC dominate at the demo's size. Generation runs in a worker
+thread so the generator's event loop never blocks; a weight load waits for the running batch and the next one waits
+for it.
 """
 import asyncio
 from dataclasses import dataclass
