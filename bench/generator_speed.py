@@ -103,11 +103,11 @@ def bench_vllm_generate(cfg, model_dir: str, prompts: list, rounds: int) -> dict
 
 def bench_asyncrl_engine(engine_name: str, cfg, model_dir: str, prompts: list, rounds: int) -> dict:
     from asyncrl.buffer.group import Sampling
-    from asyncrl.generator.engines.base import make_engine
+    from asyncrl.generator.engines.base import EngineOptions, make_engine
 
     sampling = Sampling(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k, cfg.rollout.max_tokens)
-    engine = make_engine(engine_name, model_path=model_dir, dtype="float32", max_model_len=cfg.generator.max_model_len,
-                         kv_cache_gib=cfg.generator.kv_cache_gib, seed=0)
+    engine = make_engine(engine_name, EngineOptions(model_dir, "float32", max_model_len=cfg.generator.max_model_len,
+                                                    kv_cache_gib=cfg.generator.kv_cache_gib, seed=0))
 
     async def main() -> dict:
         await engine.start()

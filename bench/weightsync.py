@@ -102,12 +102,13 @@ def run_stage_generator(directory: str, name: str, inbox, outbox) -> None:
 
 def run_engine_generator(directory: str, model_dir: str, inbox, outbox) -> None:
     """A generator with the hf engine: per version, the transfer (stage) and the stall (load_weights) in seconds,
-    done as generator/rollout.py does (staging in a worker thread, the load under the engine's lock)."""
+    done as generator/weights.py does (staging in a worker thread, the load under the engine's lock)."""
+    from asyncrl.generator.engines.base import EngineOptions
     from asyncrl.generator.engines.hf_engine import HfEngine
     from asyncrl.weightsync.receiver import WeightStage
 
     async def serve() -> None:
-        engine = HfEngine(model_dir, "float32", max_model_len=128, kv_cache_gib=0.0, seed=0)
+        engine = HfEngine(EngineOptions(model_dir, "float32", max_model_len=128, kv_cache_gib=0.0, seed=0))
         await engine.start()
         stage = WeightStage(directory, "bench-engine", catchup_timeout_s=60)
         outbox.put({"ready": True})

@@ -5,7 +5,7 @@ publishes v (every eval.every_steps, and at v = 0 with eval.before_train). Its p
 replies, beside the training grants and never more than half of a request, so training keeps its share of the
 fleet. A round is pinned to v: it is dealt only to a generator whose engine is at v or behind (the admit request says
 which version it holds), and that generator loads exactly v and holds it until its evaluation prompts of v are
-sampled (generator/rollout.py); a generator that finds itself past v gives the prompt back. Results come back per
+sampled (generator/weights.py); a generator that finds itself past v gives the prompt back. Results come back per
 prompt (its n rewards and lengths), are checked (a generator is not trusted: finite rewards, n of them, lengths
 within the round's max_tokens, a deal out to it), and when every prompt of a round is in, the learner logs the
 metrics at step v with `eval/lag_steps`, how far training had moved on by then. A round not finished within

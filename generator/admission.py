@@ -1,11 +1,10 @@
 """Admission asked for in bulk: one request for every rollout worker that is waiting, instead of one each.
 
 Why: the engines batch whatever requests arrive together (the hf engine decodes them in one batch; vLLM schedules
-them in one step). When each worker polled the learner on its own, with its own backoff, the workers that the
-learner had turned away woke at scattered times after it published a version, and the engine decoded their groups
-one or two at a time: on the demo most hf batches held 8 to 40 sequences of the 128 a step needs, and the decode
-paid its per-step cost for each. Asked for together, the grants of one reply start together and are decoded in one
-batch.
+them in one step), and a decode step costs about the same for few sequences as for many. Workers that each polled
+the learner with their own backoff would wake at scattered times after it publishes a version, and the engine would
+decode their groups a few at a time, paying the per-step cost for each. Asked for together, the grants of one reply
+start together and are decoded in one batch.
 
 Contract of `AdmissionGate.take()`: it returns once this caller holds one admission (which it must later use or
 release), with the prompt the learner dealt for it (a `PromptRow`, decoded here: data/prompts.py; None when the

@@ -1,7 +1,10 @@
-"""The generator process: connect to the learner, get the job's run info, start the engine, load the newest
-weights before sampling anything, then run the rollout loop until the learner says the job is done
-(buffer/done.py)."""
+"""The generator process, as build, run, close: connect to the learner and get the job's run info, build the
+rollout loop and what it uses (model files, tokenizer, prompts, reward, weight staging, engine, episodes, metrics;
+`build_rollout`), load the newest weights before sampling anything, run the rollout loop until the learner says
+the job is done (buffer/done.py), then close what was built, in reverse order. `run_generator` maps the errors a
+restart would not fix to a message and exit code 1."""
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -19,7 +22,7 @@ from asyncrl.generator.agents.openai_agent import AgentLoadError
 from asyncrl.generator.agents.tools import ToolLoadError
 from asyncrl.data.prompts import iterate_prompts, job_rows, tokenize_rows
 from asyncrl.buffer.event_loop import run as run_event_loop
-from asyncrl.generator.engines.base import EngineBroken, EngineUnsupported, make_engine
+from asyncrl.generator.engines.base import EngineBroken, EngineUnsupported, engine_options, make_engine
 from asyncrl.generator.rewards.client import wait_for_server
 from asyncrl.generator.rewards.errors import RewardError
 from asyncrl.generator.rewards.functions import check_builtin_rewards, uses_builtin_rewards
@@ -35,27 +38,6 @@ from asyncrl.weightsync.receiver import WeightStage
 log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 2.0
 """Each hello waits this long for an answer; they repeat until generator.connect_timeout_s."""
-
-
-def vllm_placement(gen, model) -> dict:
-    """The settings only the vLLM engine takes (generator.vllm.*, model.lm_head_fp32); none for the others."""
-    if gen.engine != "vllm":
-        return {}
-    vllm = gen.vllm
-    return {"tensor_parallel_size": vllm.tensor_parallel_size, "gpu_memory_utilization": vllm.gpu_memory_utilization,
-            "enforce_eager": vllm.enforce_eager, "enable_prefix_caching": vllm.enable_prefix_caching,
-            "lm_head_fp32": model.lm_head_fp32}
-
-
-def vllm_lora(gen, lora_rank, max_staleness: int) -> dict:
-    """A LoRA learner (its run info's `lora_rank`, learner.lora.rank: the learner's setting, whatever the
-    generator's recipe says) publishes adapters, which the vLLM engine serves as such: up to that rank, and every
-    version the buffer admits (buffer.max_staleness + 1) at once. The hf engine needs nothing up front."""
-    if gen.engine != "vllm" or not lora_rank:
-        return {}
-    if not isinstance(lora_rank, int) or isinstance(lora_rank, bool) or not 1 <= lora_rank <= 512:
-        raise ValueError(f"the learner announced LoRA rank {lora_rank!r}, which is not an integer in [1, 512]")
-    return {"lora_rank": lora_rank, "max_loras": max_staleness + 1}
 
 
 def sampling_seed(base: int, generator_id: str) -> int:
@@ -96,74 +78,28 @@ async def join_learner(client: GeneratorBuffer, cfg, say) -> HelloReply:
 
 
 async def run_generator_async(cfg, say=print) -> int:
+    """Build the generator's pieces, run the rollout loop until the learner says the job is done, close.
+
+    What was built is closed in reverse order of building, also when a step fails part-way; before that the
+    learner is told this generator leaves (unless it said the job is done: it has stopped listening)."""
     generator_id = cfg.generator.generator_id or f"gen-{os.getpid()}"
-    seed = sampling_seed(cfg.generator.seed, generator_id)
+    built = contextlib.AsyncExitStack()
     client = make_generator_buffer(cfg.buffer, cfg.security, cfg.job.name, generator_id)
-    engine, metrics_log, rollout, stage, scorer, episodes = None, None, None, None, None, None
-    system_metrics = None
+    built.callback(client.close)  # closed last
+    rollout = None
     try:
         hello = await join_learner(client, cfg, say)
+        if not hello.done:
+            rollout = await build_rollout(cfg, client, hello, generator_id, built, say)
+            # starting the engine takes a while, and the learner may have finished the job (and stopped serving
+            # its weights) meanwhile: ask again before loading, so a generator that came too late stops cleanly
+            hello = await client.hello(shared_hash(cfg), timeout_s=HELLO_TIMEOUT_S)
+            rollout.note_reply(hello)
         if hello.done:
             say(f"generator {generator_id}: the learner at {client.endpoint} has finished the job; nothing to do")
             return 0
-        info = hello.run_info
-        if cfg.generator.torch_threads:
-            import torch
-
-            torch.set_num_threads(cfg.generator.torch_threads)
-        from transformers import AutoTokenizer
-
-        keys = client_keys(cfg.security.keys_dir, cfg.security.client_name)
-        model_path = await resolve_model(cfg, client, hello, shared_hash(cfg), generator_id, keys, say)
-        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
-        prompts, data_sources = None, info.get("data_sources")
-        if not info.get("deals"):  # a learner that deals no prompts: walk a copy of the dataset
-            prompts, data_sources = local_prompts(cfg, info, tokenizer, seed, generator_id)
-        if uses_builtin_rewards(cfg.reward):
-            check_builtin_rewards(set(data_sources or ()))
-        scorer = RewardScorer(cfg.reward.path, cfg.reward.function, cfg.generator.reward_workers,
-                              cfg.reward.timeout_s, source=f"generator {generator_id}", functions=cfg.reward.functions)
-        await scorer.start()  # the workers import the reward function while the engine starts
-        for url in scorer.servers:  # a reward server may start after the generators
-            await wait_for_server(url, cfg.generator.connect_timeout_s, say)
-        if cfg.weightsync.backend == "engine_push" and cfg.weightsync.engine_transport == "ipc":
-            # vLLM's IPC engine decodes the learner's CUDA IPC handles only with this set (they travel pickled
-            # through the learner's store, weightsync/engine_push/calls.py); its workers inherit it at start
-            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-        engine = make_engine(cfg.generator.engine, model_path=model_path, dtype=cfg.generator.dtype,
-                             max_model_len=cfg.generator.max_model_len, kv_cache_gib=cfg.generator.kv_cache_gib,
-                             seed=seed, update_mode=cfg.generator.update_mode,
-                             trust_remote_code=cfg.model.trust_remote_code,
-                             **vllm_placement(cfg.generator, cfg.model),
-                             **vllm_lora(cfg.generator, info.get("lora_rank", 0), cfg.buffer.max_staleness))
-        await engine.start()
-        if wants_episodes(cfg.tools, cfg.env, cfg.agent):
-            episodes = build_episode_runner(cfg.tools, cfg.env, cfg.agent, cfg.rollout,
-                                            max_model_len=cfg.generator.max_model_len,
-                                            max_prompt_tokens=cfg.data.max_prompt_tokens,
-                                            tool_workers=cfg.generator.tool_workers, engine=engine,
-                                            tokenizer=tokenizer)
-            await episodes.start()
-        stage = WeightStage(cfg.weightsync.shm_dir, generator_id, cfg.weightsync.timeout_s, keys=keys)
-        metrics_log = _metrics_logger(info, generator_id)
-        if metrics_log is not None:
-            system_metrics = start_system_metrics(info["tracking_uri"], info["mlflow_run_id"], generator_id,
-                                                  cfg.telemetry.system_metrics_every_s)
-        rollout = RolloutLoop(
-            client, engine, prompts, scorer, tokenizer, cfg.rollout,
-            cfg.generator.max_inflight_groups, generator_id, reward_shaping=cfg.reward,
-            on_stats=(lambda m: metrics_log.log(m, step=engine.version)) if metrics_log else None,
-            stats_every_s=cfg.generator.log_every_s, stage=stage, drop_zero_variance=cfg.algo.dynamic_sampling,
-            episodes=episodes)
-        # starting the engine takes a while, and the learner may have finished the job (and stopped serving its
-        # weights) meanwhile: ask again before loading, so a generator that came too late stops cleanly
-        hello = await client.hello(shared_hash(cfg), timeout_s=HELLO_TIMEOUT_S)
-        rollout.note_reply(hello)
-        if hello.done:
-            say(f"generator {generator_id}: the learner at {client.endpoint} has finished the job; nothing to do")
-            return 0
-        await rollout.ensure_latest_weights()  # a late joiner samples nothing before it has the current weights
-        say(f"generator {generator_id}: {cfg.generator.engine} engine ready on v{engine.version}")
+        await rollout.weights.ensure_latest()  # a late joiner samples nothing before it has the current weights
+        say(f"generator {generator_id}: {cfg.generator.engine} engine ready on v{rollout.engine.version}")
         await rollout.run()
         return 0
     except LearnerUnavailable:
@@ -172,32 +108,86 @@ async def run_generator_async(cfg, say=print) -> int:
         raise
     finally:
         if rollout is None or not rollout.done:  # after "done" the learner has stopped listening
-            try:
-                await client.bye(timeout_s=BYE_TIMEOUT_S)
-            except Exception as err:  # best effort: the learner reclaims our admissions when we fall silent
-                log.debug("generator %s: bye was not answered (%s)", generator_id, err)
-        stop_system_metrics(system_metrics)
-        if metrics_log is not None:
-            metrics_log.close()
-        if engine is not None:
-            await engine.close()
-        if stage is not None:
-            stage.close()
-        if scorer is not None:
-            await scorer.close()
-        if episodes is not None:
-            await episodes.close()
-        client.close()
+            await say_bye(client, generator_id)
+        await built.aclose()
 
 
-def local_prompts(cfg, info: dict, tokenizer, seed: int, generator_id: str):
+async def say_bye(client: GeneratorBuffer, generator_id: str) -> None:
+    try:
+        await client.bye(timeout_s=BYE_TIMEOUT_S)
+    except Exception as err:  # best effort: the learner reclaims our admissions when we fall silent
+        log.debug("generator %s: bye was not answered (%s)", generator_id, err)
+
+
+async def build_rollout(cfg, client, hello: HelloReply, generator_id: str, built: contextlib.AsyncExitStack,
+                        say) -> RolloutLoop:
+    """The rollout loop and what it uses, in the order they start; each is registered in `built` to be closed."""
+    info = hello.run_info
+    seed = sampling_seed(cfg.generator.seed, generator_id)
+    if cfg.generator.torch_threads:
+        import torch
+
+        torch.set_num_threads(cfg.generator.torch_threads)
+    from transformers import AutoTokenizer
+
+    keys = client_keys(cfg.security.keys_dir, cfg.security.client_name)
+    model_path = await resolve_model(cfg.generator, cfg.weightsync.timeout_s, client, hello, shared_hash(cfg),
+                                     generator_id, keys, say)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    prompts, data_sources = None, info.get("data_sources")
+    if not info.get("deals"):  # a learner that deals no prompts: walk a copy of the dataset
+        prompts, data_sources = local_prompts(cfg.data, cfg.job.seed, info["train_files"], tokenizer, seed,
+                                              generator_id)
+    scorer = await start_scorer(cfg.reward, cfg.generator, data_sources, generator_id, built, say)
+    stage = WeightStage(cfg.weightsync.shm_dir, generator_id, cfg.weightsync.timeout_s, keys=keys)
+    built.callback(stage.close)
+    ipc_push = cfg.weightsync.backend == "engine_push" and cfg.weightsync.engine_transport == "ipc"
+    engine = make_engine(cfg.generator.engine, engine_options(
+        cfg.generator, cfg.model, model_path, seed, info.get("lora_rank", 0), cfg.buffer.max_staleness, ipc_push))
+    built.push_async_callback(engine.close)
+    await engine.start()
+    episodes = None
+    if wants_episodes(cfg.tools, cfg.env, cfg.agent):
+        episodes = build_episode_runner(cfg.tools, cfg.env, cfg.agent, cfg.rollout,
+                                        max_model_len=cfg.generator.max_model_len,
+                                        max_prompt_tokens=cfg.data.max_prompt_tokens,
+                                        tool_workers=cfg.generator.tool_workers, engine=engine, tokenizer=tokenizer)
+        built.push_async_callback(episodes.close)
+        await episodes.start()
+    metrics_log = _metrics_logger(info, generator_id)
+    if metrics_log is not None:
+        built.callback(metrics_log.close)
+        built.callback(stop_system_metrics, start_system_metrics(
+            info["tracking_uri"], info["mlflow_run_id"], generator_id, cfg.telemetry.system_metrics_every_s))
+    return RolloutLoop(
+        client, engine, prompts, scorer, tokenizer, cfg.rollout, cfg.generator.max_inflight_groups, generator_id,
+        reward_shaping=cfg.reward, on_stats=(lambda m: metrics_log.log(m, step=engine.version)) if metrics_log else None,
+        stats_every_s=cfg.generator.log_every_s, stage=stage, drop_zero_variance=cfg.algo.dynamic_sampling,
+        episodes=episodes)
+
+
+async def start_scorer(reward, gen, data_sources, generator_id: str, built: contextlib.AsyncExitStack,
+                       say) -> RewardScorer:
+    """The job's reward, its workers importing the reward function while the engine starts; a reward server it
+    names may start after the generators, so it is waited for."""
+    if uses_builtin_rewards(reward):
+        check_builtin_rewards(set(data_sources or ()))
+    scorer = RewardScorer(reward.path, reward.function, gen.reward_workers, reward.timeout_s,
+                          source=f"generator {generator_id}", functions=reward.functions)
+    built.push_async_callback(scorer.close)
+    await scorer.start()
+    for url in scorer.servers:
+        await wait_for_server(url, gen.connect_timeout_s, say)
+    return scorer
+
+
+def local_prompts(data, job_seed: int, train_files: list, tokenizer, seed: int, generator_id: str):
     """This generator's own endless walk over the dataset, when the learner deals no prompts, and the data sources
     in it. Shuffled with this generator's seed: not exactly once across the fleet."""
-    rows, skipped = tokenize_rows(job_rows(cfg.data, cfg.job.seed, info["train_files"]), tokenizer,
-                                  cfg.data.max_prompt_tokens)
+    rows, skipped = tokenize_rows(job_rows(data, job_seed, train_files), tokenizer, data.max_prompt_tokens)
     if skipped:
         log.warning("generator %s: skipped %d prompts longer than data.max_prompt_tokens", generator_id, skipped)
-    return iterate_prompts(rows, cfg.data.shuffle, seed), sorted({row.data_source for row in rows})
+    return iterate_prompts(rows, data.shuffle, seed), sorted({row.data_source for row in rows})
 
 
 def _metrics_logger(info: dict, generator_id: str):

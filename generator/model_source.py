@@ -60,17 +60,19 @@ def fetch_model(weights: dict, files_digest: str, cache_dir: str, name: str, tim
     return materialize(blob, digest, dest.tensors(), os.path.expanduser(cache_dir), name), message["version"]
 
 
-async def resolve_model(cfg, client, hello, config_hash: str, generator_id: str, keys, say) -> str:
-    """The directory this generator loads its tokenizer and engine from."""
+async def resolve_model(gen, fetch_timeout_s: float, client, hello, config_hash: str, generator_id: str, keys,
+                        say) -> str:
+    """The directory this generator loads its tokenizer and engine from (`gen`: the generator section;
+    `fetch_timeout_s`: weightsync.timeout_s)."""
     info = hello.run_info
-    if uses_local(cfg.generator.model_source, info["model_path"]):
+    if uses_local(gen.model_source, info["model_path"]):
         return info["model_path"]
     if not info.get("model_files"):
         raise ModelFilesError(f"the learner serves no model files, and {info['model_path']} is not on this host: "
                               f"give this host the model at that path (generator.model_source=local)")
-    weights = await first_weights(client, config_hash, hello, cfg.generator.connect_timeout_s)
-    path, version = await asyncio.to_thread(fetch_model, weights, info["model_files"], cfg.generator.model_cache_dir,
-                                            generator_id, cfg.weightsync.timeout_s, keys)
+    weights = await first_weights(client, config_hash, hello, gen.connect_timeout_s)
+    path, version = await asyncio.to_thread(fetch_model, weights, info["model_files"], gen.model_cache_dir,
+                                            generator_id, fetch_timeout_s, keys)
     say(f"generator {generator_id}: model files and weights v{version} from the learner ({weights['catchup']}), "
         f"in {path}")
     return path

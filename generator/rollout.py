@@ -1,8 +1,8 @@
 """The generator's rollout loop.
 
-Each of `max_inflight_groups` workers repeats: ask the learner for admission -> load the newest weights it has
-heard of (docs/architecture.md §4: before sampling a new group) -> sample n completions -> score them (off the
-event loop: generator/rewards/scorer.py) -> send the group. It talks to the learner only through
+Each of `max_inflight_groups` workers repeats: ask the learner for admission -> follow the weights (load the newest
+version it has heard of, docs/architecture.md §4: before sampling a new group; generator/weights.py) -> sample and
+score one group (generator/sampling.py) -> send it. It talks to the learner only through
 `interface.GeneratorBuffer` (either backend), whose typed replies it reads. It waits on: admission
 (generator/admission.py: every waiting worker's in one request, polled with backoff while the learner says no),
 weight loads, and the learner's replies (each bounded by a timeout). It stops when the learner says the job is done
@@ -10,29 +10,22 @@ weight loads, and the learner's replies (each bounded by a timeout). It stops wh
 """
 import asyncio
 import logging
-import math
 import time
-from collections import Counter
 
 import numpy as np
 
 from asyncrl.buffer.codec import encode_group
 from asyncrl.buffer.done import JobEnd
-from asyncrl.buffer.group import Group, Sample, Sampling, new_group_id
+from asyncrl.buffer.group import Group
 from asyncrl.buffer.interface import EvalTask, Status
-from asyncrl.configs.sections import RewardConfig
 from asyncrl.data.prompts import decode_prompt
 from asyncrl.generator.admission import AdmissionGate
-from asyncrl.generator.agents.episode import PromptTooLong, episodes_to_samples
-from asyncrl.generator.engines.base import EngineBroken, WeightLoadError
-from asyncrl.generator.pushed_weights import join_push
-from asyncrl.generator.rewards.functions import overlong_penalty
+from asyncrl.generator.evaluation import eval_sampling, sample_and_score
+from asyncrl.generator.sampling import GroupSampler
+from asyncrl.generator.weights import WeightFollower
 from asyncrl.telemetry.timing import BusyClock, idle_fraction
-from asyncrl.weightsync.receiver import WeightSyncError
 
 log = logging.getLogger(__name__)
-KEPT_WEIGHT_MESSAGES = 8
-"""Control messages of recent versions kept, so an evaluation round can load the version it is pinned to."""
 STATS_TIMEOUT_S = 5.0
 """A stats report is informational: waiting longer for its answer would only delay the next one."""
 
@@ -58,7 +51,7 @@ class RolloutStats:
         self.eval_prompts = 0  # held-out prompts sampled for the learner's evaluation rounds
         self.episode_counts: list = []  # per episode this window: (turns, tool calls, environment tokens)
         self._episode_means: dict = {}  # of the last window that finished an episode
-        self.pushes = None  # generator/pushed_weights.py PushedWeights, once the learner pushes to this engine
+        self.pushes = None  # generator/weights.py PushedWeights, once the learner pushes to this engine
         self._last = (self.started, 0, 0.0)
         self._reward_last = (0.0, 0)
 
@@ -118,38 +111,30 @@ class RolloutLoop:
     def __init__(self, client, engine, prompts, scorer, tokenizer, rollout_cfg, max_inflight_groups: int,
                  generator_id: str, on_stats=None, stats_every_s: float = 5.0, reward_shaping=None, stage=None,
                  drop_zero_variance: bool = False, episodes=None):
+        """`prompts`: an endless iterator of PromptRow, or None when the learner deals them (buffer/dealer.py);
+        `stage`: weightsync.receiver.WeightStage, verified copies of announced versions; `scorer`:
+        generator/rewards/scorer.py RewardScorer; `episodes`: agents/episode.py EpisodeRunner, with tools or an
+        environment."""
         self.client = client
         self.engine = engine
-        self.stage = stage  # weightsync.receiver.WeightStage: verified copies of announced versions
-        self.prompts = prompts  # endless iterator of PromptRow; None when the learner deals them (buffer/dealer.py)
-        self.scorer = scorer  # generator/rewards/scorer.py RewardScorer: `await score(...)`, never blocking the loop
+        self.prompts = prompts
+        self.scorer = scorer
         self.tokenizer = tokenizer
-        self.rollout = rollout_cfg
-        self.reward_shaping = reward_shaping or RewardConfig()  # reward.overlong_* (DAPO)
         self.max_inflight_groups = max_inflight_groups
-        self.generator_id = generator_id
         self.on_stats = on_stats
         self.stats_every_s = stats_every_s
         self.drop_zero_variance = drop_zero_variance
         """algo.dynamic_sampling: a group whose rewards are all equal is dropped here and its admission released,
         so a replacement starts at once. Dropped by the learner instead (learner/collect.py), it would hold its
-        admission in the queue until the learner took it; under η = 1 that kept a third of the fleet's budget
-        waiting on the learner and the learner waiting on the fleet. The learner still re-checks every group."""
-        self.episodes = episodes
-        """agents/episode.py EpisodeRunner: with tools or an environment, each sample is a multi-turn episode."""
+        admission in the queue until the learner took it, keeping the fleet's staleness budget waiting on the
+        learner and the learner waiting on the fleet. The learner still re-checks every group."""
         self.stats = RolloutStats(scorer=scorer, episodes=episodes)
-        self.latest_weights: dict = {}
+        self.weights = WeightFollower(engine, stage, generator_id, self.stats)
+        self.sampler = GroupSampler(engine, scorer, tokenizer, rollout_cfg, generator_id, self.stats,
+                                    reward_shaping=reward_shaping, episodes=episodes)
         self.job_end = JobEnd()
-        self._weights_lock = asyncio.Lock()
-        self.push_member = None  # weightsync/engine_push member, once a control message names a push
         self.admission = AdmissionGate(client, self.note_reply, version_of=lambda: self.engine.version)
         """Every waiting worker's admission in one request, so the grants of a reply are sampled in one batch."""
-        self.weights_by_version: dict = {}  # the last few control messages heard of, for evaluation rounds
-        self._publisher: str | None = None  # the learner life whose messages are current (weightsync publisher)
-        self._retired: set = set()  # earlier lives: their messages, late in stale replies, are ignored
-        self._loaded_publisher: str | None = None  # the life whose weights the engine holds (None: the model's)
-        self.pins: Counter = Counter()  # version -> evaluation prompts being sampled at it
-        self._unpinned = asyncio.Event()
 
     @property
     def done(self) -> bool:
@@ -173,8 +158,7 @@ class RolloutLoop:
                 for task in finished - {heard_done}:
                     task.result()  # a worker's error ends the run
         finally:
-            if self.push_member is not None:
-                self.push_member.close()
+            self.weights.close()
             await self.admission.close()
             tasks = (reporter, heard_done, *workers)
             for task in tasks:
@@ -185,23 +169,7 @@ class RolloutLoop:
 
     def note_reply(self, reply: Status) -> None:
         """What every reply says: the newest weights, whether the job is over, groups rejected since."""
-        version, life = reply.weights.get("version", -1), reply.weights.get("publisher")
-        retired = isinstance(life, str) and life in self._retired  # a dead learner's message, late: ignored
-        if not retired and isinstance(version, int) and isinstance(life, str) and life != self._publisher:
-            # a learner that restarted from a checkpoint: its versions repeat or go back, with other bytes, and
-            # replace everything the previous life announced
-            if self._publisher is not None:
-                self._retired.add(self._publisher)
-                log.info("generator %s: the learner restarted (publisher %s); following its v%d", self.generator_id,
-                         life, version)
-            self._publisher = life
-            self.latest_weights = reply.weights
-            self.weights_by_version = {version: reply.weights}
-        elif not retired and isinstance(version, int) and version > self.latest_weights.get("version", -1):
-            self.latest_weights = reply.weights
-            self.weights_by_version[version] = reply.weights
-            for old in sorted(self.weights_by_version)[:-KEPT_WEIGHT_MESSAGES]:
-                del self.weights_by_version[old]
+        self.weights.hear(reply.weights)
         self.job_end.hear(reply)
         if reply.rejected is not None:  # groups the learner found invalid when it took them (zmq backend)
             log.error("learner rejected %s of this generator's groups since its last reply; the last: %s",
@@ -217,10 +185,10 @@ class RolloutLoop:
                 raise RuntimeError("the learner granted an admission without a prompt, but it deals the prompts "
                                    "(the learner and this generator run different asyncrl versions?)")
             row = dealt if dealt is not None else next(self.prompts)
-            deals = [dealt.deal_id] if dealt is not None else None
-            await self.ensure_latest_weights()
+            deals = [row.deal_id] if row.deal_id is not None else None
+            await self.weights.ensure_latest()
             with self.stats.busy:  # sampling and scoring: the generator's work; the rest is waiting
-                group = await self._sample_group(row)
+                group = await self.sampler.sample(row)
             if group is None:  # nothing to send for this prompt: its admission goes back at once
                 self.note_reply(await self.client.release(1, deals=deals, outcome="skipped"))
                 continue
@@ -230,163 +198,19 @@ class RolloutLoop:
                 continue
             await self._send(group)
 
-    async def ensure_latest_weights(self) -> None:
-        """Load the newest announced version if the engine is behind (while evaluation prompts are pinned to a
-        version, that one instead); one load at a time."""
-        async with self._weights_lock:
-            target = self.latest_weights if not self.pins else self.weights_by_version.get(min(self.pins), {})
-            if self.push_member is None and target.get("engines") and self.stage is not None:
-                self.push_member, self.stats.pushes = await join_push(
-                    target, self.engine, self._weights_lock, lambda: self.latest_weights, self.stage,
-                    self.generator_id, self.stage.catchup_timeout_s)
-            foreign = (self._loaded_publisher is not None and target.get("publisher") is not None
-                       and target["publisher"] != self._loaded_publisher)  # an earlier learner life's weights
-            if not target or (target["version"] <= self.engine.version and not foreign):
-                return
-            started = time.monotonic()
-            try:
-                with self.stats.busy:
-                    await self._load(target)
-            finally:
-                self.stats.weight_wait_s += time.monotonic() - started
-
-    async def _load(self, target: dict) -> None:
-        """Stage `target` and load it; a failed load is counted and logged, and sampling goes on on the last good
-        version, unless the engine is broken (EngineBroken is raised: nothing good is left to sample from)."""
-        staged = None
-        try:
-            staged = await asyncio.to_thread(self.stage.stage, target)  # whole and checksummed, or an error
-            await self.engine.load_weights(staged, self.stage.good)
-            self.stage.end_load(staged, ok=True)
-            self._loaded_publisher = target.get("publisher")
-            self.stats.weight_loads += 1
-        except (WeightSyncError, WeightLoadError) as err:
-            if staged is not None:
-                self.stage.end_load(staged, ok=False)
-            self.stats.weight_failures += 1
-            if isinstance(err, EngineBroken):
-                raise
-            log.error("generator %s: %s; continuing on v%d", self.generator_id, err, self.engine.version)
-
     async def _evaluate(self, task: EvalTask) -> None:
-        """Sample an evaluation prompt with the weights of exactly its round's version (buffer/eval_rounds.py):
-        the engine is held there, training groups included, until this generator's prompts of that round are done;
-        rounds of later versions wait their turn. A generator already past the version gives the prompt back."""
-        self.pins[task.version] += 1
-        try:
-            while min(self.pins) != task.version:
-                self._unpinned.clear()
-                await self._unpinned.wait()
-            await self.ensure_latest_weights()
-            if self.engine.version != task.version:
+        """Sample an evaluation prompt with the weights of exactly its round's version (WeightFollower.pinned); a
+        generator already past the version gives the prompt back."""
+        async with self.weights.pinned(task.version) as at_version:
+            if not at_version:
                 self.note_reply(await self.client.eval_done(task.deal_id, None, None))
                 return
             with self.stats.busy:
-                row = decode_prompt(task.deal_id, task.row)
-                completions = await self.engine.sample(row.prompt_ids, Sampling(task.temperature, 1.0, -1,
-                                                                                 task.max_tokens), task.n)
-                texts = [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
-                scores = await asyncio.gather(*(self.scorer.score(row.data_source, text, row.ground_truth,
-                                                                  row.extra_info, prompt_id=row.prompt_id,
-                                                                  prompt=row.messages) for text in texts))
+                rewards, lengths = await sample_and_score(self.engine, self.scorer, self.tokenizer,
+                                                          decode_prompt(task.deal_id, task.row),
+                                                          eval_sampling(task.temperature, task.max_tokens), task.n)
             self.stats.eval_prompts += 1
-            self.note_reply(await self.client.eval_done(task.deal_id, [reward for reward, _ in scores],
-                                                        [len(c.token_ids) for c in completions]))
-        finally:
-            self.pins[task.version] -= 1
-            if not self.pins[task.version]:
-                del self.pins[task.version]
-            self._unpinned.set()
-
-    async def _sample_group(self, row) -> Group | None:
-        sampling = Sampling(self.rollout.temperature, self.rollout.top_p, self.rollout.top_k, self.rollout.max_tokens)
-        created = time.time()
-        meta = {"data_source": row.data_source}
-        if row.deal_id is not None:  # the learner accepts the group only under its deal
-            meta["deal"] = row.deal_id
-        if self.episodes is not None:
-            return await self._sample_episodes(row, sampling, created, meta)
-        sampled = self.engine.sample(row.prompt_ids, sampling, self.rollout.n)
-        if self.rollout.greedy_baseline:
-            # ReMax: one greedy decode of the same prompt, scored like the others; its reward is the baseline.
-            greedy = Sampling(0.0, 1.0, -1, self.rollout.max_tokens)
-            completions, (baseline,) = await asyncio.gather(sampled, self.engine.sample(row.prompt_ids, greedy, 1))
-            meta["baseline_reward"], _ = await self._score(row, baseline)
-            self.stats.tokens += len(baseline.token_ids)
-        else:
-            completions = await sampled
-        scores = await asyncio.gather(*(self._score(row, completion) for completion in completions))
-        samples = []
-        for completion, (reward, info) in zip(completions, scores):
-            self.stats.rewards.append(reward)
-            self.stats.tokens += len(completion.token_ids)
-            samples.append(Sample(
-                completion_ids=np.asarray(completion.token_ids, dtype=np.int32),
-                logprobs=np.asarray(completion.logprobs, dtype=np.float32),
-                versions=np.asarray(completion.versions, dtype=np.int32),
-                reward=reward, finish_reason=completion.finish_reason, reward_info=info,
-            ))
-        self.stats.groups += 1
-        return Group(group_id=new_group_id(), prompt_id=row.prompt_id, generator_id=self.generator_id,
-                     prompt_ids=np.asarray(row.prompt_ids, dtype=np.int32), samples=samples, sampling=sampling,
-                     created_at=created, meta=meta)
-
-    async def _sample_episodes(self, row, sampling: Sampling, created: float, meta: dict) -> Group | None:
-        """n episodes of the prompt, concurrently; None (skipped, counted) when the opening is too long."""
-        runs = await asyncio.gather(*(self.episodes.run(row, sampling) for _ in range(self.rollout.n)),
-                                    return_exceptions=True)
-        for outcome in runs:
-            if isinstance(outcome, PromptTooLong):
-                self.stats.skipped_prompts += 1
-                log.warning("generator %s: %s; skipped", self.generator_id, outcome)
-                return None
-            if isinstance(outcome, BaseException):
-                raise outcome
-        scores = await asyncio.gather(*(self._episode_reward(row, episode) for episode in runs))
-        prompt_ids, samples = episodes_to_samples(runs, [reward for reward, _ in scores], [info for _, info in scores])
-        if len(prompt_ids) == 0:
-            self.stats.skipped_prompts += 1
-            log.warning("generator %s: the %d episodes of %s share no opening token; skipped", self.generator_id,
-                        len(runs), row.prompt_id)
-            return None
-        for episode, (reward, _) in zip(runs, scores):
-            self.stats.rewards.append(reward)
-            self.stats.tokens += sum(episode.loss_mask)
-            self.stats.episode_counts.append((episode.turns, episode.tool_calls, episode.env_tokens))
-        self.stats.groups += 1
-        return Group(group_id=new_group_id(), prompt_id=row.prompt_id, generator_id=self.generator_id,
-                     prompt_ids=prompt_ids, samples=samples, sampling=sampling, created_at=created, meta=meta)
-
-    async def _episode_reward(self, row, episode) -> tuple[float, dict]:
-        """The environment's rewards when it gave any, else the reward function on the last model turn; an episode
-        the environment broke scores 0."""
-        if episode.env_error:
-            return 0.0, {"env_error": 1.0}
-        info = {key: float(value) for key, value in episode.info.items()
-                if isinstance(value, (int, float)) and math.isfinite(value)}
-        if episode.rewards:
-            reward = float(sum(episode.rewards))
-            if not math.isfinite(reward):  # the learner would reject the whole group for it
-                self.episodes.env_errors["bad_reward"] += 1
-                return 0.0, {**info, "env_error": 1.0}
-            return reward, info
-        reward, scored = await self.scorer.score(row.data_source, episode.last_text, row.ground_truth,
-                                                 row.extra_info, prompt_id=row.prompt_id, prompt=row.messages)
-        return reward, {**info, **scored}
-
-    async def _score(self, row, completion) -> tuple[float, dict]:
-        """Task reward plus DAPO overlong shaping (reward.overlong_*), with the shaping also in reward_info. A
-        reward call that fails scores 0 (the scorer counts it); it never stops the generator."""
-        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        reward, info = await self.scorer.score(row.data_source, text, row.ground_truth, row.extra_info,
-                                               prompt_id=row.prompt_id, prompt=row.messages)
-        if self.reward_shaping.overlong_buffer_len > 0:
-            penalty = overlong_penalty(len(completion.token_ids), self.rollout.max_tokens,
-                                       self.reward_shaping.overlong_buffer_len,
-                                       self.reward_shaping.overlong_penalty_factor)
-            info = {**info, "overlong_penalty": penalty}
-            reward += penalty
-        return reward, info
+            self.note_reply(await self.client.eval_done(task.deal_id, rewards, lengths))
 
     async def _send(self, group: Group) -> None:
         payload = encode_group(group)

@@ -26,9 +26,8 @@ async def run_eval(cfg, model_path: str, say=print) -> dict:
     from transformers import AutoTokenizer
 
     from asyncrl.data.prompts import read_rows, tokenize_rows
-    from asyncrl.generator.engines.base import make_engine
+    from asyncrl.generator.engines.base import engine_options, make_engine
     from asyncrl.generator.evaluation import evaluate
-    from asyncrl.generator.main import vllm_placement
     from asyncrl.generator.rewards.client import wait_for_server
     from asyncrl.generator.rewards.functions import check_builtin_rewards, uses_builtin_rewards
     from asyncrl.generator.rewards.scorer import RewardScorer
@@ -41,10 +40,7 @@ async def run_eval(cfg, model_path: str, say=print) -> dict:
         check_builtin_rewards({row.data_source for row in rows})
     scorer = RewardScorer(cfg.reward.path, cfg.reward.function, cfg.generator.reward_workers, cfg.reward.timeout_s,
                           source="eval", functions=cfg.reward.functions)
-    engine = make_engine(cfg.generator.engine, model_path=model_path, dtype=cfg.generator.dtype,
-                         max_model_len=cfg.generator.max_model_len, kv_cache_gib=cfg.generator.kv_cache_gib,
-                         seed=cfg.job.seed, trust_remote_code=cfg.model.trust_remote_code,
-                         **vllm_placement(cfg.generator, cfg.model))
+    engine = make_engine(cfg.generator.engine, engine_options(cfg.generator, cfg.model, model_path, cfg.job.seed))
     await scorer.start()
     for url in scorer.servers:
         await wait_for_server(url, cfg.generator.connect_timeout_s, say)

@@ -4,18 +4,18 @@ The logprob of each token is taken from exactly the distribution it was sampled 
 top-k and top-p, renormalised). Requests are batched: every `sample` call that arrives while the engine is busy, or
 within `batch_wait_s` of the first, is decoded together in one left-padded batch (position ids from the attention
 mask, so each row computes what it would alone). A request's prompt is prefilled once and its cache copied to its
-n rows, and rows that stop leave the batch, so the decode pays only for live rows: on one demo step (128 samples,
-1 thread) 0.10 s against 0.23 s when every row was decoded to the end, and 1.9x HF `generate`'s tokens/s
-(bench/generator_speed.py, which measures vLLM's CPU engine too: at this size its per-step scheduling and IPC
-dominate, so this engine is the faster one). Generation runs in a worker thread so
-the generator's event loop never blocks; a weight load waits for the running batch and the next one waits for it.
+n rows (they would compute the same), and rows that stop leave the batch, so the decode pays only for live rows:
+samples of one prompt end at very different lengths. bench/generator_speed.py compares it with HF `generate` and
+vLLM's CPU engine, whose per-step scheduling and IPC dominate at the demo's size. Generation runs in a worker
+thread so the generator's event loop never blocks; a weight load waits for the running batch and the next one waits
+for it.
 """
 import asyncio
 from dataclasses import dataclass
 
 import torch
 
-from asyncrl.generator.engines.base import Completion, WeightLoadError
+from asyncrl.generator.engines.base import Completion, EngineOptions, WeightLoadError
 from asyncrl.generator.engines.lora_adapter import is_lora_version, parse_adapter
 from asyncrl.weightsync.lora_names import adapter_module_key
 
@@ -29,18 +29,16 @@ class _Request:
 
 
 class HfEngine:
-    def __init__(self, model_path: str, dtype: str, max_model_len: int, kv_cache_gib: float, seed: int,
-                 update_mode: str = "wait", trust_remote_code: bool = False, max_batch_seqs: int = 256,
-                 batch_wait_s: float = 0.002):
-        self.model_path = model_path
-        self.dtype = getattr(torch, dtype)
-        self.max_model_len = max_model_len
-        self.trust_remote_code = trust_remote_code
+    def __init__(self, options: EngineOptions, max_batch_seqs: int = 256, batch_wait_s: float = 0.002):
+        """Reads model_path, dtype, max_model_len, seed and trust_remote_code of `options`: it loads between
+        batches (no update_mode) and keeps no KV cache between them (no kv_cache_gib)."""
+        self.options = options
+        self.dtype = getattr(torch, options.dtype)
         self.max_batch_seqs = max_batch_seqs
         self.batch_wait_s = batch_wait_s
         self.version = 0
         self.resumed_requests = 0  # aborted-and-resubmitted requests: never here (it loads between batches)
-        self._generator = torch.Generator().manual_seed(seed)
+        self._generator = torch.Generator().manual_seed(options.seed)
         self._lock = asyncio.Lock()  # one batch at a time, and never during a weight load
         self._pending: list = []
         self._runner: asyncio.Task | None = None
@@ -55,7 +53,7 @@ class HfEngine:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=self.dtype, trust_remote_code=self.trust_remote_code
+            self.options.model_path, dtype=self.dtype, trust_remote_code=self.options.trust_remote_code
         ).eval()
         self._base_shapes = {name: tuple(param.shape) for name, param in self.model.named_parameters()}
         eos = self.model.generation_config.eos_token_id or self.model.config.eos_token_id
@@ -94,7 +92,7 @@ class HfEngine:
     def _sample_batch(self, batch: list) -> list:
         sampling = batch[0].sampling  # take_batch only batches requests that sample alike
         prompts = [request.prompt_ids for request in batch for _ in range(request.n)]
-        limits = torch.tensor([min(sampling.max_tokens, self.max_model_len - len(p)) for p in prompts])
+        limits = torch.tensor([min(sampling.max_tokens, self.options.max_model_len - len(p)) for p in prompts])
         # One prefill per request, then its cache and last logits copied to its n rows (they would compute the same)
         input_ids, attention_mask = left_pad([request.prompt_ids for request in batch])
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -205,8 +203,8 @@ class HfEngine:
     def _original(self) -> dict:
         from transformers import AutoModelForCausalLM
 
-        return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype,
-                                                    trust_remote_code=self.trust_remote_code).state_dict()
+        return AutoModelForCausalLM.from_pretrained(self.options.model_path, dtype=self.dtype,
+                                                    trust_remote_code=self.options.trust_remote_code).state_dict()
 
     async def close(self) -> None:
         if self._runner is not None:

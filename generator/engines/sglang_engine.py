@@ -25,33 +25,62 @@ Simplifications and why:
 """
 import asyncio
 import os
+from typing import Protocol, runtime_checkable
 
-from asyncrl.generator.engines.base import Completion
+from asyncrl.generator.engines.base import Completion, EngineOptions
 from asyncrl.generator.engines.sglang_receiver import SglangWeightReceiver
 from asyncrl.weightsync.dtypes import DTYPES
 
 FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
+@runtime_checkable
+class SglangHandle(Protocol):
+    """The SGLang surface this engine and its receiver (sglang_receiver.py) drive: `sglang.Engine`'s method names
+    and keywords, awaitable. `AsyncSglangEngine` wraps the real engine; tests/fakes/fake_sglang.py is the fake."""
+
+    async def async_generate(self, input_ids, sampling_params: dict, return_logprob: bool = False,
+                             stream: bool = False): ...
+
+    async def update_weights_from_tensor(self, named_tensors: list, load_format: str | None = None,
+                                         flush_cache: bool = True, weight_version: str | None = None): ...
+
+    async def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
+                                       weight_version: str | None = None, abort_all_requests: bool = False,
+                                       flush_cache: bool = True): ...
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = "weight_update_group",
+                                        backend: str = "nccl"): ...
+
+    async def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list,
+                                              group_name: str = "weight_update_group", flush_cache: bool = True,
+                                              weight_version: str | None = None): ...
+
+    async def destroy_weights_update_group(self, group_name: str): ...
+
+    async def pause_generation(self, mode: str = "abort"): ...
+
+    async def continue_generation(self): ...
+
+    async def flush_cache(self): ...
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100): ...
+
+    def weight_version(self) -> str | None: ...
+
+    def shutdown(self) -> None: ...
+
+
 class SglangEngine:
-    def __init__(self, model_path: str, dtype: str, max_model_len: int, kv_cache_gib: float, seed: int,
-                 update_mode: str = "wait", trust_remote_code: bool = False, engine_factory=None,
-                 timeout_s: float = 300.0, drain_timeout_s: float = 60.0, server_args: dict | None = None):
-        """`engine_factory(**sglang_server_args)` builds the engine handle (default: the real SGLang engine;
-        tests pass the fake). `server_args` are extra `sglang.Engine` keywords, e.g. attention_backend."""
-        self.model_path = model_path
-        self.dtype = dtype
-        self.max_model_len = max_model_len
-        self.kv_cache_gib = kv_cache_gib
-        self.seed = seed
-        self.update_mode = update_mode
+    def __init__(self, options: EngineOptions):
+        """`options.sglang.engine_factory(**sglang_server_args)` builds the engine handle (default: the real SGLang
+        engine; tests pass the fake). `options.sglang.server_args` are extra `sglang.Engine` keywords."""
+        self.options = options
+        self.update_mode = options.update_mode
         self.resumed_requests = 0  # aborted-and-resubmitted requests: never here (vLLM's update_mode=abort only)
-        self.trust_remote_code = trust_remote_code
-        self.engine_factory = engine_factory or AsyncSglangEngine
-        self.timeout_s = timeout_s
-        self.drain_timeout_s = drain_timeout_s
-        self.extra_server_args = dict(server_args or {})
-        self._engine = None
+        self.engine_factory = options.sglang.engine_factory or AsyncSglangEngine
+        self._engine: SglangHandle | None = None
         self.receiver: SglangWeightReceiver | None = None
 
     @property
@@ -60,24 +89,25 @@ class SglangEngine:
 
     def server_args(self) -> dict:
         """The `sglang.Engine` keywords (ServerArgs fields) this engine starts with."""
+        options = self.options
         return {
-            "model_path": self.model_path,
-            "dtype": self.dtype,
-            "context_length": self.max_model_len,
-            "max_total_tokens": kv_cache_tokens(self.model_path, self.dtype, self.kv_cache_gib,
-                                                self.trust_remote_code),
-            "random_seed": self.seed,
-            "trust_remote_code": self.trust_remote_code,
+            "model_path": options.model_path,
+            "dtype": options.dtype,
+            "context_length": options.max_model_len,
+            "max_total_tokens": kv_cache_tokens(options.model_path, options.dtype, options.kv_cache_gib,
+                                                options.trust_remote_code),
+            "random_seed": options.seed,
+            "trust_remote_code": options.trust_remote_code,
             "skip_tokenizer_init": True,  # token ids in and out: no detokenizer work on the hot path
             "log_level": "error",
-            **self.extra_server_args,
+            **options.sglang.server_args,
         }
 
     async def start(self) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self._engine = self.engine_factory(**self.server_args())
-        self.receiver = SglangWeightReceiver(self._engine, self.update_mode, self.model_path, self.timeout_s,
-                                             self.drain_timeout_s)
+        self.receiver = SglangWeightReceiver(self._engine, self.update_mode, self.options.model_path,
+                                             self.options.sglang.timeout_s, self.options.sglang.drain_timeout_s)
 
     async def sample(self, prompt_ids: list, sampling, n: int) -> list[Completion]:
         greedy = sampling.temperature == 0
@@ -85,7 +115,7 @@ class SglangEngine:
             raise ValueError("the sglang engine reports log_softmax(logits / temperature) before top-k/top-p, "
                              f"not the distribution sampled from; use top_k=-1 and top_p=1 (got top_k="
                              f"{sampling.top_k}, top_p={sampling.top_p}) or another engine")
-        max_new_tokens = min(sampling.max_tokens, self.max_model_len - len(prompt_ids))
+        max_new_tokens = min(sampling.max_tokens, self.options.max_model_len - len(prompt_ids))
         if max_new_tokens < 1:
             return [Completion() for _ in range(n)]
         params = {"temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": sampling.top_k,
@@ -114,14 +144,14 @@ class SglangEngine:
         `update_weights_from_tensor`; a failure goes back to `fallback` (see sglang_receiver.py)."""
         await self.receiver.load_staged(staged, fallback)
 
-    # --- versions pushed from the learner's GPU (weightsync/engine_push), driven by generator/pushed_weights.py ---
+    # --- versions pushed from the learner's GPU (weightsync/engine_push), driven by generator/weights.py ---
 
     push_kind = "sglang"
     """Which trainer side the learner opens for this engine (weightsync/engine_push/host.py)."""
 
     @property
     def push_ranks(self) -> int:
-        return int(self.extra_server_args.get("tp_size", 1))
+        return int(self.options.sglang.server_args.get("tp_size", 1))
 
     @property
     def broken(self) -> str | None:

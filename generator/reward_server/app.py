@@ -90,11 +90,11 @@ async def build_scorer(cfg, say):
         return (lambda items: asyncio.to_thread(scorer.score, items)), lambda: {}, None
     from transformers import AutoTokenizer
 
-    from asyncrl.generator.engines.base import make_engine
+    from asyncrl.generator.engines.base import EngineOptions, make_engine
     from asyncrl.generator.reward_server.judge import JudgeScorer
 
-    engine = make_engine(cfg.engine, model_path=cfg.model_path, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
-                         kv_cache_gib=cfg.kv_cache_gib, seed=0, update_mode="wait", trust_remote_code=False)
+    engine = make_engine(cfg.engine, EngineOptions(cfg.model_path, cfg.dtype, max_model_len=cfg.max_model_len,
+                                                   kv_cache_gib=cfg.kv_cache_gib, seed=0))
     await engine.start()
     judge = JudgeScorer(engine, AutoTokenizer.from_pretrained(cfg.model_path), cfg)
     say(f"reward server: judge on the {cfg.engine} engine")

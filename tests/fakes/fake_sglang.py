@@ -1,4 +1,5 @@
-"""A faithful fake of the SGLang engine surface the sglang engine drives (`AsyncSglangEngine`'s methods).
+"""A faithful fake of the SGLang engine surface the sglang engine drives (`sglang_engine.SglangHandle`, which
+`AsyncSglangEngine` implements for the real engine).
 
 Same method names, keywords and answers as SGLang 0.5.x: control calls answer (success, message), a disk load
 (success, message, num_paused_requests), `flush_cache` a FlushCacheReqOutput; `async_generate` answers dicts

@@ -1,7 +1,7 @@
 """The engine push for real (weightsync.backend=engine_push): the learner side in this process on GPU 0 (vLLM's
 NCCL trainer engine, or SGLang's weight-update group opened with SGLang's own helper), a generator in a child
 process on GPU 1 (NCCL wants one GPU per rank) with vLLM or SGLang on CUDA, registered through
-generator/pushed_weights.py. A version perturbed on the learner is pushed; after it the engine
+generator/weights.py. A version perturbed on the learner is pushed; after it the engine
 samples the new weights' distribution and tags every token with the new version. Needs two GPUs and the `gpu`
 extra's engines; scripts/test_gpu runs it (skipped on one GPU)."""
 import asyncio
@@ -22,19 +22,20 @@ async def generator_side(kind: str, model_path: str, address: str, shm_dir: str,
     """The child: a vLLM or SGLang engine on its GPU, registered for pushes; prints one JSON line after the
     first pushed version."""
     from asyncrl.buffer.group import Sampling
-    from asyncrl.generator.pushed_weights import join_push
+    from asyncrl.generator.engines.base import EngineOptions, SglangOptions, VllmOptions
+    from asyncrl.generator.weights import join_push
     from asyncrl.weightsync.receiver import WeightStage
 
     if kind == "vllm":
         from asyncrl.generator.engines.vllm_engine import VllmEngine
 
-        engine = VllmEngine(model_path, dtype="bfloat16", max_model_len=64, kv_cache_gib=0.25, seed=0,
-                            gpu_memory_utilization=0.2)
+        engine = VllmEngine(EngineOptions(model_path, dtype="bfloat16", max_model_len=64, kv_cache_gib=0.25,
+                                          seed=0, vllm=VllmOptions(gpu_memory_utilization=0.2)))
     else:
         from asyncrl.generator.engines.sglang_engine import SglangEngine
 
-        engine = SglangEngine(model_path, dtype="bfloat16", max_model_len=64, kv_cache_gib=0.25, seed=0,
-                              server_args={"mem_fraction_static": 0.2})
+        engine = SglangEngine(EngineOptions(model_path, dtype="bfloat16", max_model_len=64, kv_cache_gib=0.25,
+                                            seed=0, sglang=SglangOptions(server_args={"mem_fraction_static": 0.2})))
     await engine.start()
     member, _ = await join_push({"engines": {"address": address}}, engine, asyncio.Lock(), lambda: {},
                                 WeightStage(shm_dir, "push-gpu"), "push-gpu", 60.0)
@@ -60,7 +61,7 @@ def test_a_pushed_version_is_what_the_engine_samples(kind, transport, demo_asset
         pytest.skip("needs two GPUs")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0" if transport == "ipc" else "1"}
     if transport == "ipc":
-        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # as generator/main.py sets it
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # as VllmEngine.start sets it (VllmOptions.ipc_push)
     from asyncrl.learner.model import load_model
     from asyncrl.weightsync.buckets import FlatBuckets
     from asyncrl.weightsync.engine_push.host import EnginePushHost

@@ -26,14 +26,16 @@ def perturbed_parameters(model_dir: str) -> list:
 
 def test_real_sglang_samples_then_loads_a_staged_version(demo_assets, tmp_path):
     pytest.importorskip("sglang")
+    from asyncrl.generator.engines.base import EngineOptions, SglangOptions
     from asyncrl.generator.engines.sglang_engine import SglangEngine
     from asyncrl.weightsync.publisher import WeightPublisher
     from asyncrl.weightsync.receiver import WeightStage
 
     model_dir = demo_assets[0]
-    engine = SglangEngine(model_dir, "bfloat16", max_model_len=64, kv_cache_gib=0.25, seed=0, timeout_s=300,
-                          server_args={"attention_backend": "triton", "disable_cuda_graph": True,
-                                       "mem_fraction_static": 0.3})
+    engine = SglangEngine(EngineOptions(model_dir, "bfloat16", max_model_len=64, kv_cache_gib=0.25, seed=0,
+                                        sglang=SglangOptions(timeout_s=300, server_args={
+                                            "attention_backend": "triton", "disable_cuda_graph": True,
+                                            "mem_fraction_static": 0.3})))
     publisher, stage = WeightPublisher(str(tmp_path / "ring"), 2, 1 << 24), WeightStage(str(tmp_path), "sglang")
     loop = asyncio.new_event_loop()
     loop.run_until_complete(engine.start())

@@ -31,13 +31,14 @@ def worst_gap(model, completions) -> float:
 
 def test_vllm_on_cuda_samples_the_learners_distribution_and_takes_a_staged_version(demo_assets, tmp_path):
     pytest.importorskip("vllm")
+    from asyncrl.generator.engines.base import EngineOptions, VllmOptions
     from asyncrl.generator.engines.vllm_engine import VllmEngine
     from asyncrl.learner.model import load_model
     from asyncrl.weightsync.publisher import WeightPublisher
     from asyncrl.weightsync.receiver import WeightStage
 
-    engine = VllmEngine(demo_assets[0], dtype="bfloat16", max_model_len=64, kv_cache_gib=0.25, seed=0,
-                        gpu_memory_utilization=0.2)
+    engine = VllmEngine(EngineOptions(demo_assets[0], dtype="bfloat16", max_model_len=64, kv_cache_gib=0.25, seed=0,
+                                      vllm=VllmOptions(gpu_memory_utilization=0.2)))
     loop = asyncio.new_event_loop()
     run = loop.run_until_complete
     run(engine.start())

@@ -9,7 +9,7 @@ import threading
 import torch
 
 from asyncrl.buffer.group import Sampling
-from asyncrl.generator.pushed_weights import join_push
+from asyncrl.generator.weights import join_push
 from asyncrl.weightsync.buckets import FlatBuckets
 from asyncrl.weightsync.dtypes import dtype_name
 from asyncrl.weightsync.engine_push.host import EnginePushHost

@@ -49,9 +49,10 @@ def exported(demo_assets, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vllm_engine(exported, event_loop_runner):
+    from asyncrl.generator.engines.base import EngineOptions
     from asyncrl.generator.engines.vllm_engine import VllmEngine
 
-    engine = VllmEngine(exported[1], dtype="float32", max_model_len=64, kv_cache_gib=0.25, seed=0)
+    engine = VllmEngine(EngineOptions(exported[1], dtype="float32", max_model_len=64, kv_cache_gib=0.25, seed=0))
     try:
         event_loop_runner.run_until_complete(engine.start())
         yield engine

@@ -43,6 +43,7 @@ def trained_export(family: str, tokenizer_dir: str, tmp_path) -> tuple:
 
 @pytest.mark.parametrize("family", [family for family in FAMILIES if family != "qwen2"])
 def test_each_family_exports_and_vllm_samples_it_with_the_learners_logprobs(family, demo_assets, tmp_path):
+    from asyncrl.generator.engines.base import EngineOptions
     from asyncrl.generator.engines.vllm_engine import VllmEngine
 
     model, export = trained_export(family, demo_assets[0], tmp_path)
@@ -52,7 +53,7 @@ def test_each_family_exports_and_vllm_samples_it_with_the_learners_logprobs(fami
         torch.testing.assert_close(reloaded(ids).logits, model(ids).logits, atol=1e-5, rtol=0)
 
     async def sample():
-        engine = VllmEngine(export, dtype="float32", max_model_len=64, kv_cache_gib=0.1, seed=0)
+        engine = VllmEngine(EngineOptions(export, dtype="float32", max_model_len=64, kv_cache_gib=0.1, seed=0))
         await engine.start()
         try:
             return await engine.sample(PROMPT, Sampling(temperature=0.7, max_tokens=12), n=2)

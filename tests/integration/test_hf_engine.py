@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from asyncrl.buffer.group import Sampling
+from asyncrl.generator.engines.base import EngineOptions
 from asyncrl.generator.engines.hf_engine import HfEngine
 from asyncrl.learner.logprobs import compute_logprobs
 from asyncrl.learner.model import load_model
@@ -35,7 +36,7 @@ async def sample_together(engine, requests):
 
 
 def test_concurrent_requests_share_one_padded_batch_and_match_the_learner(demo_assets, model):
-    engine = HfEngine(demo_assets[0], "float32", max_model_len=64, kv_cache_gib=1, seed=0)
+    engine = HfEngine(EngineOptions(demo_assets[0], "float32", max_model_len=64, kv_cache_gib=1, seed=0))
     sampling = Sampling(temperature=0.7, max_tokens=8)
     groups = asyncio.run(sample_together(engine, [(prompt, sampling, 4) for prompt in PROMPTS]))
     assert engine.batches == 1 and engine.batched_seqs == 12
@@ -57,7 +58,7 @@ def test_concurrent_requests_share_one_padded_batch_and_match_the_learner(demo_a
 def test_requests_of_different_n_are_prefilled_once_and_each_row_matches_the_learner(demo_assets, model):
     """Each request's prompt is prefilled once and copied to its n rows; rows that stop early leave the batch. Every
     row must still sample from its own prompt and score as the learner does."""
-    engine = HfEngine(demo_assets[0], "float32", max_model_len=64, kv_cache_gib=1, seed=1)
+    engine = HfEngine(EngineOptions(demo_assets[0], "float32", max_model_len=64, kv_cache_gib=1, seed=1))
     sampling = Sampling(temperature=1.0, max_tokens=8)
     ns = [1, 5, 2]
     groups = asyncio.run(sample_together(engine, [(prompt, sampling, n) for prompt, n in zip(PROMPTS, ns)]))
@@ -72,7 +73,7 @@ def test_requests_of_different_n_are_prefilled_once_and_each_row_matches_the_lea
 
 
 def test_requests_that_sample_differently_are_decoded_in_separate_batches(demo_assets):
-    engine = HfEngine(demo_assets[0], "float32", max_model_len=64, kv_cache_gib=1, seed=0)
+    engine = HfEngine(EngineOptions(demo_assets[0], "float32", max_model_len=64, kv_cache_gib=1, seed=0))
     tempered, greedy = Sampling(temperature=1.0, max_tokens=6), Sampling(temperature=0.0, max_tokens=6)
     first, baseline, second = asyncio.run(sample_together(
         engine, [(PROMPTS[0], tempered, 3), (PROMPTS[0], greedy, 1), (PROMPTS[1], tempered, 3)]))
@@ -82,7 +83,7 @@ def test_requests_that_sample_differently_are_decoded_in_separate_batches(demo_a
 
 
 def test_a_prompt_at_max_model_len_gets_an_empty_length_completion(demo_assets):
-    engine = HfEngine(demo_assets[0], "float32", max_model_len=len(PROMPTS[1]), kv_cache_gib=1, seed=0)
+    engine = HfEngine(EngineOptions(demo_assets[0], "float32", max_model_len=len(PROMPTS[1]), kv_cache_gib=1, seed=0))
     long, short = asyncio.run(sample_together(
         engine, [(PROMPTS[1], Sampling(temperature=1.0, max_tokens=4), 2),
                  (PROMPTS[0], Sampling(temperature=1.0, max_tokens=4), 2)]))

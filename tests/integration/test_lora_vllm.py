@@ -34,10 +34,11 @@ def loop():
 
 @pytest.fixture(scope="module")
 def engine(demo_assets, loop):
+    from asyncrl.generator.engines.base import EngineOptions, VllmOptions
     from asyncrl.generator.engines.vllm_engine import VllmEngine
 
-    engine = VllmEngine(demo_assets[0], dtype="float32", max_model_len=64, kv_cache_gib=0.25, seed=0,
-                        lora_rank=SETTINGS.rank, max_loras=2)
+    engine = VllmEngine(EngineOptions(demo_assets[0], dtype="float32", max_model_len=64, kv_cache_gib=0.25, seed=0,
+                                      vllm=VllmOptions(lora_rank=SETTINGS.rank, max_loras=2)))
     try:
         loop.run_until_complete(engine.start())
         yield engine

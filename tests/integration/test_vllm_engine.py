@@ -10,7 +10,7 @@ import torch
 from asyncrl.buffer.group import Sampling
 from asyncrl.learner.logprobs import compute_logprobs
 from asyncrl.learner.model import load_model
-from asyncrl.generator.engines.base import WeightLoadError
+from asyncrl.generator.engines.base import EngineOptions, WeightLoadError
 from asyncrl.weightsync.publisher import WeightPublisher
 from asyncrl.weightsync.receiver import WeightStage
 
@@ -29,7 +29,7 @@ def event_loop_runner():
 def vllm_engine(demo_assets, event_loop_runner):
     from asyncrl.generator.engines.vllm_engine import VllmEngine
 
-    engine = VllmEngine(demo_assets[0], dtype="float32", max_model_len=64, kv_cache_gib=0.25, seed=0)
+    engine = VllmEngine(EngineOptions(demo_assets[0], dtype="float32", max_model_len=64, kv_cache_gib=0.25, seed=0))
     event_loop_runner.run_until_complete(engine.start())
     yield engine
     event_loop_runner.run_until_complete(engine.close())

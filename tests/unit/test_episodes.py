@@ -302,7 +302,7 @@ def test_a_group_of_tool_episodes_through_the_rollout_loop(tokenizer, toolbox):
     loop = RolloutLoop(client=None, engine=engine, prompts=iter([]), scorer=InlineScorer(), tokenizer=tokenizer,
                        rollout_cfg=RolloutConfig(n=4, max_tokens=64, max_turns=4), max_inflight_groups=1,
                        generator_id="g", reward_shaping=RewardConfig(), episodes=runner)
-    group = run_with_tools(toolbox, lambda: loop._sample_group(ROW))
+    group = run_with_tools(toolbox, lambda: loop.sampler.sample(ROW))
     assert group.prompt_ids.tolist() == appender.prompt_ids(ROW.messages)
     assert sorted(sample.reward for sample in group.samples) == [0.0, 0.0, 1.0, 1.0]
     assert all(sample.loss_mask is not None and 0 < sample.loss_mask.sum() < len(sample.loss_mask)

@@ -79,7 +79,7 @@ def test_the_generator_uses_only_the_generator_buffer_protocol(path):
 def test_no_caller_asks_a_buffer_what_it_can_do():
     """Backend-specific code is reached through the protocol, never by probing the object (`hasattr`)."""
     for path in ("learner/loop.py", "learner/host.py", "learner/collect.py", "learner/state.py",
-                 "generator/rollout.py", "generator/main.py"):
+                 "generator/rollout.py", "generator/main.py", "generator/weights.py", "generator/sampling.py"):
         tree = ast.parse(open(os.path.join(REPO, path)).read())
         calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                  and node.func.id in ("hasattr", "getattr")]

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from asyncrl.buffer.group import Sampling
-from asyncrl.generator.engines.base import WeightLoadError
+from asyncrl.generator.engines.base import EngineOptions, WeightLoadError
 from asyncrl.generator.engines.hf_engine import HfEngine
 from asyncrl.generator.engines.lora_adapter import (ServedAdapters, parse_adapter, vllm_max_lora_rank,
                                                     write_adapter_dir)
@@ -124,7 +124,7 @@ def test_a_publish_that_repeats_the_previous_bytes_is_flagged(tmp_path):
 def test_the_hf_engine_serves_each_published_adapter_with_the_learners_logits(tmp_path, model_dir):
     publisher = WeightPublisher(str(tmp_path / "ring"), slots=3, bucket_bytes=1 << 20)
     stage = WeightStage(str(tmp_path), "gen")
-    engine = HfEngine(model_dir, dtype="float32", max_model_len=64, kv_cache_gib=0.1, seed=0)
+    engine = HfEngine(EngineOptions(model_dir, dtype="float32", max_model_len=64, kv_cache_gib=0.1, seed=0))
     ids = torch.randint(2, VOCAB, (1, 10))
 
     async def scenario():
@@ -357,11 +357,16 @@ def test_lora_settings_and_the_engines_that_serve_them_are_checked():
 
 def test_the_generators_vllm_engine_takes_the_learners_lora_rank():
     from asyncrl.configs import load_config
-    from asyncrl.generator.main import vllm_lora
+    from asyncrl.generator.engines.base import VllmOptions, engine_options
+
+    def lora_of(cfg, lora_rank, max_staleness):
+        options = engine_options(cfg.generator, cfg.model, "/m", 0, lora_rank, max_staleness).vllm
+        return options.lora_rank, options.max_loras
 
     vllm = load_config(None, ["generator.engine=vllm", "buffer.max_staleness=2"])
-    assert vllm_lora(vllm.generator, 16, vllm.buffer.max_staleness) == {"lora_rank": 16, "max_loras": 3}
-    assert vllm_lora(vllm.generator, 0, 2) == {}  # a learner without LoRA announces none
-    assert vllm_lora(load_config(None, []).generator, 16, 2) == {}  # the hf engine injects on the first version
+    assert lora_of(vllm, 16, vllm.buffer.max_staleness) == (16, 3)
+    assert lora_of(vllm, 0, 2) == (0, 1)  # a learner without LoRA announces none
+    hf = load_config(None, [])
+    assert engine_options(hf.generator, hf.model, "/m", 0, 16, 2).vllm == VllmOptions()  # hf injects on the first
     with pytest.raises(ValueError, match="LoRA rank"):
-        vllm_lora(vllm.generator, "16; rm -rf /", 2)
+        lora_of(vllm, "16; rm -rf /", 2)

@@ -60,7 +60,7 @@ def sample_group(rollout, reward_cfg):
                        tokenizer=DigitTokenizer(), rollout_cfg=rollout, max_inflight_groups=1, generator_id="g",
                        reward_shaping=reward_cfg)
     row = PromptRow(prompt_id="p", prompt_ids=[1, 2], data_source="t", ground_truth="9", extra_info={})
-    return asyncio.run(loop._sample_group(row)), engine
+    return asyncio.run(loop.sampler.sample(row)), engine
 
 
 def test_greedy_baseline_is_scored_and_sent_only_when_asked():
@@ -107,14 +107,14 @@ def loop_with(engine, stage):
     loop = RolloutLoop(client=None, engine=engine, prompts=iter([]), scorer=InlineScorer(reward_is_nine),
                        tokenizer=DigitTokenizer(), rollout_cfg=RolloutConfig(), max_inflight_groups=1,
                        generator_id="g", stage=stage)
-    loop.latest_weights = {"version": 4}
+    loop.weights.latest = {"version": 4}
     return loop
 
 
 def test_a_failed_load_is_counted_and_sampling_continues_on_the_old_version():
     stage = FakeStage()
     loop = loop_with(FailingEngine(WeightLoadError("v4 did not load; kept v3")), stage)
-    asyncio.run(loop.ensure_latest_weights())  # logged, not raised
+    asyncio.run(loop.weights.ensure_latest())  # logged, not raised
     assert loop.stats.weight_failures == 1 and stage.ended == [(4, False)]
 
 
@@ -122,7 +122,7 @@ def test_a_broken_engine_stops_the_generator_with_the_reason():
     stage = FakeStage()
     loop = loop_with(FailingEngine(EngineBroken("v4 failed and so did the reload of v3")), stage)
     with pytest.raises(EngineBroken, match="reload of v3"):
-        asyncio.run(loop.ensure_latest_weights())
+        asyncio.run(loop.weights.ensure_latest())
     assert loop.stats.weight_failures == 1 and stage.ended == [(4, False)]
 
 
@@ -144,7 +144,7 @@ def test_a_reply_announcing_newer_weights_is_kept_and_an_older_one_is_not():
     loop.note_reply(Status(version=4, weights={"version": 4, "names": ["w"]}))
     loop.note_reply(Status(version=4, weights={"version": 3, "names": ["old"]}))
     loop.note_reply(Status(version=4, weights={}))
-    assert loop.latest_weights == {"version": 4, "names": ["w"]} and not loop.done
+    assert loop.weights.latest == {"version": 4, "names": ["w"]} and not loop.done
 
 
 class LoadingEngine(ScriptedEngine):
@@ -168,18 +168,18 @@ def test_a_restarted_learners_messages_replace_the_previous_lives_even_at_lower_
                        tokenizer=DigitTokenizer(), rollout_cfg=RolloutConfig(n=1, max_tokens=4), max_inflight_groups=1,
                        generator_id="g", reward_shaping=RewardConfig(), stage=FakeStage())
     loop.note_reply(Status(weights={"version": 3, "publisher": "old"}))
-    asyncio.run(loop.ensure_latest_weights())
+    asyncio.run(loop.weights.ensure_latest())
     assert engine.loads == [3]
     loop.note_reply(Status(weights={"version": 2, "publisher": "new"}))  # the resumed learner's first publish
-    assert loop.latest_weights == {"version": 2, "publisher": "new"} and loop.weights_by_version == {
+    assert loop.weights.latest == {"version": 2, "publisher": "new"} and loop.weights.by_version == {
         2: {"version": 2, "publisher": "new"}}
-    asyncio.run(loop.ensure_latest_weights())  # the engine's v3 is the old life's: v2 of the new one replaces it
+    asyncio.run(loop.weights.ensure_latest())  # the engine's v3 is the old life's: v2 of the new one replaces it
     assert engine.loads == [3, 2]
     loop.note_reply(Status(weights={"version": 4, "publisher": "old"}))  # a stale reply of the dead learner
-    assert loop.latest_weights["publisher"] == "new"
+    assert loop.weights.latest["publisher"] == "new"
     loop.note_reply(Status(weights={"version": 3, "publisher": "new"}))
-    asyncio.run(loop.ensure_latest_weights())
-    asyncio.run(loop.ensure_latest_weights())  # nothing newer: no load
+    asyncio.run(loop.weights.ensure_latest())
+    asyncio.run(loop.weights.ensure_latest())  # nothing newer: no load
     assert engine.loads == [3, 2, 3]
 
 
@@ -297,7 +297,7 @@ def test_an_evaluation_prompt_is_sampled_at_its_version_or_given_back():
     async def never_load(target):
         loads.append(target["version"])
 
-    loop._load = never_load
+    loop.weights._load = never_load
 
     async def scenario():
         await loop._evaluate(EvalTask("e1", 3, prompt, 1, 0.0, 4))
@@ -305,5 +305,5 @@ def test_an_evaluation_prompt_is_sampled_at_its_version_or_given_back():
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
     assert client.results == [("e1", [1.0], [1]), ("e2", None, None)]  # 9 is right; no overlong shaping
-    assert loads == [] and engine.requests == [(0.0, 1)] and loop.pins == {}
+    assert loads == [] and engine.requests == [(0.0, 1)] and loop.weights.pins == {}
     assert loop.stats.eval_prompts == 1

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from asyncrl.buffer.group import Sampling
-from asyncrl.generator.engines.base import EngineBroken, WeightLoadError, make_engine
+from asyncrl.generator.engines.base import (EngineBroken, EngineOptions, SglangOptions, WeightLoadError,
+                                            make_engine)
 from asyncrl.generator.engines.sglang_engine import SglangEngine, kv_cache_tokens, new_tokens
 from asyncrl.weightsync.buckets import FlatBuckets
 from asyncrl.weightsync.dtypes import dtype_name
@@ -58,9 +59,10 @@ def build(tmp_path, update_mode: str = "wait", timeout_s: float = 2.0, drain_tim
     Qwen2Config(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1).save_pretrained(model_dir)
     write_checkpoint(model_dir, weights_without_eos(0))
-    engine = SglangEngine(model_dir, "float32", max_model_len=64, kv_cache_gib=0.001, seed=0,
-                          update_mode=update_mode, engine_factory=FakeSglangEngine, timeout_s=timeout_s,
-                          drain_timeout_s=drain_timeout_s, server_args=server_args)
+    engine = SglangEngine(EngineOptions(model_dir, "float32", max_model_len=64, kv_cache_gib=0.001, seed=0,
+                                        update_mode=update_mode, sglang=SglangOptions(
+                                            engine_factory=FakeSglangEngine, timeout_s=timeout_s,
+                                            drain_timeout_s=drain_timeout_s, server_args=server_args)))
     return engine, model_dir
 
 
@@ -366,9 +368,10 @@ def test_server_args_map_the_engine_keywords_and_size_the_kv_pool_in_tokens(tmp_
 
 def test_make_engine_builds_the_sglang_engine_and_says_when_sglang_is_missing(tmp_path):
     kwargs = dict(model_path=str(tmp_path), dtype="float32", max_model_len=64, kv_cache_gib=0.1, seed=0)
-    assert isinstance(make_engine("sglang", engine_factory=FakeSglangEngine, **kwargs), SglangEngine)
+    faked = EngineOptions(**kwargs, sglang=SglangOptions(engine_factory=FakeSglangEngine))
+    assert isinstance(make_engine("sglang", faked), SglangEngine)
     try:
         import sglang  # noqa: F401
     except ImportError:
         with pytest.raises(RuntimeError, match="SGLang cannot be imported"):
-            make_engine("sglang", **kwargs)
+            make_engine("sglang", EngineOptions(**kwargs))

@@ -101,7 +101,7 @@ def test_the_fleet_knows_every_error_reason_the_generator_counts():
     tool |= {"malformed", "unknown_tool", "bad_arguments"}  # the parser's, through rejected()
     env = set(re.findall(r'_failed\("([a-z_]+)"', sources["agents/episode.py"]))
     env |= set(re.findall(r'failure = "([a-z_]+)"', sources["agents/openai_agent.py"]))
-    env |= set(re.findall(r'env_errors\["([a-z_]+)"\]', open(os.path.join(root, "generator", "rollout.py")).read()))
+    env |= set(re.findall(r'env_errors\["([a-z_]+)"\]', open(os.path.join(root, "generator", "sampling.py")).read()))
     assert tool and env
     assert tool <= set(ERROR_REASONS["rollout/tool_errors/"]), tool
     assert env <= set(ERROR_REASONS["rollout/env_errors/"]), env

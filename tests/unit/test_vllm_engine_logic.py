@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from asyncrl.buffer.group import Sampling
-from asyncrl.generator.engines.base import EngineBroken, EngineUnsupported, WeightLoadError
+from asyncrl.generator.engines.base import (EngineBroken, EngineOptions, EngineUnsupported, VllmOptions,
+                                            WeightLoadError, engine_options)
 from asyncrl.generator.engines.vllm_engine import (VllmEngine, apply_version_spans, check_transfer_plugin,
                                                    check_vllm_version)
 
@@ -69,7 +70,7 @@ def staged(version: int):
 
 
 def engine_with(controls: Controls) -> VllmEngine:
-    engine = VllmEngine("/no/model", "float32", 64, 0.1, 0)
+    engine = VllmEngine(EngineOptions("/no/model", "float32", 64, 0.1, 0))
     engine._engine = controls
     return engine
 
@@ -238,35 +239,34 @@ def test_the_weight_transfer_plugin_is_installed_and_vllm_plugins_can_hide_it(mo
 def test_engine_args_choose_cuda_graphs_on_gpu_eager_on_cpu_and_who_sizes_the_kv_cache():
     from asyncrl.generator.engines.vllm_engine import engine_args
 
-    base = dict(model_path="/m", dtype="bfloat16", max_model_len=4096, kv_cache_gib=2.0, seed=1,
-                trust_remote_code=False, tensor_parallel_size=1, gpu_memory_utilization=0.0, enforce_eager=None,
-                enable_prefix_caching=True)
-    cpu = engine_args(**base, on_gpu=False)
+    def options(**vllm):
+        return EngineOptions("/m", "bfloat16", max_model_len=4096, kv_cache_gib=2.0, seed=1,
+                             vllm=VllmOptions(**vllm))
+
+    cpu = engine_args(options(), on_gpu=False)
     assert cpu["enforce_eager"] is True and cpu["kv_cache_memory_bytes"] == 2 << 30
     assert "gpu_memory_utilization" not in cpu
     assert cpu["logprobs_mode"] == "processed_logprobs" and cpu["weight_transfer_config"] == {"backend": "asyncrl_shm"}
-    gpu = engine_args(**{**base, "gpu_memory_utilization": 0.85, "tensor_parallel_size": 2}, on_gpu=True)
+    gpu = engine_args(options(gpu_memory_utilization=0.85, tensor_parallel_size=2), on_gpu=True)
     assert gpu["enforce_eager"] is False and gpu["gpu_memory_utilization"] == 0.85
     assert "kv_cache_memory_bytes" not in gpu and gpu["tensor_parallel_size"] == 2
-    assert engine_args(**{**base, "enforce_eager": True}, on_gpu=True)["enforce_eager"] is True
-    assert engine_args(**{**base, "enable_prefix_caching": False}, on_gpu=False)["enable_prefix_caching"] is False
+    assert engine_args(options(enforce_eager=True), on_gpu=True)["enforce_eager"] is True
+    assert engine_args(options(enable_prefix_caching=False), on_gpu=False)["enable_prefix_caching"] is False
     assert "hf_overrides" not in cpu
-    assert engine_args(**base, on_gpu=False, lm_head_fp32=True)["hf_overrides"] == {"head_dtype": "float32"}
+    assert engine_args(options(lm_head_fp32=True), on_gpu=False)["hf_overrides"] == {"head_dtype": "float32"}
     with pytest.raises(ValueError, match="this machine has no GPU: size it with generator.kv_cache_gib"):
-        engine_args(**{**base, "gpu_memory_utilization": 0.9}, on_gpu=False)
+        engine_args(options(gpu_memory_utilization=0.9), on_gpu=False)
 
 
 def test_vllm_placement_settings_are_validated_and_reach_only_the_vllm_engine():
     from asyncrl.configs import load_config
-    from asyncrl.generator.main import vllm_placement
-
     cfg = load_config(None, ["generator.engine=vllm", "generator.vllm.tensor_parallel_size=2",
                              "generator.vllm.enforce_eager=false"])
-    assert vllm_placement(cfg.generator, cfg.model) == {
-        "tensor_parallel_size": 2, "gpu_memory_utilization": 0.0, "enforce_eager": False,
-        "enable_prefix_caching": True, "lm_head_fp32": False}
+    assert engine_options(cfg.generator, cfg.model, "/m", 0).vllm == VllmOptions(
+        tensor_parallel_size=2, gpu_memory_utilization=0.0, enforce_eager=False, enable_prefix_caching=True,
+        lm_head_fp32=False)
     hf = load_config(None, ["generator.engine=hf"])
-    assert vllm_placement(hf.generator, hf.model) == {}
+    assert engine_options(hf.generator, hf.model, "/m", 0).vllm == VllmOptions()
     with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
         load_config(None, ["generator.vllm.gpu_memory_utilization=1.5"])
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):

@@ -20,7 +20,7 @@ engines on NVLink or InfiniBand that is well below a training step.
 No hangs: NCCL calls have no timeout of their own, so each engine's round runs in a thread with a deadline. Past
 it the learner aborts that engine's communicator (vLLM's `shutdown`, which runs `ncclCommAbort`), names the member
 in the report, and the next version opens a new group. The generator, whose workers may be stuck in the receive,
-sees its own deadline pass and stops its engine (generator/pushed_weights.py). Every engine that missed a version
+sees its own deadline pass and stops its engine (generator/weights.py). Every engine that missed a version
 loads it from the staging paths (shared memory, catch-up) like any generator that missed a broadcast.
 """
 import collections

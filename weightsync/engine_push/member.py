@@ -1,5 +1,5 @@
 """A generator's side of the engine push (host.py): register the engine it hosts, keep a heartbeat, and run each
-call the learner makes (calls.py) through a handler that owns the engine (generator/pushed_weights.py)."""
+call the learner makes (calls.py) through a handler that owns the engine (generator/weights.py)."""
 import threading
 
 import torch.distributed as dist

@@ -1,4 +1,4 @@
-"""generator/pushed_weights.py: the generator's side of a pushed version, with a fake engine (the push_* calls of
+"""generator/weights.py: the generator's side of a pushed version, with a fake engine (the push_* calls of
 VllmEngine, recorded) on an event loop of its own, driven from another thread as the push member drives it."""
 import asyncio
 import threading
@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from asyncrl.generator import pushed_weights
+from asyncrl.generator import weights
 from asyncrl.generator.engines.base import EngineBroken
-from asyncrl.generator.pushed_weights import PushBusy, PushedWeights
+from asyncrl.generator.weights import PushBusy, PushedWeights
 
 
 class FakeEngine:
@@ -122,7 +122,7 @@ def test_a_round_the_learner_never_finishes_expires_into_a_reload(loop):
 
 
 def test_a_push_during_a_staged_load_is_refused_not_queued(loop, monkeypatch):
-    monkeypatch.setattr(pushed_weights, "LOCK_WAIT_S", 0.2)
+    monkeypatch.setattr(weights, "LOCK_WAIT_S", 0.2)
     engine = FakeEngine()
     pushed, lock, _ = make(loop, engine)
     asyncio.run_coroutine_threadsafe(lock.acquire(), loop).result()  # a staged load holds it
