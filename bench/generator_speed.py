@@ -103,7 +103,8 @@ def bench_vllm_generate(cfg, model_dir: str, prompts: list, rounds: int) -> dict
 
 def bench_asyncrl_engine(engine_name: str, cfg, model_dir: str, prompts: list, rounds: int) -> dict:
     from asyncrl.buffer.group import Sampling
-    from asyncrl.generator.engines.base import EngineOptions, make_engine
+    from asyncrl.generator.engines.base import EngineOptions
+    from asyncrl.generator.engines.factory import make_engine
 
     sampling = Sampling(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.top_k, cfg.rollout.max_tokens)
     engine = make_engine(engine_name, EngineOptions(model_dir, "float32", max_model_len=cfg.generator.max_model_len,

@@ -22,7 +22,8 @@ from asyncrl.generator.agents.openai_agent import AgentLoadError
 from asyncrl.generator.agents.tools import ToolLoadError
 from asyncrl.data.prompts import iterate_prompts, job_rows, tokenize_rows
 from asyncrl.buffer.event_loop import run as run_event_loop
-from asyncrl.generator.engines.base import EngineBroken, EngineUnsupported, engine_options, make_engine
+from asyncrl.generator.engines.base import EngineBroken, EngineUnsupported
+from asyncrl.generator.engines.factory import engine_options, make_engine
 from asyncrl.generator.rewards.client import wait_for_server
 from asyncrl.generator.rewards.errors import RewardError
 from asyncrl.generator.rewards.functions import check_builtin_rewards, uses_builtin_rewards

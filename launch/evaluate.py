@@ -26,7 +26,7 @@ async def run_eval(cfg, model_path: str, say=print) -> dict:
     from transformers import AutoTokenizer
 
     from asyncrl.data.prompts import read_rows, tokenize_rows
-    from asyncrl.generator.engines.base import engine_options, make_engine
+    from asyncrl.generator.engines.factory import engine_options, make_engine
     from asyncrl.generator.evaluation import evaluate
     from asyncrl.generator.rewards.client import wait_for_server
     from asyncrl.generator.rewards.functions import check_builtin_rewards, uses_builtin_rewards

@@ -8,7 +8,7 @@ methods. `staged` is a complete, verified version in the generator's staging map
 and raises WeightLoadError; if going back fails too, it raises EngineBroken and never samples again. No engine ever
 samples from partly loaded weights.
 
-Every engine is built from one `EngineOptions` (make_engine): the settings all engines read, plus a section per
+Every engine is built from one `EngineOptions` (engines/factory.py::make_engine): the settings all engines read, plus a section per
 engine for the knobs only it reads, so a caller never builds another engine's keywords.
 """
 from dataclasses import dataclass, field
@@ -125,56 +125,3 @@ class EngineOptions:
     trust_remote_code: bool = False
     vllm: VllmOptions = field(default_factory=VllmOptions)
     sglang: SglangOptions = field(default_factory=SglangOptions)
-
-
-def engine_options(gen, model, model_path: str, seed: int, lora_rank=0, max_staleness: int = 0,
-                   ipc_push: bool = False) -> EngineOptions:
-    """The options of the engine generator.engine, from the generator and model sections: the one place that reads
-    the vLLM-only knobs. `lora_rank`: a LoRA learner's rank (its run info's `lora_rank`, learner.lora.rank: the
-    learner's setting, whatever the generator's recipe says); it publishes adapters, which the vLLM engine serves
-    as such, up to that rank and every version the buffer admits (`max_staleness` + 1) at once; the hf engine needs
-    nothing up front. `ipc_push`: the learner pushes through CUDA IPC (weightsync.engine_transport=ipc)."""
-    vllm = VllmOptions()
-    if gen.engine == "vllm":
-        lora = {}
-        if lora_rank:
-            if not isinstance(lora_rank, int) or isinstance(lora_rank, bool) or not 1 <= lora_rank <= 512:
-                raise ValueError(f"the learner announced LoRA rank {lora_rank!r}, which is not an integer in [1, 512]")
-            lora = {"lora_rank": lora_rank, "max_loras": max_staleness + 1}
-        vllm = VllmOptions(tensor_parallel_size=gen.vllm.tensor_parallel_size,
-                           gpu_memory_utilization=gen.vllm.gpu_memory_utilization, enforce_eager=gen.vllm.enforce_eager,
-                           enable_prefix_caching=gen.vllm.enable_prefix_caching, lm_head_fp32=model.lm_head_fp32,
-                           ipc_push=ipc_push, **lora)
-    return EngineOptions(model_path, gen.dtype, gen.max_model_len, gen.kv_cache_gib, seed,
-                         update_mode=gen.update_mode, trust_remote_code=model.trust_remote_code, vllm=vllm)
-
-
-def make_engine(name: str, options: EngineOptions) -> Engine:
-    """Engines are imported lazily: vLLM is heavy and may be absent (then use `hf`)."""
-    if name == "vllm":
-        try:
-            from asyncrl.generator.engines.vllm_engine import VllmEngine
-        except ImportError as err:
-            raise RuntimeError(
-                f"generator.engine=vllm but vLLM cannot be imported ({err}); install the `cpu` or `gpu` extra, "
-                "or use generator.engine=hf"
-            ) from None
-        return VllmEngine(options)
-    if name == "sglang":
-        from asyncrl.generator.engines.sglang_engine import SglangEngine
-
-        if options.sglang.engine_factory is None:  # a test's fake needs no SGLang
-            try:
-                import sglang  # noqa: F401
-            except ImportError as err:
-                raise RuntimeError(
-                    f"generator.engine=sglang but SGLang cannot be imported ({err}); it needs CUDA "
-                    "(pip install 'asyncrl[sglang]', in an environment without vLLM), or use "
-                    "generator.engine=vllm or hf"
-                ) from None
-        return SglangEngine(options)
-    if name == "hf":
-        from asyncrl.generator.engines.hf_engine import HfEngine
-
-        return HfEngine(options)
-    raise ValueError(f"unknown engine {name!r}")

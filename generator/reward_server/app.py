@@ -90,7 +90,8 @@ async def build_scorer(cfg, say):
         return (lambda items: asyncio.to_thread(scorer.score, items)), lambda: {}, None
     from transformers import AutoTokenizer
 
-    from asyncrl.generator.engines.base import EngineOptions, make_engine
+    from asyncrl.generator.engines.base import EngineOptions
+    from asyncrl.generator.engines.factory import make_engine
     from asyncrl.generator.reward_server.judge import JudgeScorer
 
     engine = make_engine(cfg.engine, EngineOptions(cfg.model_path, cfg.dtype, max_model_len=cfg.max_model_len,

@@ -14,10 +14,6 @@ from collections import defaultdict
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 ALLOWED_CYCLES = {
-    frozenset({"asyncrl.generator.engines.base", "asyncrl.generator.engines.hf_engine",
-               "asyncrl.generator.engines.lora_adapter", "asyncrl.generator.engines.sglang_engine",
-               "asyncrl.generator.engines.sglang_receiver", "asyncrl.generator.engines.vllm_engine"}):
-        "make_engine imports each engine lazily, and the engines import base's shared helpers",
     frozenset({"asyncrl.learner.ulysses", "asyncrl.learner.ulysses_deepspeed"}):
         "ulysses calls the DeepSpeed exchange lazily (learner.sp_impl=deepspeed), which reuses ulysses' attention",
 }

@@ -357,7 +357,8 @@ def test_lora_settings_and_the_engines_that_serve_them_are_checked():
 
 def test_the_generators_vllm_engine_takes_the_learners_lora_rank():
     from asyncrl.configs import load_config
-    from asyncrl.generator.engines.base import VllmOptions, engine_options
+    from asyncrl.generator.engines.base import VllmOptions
+    from asyncrl.generator.engines.factory import engine_options
 
     def lora_of(cfg, lora_rank, max_staleness):
         options = engine_options(cfg.generator, cfg.model, "/m", 0, lora_rank, max_staleness).vllm

@@ -12,7 +12,8 @@ import pytest
 
 from asyncrl.buffer.group import Sampling
 from asyncrl.generator.engines.base import (EngineBroken, EngineOptions, EngineUnsupported, VllmOptions,
-                                            WeightLoadError, engine_options)
+                                            WeightLoadError)
+from asyncrl.generator.engines.factory import engine_options
 from asyncrl.generator.engines.vllm_engine import (VllmEngine, apply_version_spans, check_transfer_plugin,
                                                    check_vllm_version)
 
