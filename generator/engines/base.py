@@ -8,8 +8,8 @@ methods. `staged` is a complete, verified version in the generator's staging map
 and raises WeightLoadError; if going back fails too, it raises EngineBroken and never samples again. No engine ever
 samples from partly loaded weights.
 
-Every engine is built from one `EngineOptions` (engines/factory.py::make_engine): the settings all engines read, plus a section per
-engine for the knobs only it reads, so a caller never builds another engine's keywords.
+Every engine is built from one `EngineOptions` (engines/factory.py::make_engine): the settings all engines read,
+plus a section per engine for the knobs only it reads, so a caller never builds another engine's keywords.
 """
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, runtime_checkable

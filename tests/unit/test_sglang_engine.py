@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from asyncrl.buffer.group import Sampling
-from asyncrl.generator.engines.base import (EngineBroken, EngineOptions, SglangOptions, WeightLoadError,
-                                            make_engine)
+from asyncrl.generator.engines.base import EngineBroken, EngineOptions, SglangOptions, WeightLoadError
+from asyncrl.generator.engines.factory import make_engine
 from asyncrl.generator.engines.sglang_engine import SglangEngine, kv_cache_tokens, new_tokens
 from asyncrl.weightsync.buckets import FlatBuckets
 from asyncrl.weightsync.dtypes import dtype_name
