@@ -18,7 +18,7 @@ from asyncrl.buffer.redis.coordinator import RedisCoordinator
 from asyncrl.buffer.redis.dealing import RedisDealer, forget_holder, settle_deals
 from asyncrl.buffer.redis.server import RedisBufferServer
 from asyncrl.buffer.redis.stream import REFUSED, GroupStream
-from tests.unit.test_dealer import Row
+from tests.dealt_rows import Row
 
 pytestmark = pytest.mark.redis
 VOCAB = 64

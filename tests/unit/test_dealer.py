@@ -15,16 +15,7 @@ from asyncrl.buffer.staleness import Coordinator
 from asyncrl.buffer.zmq.client import ZmqBufferClient
 from asyncrl.buffer.zmq.server import ZmqBufferServer
 from tests.conftest import free_port
-
-
-@dataclasses.dataclass
-class Row:
-    prompt_id: str
-    prompt_ids: list
-    data_source: str = "openai/gsm8k"
-    ground_truth: object = "4"
-    extra_info: dict = dataclasses.field(default_factory=dict)
-    messages: list | None = None
+from tests.dealt_rows import Row
 
 
 def rows(count):
