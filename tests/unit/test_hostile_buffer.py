@@ -63,8 +63,8 @@ OPS = st.lists(st.one_of(
 @given(ops=OPS)
 def test_admission_never_exceeds_the_bound_under_unrequested_groups_and_reclaimed_generators(ops):
     """A model of the rule: every admission is freed at most once (its group rejected, or its generator gone), a
-    group that held none frees nothing, and the groups in flight never exceed (η + v + 1)·B. On today's main,
-    before this issue, every rejected group freed one admission: ten unrequested bad groups let ten more start."""
+    group that held none frees nothing, and the groups in flight never exceed (η + v + 1)·B. If every rejected group
+    freed one admission, ten unrequested bad groups would let ten more start."""
     server = make_server()
     peers = {gen: RawPeer(server.endpoint, gen) for gen in "abc"}
     outstanding = dict.fromkeys("abc", 0)  # admissions each generator holds (the model)
