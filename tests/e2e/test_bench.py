@@ -140,7 +140,7 @@ def test_weightsync_fanout_bench_runs_on_a_tiny_setting(tmp_path):
 
 
 def test_plan_check_bench_runs_both_checks_on_a_tiny_setting(tmp_path):
-    from tests.unit.test_planner import write_job
+    from tests.planner_jobs import write_job
 
     runs = [str(write_job(tmp_path / f"eta{eta}", eta=eta)) for eta in (0, 1)]
     out = subprocess.run([sys.executable, "-m", "asyncrl.bench.plan_check", "--small", "--steps", "60", "--runs",

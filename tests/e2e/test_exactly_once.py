@@ -5,7 +5,6 @@ job ends when the epoch (data.epochs=1) is trained, and the learner's trained_gr
 saw it, lists every prompt of the file once. Both backends."""
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import pytest
 from asyncrl.security.curve import make_keys
 
 from tests.conftest import free_port
-from tests.e2e.test_run import QUIET_TELEMETRY, job_env, read_progress
+from tests.e2e.jobs import QUIET_TELEMETRY, job_env, read_progress, subset_parquet
 
 pytestmark = pytest.mark.slow
 
@@ -37,13 +36,6 @@ def effective_prompts(path) -> dict:
             timeline[row["step"]] = row["prompts"]
             last = row["step"]
     return timeline
-
-
-def subset_parquet(source: str, path: str, rows: int) -> list:
-    import pyarrow.parquet as pq
-
-    pq.write_table(pq.read_table(source).slice(0, rows), path)
-    return [f"{os.path.basename(path)}:{index}" for index in range(rows)]
 
 
 @contextlib.contextmanager

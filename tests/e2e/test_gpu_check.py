@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from tests.e2e.test_run import QUIET_TELEMETRY
+from tests.e2e.jobs import QUIET_TELEMETRY
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

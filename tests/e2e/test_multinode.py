@@ -12,7 +12,7 @@ import pytest
 
 from asyncrl.launch.slurm import Cluster, generator_command, learner_command
 from tests.conftest import free_port
-from tests.e2e.test_run import common_overrides, job_env, read_progress
+from tests.e2e.jobs import common_overrides, job_env, read_progress
 
 
 @pytest.mark.slow

@@ -11,8 +11,7 @@ import uuid
 import pytest
 
 from tests.conftest import free_port
-from tests.e2e.test_exactly_once import subset_parquet
-from tests.e2e.test_run import QUIET_TELEMETRY, job_env, read_progress
+from tests.e2e.jobs import QUIET_TELEMETRY, job_env, read_progress, subset_parquet
 
 pytestmark = pytest.mark.slow
 

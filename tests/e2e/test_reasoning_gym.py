@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from tests.conftest import free_port
-from tests.e2e.test_run import common_overrides, job_env, mlflow_metric_keys
+from tests.e2e.jobs import common_overrides, job_env, mlflow_metric_keys
 
 LENGTH_REWARD = '''
 def short(data_source, solution_str, ground_truth, extra_info=None):

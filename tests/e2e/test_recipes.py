@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tests.conftest import free_port
-from tests.e2e.test_run import common_overrides, job_env, read_progress
+from tests.e2e.jobs import common_overrides, job_env, read_progress
 
 RECIPE_METRICS = {
     "grpo.yaml": ("kl/ref_k3", "loss/kl", "offpolicy/mismatch_k3"),

@@ -17,10 +17,9 @@ from asyncrl.buffer.interface import LearnerUnavailable
 from asyncrl.buffer.redis.client import RedisBufferClient
 from asyncrl.buffer.redis.conn import RedisOptions, connect
 from asyncrl.buffer.redis.stream import GROUP
-from tests.integration.test_redis_acl import create_job_user, denials, user_url
-from tests.e2e.test_run import QUIET_TELEMETRY
-from tests.e2e.test_resume import (GROUPS_PER_STEP, N, SAMPLING, VOCAB, child_pids, run_to_end, scripted_group,
-                                   start_learner, tiny_model_dir, wait_until_gone)  # noqa: F401 (fixture)
+from tests.integration.helpers import create_job_user, denials, user_url
+from tests.e2e.jobs import (GROUPS_PER_STEP, N, QUIET_TELEMETRY, SAMPLING, VOCAB, child_pids, run_to_end,
+                            scripted_group, start_learner, wait_until_gone)
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -152,7 +151,7 @@ def test_demo_on_redis_with_two_generators_survives_a_generator_kill_9(redis_ser
     import subprocess
     import sys
 
-    from tests.e2e.test_run import common_overrides, job_env, read_progress
+    from tests.e2e.jobs import common_overrides, job_env, read_progress
     from tests.conftest import free_port
 
     job_dir = tmp_path / "job"

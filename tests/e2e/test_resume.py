@@ -8,39 +8,16 @@ same data and their loss curves can be compared exactly.
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
-import numpy as np
 import pytest
 
 from asyncrl.buffer.codec import encode_group
-from asyncrl.buffer.group import Group, Sample, Sampling
 from asyncrl.buffer.zmq.wire import pack, unpack_reply
 from tests.conftest import free_port
-from tests.e2e.test_run import QUIET_TELEMETRY
-
-VOCAB = 64
-GROUPS_PER_STEP = 2
-N = 4
-SAMPLING = Sampling(temperature=1.0, max_tokens=16)
-"""The recipe's sampling (learner_overrides sets rollout.max_tokens to match): the learner rejects any other."""
-
-
-def scripted_group(version: int, index: int, incarnation: int) -> Group:
-    rng = np.random.default_rng(version * 1000 + index)
-    samples = []
-    for _ in range(N):
-        length = int(rng.integers(2, 10))
-        samples.append(Sample(completion_ids=rng.integers(2, VOCAB, length).astype(np.int32),
-                              logprobs=-rng.random(length).astype(np.float32) * 3,
-                              versions=np.full(length, version, np.int32), reward=float(rng.integers(0, 2)),
-                              finish_reason="stop"))
-    return Group(group_id=f"i{incarnation}-v{version}-{index}", prompt_id=str(index), generator_id="scripted",
-                 prompt_ids=rng.integers(2, VOCAB, 5).astype(np.int32), samples=samples,
-                 sampling=SAMPLING, created_at=time.time())
+from tests.e2e.jobs import (GROUPS_PER_STEP, N, QUIET_TELEMETRY, SAMPLING, child_pids, run_to_end, scripted_group,
+                            start_learner, wait_until_gone)
 
 
 class ScriptedGenerator(threading.Thread):
@@ -121,50 +98,11 @@ def learner_overrides(model_dir, port, steps):
             "algo.kl_reward_coef=0.05", "algo.kl_controller=adaptive", "algo.kl_target=0.001", "algo.kl_horizon=40"]
 
 
-def start_learner(overrides, job_dir, tmp_path, nproc: int, extra=()):
-    env = {**os.environ, "ASYNCRL_JOB_DIR": str(job_dir), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db"}
-    log = open(os.path.join(job_dir, f"learner-{time.monotonic_ns()}.log"), "wb")
-    command = [sys.executable, "-m", "asyncrl.launch.cli", "learner", *(["--nproc", str(nproc)] if nproc > 1 else []),
-               *extra, *overrides]
-    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                            cwd=tmp_path), log  # MLflow writes run artifacts under the working directory
-
-
 def losses(job_dir):
     """step -> (loss/pg, the reward-KL coefficient the step used)."""
     with open(os.path.join(job_dir, "progress.jsonl")) as handle:
         rows = [json.loads(line) for line in handle]
     return {row["step"]: (row["loss/pg"], row["kl/reward_coef"]) for row in rows}
-
-
-def run_to_end(proc, log, timeout_s=300):
-    try:
-        code = proc.wait(timeout=timeout_s)
-    finally:
-        log.close()
-    assert code == 0, open(log.name).read()[-3000:]
-
-
-def child_pids(pid: int) -> list:
-    with open(f"/proc/{pid}/task/{pid}/children") as handle:
-        return [int(child) for child in handle.read().split()]
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, only not yet reaped
-    except FileNotFoundError:
-        return False
-
-
-def wait_until_gone(pids, timeout_s=30):
-    deadline = time.monotonic() + timeout_s
-    for pid in pids:
-        while alive(pid):
-            assert time.monotonic() < deadline, f"rank {pid} outlived its killed launcher"
-            time.sleep(0.05)
 
 
 def wait_for_checkpoint(path, proc, timeout_s=300):
@@ -173,16 +111,6 @@ def wait_for_checkpoint(path, proc, timeout_s=300):
         assert proc.poll() is None, "the learner exited before its checkpoint"
         assert time.monotonic() < deadline, f"no checkpoint at {path}"
         time.sleep(0.05)
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    from asyncrl.learner.model import build_qwen2
-
-    path = str(tmp_path_factory.mktemp("tiny-model"))
-    build_qwen2(vocab_size=VOCAB, hidden_size=64, num_layers=2, eos_token_id=1, pad_token_id=0,
-                seed=0).save_pretrained(path)
-    return path
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from tests.conftest import free_port
+from tests.e2e.jobs import common_overrides, job_env, mlflow_metric_keys, read_progress
 
 REQUIRED_METRICS = ("reward/mean", "loss/pg", "buffer/staleness/mean", "buffer/staleness/max",
                     "offpolicy/mismatch_k3", "perf/learner/tokens_per_s", "perf/generator/tokens_per_s",
@@ -21,36 +22,8 @@ REQUIRED_METRICS = ("reward/mean", "loss/pg", "buffer/staleness/mean", "buffer/s
 test_asyncrl_run_trains_logs_to_mlflow_and_respects_eta."""
 
 
-def common_overrides(demo_cache, port, steps, eta=1):
-    return [f"demo.cache_dir={demo_cache}", "demo.sft_steps=20", "demo.num_prompts=256", f"buffer.port={port}",
-            f"learner.total_steps={steps}", f"buffer.max_staleness={eta}", "buffer.groups_per_step=4",
-            "rollout.n=4", "generator.max_inflight_groups=4", "generator.log_every_s=1", "generator.kv_cache_gib=0.25",
-            "eval.every_steps=0", "eval.before_train=false",  # the recipe's held-out evaluation: one test asks for it
-            *QUIET_TELEMETRY]
-
-
-QUIET_TELEMETRY = ["telemetry.plots=false", "telemetry.system_metrics_every_s=0"]
-"""Drawing the plots costs seconds per job, on CI's two cores; one test (test_asyncrl_run_trains_logs_to_mlflow...)
-turns both back on and checks them."""
-
-
 VLLM_OVERRIDES = ["generator.engine=vllm", "learner.torch_threads=1"]
 """The demo recipe decodes with the hf engine; these tests run the real vLLM engine, whose CPU worker keeps a core."""
-
-
-def job_env(tmp_path):
-    return {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "HF_HUB_OFFLINE": "1"}
-
-
-def mlflow_metric_keys(tmp_path, run_id):
-    from mlflow.tracking import MlflowClient
-
-    return set(MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_run(run_id).data.metrics)
-
-
-def read_progress(job_dir):
-    with open(os.path.join(job_dir, "progress.jsonl")) as handle:
-        return [json.loads(line) for line in handle]
 
 
 def inject_garbage(port):

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from tests.conftest import free_port
-from tests.e2e.test_run import QUIET_TELEMETRY
+from tests.e2e.jobs import QUIET_TELEMETRY
 
 
 def overrides(demo_cache, port):

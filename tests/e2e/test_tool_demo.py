@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tests.conftest import free_port
-from tests.e2e.test_run import QUIET_TELEMETRY, job_env, mlflow_metric_keys, read_progress
+from tests.e2e.jobs import QUIET_TELEMETRY, job_env, mlflow_metric_keys, read_progress
 
 EPISODE_METRICS = ("gen-0/rollout/turns/mean", "gen-0/rollout/tool_calls/mean", "gen-0/rollout/tool_use_frac",
                    "gen-0/rollout/env_tokens/mean")

@@ -13,9 +13,10 @@ import sys
 import pytest
 import torch
 
+from tests.gpu.helpers import BF16_TOLERANCE, PROMPT, learner_logprobs
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PROMPT = [4, 6, 8, 2, 10, 11]
 
 
 async def generator_side(kind: str, model_path: str, address: str, shm_dir: str, last: str) -> None:
@@ -100,8 +101,6 @@ def test_a_pushed_version_is_what_the_engine_samples(kind, transport, demo_asset
             last = 2
         line = json.loads(child.stdout.readline())
         assert line["version"] == last and set(line["versions"]) == {last}
-        from tests.gpu.test_vllm_cuda import BF16_TOLERANCE, learner_logprobs
-
         with torch.no_grad():
             gap = float((learner_logprobs(model, line["tokens"]) - torch.tensor(line["logprobs"]).numpy()).__abs__()
                         .max())

@@ -19,7 +19,7 @@ from asyncrl.learner.checkpoint import (CheckpointError, latest_checkpoint, load
 from asyncrl.learner.config import LearnerConfig
 from asyncrl.learner.export import export_checkpoint
 from asyncrl.learner.state import LearnerState
-from tests.unit.test_checkpoint import build_training, seed_all, train_steps
+from tests.checkpoint_training import build_training, seed_all, train_steps
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FSDP_WORLD = 2

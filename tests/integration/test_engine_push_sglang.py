@@ -18,7 +18,7 @@ from asyncrl.weightsync.layout import plan_layout
 from asyncrl.weightsync.publisher import WeightPublisher
 from asyncrl.weightsync.receiver import WeightStage
 from tests.fakes.fake_sglang import join_weights_group
-from tests.unit.test_sglang_engine import build, weights_without_eos
+from tests.fakes.sglang_setup import build, weights_without_eos
 
 
 def gloo_rank0(master_address, master_port, world_size, group_name, backend):

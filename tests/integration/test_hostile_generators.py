@@ -22,8 +22,8 @@ from asyncrl.buffer.codec import encode_group
 from asyncrl.buffer.group import Group, Sample, Sampling
 from asyncrl.buffer.interface import LearnerUnavailable
 from tests.conftest import free_port
-from tests.integration.test_learner_loop import VOCAB, recipe_sampling, tiny_model_dir  # noqa: F401 (fixture)
-from tests.unit.test_hostile_buffer import RawPeer
+from tests.integration.helpers import VOCAB, recipe_sampling
+from tests.raw_peer import RawPeer
 
 LIMIT = 1 << 20  # buffer.max_message_bytes in these jobs
 STEPS, B, N = 3, 2, 2

@@ -9,15 +9,13 @@ import time
 import uuid
 
 import numpy as np
-import pytest
 
 from asyncrl.buffer.codec import encode_group
 from asyncrl.buffer.group import Group, Sample, Sampling
 from asyncrl.buffer.interface import LearnerUnavailable
 from asyncrl.buffer.zmq.client import ZmqBufferClient
 from tests.conftest import free_port
-
-VOCAB = 64
+from tests.integration.helpers import VOCAB, recipe_sampling
 
 
 def scripted_group(version: int, rng, sampling: Sampling) -> Group:
@@ -75,22 +73,6 @@ class ScriptedGenerator(threading.Thread):
     def group(self, rng) -> tuple:
         group = scripted_group(self.versions_heard[-1], rng, self.sampling)
         return group.group_id, encode_group(group)
-
-
-def recipe_sampling(cfg) -> Sampling:
-    """What a generator of this job samples with: the learner rejects anything else (buffer/plausibility.py)."""
-    rollout = cfg.rollout
-    return Sampling(rollout.temperature, rollout.top_p, rollout.top_k, rollout.max_tokens)
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    from asyncrl.learner.model import build_qwen2
-
-    path = str(tmp_path_factory.mktemp("tiny-model"))
-    model = build_qwen2(vocab_size=VOCAB, hidden_size=32, num_layers=1, eos_token_id=1, pad_token_id=0, seed=0)
-    model.save_pretrained(path)
-    return path
 
 
 def test_weights_are_published_every_k_steps_and_after_the_last_and_staleness_stays_within_eta(

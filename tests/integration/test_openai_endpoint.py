@@ -16,7 +16,7 @@ from asyncrl.generator.agents.openai_server import OpenAIEndpoint
 from asyncrl.generator.agents.openai_session import AgentSession
 from asyncrl.data.prompts import PromptRow
 from tests.chat_tokenizer import chat_tokenizer
-from tests.unit.test_episodes import ScriptedEngine, call
+from tests.scripted_engine import ScriptedEngine, call
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}

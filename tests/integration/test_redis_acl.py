@@ -9,24 +9,9 @@ import pytest
 
 from asyncrl.buffer.redis.acl import acl_rules, acl_setuser_line, key_pattern
 from asyncrl.buffer.redis.conn import RedisOptions, check_server, configure_durability, connect
+from tests.integration.helpers import create_job_user, denials, user_url
 
 pytestmark = pytest.mark.redis
-
-
-def create_job_user(admin, namespace: str) -> tuple:
-    """(user, password) created with the job's rules; the caller deletes it."""
-    user, password = f"job{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
-    admin.execute_command("ACL", "SETUSER", user, *acl_rules(namespace, password))
-    return user, password
-
-
-def user_url(redis_server, user: str, password: str) -> str:
-    return f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0"
-
-
-def denials(admin, user: str) -> list:
-    """What Redis refused `user` since the log was reset: (reason, command or key)."""
-    return [(entry["reason"], entry["object"]) for entry in admin.acl_log() if entry["username"] == user]
 
 
 def test_the_job_user_may_run_asyncrl_and_nothing_else(redis_server):

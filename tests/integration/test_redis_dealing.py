@@ -19,14 +19,12 @@ from asyncrl.buffer.redis.coordinator import RedisCoordinator
 from asyncrl.buffer.redis.dealing import RedisDealer, forget_holder, settle_deals
 from asyncrl.buffer.redis.server import RedisBufferServer
 from asyncrl.buffer.redis.stream import REFUSED, GroupStream
-from asyncrl.data.prompts import PromptRow, decode_prompt, encode_prompts
+from asyncrl.data.prompts import decode_prompt, encode_prompts
+from tests.dealt_rows import Row
 
 pytestmark = pytest.mark.redis
 VOCAB = 64
 
-
-def Row(prompt_id: str, prompt_ids: list, data_source="openai/gsm8k", extra_info=None) -> PromptRow:
-    return PromptRow(prompt_id, prompt_ids, data_source, "4", extra_info or {})
 
 
 def base_dealer(count: int, epochs=1, timeout_s=60.0) -> PromptDealer:

@@ -3,52 +3,18 @@ save, older formats, and `asyncrl export` into an HF directory. The 2-rank FSDP2
 processes: tests/integration/test_checkpoint_ranks.py."""
 import json
 import os
-import random
 import shutil
 import time
 from collections import Counter
 
-import numpy as np
 import pytest
 import torch
 
 from asyncrl.learner.checkpoint import (CHECKPOINT_PREFIX, CheckpointError, latest_checkpoint, load_checkpoint,
                                         save_checkpoint, wait_for_pending_save)
-from asyncrl.learner.config import LearnerConfig
-from asyncrl.learner.build import build_optimizer
 from asyncrl.learner.export import export_checkpoint
-from asyncrl.learner.model import build_qwen2
 from asyncrl.learner.state import LearnerState
-
-VOCAB = 64
-
-
-def build_training(seed: int = 0):
-    model = build_qwen2(vocab_size=VOCAB, hidden_size=64, num_layers=2, eos_token_id=1, pad_token_id=0, seed=seed)
-    optimizer, scheduler = build_optimizer(model, LearnerConfig(warmup_steps=10))  # lr changes every step
-    return model, optimizer, scheduler
-
-
-def train_steps(model, optimizer, scheduler, steps: int) -> list[float]:
-    """A toy LM loss on inputs drawn from torch's RNG, weighted by python and numpy draws: resuming is only exact
-    when all three RNG states come back."""
-    losses = []
-    for _ in range(steps):
-        ids = torch.randint(2, VOCAB, (2, 12))
-        weight = 1.0 + 0.1 * random.random() + 0.1 * float(np.random.rand())
-        loss = model(input_ids=ids, labels=ids).loss * weight
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
-
-
-def seed_all(seed: int) -> None:
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed)
+from tests.checkpoint_training import build_training, seed_all, train_steps
 
 
 def test_resume_gives_bit_identical_losses_lr_and_the_whole_learner_state(tmp_path):
@@ -146,8 +112,6 @@ def test_export_writes_an_hf_model_with_tied_weights_and_dtype(tmp_path):
     want = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
     got = exported.state_dict()
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-
-
 
 
 def test_a_format_1_checkpoint_is_read_into_a_learner_state(tmp_path):

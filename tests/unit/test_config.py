@@ -14,8 +14,8 @@ def test_default_recipe_is_the_cpu_demo():
     cfg = load_config()
     assert cfg.demo.task == "sort_digits" and cfg.generator.engine == "hf"  # docs/platform.md: faster at this size
     assert (cfg.buffer.max_staleness, cfg.learner.torch_threads, cfg.generator.torch_threads) == (1, 1, 1)
-    assert cfg.algo.dynamic_sampling  # README: time to reward, with the generator's filter
-    assert cfg.algo.prox_logprobs == "loglinear"  # README: the correction sweep, A-3PO ahead of η = 0 per step
+    assert cfg.algo.dynamic_sampling  # docs/benchmarks.md: time to reward, with the generator's filter
+    assert cfg.algo.prox_logprobs == "loglinear"  # docs/benchmarks.md: the staleness sweep, A-3PO ahead of η = 0 per step
 
 
 @pytest.mark.parametrize("override, key", [

@@ -20,7 +20,7 @@ from asyncrl.learner.critic import Critic, compute_values, load_value_model
 from asyncrl.learner.model import build_qwen2
 from asyncrl.learner.state import LearnerState
 from asyncrl.learner.train_step import StepSettings, train_step
-from tests.unit.test_learner import make_group
+from tests.groups import make_group
 
 
 def test_clipped_value_loss_matches_hand_computed_values():

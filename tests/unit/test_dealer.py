@@ -15,13 +15,9 @@ from asyncrl.buffer.group import Group, Sample, Sampling
 from asyncrl.buffer.staleness import Coordinator
 from asyncrl.buffer.zmq.client import ZmqBufferClient
 from asyncrl.buffer.zmq.server import ZmqBufferServer
-from asyncrl.data.prompts import PromptRow, decode_prompt, encode_prompts
+from asyncrl.data.prompts import decode_prompt, encode_prompts
 from tests.conftest import free_port
-
-
-def Row(prompt_id: str, prompt_ids: list, data_source="openai/gsm8k", ground_truth="4", extra_info=None,
-        messages=None) -> PromptRow:
-    return PromptRow(prompt_id, prompt_ids, data_source, ground_truth, extra_info or {}, messages)
+from tests.dealt_rows import Row
 
 
 def rows(count):

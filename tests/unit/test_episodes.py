@@ -3,7 +3,6 @@ tokens plus the appended ones, nothing re-tokenized), loss masks, budgets and th
 environment failures that the episode survives, templates that cannot append, and a whole group through the
 rollout loop. The engine is scripted; the tools run in real worker processes."""
 import asyncio
-import json
 
 import numpy as np
 import pytest
@@ -18,9 +17,9 @@ from asyncrl.generator.agents.tool_env import ToolEnvironment
 from asyncrl.generator.agents.tools import ToolBox
 from asyncrl.generator.config import RolloutConfig
 from asyncrl.data.prompts import PromptRow
-from asyncrl.generator.engines.base import Completion
 from asyncrl.generator.rollout import RolloutLoop
 from tests.chat_tokenizer import chat_tokenizer
+from tests.scripted_engine import ScriptedEngine, call
 
 TOOLS = '''
 import time
@@ -48,32 +47,6 @@ def chatty(x: int) -> str:
     return "blah " * 10000
 '''
 SAMPLING = Sampling(1.0, 1.0, -1, 64)
-
-
-def call(name, **arguments):
-    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
-
-
-class ScriptedEngine:
-    """Answers each request with the next scripted turn (text, finish reason), encoded; records every request."""
-
-    resumed_requests = 0
-
-    def __init__(self, tokenizer, turns, version=7):
-        self.tokenizer, self.turns, self.version = tokenizer, list(turns), version
-        self.requests = []
-        self.sampled = []
-
-    async def sample(self, prompt_ids, sampling, n):
-        assert n == 1
-        self.requests.append(list(prompt_ids))
-        text, finish = self.turns.pop(0) if self.turns else ("done", "stop")
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        if finish == "stop":
-            ids.append(self.tokenizer.eos_token_id)
-        self.sampled.append(ids)
-        return [Completion(token_ids=ids, logprobs=[-0.25] * len(ids), versions=[self.version] * len(ids),
-                           finish_reason=finish)]
 
 
 @pytest.fixture(scope="module")

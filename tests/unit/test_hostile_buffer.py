@@ -7,10 +7,8 @@ import logging
 import time
 import uuid
 
-import msgpack
 import numpy as np
 import pytest
-import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,8 +20,8 @@ from asyncrl.buffer.rejections import RejectionLog
 from asyncrl.buffer.staleness import Coordinator
 from asyncrl.buffer.zmq.client import ZmqBufferClient
 from asyncrl.buffer.zmq.server import ZmqBufferServer
-from asyncrl.buffer.zmq.wire import pack
 from tests.conftest import free_port
+from tests.raw_peer import RawPeer
 
 ETA, B = 1, 2
 LIMITS = JobLimits(group_size=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=16, max_completion_tokens=16,
@@ -46,31 +44,6 @@ def make_server(**overrides) -> ZmqBufferServer:
     return server
 
 
-class RawPeer:
-    """A generator written by someone else: the wire protocol over a DEALER socket, with no client-side checks."""
-
-    def __init__(self, endpoint: str, gen: str):
-        self.gen, self.req = gen, 0
-        self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(endpoint)
-
-    def ask(self, op: str, *bodies: bytes, wait_ms: int = 10_000, **fields) -> dict:
-        self.req += 1
-        self.socket.send_multipart([pack({"op": op, "req": self.req, "gen": self.gen, "wid": "", **fields}),
-                                    *bodies])
-        while True:  # a reply to an earlier request that timed out is stale: skipped
-            assert self.socket.poll(wait_ms), f"no reply to {op}"
-            reply = msgpack.unpackb(self.socket.recv_multipart()[-1], raw=False)
-            if reply.get("req") in (self.req, -1):
-                return reply
-
-    def close(self) -> None:
-        self.socket.close()
-        self.context.term()
-
-
 def wait_until(condition, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -90,8 +63,8 @@ OPS = st.lists(st.one_of(
 @given(ops=OPS)
 def test_admission_never_exceeds_the_bound_under_unrequested_groups_and_reclaimed_generators(ops):
     """A model of the rule: every admission is freed at most once (its group rejected, or its generator gone), a
-    group that held none frees nothing, and the groups in flight never exceed (η + v + 1)·B. On today's main,
-    before this issue, every rejected group freed one admission: ten unrequested bad groups let ten more start."""
+    group that held none frees nothing, and the groups in flight never exceed (η + v + 1)·B. If every rejected group
+    freed one admission, ten unrequested bad groups would let ten more start."""
     server = make_server()
     peers = {gen: RawPeer(server.endpoint, gen) for gen in "abc"}
     outstanding = dict.fromkeys("abc", 0)  # admissions each generator holds (the model)

@@ -1,35 +1,21 @@
 """Learner pieces on a tiny random Qwen2: chunked tempered logprobs, batch alignment, micro-batch invariance."""
 import copy
-import time
 
 import numpy as np
 import pytest
 import torch
 
 from asyncrl.algos.config import LOSS_NAMES, AlgoConfig
-from asyncrl.buffer.group import Group, Sample, Sampling
 from asyncrl.learner.batch import build_batch, split_microbatches
 from asyncrl.learner.logprobs import compute_logprobs
 from asyncrl.learner.model import build_qwen2
 from asyncrl.learner.train_step import StepSettings, train_step
+from tests.groups import make_group
 
 
 @pytest.fixture
 def model():
     return build_qwen2(vocab_size=32, hidden_size=64, num_layers=2, eos_token_id=1, pad_token_id=0, seed=0).double()
-
-
-def make_group(rng, n=3, version=0, temperature=0.7):
-    prompt = rng.integers(2, 32, size=rng.integers(2, 6)).astype(np.int32)
-    samples = []
-    for _ in range(n):
-        length = int(rng.integers(1, 7))
-        samples.append(Sample(completion_ids=rng.integers(2, 32, size=length).astype(np.int32),
-                              logprobs=-rng.random(length).astype(np.float32) * 3,
-                              versions=np.full(length, version, dtype=np.int32),
-                              reward=float(rng.integers(0, 2)), finish_reason="stop"))
-    return Group(group_id="g", prompt_id="p", generator_id="t", prompt_ids=prompt, samples=samples,
-                 sampling=Sampling(temperature=temperature), created_at=time.time())
 
 
 def test_chunked_tempered_logprobs_equal_full_log_softmax(model):

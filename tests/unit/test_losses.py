@@ -27,31 +27,10 @@ from asyncrl.algos.losses import (
 )
 from asyncrl.algos.metrics import combine_token_metrics
 from asyncrl.algos.registry import LOSSES, keyword_defaults
+from tests.algos_helpers import F64, counts, make_batch, token_logprobs
 
-F64 = torch.float64
-LENGTHS = [1, 6, 3, 0, 5, 4, 6, 2]  # unequal, and one sequence with no trainable token
-B, T, V = len(LENGTHS), 6, 5
 ALL_LOSSES = sorted(POLICY_LOSSES)
 COV_LOSSES = ("clip_cov", "kl_cov")  # select tokens over the whole call
-
-
-def make_batch(seed=0):
-    """A tiny "model" (free logits z [B, T, V]) plus sampled tokens, mask and per-sequence advantages."""
-    gen = torch.Generator().manual_seed(seed)
-    z = torch.randn(B, T, V, generator=gen, dtype=F64, requires_grad=True)
-    tokens = torch.randint(0, V, (B, T), generator=gen)
-    mask = (torch.arange(T)[None, :] < torch.tensor(LENGTHS)[:, None]).to(F64)  # [B, T]
-    advantages = torch.randn(B, 1, generator=gen, dtype=F64).expand(B, T).contiguous()
-    noise = 0.3 * torch.randn(B, T, generator=gen, dtype=F64)
-    return z, tokens, mask, advantages, noise
-
-
-def token_logprobs(z, tokens):
-    return torch.log_softmax(z, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)  # [B, T]
-
-
-def counts(mask):
-    return dict(global_tokens=float(mask.sum()), global_seqs=float((mask.sum(-1) > 0).sum()), norm_constant=4.0)
 
 
 def call(name, logprobs, prox, advantages, mask, *, logprobs_behav=None, is_weight=None, **hyperparameters):

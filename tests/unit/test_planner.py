@@ -9,6 +9,7 @@ import pytest
 from asyncrl.planner.closed_form import in_queue_staleness, mean_staleness, pre_queue_staleness, tailness
 from asyncrl.planner.from_run import empirical_lengths, lognormal_lengths, measure_run
 from asyncrl.planner.simulate import Fleet, Learner, Queue, simulate
+from tests.planner_jobs import write_job
 
 
 def test_the_closed_form_gives_the_published_worked_values():
@@ -66,28 +67,6 @@ def test_the_simulator_reproduces_the_closed_form_in_its_setting():
         assert abs(point["error"]) < 0.15, point
 
 
-def write_job(path, steps=20, gens=2, eta=1, filtered_per_step=0):
-    """A finished job directory as the learner writes it: progress, trained groups with lengths, summary,
-    config. `filtered_per_step`: groups dynamic sampling dropped per step (the fleet's running total, logged)."""
-    from asyncrl.configs import load_config, to_yaml
-
-    path.mkdir()
-    with open(path / "progress.jsonl", "w") as handle:
-        for step in range(1, steps + 1):
-            handle.write(json.dumps({"step": step, "elapsed_s": 2.0 * step, "timing/learner/wait_for_batch_s": 0.5,
-                                     "perf/generator/tokens_per_s": 300.0, "timing/generator/idle_frac": 0.25,
-                                     "buffer/staleness/mean": 1.0, "timing/learner/idle_frac": 0.25,
-                                     "generator/filtered_groups": float(filtered_per_step * step)}) + "\n")
-    with open(path / "trained_groups.jsonl", "w") as handle:
-        for step in range(1, steps + 1):
-            handle.write(json.dumps({"step": step, "groups": ["a", "b", "c", "d"], "prompts": ["p"] * 4,
-                                     "lengths": [[10, 20, 30, 40]] * 4}) + "\n")
-    (path / "summary.json").write_text(json.dumps({"generators": {f"gen-{i}": {} for i in range(gens)}}))
-    (path / "config.yaml").write_text(to_yaml(load_config(None, [f"buffer.max_staleness={eta}",
-                                                                 "buffer.groups_per_step=4", "rollout.n=4"])))
-    return path
-
-
 def test_a_finished_job_gives_the_planners_inputs(tmp_path):
     measured = measure_run(str(write_job(tmp_path / "job")))
     assert measured.generators == 2 and measured.groups_per_step == 4 and measured.n == 4
@@ -130,7 +109,7 @@ def test_asyncrl_plan_sizes_the_fleet_and_checks_itself_against_the_run(tmp_path
 
 
 def test_the_run_script_parses_and_asks_for_its_directory():
-    """bench/plan_runs.sh makes the README's measured runs (minutes of `asyncrl run`, not run here): it must at least
+    """bench/plan_runs.sh makes docs/benchmarks.md's measured runs (minutes of `asyncrl run`, not run here): it must at least
     parse, and without a directory say how it is used instead of writing runs somewhere."""
     import os
 

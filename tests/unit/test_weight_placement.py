@@ -4,7 +4,7 @@ A CPU machine cannot run NCCL, so these tests use a strict stand-in for a proces
 gloo do, a tensor on the wrong device for its backend; the chain code must refuse such buckets itself, with a
 message naming them, before posting anything. The publisher must hand a device group the copy it keeps on the
 group's device, never the CPU ring ("meta" stands in for the GPU: it has a device type of its own and copies into
-it are free). The real NCCL path has not run yet: it needs a GPU (README, "What has run on a GPU").
+it are free). The real NCCL path has not run yet: it needs a GPU (docs/testing.md, "What has run on a GPU").
 """
 import pytest
 import torch
@@ -13,7 +13,7 @@ from asyncrl.weightsync.group.chain import PeerError, bucket_device, relay_chain
 from asyncrl.weightsync.publisher import WeightPublisher
 from asyncrl.weightsync.receiver import WeightStage
 
-from tests.unit.test_weightsync_core import model_tensors, publish
+from tests.weightsync_tensors import model_tensors, publish
 
 
 class StrictGroup:

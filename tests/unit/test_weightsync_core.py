@@ -12,17 +12,7 @@ from asyncrl.weightsync.layout import ALIGN, LayoutError, from_message, plan_lay
 from asyncrl.weightsync.publisher import PublishError, WeightPublisher
 from asyncrl.weightsync.receiver import WeightStage, WeightSyncError
 from asyncrl.weightsync.shm_ring import RingError, ShmRing
-
-
-def model_tensors(seed: int, scale: float = 1.0) -> list:
-    torch.manual_seed(seed)
-    return [("embed.weight", torch.randn(50, 16) * scale), ("layer.0.w", torch.randn(16, 16)),
-            ("layer.0.b", torch.randn(3)), ("norm.weight", torch.randn(16).to(torch.bfloat16)),
-            ("lm_head.weight", torch.randn(50, 16))]
-
-
-def specs_of(tensors):
-    return [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in tensors]
+from tests.weightsync_tensors import model_tensors, publish, specs_of
 
 
 def test_layout_packs_aligned_buckets_and_survives_its_message():
@@ -39,10 +29,6 @@ def test_layout_packs_aligned_buckets_and_survives_its_message():
         from_message(broken)
     with pytest.raises(LayoutError, match="checksums"):
         from_message(dict(message, checksums=[]))
-
-
-def publish(publisher, tensors, version):
-    return publisher.publish(iter(tensors), version, specs_of(tensors))
 
 
 def test_publisher_writes_versions_in_place_and_staging_copies_them_verified(tmp_path):

@@ -1,0 +1,31 @@
+"""Helpers shared by the integration tests: the tiny model's vocabulary, the sampling a job's generators use, and
+least-privilege Redis users."""
+import uuid
+
+from asyncrl.buffer.group import Sampling
+from asyncrl.buffer.redis.acl import acl_rules
+
+
+VOCAB = 64
+
+
+def recipe_sampling(cfg) -> Sampling:
+    """What a generator of this job samples with: the learner rejects anything else (buffer/plausibility.py)."""
+    rollout = cfg.rollout
+    return Sampling(rollout.temperature, rollout.top_p, rollout.top_k, rollout.max_tokens)
+
+
+def create_job_user(admin, namespace: str) -> tuple:
+    """(user, password) created with the job's rules; the caller deletes it."""
+    user, password = f"job{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
+    admin.execute_command("ACL", "SETUSER", user, *acl_rules(namespace, password))
+    return user, password
+
+
+def user_url(redis_server, user: str, password: str) -> str:
+    return f"redis://{user}:{password}@127.0.0.1:{redis_server.port}/0"
+
+
+def denials(admin, user: str) -> list:
+    """What Redis refused `user` since the log was reset: (reason, command or key)."""
+    return [(entry["reason"], entry["object"]) for entry in admin.acl_log() if entry["username"] == user]

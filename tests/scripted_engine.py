@@ -1,0 +1,31 @@
+"""An engine that answers with scripted turns, and the Hermes tool-call text a scripted turn carries, for the
+multi-turn episode tests."""
+import json
+
+from asyncrl.generator.engines.base import Completion
+
+
+def call(name, **arguments):
+    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+
+
+class ScriptedEngine:
+    """Answers each request with the next scripted turn (text, finish reason), encoded; records every request."""
+
+    resumed_requests = 0
+
+    def __init__(self, tokenizer, turns, version=7):
+        self.tokenizer, self.turns, self.version = tokenizer, list(turns), version
+        self.requests = []
+        self.sampled = []
+
+    async def sample(self, prompt_ids, sampling, n):
+        assert n == 1
+        self.requests.append(list(prompt_ids))
+        text, finish = self.turns.pop(0) if self.turns else ("done", "stop")
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if finish == "stop":
+            ids.append(self.tokenizer.eos_token_id)
+        self.sampled.append(ids)
+        return [Completion(token_ids=ids, logprobs=[-0.25] * len(ids), versions=[self.version] * len(ids),
+                           finish_reason=finish)]
