@@ -2,7 +2,7 @@
 from setuptools import setup
 
 PARTS = ["algos", "buffer", "generator", "learner", "weightsync", "configs", "launch", "telemetry", "bench", "planner", "security"]
-SUBPACKAGES = ["buffer.zmq", "buffer.redis", "generator.agents", "generator.engines", "generator.tasks", "weightsync.group"]
+SUBPACKAGES = ["buffer.zmq", "buffer.redis", "generator.agents", "generator.engines", "generator.tasks", "weightsync.broadcast"]
 
 packages = [f"asyncrl.{p}" for p in PARTS + SUBPACKAGES]
 package_dir = {f"asyncrl.{p}": p.replace(".", "/") for p in PARTS + SUBPACKAGES}

@@ -1,5 +1,5 @@
 """Versions pushed from the learner's GPU straight into this generator's engine, vLLM or SGLang
-(weightsync.backend=engine_push; the learner's side is weightsync/engine_push/host.py).
+(weightsync.backend=engine_push; the learner's side is weightsync/engine_push/sender.py).
 
 The learner drives vLLM's update round through the store (init, start, update, finish); `PushedWeights.handle`
 runs each call on the generator's event loop, under the same lock as the staged loads of rollout.py, so a push and

@@ -4,7 +4,7 @@ verified, before any engine touches it.
 A generator keeps a staging ring of three slots (shm_ring.py): the version its engine runs (kept, so a failed load
 can go back to it), the version being loaded, and one free slot where the next version lands. A version gets there
 by the cheapest path that has it, each checked against the control message's per-bucket checksums:
-1. the broadcast group's background receiver already holds it (weightsync/group/member.py): copy it in;
+1. the broadcast group's background receiver already holds it (weightsync/broadcast/member.py): copy it in;
 2. the learner's ring is on this host: copy it from the shared mapping (seqlock-checked);
 3. otherwise ask the learner's catch-up server for it (catchup.py).
 Only a `Staged` version — complete, checksummed, in a slot nobody writes to — is handed to an engine's receiver,
@@ -60,7 +60,7 @@ class WeightStage:
         self._lock = threading.Lock()
         self._learner_rings: dict[str, ShmRing] = {}
         self.paths_used = {"group": 0, "shm": 0, "catchup": 0, "catchup_delta": 0}
-        self.member = None  # group.member.WeightGroupMember, joined when a control message names a group
+        self.member = None  # broadcast.member.BroadcastMember, joined when a control message names a group
         self._member_address = None
         self._received: tuple | None = None  # (version, buckets) taken from the member, not yet used
         self._last_delta = False  # the last catch-up answer was a delta (its checksums are checked in `stage`)
@@ -155,8 +155,8 @@ class WeightStage:
         return True
 
     def _join(self, group: dict, layout: Layout) -> None:
-        from asyncrl.weightsync.group.chain import BACKENDS, bucket_device
-        from asyncrl.weightsync.group.member import WeightGroupMember
+        from asyncrl.weightsync.broadcast.chain import BACKENDS, bucket_device
+        from asyncrl.weightsync.broadcast.member import BroadcastMember
 
         backend = group.get("backend", "gloo")
         if backend not in BACKENDS:
@@ -166,7 +166,7 @@ class WeightStage:
             self.member.close()
         sizes = list(layout.bucket_sizes)
         device = bucket_device(backend)  # NCCL receives into GPU memory; _from_group copies it into staging
-        self.member = WeightGroupMember.connect(group["address"], self.name, self.catchup_timeout_s,
+        self.member = BroadcastMember.connect(group["address"], self.name, self.catchup_timeout_s,
                                                 backend=backend)
         self.member.start_receiving(lambda: [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes])
         self._member_address = group["address"]

@@ -56,11 +56,11 @@ def test_catch_up_then_broadcast_then_a_kill_9_never_blocks_the_learner(tmp_path
         assert version == 1 and paths["catchup"] == 1  # not on the learner's host: caught up
         assert all(torch.equal(got[name], t) for name, t in tensors(1))
         deadline = time.monotonic() + 30  # the first message named the group: the generator joins it
-        while not publisher.group.host.store.check(["ws/member/1"]):  # its registration (group/protocol.py)
+        while not publisher.plane.sender.store.check(["ws/member/1"]):  # its registration (broadcast/protocol.py)
             assert time.monotonic() < deadline, "the generator never registered with the weight group"
             time.sleep(0.01)
         message = publisher.publish(iter(tensors(2)), 2, specs(tensors(2)))
-        assert publisher.group.last_report.delivered, publisher.group.last_report
+        assert publisher.plane.last_report.delivered, publisher.plane.last_report
         inbox.put(message)
         version, paths, got = outbox.get(timeout=60)
         assert version == 2 and paths["group"] == 1, paths  # delivered by the broadcast group

@@ -9,7 +9,7 @@ it are free). The real NCCL path has not run yet: it needs a GPU (README, "What 
 import pytest
 import torch
 
-from asyncrl.weightsync.group.chain import PeerError, bucket_device, relay_chain, send_chain
+from asyncrl.weightsync.broadcast.chain import PeerError, bucket_device, relay_chain, send_chain
 from asyncrl.weightsync.publisher import WeightPublisher
 from asyncrl.weightsync.receiver import WeightStage
 
@@ -81,8 +81,8 @@ def test_bucket_devices_follow_the_backend_and_nccl_without_cuda_is_a_clear_erro
         assert bucket_device("nccl").type == "cuda"
 
 
-class DeviceGroupSender:
-    """backends.GroupSender's interface, on a device of its own: records where the buckets it was given live."""
+class DevicePlane:
+    """backends.BroadcastPlane's interface, on a device of its own: records where the buckets it was given live."""
 
     def __init__(self, device):
         self.device = torch.device(device)
@@ -104,8 +104,8 @@ class DeviceGroupSender:
 
 
 def test_a_device_group_is_sent_the_publishers_device_copy_never_the_cpu_ring(tmp_path):
-    group = DeviceGroupSender("meta")
-    publisher = WeightPublisher(str(tmp_path / "ring"), slots=3, bucket_bytes=4096, group=group)
+    group = DevicePlane("meta")
+    publisher = WeightPublisher(str(tmp_path / "ring"), slots=3, bucket_bytes=4096, plane=group)
     stage = WeightStage(str(tmp_path), "gen")
     try:
         message = publish(publisher, model_tensors(1), 1)
@@ -120,8 +120,8 @@ def test_a_device_group_is_sent_the_publishers_device_copy_never_the_cpu_ring(tm
 
 
 def test_a_cpu_group_is_sent_the_ring_itself(tmp_path):
-    group = DeviceGroupSender("cpu")
-    publisher = WeightPublisher(str(tmp_path / "ring"), slots=3, bucket_bytes=4096, group=group)
+    group = DevicePlane("cpu")
+    publisher = WeightPublisher(str(tmp_path / "ring"), slots=3, bucket_bytes=4096, plane=group)
     try:
         publish(publisher, model_tensors(1), 1)
         ring_pointers = [b.data_ptr() for b in publisher.ring.buckets(1).buffers]
