@@ -1,6 +1,6 @@
 """Choosing the buffer backend (`buffer.backend`): the learner's `LearnerBuffer` and a generator's `GeneratorBuffer`
 (buffer/interface.py). Backends are imported lazily, so a zmq job never imports redis-py and the reverse."""
-from asyncrl.buffer.interface import GeneratorBuffer, LearnerBuffer
+from asyncrl.buffer.interface import GeneratorBuffer, LearnerBuffer, RunInfo
 from asyncrl.buffer.plausibility import JobLimits
 from asyncrl.buffer.redis.conn import RedisOptions
 
@@ -25,7 +25,7 @@ def job_limits(cfg, max_positions: int) -> JobLimits:
 
 
 def make_learner_buffer(cfg, *, vocab_size: int, max_positions: int, config_hash: str, shared_config: dict,
-                        run_info: dict, start_version: int, fresh: bool, dealer=None, evals=None) -> LearnerBuffer:
+                        run_info: RunInfo, start_version: int, fresh: bool, dealer=None, evals=None) -> LearnerBuffer:
     """The learner's buffer (with its staleness coordinator inside), checking every group against the job's limits.
     With Redis, a fresh start clears what an older run left under the same namespace; a resumed one keeps the
     stream (its unacked groups are still owed training) and moves the version back to the checkpoint's.

@@ -9,7 +9,7 @@ import socket
 
 from asyncrl.buffer.backends import make_generator_buffer
 from asyncrl.buffer.done import BYE_TIMEOUT_S
-from asyncrl.buffer.interface import GeneratorBuffer, GeneratorRefused, HelloReply, LearnerUnavailable
+from asyncrl.buffer.interface import GeneratorBuffer, GeneratorRefused, HelloReply, LearnerUnavailable, RunInfo
 from asyncrl.configs import describe_difference, shared_hash, shared_sections
 from asyncrl.generator.agents.build import build_episode_runner, wants_episodes
 from asyncrl.generator.agents.chat_render import TemplateCannotAppend
@@ -115,8 +115,8 @@ async def run_generator_async(cfg, say=print) -> int:
         keys = client_keys(cfg.security.keys_dir, cfg.security.client_name)
         model_path = await resolve_model(cfg, client, hello, shared_hash(cfg), generator_id, keys, say)
         tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
-        prompts, data_sources = None, info.get("data_sources")
-        if not info.get("deals"):  # a learner that deals no prompts: walk a copy of the dataset
+        prompts, data_sources = None, info.data_sources
+        if not info.deals:  # a learner that deals no prompts: walk a copy of the dataset
             prompts, data_sources = local_prompts(cfg, info, tokenizer, seed, generator_id)
         if uses_builtin_rewards(cfg.reward):
             check_builtin_rewards(set(data_sources or ()))
@@ -134,7 +134,7 @@ async def run_generator_async(cfg, say=print) -> int:
                              seed=seed, update_mode=cfg.generator.update_mode,
                              trust_remote_code=cfg.model.trust_remote_code,
                              **vllm_placement(cfg.generator, cfg.model),
-                             **vllm_lora(cfg.generator, info.get("lora_rank", 0), cfg.buffer.max_staleness))
+                             **vllm_lora(cfg.generator, info.lora_rank, cfg.buffer.max_staleness))
         await engine.start()
         if wants_episodes(cfg.tools, cfg.env, cfg.agent):
             episodes = build_episode_runner(cfg.tools, cfg.env, cfg.agent, cfg.rollout,
@@ -146,7 +146,7 @@ async def run_generator_async(cfg, say=print) -> int:
         stage = WeightStage(cfg.weightsync.shm_dir, generator_id, cfg.weightsync.timeout_s, keys=keys)
         metrics_log = _metrics_logger(info, generator_id)
         if metrics_log is not None:
-            system_metrics = start_system_metrics(info["tracking_uri"], info["mlflow_run_id"], generator_id,
+            system_metrics = start_system_metrics(info.tracking_uri, info.mlflow_run_id, generator_id,
                                                   cfg.telemetry.system_metrics_every_s)
         rollout = RolloutLoop(
             client, engine, prompts, scorer, tokenizer, cfg.rollout,
@@ -189,29 +189,29 @@ async def run_generator_async(cfg, say=print) -> int:
         client.close()
 
 
-def local_prompts(cfg, info: dict, tokenizer, seed: int, generator_id: str):
+def local_prompts(cfg, info: RunInfo, tokenizer, seed: int, generator_id: str):
     """This generator's own endless walk over the dataset, when the learner deals no prompts, and the data sources
     in it. Shuffled with this generator's seed: not exactly once across the fleet."""
-    rows, skipped = tokenize_rows(job_rows(cfg.data, cfg.job.seed, info["train_files"]), tokenizer,
+    rows, skipped = tokenize_rows(job_rows(cfg.data, cfg.job.seed, list(info.train_files)), tokenizer,
                                   cfg.data.max_prompt_tokens)
     if skipped:
         log.warning("generator %s: skipped %d prompts longer than data.max_prompt_tokens", generator_id, skipped)
     return iterate_prompts(rows, cfg.data.shuffle, seed), sorted({row.data_source for row in rows})
 
 
-def _metrics_logger(info: dict, generator_id: str):
+def _metrics_logger(info: RunInfo, generator_id: str):
     """The logger into the learner's run, or None when that cannot work: the learner's store is a file on another
     machine (telemetry.serve is the way), or MLflow does not answer."""
     from asyncrl.telemetry.mlflow_logger import MetricsLogger, is_local_store
 
-    learner_host = info.get("host")
-    if is_local_store(info["tracking_uri"]) and learner_host and learner_host != socket.gethostname():
+    learner_host = info.host
+    if is_local_store(info.tracking_uri) and learner_host and learner_host != socket.gethostname():
         log.warning("generator %s: the learner logs to %s, a file on %s; this generator's metrics stay out of the "
                     "run (start the job with telemetry.serve=true, or set telemetry.tracking_uri to a tracking "
-                    "server)", generator_id, info["tracking_uri"], learner_host)
+                    "server)", generator_id, info.tracking_uri, learner_host)
         return None
     try:
-        return MetricsLogger(info["tracking_uri"], info["mlflow_run_id"], prefix=f"{generator_id}/")
+        return MetricsLogger(info.tracking_uri, info.mlflow_run_id, prefix=f"{generator_id}/")
     except Exception as err:  # telemetry must never stop generation
         log.warning("generator %s: MLflow unavailable (%s); metrics go to the learner only", generator_id, err)
         return None

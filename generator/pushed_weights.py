@@ -33,7 +33,7 @@ class PushBusy(RuntimeError):
 class PushedWeights:
     def __init__(self, engine, lock: asyncio.Lock, recover_target, stage, loop: asyncio.AbstractEventLoop,
                  generator_id: str):
-        """`recover_target()` -> the newest announced control message ({} if none); `stage` is the generator's
+        """`recover_target()` -> the newest announcement (None if none); `stage` is the generator's
         weightsync/receiver.py WeightStage, which brings it in whole after a failed push."""
         self.engine, self.lock, self.loop = engine, lock, loop
         self.recover_target, self.stage, self.generator_id = recover_target, stage, generator_id
@@ -116,7 +116,8 @@ class PushedWeights:
         staged = None
         try:
             target = self.recover_target()
-            staged = await asyncio.to_thread(self.stage.stage, target) if target.get("version", 0) > 0 else None
+            staged = await asyncio.to_thread(self.stage.stage, target) if target is not None and target.version > 0 \
+                else None
             await self.engine.push_recover(staged)
             if staged is not None:
                 self.stage.end_load(staged, ok=True)
@@ -141,19 +142,18 @@ class PushedWeights:
             self.lock.release()
 
 
-async def join_push(target: dict, engine, lock: asyncio.Lock, recover_target, stage, generator_id: str,
+async def join_push(target, engine, lock: asyncio.Lock, recover_target, stage, generator_id: str,
                     timeout_s: float):
-    """Register this generator's engine for the push the control message `target` names ("engines"); returns
+    """Register this generator's engine for the push the announcement `target` names (`engines`); returns
     (the member, close it when done; the PushedWeights, whose counts say what came), or (None, None) if the
     message names none or the engine cannot take pushes."""
-    engines = target.get("engines")
+    engines = target.engines
     if not engines or not hasattr(engine, "push_init"):
         return None, None
     from asyncrl.weightsync.engine_push.member import EnginePushMember
 
     pushed = PushedWeights(engine, lock, recover_target, stage, asyncio.get_running_loop(), generator_id)
-    member = await asyncio.to_thread(EnginePushMember.connect, engines["address"], generator_id, engine.push_ranks,
+    member = await asyncio.to_thread(EnginePushMember.connect, engines, generator_id, engine.push_ranks,
                                      pushed.handle, timeout_s, engine.push_kind)
-    log.info("generator %s: its engine takes versions pushed from the learner at %s", generator_id,
-             engines["address"])
+    log.info("generator %s: its engine takes versions pushed from the learner at %s", generator_id, engines)
     return member, pushed

@@ -28,6 +28,7 @@ from asyncrl.generator.engines.base import EngineBroken, WeightLoadError
 from asyncrl.generator.pushed_weights import join_push
 from asyncrl.generator.rewards import overlong_penalty
 from asyncrl.telemetry.timing import BusyClock, idle_fraction
+from asyncrl.weightsync.announcement import WeightsAnnouncement
 from asyncrl.weightsync.receiver import WeightSyncError
 
 log = logging.getLogger(__name__)
@@ -138,13 +139,13 @@ class RolloutLoop:
         self.episodes = episodes
         """agents/episode.py EpisodeRunner: with tools or an environment, each sample is a multi-turn episode."""
         self.stats = RolloutStats(scorer=scorer, episodes=episodes)
-        self.latest_weights: dict = {}
+        self.latest_weights: WeightsAnnouncement | None = None
         self.job_end = JobEnd()
         self._weights_lock = asyncio.Lock()
         self.push_member = None  # weightsync/engine_push member, once a control message names a push
         self.admission = AdmissionGate(client, self.note_reply, version_of=lambda: self.engine.version)
         """Every waiting worker's admission in one request, so the grants of a reply are sampled in one batch."""
-        self.weights_by_version: dict = {}  # the last few control messages heard of, for evaluation rounds
+        self.weights_by_version: dict = {}  # version -> the last few announcements heard of, for evaluation rounds
         self._publisher: str | None = None  # the learner life whose messages are current (weightsync publisher)
         self._retired: set = set()  # earlier lives: their messages, late in stale replies, are ignored
         self._loaded_publisher: str | None = None  # the life whose weights the engine holds (None: the model's)
@@ -185,9 +186,12 @@ class RolloutLoop:
 
     def note_reply(self, reply: Status) -> None:
         """What every reply says: the newest weights, whether the job is over, groups rejected since."""
-        version, life = reply.weights.get("version", -1), reply.weights.get("publisher")
-        retired = isinstance(life, str) and life in self._retired  # a dead learner's message, late: ignored
-        if not retired and isinstance(version, int) and isinstance(life, str) and life != self._publisher:
+        if reply.weights is None:  # nothing published yet
+            version, life = -1, None
+        else:
+            version, life = reply.weights.version, reply.weights.publisher
+        retired = life in self._retired  # a dead learner's message, late: ignored
+        if life is not None and not retired and life != self._publisher:
             # a learner that restarted from a checkpoint: its versions repeat or go back, with other bytes, and
             # replace everything the previous life announced
             if self._publisher is not None:
@@ -197,7 +201,8 @@ class RolloutLoop:
             self._publisher = life
             self.latest_weights = reply.weights
             self.weights_by_version = {version: reply.weights}
-        elif not retired and isinstance(version, int) and version > self.latest_weights.get("version", -1):
+        elif life is not None and not retired and version > (
+                self.latest_weights.version if self.latest_weights is not None else -1):
             self.latest_weights = reply.weights
             self.weights_by_version[version] = reply.weights
             for old in sorted(self.weights_by_version)[:-KEPT_WEIGHT_MESSAGES]:
@@ -234,14 +239,16 @@ class RolloutLoop:
         """Load the newest announced version if the engine is behind (while evaluation prompts are pinned to a
         version, that one instead); one load at a time."""
         async with self._weights_lock:
-            target = self.latest_weights if not self.pins else self.weights_by_version.get(min(self.pins), {})
-            if self.push_member is None and target.get("engines") and self.stage is not None:
+            target = self.latest_weights if not self.pins else self.weights_by_version.get(min(self.pins))
+            if target is None:
+                return
+            if self.push_member is None and target.engines and self.stage is not None:
                 self.push_member, self.stats.pushes = await join_push(
                     target, self.engine, self._weights_lock, lambda: self.latest_weights, self.stage,
                     self.generator_id, self.stage.catchup_timeout_s)
-            foreign = (self._loaded_publisher is not None and target.get("publisher") is not None
-                       and target["publisher"] != self._loaded_publisher)  # an earlier learner life's weights
-            if not target or (target["version"] <= self.engine.version and not foreign):
+            foreign = (self._loaded_publisher is not None
+                       and target.publisher != self._loaded_publisher)  # an earlier learner life's weights
+            if target.version <= self.engine.version and not foreign:
                 return
             started = time.monotonic()
             try:
@@ -250,7 +257,7 @@ class RolloutLoop:
             finally:
                 self.stats.weight_wait_s += time.monotonic() - started
 
-    async def _load(self, target: dict) -> None:
+    async def _load(self, target: WeightsAnnouncement) -> None:
         """Stage `target` and load it; a failed load is counted and logged, and sampling goes on on the last good
         version, unless the engine is broken (EngineBroken is raised: nothing good is left to sample from)."""
         staged = None
@@ -258,7 +265,7 @@ class RolloutLoop:
             staged = await asyncio.to_thread(self.stage.stage, target)  # whole and checksummed, or an error
             await self.engine.load_weights(staged, self.stage.good)
             self.stage.end_load(staged, ok=True)
-            self._loaded_publisher = target.get("publisher")
+            self._loaded_publisher = target.publisher
             self.stats.weight_loads += 1
         except (WeightSyncError, WeightLoadError) as err:
             if staged is not None:

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from asyncrl.weightsync.announcement import BroadcastPlace
 from asyncrl.weightsync.catchup import CatchupServer
 from asyncrl.weightsync.publisher import WeightPublisher
 from asyncrl.weightsync.shm_ring import remove_stale
@@ -16,7 +17,7 @@ log = logging.getLogger(__name__)
 
 class BroadcastPlane:
     """The publisher's view of the broadcast group: one `send` per version, which never raises for a generator's
-    failure (broadcast.sender.SendReport names it; the generator catches up), and a `describe` for the control message."""
+    failure (broadcast.sender.SendReport names it; the generator catches up), and a `describe` for the announcement."""
 
     def __init__(self, sender, timeout_s: float, advertise: str):
         from asyncrl.weightsync.broadcast.chain import bucket_device
@@ -28,11 +29,9 @@ class BroadcastPlane:
         self.address = f"{advertise}:{sender.address.rsplit(':', 1)[1]}" if advertise else sender.address
         self.last_report = None
 
-    message_key = "group"
-    """Where the control message names this data plane (WeightStage joins it from there)."""
-
     def describe(self) -> dict:
-        return {"address": self.address, "backend": self.sender.backend}
+        """The announcement's `broadcast` field: WeightStage joins the group from there."""
+        return {"broadcast": BroadcastPlace(self.address, self.sender.backend)}
 
     def send(self, version: int, buffers: list, ready=None, layout=None) -> None:
         report = self.sender.send(version, buffers, self.timeout_s, ready=ready)
@@ -58,11 +57,9 @@ class EnginePushPlane:
         self.address = sender.address
         self.last_report = None
 
-    message_key = "engines"
-    """Where the control message names this data plane (the generator's rollout loop registers from there)."""
-
     def describe(self) -> dict:
-        return {"address": self.address}
+        """The announcement's `engines` field: a generator registers its engine there."""
+        return {"engines": self.address}
 
     def send(self, version: int, buffers: list, ready=None, layout=None) -> None:
         from asyncrl.weightsync.buckets import FlatBuckets

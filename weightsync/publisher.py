@@ -3,7 +3,7 @@
 `publish(named_tensors, version)` takes the full tensors as the FSDP gathers produce them (bucket by bucket, on
 rank 0), copies each into its place in the ring slot for this version (the persistent shared-memory mapping,
 shm_ring.py), and hands every completed bucket to a sender thread that checksums it and, when a broadcast group is
-attached, sends it on while the main thread gathers the next bucket. It returns the control message (layout.py),
+attached, sends it on while the main thread gathers the next bucket. It returns the announcement (announcement.py),
 which the buffer announces to generators; a generator that missed the broadcast (it joined late, restarted, or
 lives on another host without the group) fetches the same bytes from the catch-up server (catchup.py), which
 serves them from the ring.
@@ -22,14 +22,34 @@ import queue
 import threading
 import time
 import uuid
+from typing import Protocol
 
 import torch
 
 from asyncrl.weightsync.buckets import FlatBuckets
-from asyncrl.weightsync.layout import Layout, bucket_checksum, plan_layout, to_message
+from asyncrl.weightsync.announcement import ShmRingPlace, WeightsAnnouncement
+from asyncrl.weightsync.layout import Layout, announcement_for, bucket_checksum, plan_layout
 from asyncrl.weightsync.shm_ring import ShmRing
 
 log = logging.getLogger(__name__)
+
+
+class DataPlane(Protocol):
+    """A data plane beside the ring that sends each version on as it is published (backends.BroadcastPlane, the
+    chain relay; backends.EnginePushPlane, the push into engines). Its `send` never raises for a generator's
+    failure: a generator that missed a version fetches it from the ring or the catch-up server."""
+
+    device: torch.device
+    """Where the buckets it sends must be (the publisher keeps a copy there when it is not the CPU)."""
+
+    def describe(self) -> dict:
+        """Where the announcement names this plane: WeightsAnnouncement fields (broadcast=..., engines=...)."""
+
+    def send(self, version: int, buffers: list, ready=None, layout: Layout | None = None) -> None:
+        """Send `version`'s buckets; `ready(k, deadline)` waits until bucket k is complete."""
+
+    def close(self) -> None:
+        """Release the plane's store and groups."""
 
 
 class PublishError(RuntimeError):
@@ -51,7 +71,6 @@ class WeightPublisher:
         self.ring: ShmRing | None = None
         self.layout: Layout | None = None
         self.device_buckets: FlatBuckets | None = None  # the plane's copy on its device (NCCL: the GPU)
-        self.last_message: dict = {}
         self.timings: dict = {}
         self.life = uuid.uuid4().hex[:12]
         """Names this publisher in every message: a learner resumed from a checkpoint publishes version numbers the
@@ -64,17 +83,17 @@ class WeightPublisher:
             os.makedirs(os.path.dirname(self.ring_path) or ".", exist_ok=True)
             self.ring = ShmRing(self.ring_path, layout, self.slots, create=True)  # once per job, then reused
             self.layout = layout
-            device = getattr(self.plane, "device", None)
+            device = self.plane.device if self.plane is not None else None
             self.device_buckets = (FlatBuckets(layout, device=device)
                                    if device is not None and torch.device(device).type != "cpu" else None)
             if self.catchup is not None:
                 self.catchup.attach(self.ring)
         return self.ring
 
-    def publish(self, named_tensors, version: int, specs: list, extra: dict | None = None) -> dict:
+    def publish(self, named_tensors, version: int, specs: list, extra: dict | None = None) -> WeightsAnnouncement:
         """specs: (name, dtype name, shape) of every tensor in the order `named_tensors` yields them (known before
-        any gather, from the sharded state dict). `extra`: more fields of the control message (a LoRA version's
-        `lora` settings). Returns the control message for `version`."""
+        any gather, from the sharded state dict). `extra`: more fields of the announcement (a LoRA version's `lora`
+        settings). Returns the announcement of `version`."""
         started = time.perf_counter()
         layout = plan_layout(specs, self.bucket_bytes)
         ring = self._ring_for(layout)
@@ -111,15 +130,15 @@ class WeightPublisher:
             sender.close(aborted=not complete)
         sender.raise_error()
         ring.end_write(slot, version)
-        message = to_message(layout, version, checksums, shm={"path": self.ring_path, "host": self.host,
-                                                              "slots": self.slots},
-                             published_at=time.time(), publisher=self.life, **(extra or {}))
+        places = {"shm": ShmRingPlace(self.ring_path, self.host, self.slots)}
         if self.plane is not None:
-            message[self.plane.message_key] = self.plane.describe()
+            places.update(self.plane.describe())
         if self.catchup is not None:
-            message["catchup"] = self.catchup.address
+            places["catchup"] = self.catchup.address
+        message = announcement_for(layout, version, checksums, publisher=self.life, published_at=time.time(),
+                                   **places, **(extra or {}))
+        if self.catchup is not None:
             self.catchup.announce(message)
-        self.last_message = message
         self.timings = {"publish_s": time.perf_counter() - started, "send_wait_s": sender.wait_s}
         return message
 

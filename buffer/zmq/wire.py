@@ -22,16 +22,19 @@ weights control message the generator holds, "" for none):
                              # and lengths nil give it back
   stats {metrics}            -> {}
   bye                        -> {}
-Every reply carries `req`, `ok`, `weights_id` (of the newest weights), `weights` (their control message) only when
-the request's `wid` differs, `error` when ok is false, and `rejected` {count, last_error} when groups this generator
-sent earlier were found invalid since its last reply (the learner validates a group when it takes it, so "accepted"
-means queued; only an oversized group is refused in its own reply, with `reason`). ZmqBufferClient keeps the newest
-message, and turns every reply into the typed replies of buffer/interface.py (`status_fields`), so callers always
-see `weights`. Group payloads travel in their own frame so the codec's size limit applies to them alone.
+Every reply carries `req`, `ok`, `weights_id` (of the newest weights), `weights`
+(their announcement, weightsync/announcement.py `to_wire`) only when the request's `wid` differs, `error` when ok is
+false, and `rejected` {count, last_error} when groups this generator sent earlier were found invalid since its last
+reply (the learner validates a group when it takes it, so "accepted" means queued; only an oversized group is
+refused in its own reply, with `reason`). ZmqBufferClient keeps the newest announcement (decoded once:
+interface.decode_weights), and turns every reply into the typed replies of buffer/interface.py (`status_fields`), so
+callers always see `weights`. Group payloads travel in their own frame so the codec's size limit applies to them
+alone.
 """
 import msgpack
 
 from asyncrl.buffer.interface import Rejections
+from asyncrl.weightsync.announcement import WeightsAnnouncement
 
 OPS = ("hello", "admit", "release", "group", "eval", "stats", "bye")
 MAX_HEADER_BYTES = 1 << 20
@@ -77,5 +80,5 @@ def status_fields(reply: dict) -> dict:
     else:
         rejected = None
     return {"version": version if isinstance(version, int) else 0,
-            "weights": weights if isinstance(weights, dict) else {},
+            "weights": weights if isinstance(weights, WeightsAnnouncement) else None,
             "done": reply.get("done") is True, "rejected": rejected}

@@ -243,7 +243,7 @@ def test_the_publisher_pushes_each_complete_version_and_names_the_push_in_its_me
     try:
         source = version_buckets(7)
         message = publisher.publish(((e.name, source.view(e)) for e in source.layout.entries), 7, SPECS)
-        assert message["engines"] == {"address": host.address} and "group" not in message
+        assert message.engines == host.address and message.broadcast is None
         assert pusher.last_report.delivered == ["gen-a"] and engine.version == 7
         for entry in source.layout.entries:
             assert torch.equal(engine.received[entry.name], source.view(entry))

@@ -15,6 +15,7 @@ from asyncrl.buffer.staleness import Coordinator
 from asyncrl.buffer.zmq.client import ZmqBufferClient
 from asyncrl.buffer.zmq.server import ZmqBufferServer
 from tests.conftest import free_port
+from tests.messages import run_info
 
 
 @dataclasses.dataclass
@@ -174,7 +175,7 @@ def group_for(deal, gen="gen-a", reward=1.0):
 def test_the_zmq_buffer_deals_with_admissions_and_refuses_groups_outside_their_deal():
     d = dealer(4, epochs=1)
     server = ZmqBufferServer("127.0.0.1", free_port(), Coordinator(4, 2), vocab_size=16, config_hash="h",
-                             max_message_bytes=4096, queue_groups=8, run_info={}, dealer=d)
+                             max_message_bytes=4096, queue_groups=8, run_info=run_info(), dealer=d)
     server.start()
     gen_a = ZmqBufferClient(server.endpoint, "gen-a", timeout_s=5)
     gen_b = ZmqBufferClient(server.endpoint, "gen-b", timeout_s=5)
