@@ -44,11 +44,10 @@ class Rejections:
 
 @dataclass
 class Status:
-    """What every reply carries: the learner's version, the newest weights' announcement, and whether the job is
-    over."""
+    """What every reply carries: the newest weights' announcement, whether the job is over, and groups found
+    invalid. The learner's published version is `weights.version`: a generator follows the weights it can load, so
+    the typed reply carries no second, bare version that could disagree with them."""
 
-    version: int = 0
-    """The learner's published version (optimizer steps done and published)."""
     weights: WeightsAnnouncement | None = None
     """The announcement of the newest published weights (weightsync/announcement.py); None before the first
     publish. Each backend's client decodes it from the wire once per new announcement, and a malformed one is an

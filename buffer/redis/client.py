@@ -114,7 +114,7 @@ class RedisBufferClient:
         Its lease is taken once, so a resend neither loses it nor takes another. A group whose deal is no longer
         out to this generator (past data.deal_timeout_s: dealt again) is refused in the same script."""
         if not group_id:
-            return {"ok": False, "accepted": False, "version": 0, "weights": None, "done": False,
+            return {"ok": False, "accepted": False, "weights": None, "done": False,
                     "error": "a group request needs its group_id (idempotence key)"}
         lease = self.leases.pop(0) if self.leases else ""
         try:
@@ -135,15 +135,15 @@ class RedisBufferClient:
                                                META_FIELDS)
         meta = meta_of(raw_meta)
         weights = self.retry("weights", self._weights_for, meta["weights_id"])
-        return reply_fields(meta, version, weights), version, results
+        return reply_fields(meta, weights), version, results
 
     def _handle(self, op: str, fields: dict, token: str) -> dict:
         pipe = self.client.pipeline(transaction=False)
         raw_meta, version = pipe.hmget(self.keys["meta"], *META_FIELDS).get(self.keys["version"]).execute()
         meta = meta_of(raw_meta)
-        return self._op(op, meta, self._reply(meta, op, int(version or 0)), int(version or 0), fields, token)
+        return self._op(op, meta, self._reply(meta, op), int(version or 0), fields, token)
 
-    def _reply(self, meta: dict, op: str, version: int) -> dict:
+    def _reply(self, meta: dict, op: str) -> dict:
         """The fields every reply carries, from the run metadata the learner keeps in Redis."""
         if meta["config_hash"] is None:
             if op == "hello":  # the caller waits for the learner to start, saying so
@@ -151,7 +151,7 @@ class RedisBufferClient:
             # mid-run, the metadata can only be missing because Redis restarted empty: the learner rewrites it as
             # soon as it reconnects, so this is waited out like the outage itself
             raise redis.ConnectionError("the job's metadata is gone from Redis; waiting for the learner to rewrite it")
-        return reply_fields(meta, version, self._weights_for(meta["weights_id"]))
+        return reply_fields(meta, self._weights_for(meta["weights_id"]))
 
     def _weights_for(self, weights_id: str | None) -> WeightsAnnouncement | None:
         """The announcement `weights_id` names, read from Redis only when it is not the one already held: it
@@ -195,7 +195,7 @@ class RedisBufferClient:
                                    token, self.coordinator.lease_ms + 3_600_000)
                 want -= len(evals)
             if not reply["done"]:
-                granted, reply["version"], deals = self.coordinator.admit_dealt(
+                granted, _, deals = self.coordinator.admit_dealt(
                     self.generator_id, want, self.deal_ms, request_id=token)
             self.leases.extend(granted)
             self.deals_held.update(dict.fromkeys(deal_id for deal_id, _ in deals))
@@ -243,9 +243,9 @@ def meta_of(values: list) -> dict:
     return {name: None if value is None else value.decode() for name, value in zip(META_FIELDS, values)}
 
 
-def reply_fields(meta: dict, version: int, weights: WeightsAnnouncement | None) -> dict:
+def reply_fields(meta: dict, weights: WeightsAnnouncement | None) -> dict:
     """The fields every reply carries (as the zmq learner's), from the run metadata the learner keeps in Redis."""
-    return {"ok": True, "version": version, "weights": weights, "done": meta.get("done") == "1"}
+    return {"ok": True, "weights": weights, "done": meta.get("done") == "1"}
 
 
 def _unpack(task: bytes):
@@ -258,5 +258,4 @@ def _unpack(task: bytes):
 
 def _status(reply: dict) -> dict:
     """The `interface.Status` fields of a reply dict (Redis holds no rejections: bad entries are dead-lettered)."""
-    return {"version": int(reply.get("version", 0)), "weights": reply.get("weights"),
-            "done": bool(reply.get("done"))}
+    return {"weights": reply.get("weights"), "done": bool(reply.get("done"))}

@@ -22,7 +22,8 @@ weights control message the generator holds, "" for none):
                              # and lengths nil give it back
   stats {metrics}            -> {}
   bye                        -> {}
-Every reply carries `req`, `ok`, `weights_id` (of the newest weights), `weights`
+Every reply carries `req`, `ok`, `version` (the learner's published version, for a peer that follows no weights;
+ZmqBufferClient reads the version from the announcement instead), `weights_id` (of the newest weights), `weights`
 (their announcement, weightsync/announcement.py `to_wire`) only when the request's `wid` differs, `error` when ok is
 false, and `rejected` {count, last_error} when groups this generator sent earlier were found invalid since its last
 reply (the learner validates a group when it takes it, so "accepted" means queued; only an oversized group is
@@ -72,13 +73,11 @@ def unpack_reply(frame: bytes) -> dict:
 def status_fields(reply: dict) -> dict:
     """The `interface.Status` fields of a reply: what every reply carries, with types checked (a field of the wrong
     type reads as absent rather than reaching the rollout loop)."""
-    version = reply.get("version")
     weights = reply.get("weights")
     rejected = reply.get("rejected")
     if isinstance(rejected, dict) and isinstance(rejected.get("count"), int):
         rejected = Rejections(rejected["count"], str(rejected.get("last_error", "")))
     else:
         rejected = None
-    return {"version": version if isinstance(version, int) else 0,
-            "weights": weights if isinstance(weights, WeightsAnnouncement) else None,
+    return {"weights": weights if isinstance(weights, WeightsAnnouncement) else None,
             "done": reply.get("done") is True, "rejected": rejected}

@@ -195,8 +195,9 @@ def test_groups_sent_together_travel_in_one_message_and_each_caller_gets_its_own
         request = msgpack.unpackb(header)
         results = [{"req": req, "accepted": index != 1, "retry": index == 1}
                    for index, req in enumerate(request["reqs"])]
-        router.send_multipart([identity, pack({"req": request["req"], "ok": True, "version": 7, "weights_id": "",
-                                               "done": False, "results": results})])
+        router.send_multipart([identity, pack({"req": request["req"], "ok": True, "version": 7, "weights_id": "w7",
+                                               "weights": announcement(7).to_wire(), "done": False,
+                                               "results": results})])
         return request, bodies
 
     async def scenario():
@@ -212,7 +213,7 @@ def test_groups_sent_together_travel_in_one_message_and_each_caller_gets_its_own
         context.term()
     assert request["op"] == "group" and len(request["reqs"]) == 3 and bodies == [b"\x00", b"\x01\x01", b"\x02" * 3]
     assert [r.accepted for r in replies] == [True, False, True] and replies[1].retry
-    assert all(r.version == 7 for r in replies)
+    assert all(r.weights == announcement(7) for r in replies)  # the reply's common fields, in every result
 
 
 def test_the_server_answers_each_group_of_a_batch_and_refuses_a_batch_it_cannot_match():

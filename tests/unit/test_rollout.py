@@ -142,9 +142,9 @@ def test_a_reply_announcing_newer_weights_is_kept_and_an_older_one_is_not():
     loop = RolloutLoop(client=None, engine=ScriptedEngine(), prompts=iter([]), scorer=InlineScorer(reward_is_nine),
                        tokenizer=DigitTokenizer(), rollout_cfg=RolloutConfig(n=1, max_tokens=4), max_inflight_groups=1,
                        generator_id="g", reward_shaping=RewardConfig())
-    loop.note_reply(Status(version=4, weights=announcement(4)))
-    loop.note_reply(Status(version=4, weights=announcement(3, tensors=2)))
-    loop.note_reply(Status(version=4, weights=None))
+    loop.note_reply(Status(weights=announcement(4)))
+    loop.note_reply(Status(weights=announcement(3, tensors=2)))
+    loop.note_reply(Status(weights=None))
     assert loop.latest_weights == announcement(4) and not loop.done
 
 
