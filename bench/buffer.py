@@ -3,7 +3,7 @@ nothing).
 
 For 4 KB and 64 KB groups, a producer process sends `--count` groups as fast as the path allows and this process
 consumes them; latency is from the producer stamping the message to the consumer holding it. The backends run with
-a weights control message announced, as in a real job (a 0.5B model's: 291 tensors, 17 KB).
+weights announced, as in a real job (a 0.5B model's: 291 tensors, 17 KB).
 - zmq backend: ZmqBufferClient.send requests, as many in flight as a generator keeps by default
   (generator.max_inflight_groups) -> ZmqBufferServer (queue) -> take() (validation).
 - raw zmq: PUSH/PULL of the same encoded bytes.
@@ -62,10 +62,11 @@ def make_payload(size_bytes: int) -> Group:
                  created_at=0.0)
 
 
-def published_weights() -> dict:
-    """The weights control message a learner announces after publishing a Qwen2.5-0.5B-shaped model (291 tensors):
+def published_weights():
+    """The weights announcement a learner announces after publishing a Qwen2.5-0.5B-shaped model (291 tensors):
     the backends run with it set, as in a real job, where every generator must learn of each new one."""
-    from asyncrl.weightsync.layout import plan_layout, to_message
+    from asyncrl.weightsync.announcement import ShmRingPlace
+    from asyncrl.weightsync.layout import announcement_for, plan_layout
 
     hidden, inter, kv = 896, 4864, 128
     layer = [("self_attn.q_proj.weight", (hidden, hidden)), ("self_attn.q_proj.bias", (hidden,)),
@@ -78,8 +79,16 @@ def published_weights() -> dict:
     specs += [(f"model.layers.{i}.{name}", "bfloat16", shape) for i in range(24) for name, shape in layer]
     specs += [("model.norm.weight", "bfloat16", (hidden,)), ("lm_head.weight", "bfloat16", (151936, hidden))]
     layout = plan_layout(specs, 64 << 20)
-    return to_message(layout, 1, ["0" * 16] * len(layout.bucket_sizes),
-                      shm={"path": "/dev/shm/asyncrl-bench", "host": "bench", "slots": 3}, published_at=time.time())
+    return announcement_for(layout, 1, ["0" * 16] * len(layout.bucket_sizes), publisher="bench",
+                            published_at=time.time(), shm=ShmRingPlace("/dev/shm/asyncrl-bench", "bench", 3))
+
+
+def bench_run_info():
+    """The run info the servers hand every generator that says hello (the benchmark's clients only read weights)."""
+    from asyncrl.buffer.interface import RunInfo
+
+    return RunInfo(model_path="", train_files=(), mlflow_run_id="", tracking_uri="", host="bench", job_dir="",
+                   job="bench")
 
 
 def stamped(group: Group) -> bytes:
@@ -258,7 +267,7 @@ def run_zmq_backend(size: int, count: int, loop: str = "uvloop") -> dict:
 
     port = free_port()
     server = ZmqBufferServer("127.0.0.1", port, Coordinator(1 << 20, 1 << 20), vocab_size=VOCAB, config_hash="b",
-                             max_message_bytes=1 << 24, queue_groups=256, run_info={})
+                             max_message_bytes=1 << 24, queue_groups=256, run_info=bench_run_info())
     server.start()
     server.announce_weights(published_weights())
     proc, reader = start_producer(produce_zmq_backend, port, size, count, loop)
@@ -305,7 +314,7 @@ def run_redis_backend(url: str, size: int, count: int, loop: str = "uvloop") -> 
     coordinator = RedisCoordinator(client, job, 1 << 20, 1 << 20)
     coordinator.set_version(0, allow_backwards=True)  # as the learner does at start (make_learner_buffer)
     server = RedisBufferServer(client, url, job, coordinator, vocab_size=VOCAB,
-                               config_hash="b", max_message_bytes=1 << 24, run_info={})
+                               config_hash="b", max_message_bytes=1 << 24, run_info=bench_run_info())
     server.start()
     server.announce_weights(published_weights())
     receipts = []

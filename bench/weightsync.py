@@ -254,7 +254,7 @@ def publish_once(publisher, named: list, version: int, receivers: int | None) ->
     started = time.perf_counter()
     message = publisher.publish(iter(named), version, specs)
     elapsed = time.perf_counter() - started
-    report = getattr(publisher.group, "last_report", None)
+    report = getattr(publisher.plane, "last_report", None)
     if report is not None and receivers is not None and (report.failed or len(report.delivered) != receivers):
         raise RuntimeError(f"v{version} reached {report.delivered} of {receivers} generators: {report}")
     return message, elapsed
@@ -262,7 +262,7 @@ def publish_once(publisher, named: list, version: int, receivers: int | None) ->
 
 def wait_for_members(publisher, count: int, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while int(publisher.group.host.store.add("ws/tickets", 0)) < count:
+    while int(publisher.plane.sender.store.add("ws/tickets", 0)) < count:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{count} generators did not join the broadcast group within {timeout_s} s")
         time.sleep(0.01)

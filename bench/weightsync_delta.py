@@ -19,6 +19,7 @@ Qwen2-0.5B's shape with its 151936-token vocabulary (494M parameters) at an RL l
 figure to beat is verl's: about 1-3% of bytes change per step.
 """
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -34,7 +35,8 @@ from asyncrl.weightsync import delta
 from asyncrl.weightsync.catchup import CatchupServer, fetch
 from asyncrl.weightsync.buckets import FlatBuckets
 from asyncrl.weightsync.dtypes import dtype_name
-from asyncrl.weightsync.layout import from_message
+from asyncrl.weightsync.announcement import ShmRingPlace
+from asyncrl.weightsync.layout import layout_of
 from asyncrl.weightsync.publisher import WeightPublisher
 from asyncrl.weightsync.receiver import WeightStage
 
@@ -100,8 +102,9 @@ def run_setting(shape: str, dtype: str, lr: float, steps: int, seed: int, workdi
     rows = []
     try:
         message = publisher.publish(iter(model.state_dict().items()), 0, specs)
-        stage.end_load(stage.stage(dict(message, shm={"path": hidden, "slots": 3})), ok=True)
-        scratch = FlatBuckets(from_message(message))
+        elsewhere = ShmRingPlace(hidden, "other", 3)
+        stage.end_load(stage.stage(dataclasses.replace(message, shm=elsewhere)), ok=True)
+        scratch = FlatBuckets(layout_of(message))
         for step in range(1, steps + 1):
             policy_gradient_step(model, optimizer, SHAPES[shape]["vocab"], generator)
             prepared_before = server.deltas_prepared
@@ -112,7 +115,7 @@ def run_setting(shape: str, dtype: str, lr: float, steps: int, seed: int, workdi
             ready_s = time.perf_counter() - published
             sent_before, deltas_before, hits_before = server.sent_bytes, server.deltas_served, server.prepared_used
             started = time.perf_counter()
-            staged = stage.stage(dict(message, shm={"path": hidden, "slots": 3}))
+            staged = stage.stage(dataclasses.replace(message, shm=elsewhere))
             delta_s = time.perf_counter() - started
             stage.end_load(staged, ok=True)
             sent = server.sent_bytes - sent_before
@@ -121,10 +124,10 @@ def run_setting(shape: str, dtype: str, lr: float, steps: int, seed: int, workdi
             full_s = time.perf_counter() - started
             changed, total = changed_elements(publisher.ring, step - 1, step)
             rows.append({"model": shape, "dtype": dtype, "lr": lr, "mode": "prepared" if prepare else "on demand",
-                         "step": step, "changed_frac": changed / total, "bytes_frac": sent / message["bytes"],
+                         "step": step, "changed_frac": changed / total, "bytes_frac": sent / message.nbytes,
                          "delta_used": server.deltas_served > deltas_before,
                          "prepared_hit": server.prepared_used > hits_before, "ready_s": ready_s, "delta_s": delta_s,
-                         "full_s": full_s, "full_bytes": message["bytes"]})
+                         "full_s": full_s, "full_bytes": message.nbytes})
             print_row(rows[-1])
     finally:
         stage.close()

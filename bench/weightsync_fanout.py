@@ -1,7 +1,7 @@
-"""Cost of publishing one weight version to 1, 2 and 4 generators: the chain relay of weightsync/group/protocol.py
+"""Cost of publishing one weight version to 1, 2 and 4 generators: the chain relay of weightsync/broadcast/protocol.py
 beside a plain gloo `broadcast` of one flat buffer of the same bytes from rank 0 (it reports; it asserts nothing).
 
-Each receiver is its own process on this host. Chain: the learner's `WeightGroupHost.send` of `--mb` MB in
+Each receiver is its own process on this host. Chain: the learner's `BroadcastSender.send` of `--mb` MB in
 `--bucket-mb` buckets, timed in full (announcement, relay, every receiver's ack), with the group already formed.
 Broadcast: barrier, `broadcast`, barrier, timed on rank 0. Each figure is the best of `--repeats` after a warm-up.
 Target: 4 receivers cost at most 1.5x one receiver. On one host every hop of the chain competes for the same
@@ -32,10 +32,10 @@ def bucket_sizes(nbytes: int, bucket_bytes: int) -> list[int]:
 def run_chain_member(address: str, member_id: str, sizes: list[int], versions: int) -> None:
     import torch
 
-    from asyncrl.weightsync.group.member import WeightGroupMember
+    from asyncrl.weightsync.broadcast.member import BroadcastMember
 
     torch.set_num_threads(1)
-    member = WeightGroupMember.connect(address, member_id, timeout_s=60)
+    member = BroadcastMember.connect(address, member_id, timeout_s=60)
     buckets = [torch.empty(size, dtype=torch.uint8) for size in sizes]
     for _ in range(versions):
         member.receive(buckets, timeout_s=120)
@@ -43,15 +43,15 @@ def run_chain_member(address: str, member_id: str, sizes: list[int], versions: i
 
 
 def time_chain(nbytes: int, bucket_bytes: int, receivers: int, repeats: int) -> float:
-    """Best seconds of `WeightGroupHost.send` to `receivers` member processes."""
+    """Best seconds of `BroadcastSender.send` to `receivers` member processes."""
     import torch
     import torch.multiprocessing as mp
 
-    from asyncrl.weightsync.group.host import WeightGroupHost
+    from asyncrl.weightsync.broadcast.sender import BroadcastSender
 
     sizes = bucket_sizes(nbytes, bucket_bytes)
     buckets = [torch.randint(0, 256, (size,), dtype=torch.uint8) for size in sizes]
-    host = WeightGroupHost()
+    host = BroadcastSender()
     context = mp.get_context("spawn")
     procs = [context.Process(target=run_chain_member, args=(host.address, f"bench{i}", sizes, repeats + 1))
              for i in range(receivers)]

@@ -1,7 +1,7 @@
 """Choosing the buffer backend (`buffer.backend`): the learner's `LearnerBuffer` and a generator's `GeneratorBuffer`
 (buffer/interface.py). Backends are imported lazily, so a zmq job never imports redis-py and the reverse."""
 from asyncrl.buffer.config import BufferConfig, RedisConfig
-from asyncrl.buffer.interface import GeneratorBuffer, LearnerBuffer
+from asyncrl.buffer.interface import GeneratorBuffer, LearnerBuffer, RunInfo
 from asyncrl.buffer.plausibility import JobLimits
 from asyncrl.buffer.redis.conn import RedisOptions
 from asyncrl.security.config import SecurityConfig
@@ -29,7 +29,7 @@ def job_limits(rollout, max_prompt_tokens: int, max_positions: int, episodes: bo
 
 
 def make_learner_buffer(buffer: BufferConfig, security: SecurityConfig, job_name: str, limits: JobLimits, *,
-                        vocab_size: int, config_hash: str, shared_config: dict, run_info: dict, start_version: int,
+                        vocab_size: int, config_hash: str, shared_config: dict, run_info: RunInfo, start_version: int,
                         fresh: bool, dealer=None, evals=None) -> LearnerBuffer:
     """The learner's buffer (with its staleness coordinator inside), checking every group against the job's limits.
     With Redis, a fresh start clears what an older run left under the same namespace; a resumed one keeps the

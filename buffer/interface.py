@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from asyncrl.weightsync.announcement import AnnouncementError, WeightsAnnouncement
+
 
 class LearnerUnavailable(RuntimeError):
     """The learner (or, with Redis, the server holding its state) did not answer in time: not started yet, crashed,
@@ -42,23 +44,97 @@ class Rejections:
 
 @dataclass
 class Status:
-    """What every reply carries: the learner's version, the newest weights' control message, and whether the job is
-    over."""
+    """What every reply carries: the newest weights' announcement, whether the job is over, and groups found
+    invalid. The learner's published version is `weights.version`: a generator follows the weights it can load, so
+    the typed reply carries no second, bare version that could disagree with them."""
 
-    version: int = 0
-    """The learner's published version (optimizer steps done and published)."""
-    weights: dict = field(default_factory=dict)
-    """Control message of the newest published weights (weightsync/layout.py); {} before the first publish."""
+    weights: WeightsAnnouncement | None = None
+    """The announcement of the newest published weights (weightsync/announcement.py); None before the first
+    publish. Each backend's client decodes it from the wire once per new announcement, and a malformed one is an
+    AnnouncementError naming the field."""
     done: bool = False
     """The job is over: the generator stops (buffer/done.py)."""
     rejected: Rejections | None = None
     """Groups found invalid since the last reply (zmq: the learner validates a group when it takes it)."""
 
 
+@dataclass(frozen=True)
+class RunInfo:
+    """What the learner tells every generator that joins: where the model, the data and the run's record are, and
+    which of the learner's features the generator must follow. Built by the learner alone (learner/host.py) and
+    carried in the hello reply, as a plain dict (`to_wire`) in msgpack (zmq) or JSON (Redis)."""
+
+    model_path: str
+    """The learner's model directory (absolute): a generator on its host loads it from there."""
+    train_files: tuple[str, ...]
+    """The training data (absolute paths): a generator that is dealt no prompts walks its own copy."""
+    mlflow_run_id: str
+    tracking_uri: str
+    host: str
+    """The learner's host name (a local MLflow store is only reachable from it)."""
+    job_dir: str
+    job: str
+    model_files: str = ""
+    """Digest of the model's non-weight files the catch-up server serves ("": none; a generator needs the model on
+    its own host)."""
+    lora_rank: int = 0
+    """learner.lora.rank when the learner trains a LoRA adapter (the engines size their adapter slots from it)."""
+    deals: bool = False
+    """The learner deals the prompts (buffer/dealer.py)."""
+    data_sources: tuple[str, ...] = ()
+    """The dealt data's sources, for the generator's reward check (with `deals`)."""
+    deal_timeout_s: float = 1800.0
+    """data.deal_timeout_s: a dealt prompt not answered within it is dealt again (with `deals`)."""
+    evals: bool = False
+    """The learner runs evaluation rounds (a Redis generator asks for their prompts only then)."""
+
+    def to_wire(self) -> dict:
+        return {"model_path": self.model_path, "train_files": list(self.train_files),
+                "mlflow_run_id": self.mlflow_run_id, "tracking_uri": self.tracking_uri, "host": self.host,
+                "job_dir": self.job_dir, "job": self.job, "model_files": self.model_files, "lora_rank": self.lora_rank,
+                "deals": self.deals, "data_sources": list(self.data_sources), "deal_timeout_s": self.deal_timeout_s,
+                "evals": self.evals}
+
+    @classmethod
+    def from_wire(cls, wire, endpoint: str) -> RunInfo:
+        """The run info a hello reply carries, or RunInfoError naming the learner (`endpoint`) and the field."""
+        if not isinstance(wire, dict):
+            raise RunInfoError(f"the learner at {endpoint} sent run info that is not a mapping")
+        fields = {}
+        for name, (kinds, wanted) in _RUN_INFO_TYPES.items():
+            if name not in wire:
+                if name in _RUN_INFO_REQUIRED:
+                    raise RunInfoError(f"the learner at {endpoint} sent run info without {name!r}")
+                continue
+            value = wire[name]
+            ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+            if ok and kinds == (list, tuple):
+                ok = all(isinstance(item, str) for item in value)
+                value = tuple(value)
+            if not ok:
+                raise RunInfoError(f"the learner at {endpoint} sent run info whose {name!r} is "
+                                   f"{type(value).__name__}, expected {wanted}")
+            fields[name] = float(value) if name == "deal_timeout_s" else value
+        return cls(**fields)
+
+
+class RunInfoError(ValueError):
+    """Run info that is not well formed (the message names the learner and the field)."""
+
+
+_RUN_INFO_REQUIRED = ("model_path", "train_files", "mlflow_run_id", "tracking_uri", "host", "job_dir", "job")
+_STRINGS = ((list, tuple), "a list of strings")
+_RUN_INFO_TYPES = {"model_path": ((str,), "a string"), "train_files": _STRINGS, "mlflow_run_id": ((str,), "a string"),
+                   "tracking_uri": ((str,), "a string"), "host": ((str,), "a string"), "job_dir": ((str,), "a string"),
+                   "job": ((str,), "a string"), "model_files": ((str,), "a string"), "lora_rank": ((int,), "an integer"),
+                   "deals": ((bool,), "a boolean"), "data_sources": _STRINGS,
+                   "deal_timeout_s": ((int, float), "a number"), "evals": ((bool,), "a boolean")}
+
+
 @dataclass
 class HelloReply(Status):
-    run_info: dict = field(default_factory=dict)
-    """What the learner tells every generator: model_path, train_files, mlflow_run_id, tracking_uri, job_dir, job."""
+    run_info: RunInfo | None = None
+    """What the learner tells every generator (always set in a hello reply; the default only follows `Status`'s)."""
 
 
 @dataclass
@@ -99,11 +175,22 @@ class SendReply(Status):
     error: str = ""
 
 
-def too_large_reply(size: int, limit: int, weights: dict) -> SendReply:
+def too_large_reply(size: int, limit: int, weights: WeightsAnnouncement | None) -> SendReply:
     """A group over the job's limit (buffer.max_message_bytes) is refused by the client itself, with the reply the
     learner would give, at any size: a much larger message would only be dropped by the transport, unanswered."""
     return SendReply(weights=weights, accepted=False, reason="too_large",
                      error=f"message: {size} bytes exceeds max_message_bytes={limit} [too_large]")
+
+
+def decode_weights(wire, endpoint: str) -> WeightsAnnouncement | None:
+    """The announcement a reply's `weights` carries (None before the first publish); a malformed one is an
+    AnnouncementError naming the learner and the field, never a KeyError in the generator's rollout loop."""
+    if not wire:
+        return None
+    try:
+        return WeightsAnnouncement.from_wire(wire)
+    except AnnouncementError as err:
+        raise AnnouncementError(f"the learner at {endpoint} sent a malformed weights announcement: {err}") from None
 
 
 class GeneratorBuffer(Protocol):
@@ -183,8 +270,8 @@ class LearnerBuffer(Protocol):
         replayed; each is counted under buffer/rejected/<reason>, gives back its admission if it held one, and
         (Redis) moves to the dead-letter stream for inspection."""
 
-    def announce_weights(self, message: dict) -> None:
-        """Tell generators about newly published weights (their control message)."""
+    def announce_weights(self, message: WeightsAnnouncement) -> None:
+        """Tell generators about newly published weights (their announcement)."""
 
     def set_version(self, version: int) -> None:
         """The learner's version, once the weights of `version` are published (never before: buffer/staleness.py)."""

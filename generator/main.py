@@ -12,7 +12,7 @@ import socket
 
 from asyncrl.buffer.backends import make_generator_buffer
 from asyncrl.buffer.done import BYE_TIMEOUT_S
-from asyncrl.buffer.interface import GeneratorBuffer, GeneratorRefused, HelloReply, LearnerUnavailable
+from asyncrl.buffer.interface import GeneratorBuffer, GeneratorRefused, HelloReply, LearnerUnavailable, RunInfo
 from asyncrl.configs import describe_difference, shared_hash, shared_sections
 from asyncrl.generator.agents.build import build_episode_runner, wants_episodes
 from asyncrl.generator.agents.chat_render import TemplateCannotAppend
@@ -135,16 +135,16 @@ async def build_rollout(cfg, client, hello: HelloReply, generator_id: str, built
     model_path = await resolve_model(cfg.generator, cfg.weightsync.timeout_s, client, hello, shared_hash(cfg),
                                      generator_id, keys, say)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
-    prompts, data_sources = None, info.get("data_sources")
-    if not info.get("deals"):  # a learner that deals no prompts: walk a copy of the dataset
-        prompts, data_sources = local_prompts(cfg.data, cfg.job.seed, info["train_files"], tokenizer, seed,
+    prompts, data_sources = None, info.data_sources
+    if not info.deals:  # a learner that deals no prompts: walk a copy of the dataset
+        prompts, data_sources = local_prompts(cfg.data, cfg.job.seed, list(info.train_files), tokenizer, seed,
                                               generator_id)
     scorer = await start_scorer(cfg.reward, cfg.generator, data_sources, generator_id, built, say)
     stage = WeightStage(cfg.weightsync.shm_dir, generator_id, cfg.weightsync.timeout_s, keys=keys)
     built.callback(stage.close)
     ipc_push = cfg.weightsync.backend == "engine_push" and cfg.weightsync.engine_transport == "ipc"
     engine = make_engine(cfg.generator.engine, engine_options(
-        cfg.generator, cfg.model, model_path, seed, info.get("lora_rank", 0), cfg.buffer.max_staleness, ipc_push))
+        cfg.generator, cfg.model, model_path, seed, info.lora_rank, cfg.buffer.max_staleness, ipc_push))
     built.push_async_callback(engine.close)
     await engine.start()
     episodes = None
@@ -159,7 +159,7 @@ async def build_rollout(cfg, client, hello: HelloReply, generator_id: str, built
     if metrics_log is not None:
         built.callback(metrics_log.close)
         built.callback(stop_system_metrics, start_system_metrics(
-            info["tracking_uri"], info["mlflow_run_id"], generator_id, cfg.telemetry.system_metrics_every_s))
+            info.tracking_uri, info.mlflow_run_id, generator_id, cfg.telemetry.system_metrics_every_s))
     return RolloutLoop(
         client, engine, prompts, scorer, tokenizer, cfg.rollout, cfg.generator.max_inflight_groups, generator_id,
         reward_shaping=cfg.reward, on_stats=(lambda m: metrics_log.log(m, step=engine.version)) if metrics_log else None,
@@ -191,19 +191,19 @@ def local_prompts(data, job_seed: int, train_files: list, tokenizer, seed: int, 
     return iterate_prompts(rows, data.shuffle, seed), sorted({row.data_source for row in rows})
 
 
-def _metrics_logger(info: dict, generator_id: str):
+def _metrics_logger(info: RunInfo, generator_id: str):
     """The logger into the learner's run, or None when that cannot work: the learner's store is a file on another
     machine (telemetry.serve is the way), or MLflow does not answer."""
     from asyncrl.telemetry.mlflow_logger import MetricsLogger, is_local_store
 
-    learner_host = info.get("host")
-    if is_local_store(info["tracking_uri"]) and learner_host and learner_host != socket.gethostname():
+    learner_host = info.host
+    if is_local_store(info.tracking_uri) and learner_host and learner_host != socket.gethostname():
         log.warning("generator %s: the learner logs to %s, a file on %s; this generator's metrics stay out of the "
                     "run (start the job with telemetry.serve=true, or set telemetry.tracking_uri to a tracking "
-                    "server)", generator_id, info["tracking_uri"], learner_host)
+                    "server)", generator_id, info.tracking_uri, learner_host)
         return None
     try:
-        return MetricsLogger(info["tracking_uri"], info["mlflow_run_id"], prefix=f"{generator_id}/")
+        return MetricsLogger(info.tracking_uri, info.mlflow_run_id, prefix=f"{generator_id}/")
     except Exception as err:  # telemetry must never stop generation
         log.warning("generator %s: MLflow unavailable (%s); metrics go to the learner only", generator_id, err)
         return None

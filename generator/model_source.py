@@ -13,7 +13,7 @@ import os
 from asyncrl.buffer.interface import LearnerUnavailable
 from asyncrl.weightsync.buckets import FlatBuckets
 from asyncrl.weightsync.catchup import fetch, fetch_files
-from asyncrl.weightsync.layout import from_message
+from asyncrl.weightsync.layout import layout_of
 from asyncrl.weightsync.model_files import ModelFilesError, materialize
 from asyncrl.weightsync.receiver import verify
 
@@ -28,13 +28,13 @@ def uses_local(source: str, learner_path: str) -> bool:
     return source == "local" or (source == "auto" and os.path.isfile(os.path.join(learner_path, "config.json")))
 
 
-async def first_weights(client, config_hash: str, hello, timeout_s: float) -> dict:
+async def first_weights(client, config_hash: str, hello, timeout_s: float):
     """The newest weights message with a catch-up address: in the hello reply, or in a later one once the learner
     has published (it publishes before it admits anyone, but a generator may say hello first)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     reply = hello
-    while not (reply.weights or {}).get("catchup"):
+    while reply.weights is None or not reply.weights.catchup:
         if loop.time() > deadline:
             raise LearnerUnavailable(f"the learner at {client.endpoint} announced no weights with a catch-up address "
                                      f"within {timeout_s:.0f} s, and this generator has no model of its own")
@@ -43,21 +43,23 @@ async def first_weights(client, config_hash: str, hello, timeout_s: float) -> di
     return reply.weights
 
 
-def fetch_model(weights: dict, files_digest: str, cache_dir: str, name: str, timeout_s: float, keys=None) -> tuple:
+def fetch_model(weights, files_digest: str, cache_dir: str, name: str, timeout_s: float, keys=None) -> tuple:
     """(model directory, version) built from the learner's model files and its newest weights (blocking)."""
-    address = weights["catchup"]
-    if weights.get("lora"):
+    address = weights.catchup
+    if weights.lora is not None:
         raise ModelFilesError("the learner trains a LoRA adapter and publishes only the adapter: a generator needs "
                               "the base model on its own host (generator.model_source=local)")
     blob, digest = fetch_files(address, timeout_s, keys=keys)
     if digest != files_digest:
         raise ModelFilesError(f"the catch-up server {address} sent model files {digest[:12]}, the learner announced "
                               f"{files_digest[:12]}")
-    message, dest = fetch(address, -1, lambda m: FlatBuckets(from_message(m)), timeout_s, keys=keys)
-    bad = verify(dest, message)
+    got = fetch(address, -1, lambda m: FlatBuckets(layout_of(m)), timeout_s, keys=keys)
+    bad = verify(got.buckets, got.announcement)
     if bad:
-        raise ModelFilesError(f"weights v{message['version']} from {address} fail the checksums of buckets {bad[:5]}")
-    return materialize(blob, digest, dest.tensors(), os.path.expanduser(cache_dir), name), message["version"]
+        raise ModelFilesError(f"weights v{got.announcement.version} from {address} fail the checksums of buckets "
+                              f"{bad[:5]}")
+    return (materialize(blob, digest, got.buckets.tensors(), os.path.expanduser(cache_dir), name),
+            got.announcement.version)
 
 
 async def resolve_model(gen, fetch_timeout_s: float, client, hello, config_hash: str, generator_id: str, keys,
@@ -65,14 +67,14 @@ async def resolve_model(gen, fetch_timeout_s: float, client, hello, config_hash:
     """The directory this generator loads its tokenizer and engine from (`gen`: the generator section;
     `fetch_timeout_s`: weightsync.timeout_s)."""
     info = hello.run_info
-    if uses_local(gen.model_source, info["model_path"]):
-        return info["model_path"]
-    if not info.get("model_files"):
-        raise ModelFilesError(f"the learner serves no model files, and {info['model_path']} is not on this host: "
+    if uses_local(gen.model_source, info.model_path):
+        return info.model_path
+    if not info.model_files:
+        raise ModelFilesError(f"the learner serves no model files, and {info.model_path} is not on this host: "
                               f"give this host the model at that path (generator.model_source=local)")
     weights = await first_weights(client, config_hash, hello, gen.connect_timeout_s)
-    path, version = await asyncio.to_thread(fetch_model, weights, info["model_files"], gen.model_cache_dir,
+    path, version = await asyncio.to_thread(fetch_model, weights, info.model_files, gen.model_cache_dir,
                                             generator_id, fetch_timeout_s, keys)
-    say(f"generator {generator_id}: model files and weights v{version} from the learner ({weights['catchup']}), "
+    say(f"generator {generator_id}: model files and weights v{version} from the learner ({weights.catchup}), "
         f"in {path}")
     return path

@@ -1,7 +1,7 @@
 """Following the learner's weights, on the generator's side: what the announcements in its replies mean, and
 bringing the engine to the version they name.
 
-Every reply of the learner carries its newest weights control message (weightsync/layout.py). `WeightFollower`:
+Every reply of the learner carries its newest weights announcement (weightsync/announcement.py). `WeightFollower`:
 - hears them (`hear`): keeps the newest, and the last KEPT_WEIGHT_MESSAGES of them for evaluation rounds pinned to a
   version; a message of another learner life (the learner restarted from a checkpoint: its versions repeat or go
   back, with other bytes) replaces everything the previous life announced, whose late messages are then ignored;
@@ -13,9 +13,9 @@ Every reply of the learner carries its newest weights control message (weightsyn
 - joins the engine push (weightsync.backend=engine_push) the first time a message names one, if the engine can take
   pushed versions (`PushableEngine`).
 
-Every read of the control message's fields on the generator is in this module.
+Every read of the announcement's fields on the rollout path is in this module.
 
-Pushed versions (the learner's side is weightsync/engine_push/host.py): the learner drives the engine's update
+Pushed versions (the learner's side is weightsync/engine_push/sender.py): the learner drives the engine's update
 round through its store (init, start, update, finish); `PushedWeights.handle` runs each call on the generator's
 event loop, under the same lock as the staged loads, so a push and a catch-up never overlap:
 - start: refused (after LOCK_WAIT_S) while a staged load runs (the learner skips this engine for the version, which
@@ -37,11 +37,12 @@ import time
 from collections import Counter
 
 from asyncrl.generator.engines.base import EngineBroken, PushableEngine, WeightLoadError
+from asyncrl.weightsync.announcement import WeightsAnnouncement
 from asyncrl.weightsync.receiver import WeightSyncError
 
 log = logging.getLogger(__name__)
 KEPT_WEIGHT_MESSAGES = 8
-"""Control messages of recent versions kept, so an evaluation round can load the version it is pinned to."""
+"""Announcements of recent versions kept, so an evaluation round can load the version it is pinned to."""
 LOCK_WAIT_S = 2.0
 """How long a push waits for the weights lock before it gives this engine up for the version (PushBusy)."""
 
@@ -51,22 +52,25 @@ class WeightFollower:
         """`stage`: the generator's weightsync/receiver.py WeightStage (None: nothing is ever loaded); `stats`: the
         rollout's RolloutStats, which counts loads, failures, pushes and the time spent waiting for weights."""
         self.engine, self.stage, self.generator_id, self.stats = engine, stage, generator_id, stats
-        self.latest: dict = {}  # the newest control message of the current learner life ({}: none yet)
-        self.by_version: dict = {}  # the last few control messages heard of, for evaluation rounds
+        self.latest: WeightsAnnouncement | None = None  # the newest of the current learner life (None: none yet)
+        self.by_version: dict = {}  # version -> the last few announcements heard of, for evaluation rounds
         self.pins: Counter = Counter()  # version -> evaluation prompts being sampled at it
-        self.push_member = None  # weightsync/engine_push member, once a control message names a push
+        self.push_member = None  # weightsync/engine_push member, once an announcement names a push
         self._publisher: str | None = None  # the learner life whose messages are current (weightsync publisher)
         self._retired: set = set()  # earlier lives: their messages, late in stale replies, are ignored
         self._loaded_publisher: str | None = None  # the life whose weights the engine holds (None: the model's)
         self._lock = asyncio.Lock()  # one load at a time, staged or pushed
         self._unpinned = asyncio.Event()
 
-    def hear(self, message: dict) -> None:
-        """The weights control message of a reply ({}: the learner has published nothing yet)."""
-        version, life = message.get("version", -1), message.get("publisher")
-        if isinstance(life, str) and life in self._retired:  # a dead learner's message, late: ignored
+    def hear(self, announcement: WeightsAnnouncement | None) -> None:
+        """The weights announcement of a reply (None: the learner has published nothing yet); typed and checked
+        when the reply was decoded (buffer/interface.py::decode_weights)."""
+        if announcement is None:
             return
-        if isinstance(version, int) and isinstance(life, str) and life != self._publisher:
+        version, life = announcement.version, announcement.publisher
+        if life in self._retired:  # a dead learner's announcement, late: ignored
+            return
+        if life != self._publisher:
             # a learner that restarted from a checkpoint: its versions repeat or go back, with other bytes, and
             # replace everything the previous life announced
             if self._publisher is not None:
@@ -74,11 +78,11 @@ class WeightFollower:
                 log.info("generator %s: the learner restarted (publisher %s); following its v%d", self.generator_id,
                          life, version)
             self._publisher = life
-            self.latest = message
-            self.by_version = {version: message}
-        elif isinstance(version, int) and version > self.latest.get("version", -1):
-            self.latest = message
-            self.by_version[version] = message
+            self.latest = announcement
+            self.by_version = {version: announcement}
+        elif version > (self.latest.version if self.latest is not None else -1):
+            self.latest = announcement
+            self.by_version[version] = announcement
             for old in sorted(self.by_version)[:-KEPT_WEIGHT_MESSAGES]:
                 del self.by_version[old]
 
@@ -86,14 +90,16 @@ class WeightFollower:
         """Load the newest announced version if the engine is behind (while evaluation prompts are pinned to a
         version, that one instead); one load at a time."""
         async with self._lock:
-            target = self.latest if not self.pins else self.by_version.get(min(self.pins), {})
-            if self.push_member is None and target.get("engines") and self.stage is not None:
+            target = self.latest if not self.pins else self.by_version.get(min(self.pins))
+            if target is None:
+                return
+            if self.push_member is None and target.engines and self.stage is not None:
                 self.push_member, self.stats.pushes = await join_push(
                     target, self.engine, self._lock, lambda: self.latest, self.stage, self.generator_id,
                     self.stage.catchup_timeout_s)
-            foreign = (self._loaded_publisher is not None and target.get("publisher") is not None
-                       and target["publisher"] != self._loaded_publisher)  # an earlier learner life's weights
-            if not target or (target["version"] <= self.engine.version and not foreign):
+            foreign = (self._loaded_publisher is not None
+                       and target.publisher != self._loaded_publisher)  # an earlier learner life's weights
+            if target.version <= self.engine.version and not foreign:
                 return
             started = time.monotonic()
             try:
@@ -102,7 +108,7 @@ class WeightFollower:
             finally:
                 self.stats.weight_wait_s += time.monotonic() - started
 
-    async def _load(self, target: dict) -> None:
+    async def _load(self, target: WeightsAnnouncement) -> None:
         """Stage `target` and load it; a failed load is counted and logged, and sampling goes on on the last good
         version, unless the engine is broken (EngineBroken is raised: nothing good is left to sample from)."""
         staged = None
@@ -110,7 +116,7 @@ class WeightFollower:
             staged = await asyncio.to_thread(self.stage.stage, target)  # whole and checksummed, or an error
             await self.engine.load_weights(staged, self.stage.good)
             self.stage.end_load(staged, ok=True)
-            self._loaded_publisher = target.get("publisher")
+            self._loaded_publisher = target.publisher
             self.stats.weight_loads += 1
         except (WeightSyncError, WeightLoadError) as err:
             if staged is not None:
@@ -151,7 +157,7 @@ class PushBusy(RuntimeError):
 class PushedWeights:
     def __init__(self, engine, lock: asyncio.Lock, recover_target, stage, loop: asyncio.AbstractEventLoop,
                  generator_id: str):
-        """`recover_target()` -> the newest announced control message ({} if none); `stage` is the generator's
+        """`recover_target()` -> the newest WeightsAnnouncement (None if none); `stage` is the generator's
         weightsync/receiver.py WeightStage, which brings it in whole after a failed push."""
         self.engine, self.lock, self.loop = engine, lock, loop
         self.recover_target, self.stage, self.generator_id = recover_target, stage, generator_id
@@ -234,7 +240,8 @@ class PushedWeights:
         staged = None
         try:
             target = self.recover_target()
-            staged = await asyncio.to_thread(self.stage.stage, target) if target.get("version", 0) > 0 else None
+            staged = (await asyncio.to_thread(self.stage.stage, target) if target is not None and target.version > 0
+                      else None)
             await self.engine.push_recover(staged)
             if staged is not None:
                 self.stage.end_load(staged, ok=True)
@@ -259,19 +266,18 @@ class PushedWeights:
             self.lock.release()
 
 
-async def join_push(target: dict, engine, lock: asyncio.Lock, recover_target, stage, generator_id: str,
-                    timeout_s: float):
-    """Register this generator's engine for the push the control message `target` names ("engines"); returns
+async def join_push(target: WeightsAnnouncement, engine, lock: asyncio.Lock, recover_target, stage,
+                    generator_id: str, timeout_s: float):
+    """Register this generator's engine for the push the announcement `target` names (`engines`); returns
     (the member, close it when done; the PushedWeights, whose counts say what came), or (None, None) if the
     message names none or the engine cannot take pushes (it is no PushableEngine: the hf engine)."""
-    engines = target.get("engines")
+    engines = target.engines
     if not engines or not isinstance(engine, PushableEngine):
         return None, None
     from asyncrl.weightsync.engine_push.member import EnginePushMember
 
     pushed = PushedWeights(engine, lock, recover_target, stage, asyncio.get_running_loop(), generator_id)
-    member = await asyncio.to_thread(EnginePushMember.connect, engines["address"], generator_id, engine.push_ranks,
+    member = await asyncio.to_thread(EnginePushMember.connect, engines, generator_id, engine.push_ranks,
                                      pushed.handle, timeout_s, engine.push_kind)
-    log.info("generator %s: its engine takes versions pushed from the learner at %s", generator_id,
-             engines["address"])
+    log.info("generator %s: its engine takes versions pushed from the learner at %s", generator_id, engines)
     return member, pushed

@@ -9,6 +9,7 @@ import time
 from asyncrl.buffer.backends import job_limits, make_learner_buffer
 from asyncrl.buffer.dealer import DealError, PromptDealer
 from asyncrl.buffer.eval_rounds import EvalRounds, eval_due, first_due
+from asyncrl.buffer.interface import RunInfo
 from asyncrl.configs import flatten, shared_hash, shared_sections, to_yaml
 from asyncrl.data.prompts import PromptSet, encode_prompts
 from asyncrl.learner.checkpoint import CheckpointError
@@ -56,23 +57,21 @@ class LearnerHost:
         self.plots = (PlotPublisher(self.tracking_uri, self.run_id, job_dir, telemetry.plots_every_s)
                       if telemetry.plots else None)
         self.publisher = make_publisher(cfg.weightsync, cfg.job.name, keys=server_keys(cfg.security.keys_dir))
-        run_info = {"model_path": os.path.abspath(model_path), "train_files": [os.path.abspath(f) for f in train_files],
-                    "mlflow_run_id": self.run_id, "tracking_uri": self.tracking_uri, "host": socket.gethostname(),
-                    "job_dir": os.path.abspath(job_dir), "job": cfg.job.name}
         files = model_files_for(model_path)
         if files is not None:  # a generator on another host starts from these and the weights it is sent
             self.publisher.catchup.serve_files(*files)
-            run_info["model_files"] = files[1]
-        if cfg.learner.lora.enabled:  # the generators' vLLM engines size their adapter slots from the learner's
-            run_info["lora_rank"] = cfg.learner.lora.rank
         self.overlong_prompts = 0
         self.dealer = self._build_dealer(prompts, state.data_cursor)
-        if self.dealer is not None:  # generators sample what they are dealt and need no copy of the data
-            run_info.update(deals=True, data_sources=self.dealer.data_sources,
-                            deal_timeout_s=cfg.data.deal_timeout_s)
         self.evals = self._build_evals(eval_prompts)
-        if self.evals is not None:  # a Redis generator asks for evaluation prompts only then
-            run_info["evals"] = True
+        run_info = RunInfo(
+            model_path=os.path.abspath(model_path), train_files=tuple(os.path.abspath(f) for f in train_files),
+            mlflow_run_id=self.run_id, tracking_uri=self.tracking_uri, host=socket.gethostname(),
+            job_dir=os.path.abspath(job_dir), job=cfg.job.name, model_files=files[1] if files is not None else "",
+            lora_rank=cfg.learner.lora.rank if cfg.learner.lora.enabled else 0,  # engines size adapter slots by it
+            deals=self.dealer is not None,  # generators sample what they are dealt and need no copy of the data
+            data_sources=tuple(self.dealer.data_sources) if self.dealer is not None else (),
+            deal_timeout_s=cfg.data.deal_timeout_s,
+            evals=self.evals is not None)  # a Redis generator asks for evaluation prompts only then
         limits = job_limits(cfg.rollout, cfg.data.max_prompt_tokens, model_positions(model),
                             episodes=cfg.samples_episodes())
         self.buffer = make_learner_buffer(cfg.buffer, cfg.security, cfg.job.name, limits,
@@ -191,26 +190,26 @@ class LearnerHost:
             "weightsync/catchup_prepared_used": float(catchup.prepared_used),
             "weightsync/catchup_bytes_frac": catchup.sent_bytes / catchup.full_bytes} \
             if catchup is not None and catchup.full_bytes else {}  # sent over what full copies would have sent
-        self.publish_metrics = {**served, "weightsync/publish_bytes": float(message["bytes"]),
-                                "weightsync/publish_bytes_frac": message["bytes"] / max(full_bytes, 1),
+        self.publish_metrics = {**served, "weightsync/publish_bytes": float(message.nbytes),
+                                "weightsync/publish_bytes_frac": message.nbytes / max(full_bytes, 1),
                                 "weightsync/unchanged_versions": float(self.unchanged_versions)}
         self.buffer.announce_weights(message)
         self.buffer.set_version(version)
         self.version = version
         self._open_eval_if_due(version)
 
-    def _check_changed(self, message: dict, moved: bool = True) -> None:
+    def _check_changed(self, message, moved: bool = True) -> None:
         """Counts and logs a version that repeats the previous one's bytes after a trained step (publish.py's
         repeats_previous says why that matters); the critic's warmup steps leave the policy as it was, so there
         it is expected."""
         repeated, self._last_published = repeats_previous(self._last_published, message)
-        warmup = self.cfg.algo.needs_critic() and message["version"] <= self.cfg.critic.warmup_steps
+        warmup = self.cfg.algo.needs_critic() and message.version <= self.cfg.critic.warmup_steps
         if repeated and not warmup and moved:
             self.unchanged_versions += 1
             log.error("weight sync: v%d sends exactly the bytes of the version before it (%d bytes%s) although a step "
                       "was trained: the generators will sample the old policy (learning rate 0? an adapter that "
-                      "does not train?)", message["version"], message["bytes"],
-                      ", the LoRA adapter" if "lora" in message else "")
+                      "does not train?)", message.version, message.nbytes,
+                      ", the LoRA adapter" if message.lora is not None else "")
 
     def after_step(self, state: LearnerState, groups: list, collected, metrics: dict) -> None:
         """The step's audit trail, metrics, progress line, and the data cursor the next checkpoint keeps."""

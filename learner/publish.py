@@ -75,12 +75,12 @@ def publish_bytes(specs: list) -> int:
     return sum(tensor_bytes(name, dtype, shape, "") for name, dtype, shape in specs)
 
 
-def repeats_previous(previous: tuple | None, message: dict) -> tuple[bool, tuple]:
+def repeats_previous(previous: tuple | None, message) -> tuple[bool, tuple]:
     """(whether the version `message` announces has exactly the bytes of the one before it: the same layout and
     every bucket's checksum the same, the key identifying this one for the next call). After a trained step that
     means the weight sync stopped moving, and the engines go on sampling the old policy, which reads exactly like
     staleness (verl #7495: a LoRA adapter that silently stopped reaching the engine)."""
-    key = (message["fingerprint"], tuple(message["checksums"]))
+    key = (message.fingerprint, tuple(message.checksums))
     return previous == key, key
 
 

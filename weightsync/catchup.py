@@ -2,14 +2,14 @@
 the broadcast group asks the learner for a version and gets it whole, without involving anyone else.
 
 The server is a ZeroMQ ROUTER on its own thread in the learner process. It answers from the ring (shm_ring.py)
-with one multipart reply, [control message, bucket 0, bucket 1, ...], sending the mapping's bytes without a copy;
+with one multipart reply, [announcement (JSON), bucket 0, bucket 1, ...], sending the mapping's bytes without a copy;
 the learner's step never waits for it. Because those bytes are read after the reply is queued, a version the
-learner overwrites meanwhile arrives mixed: the receiver checks every bucket's checksum against the control message
+learner overwrites meanwhile arrives mixed: the receiver checks every bucket's checksum against the announcement
 and simply asks again (for the newest version), so mixed bytes are never loaded.
 
 A generator that holds an earlier version b (named by its number and `delta.base_digest`) gets only what changed
 since (delta.py), when the ring still holds b and the delta costs less than `delta_max_fraction` of the full
-version; otherwise the full version, as before. The last delta is kept, since a fleet asks for the same pair.
+version; otherwise the full version. The last delta is kept, since a fleet asks for the same pair.
 
 Encoding costs most of a delta fetch (0.7-1.1 s of 0.9-2.0 s for Qwen2-0.5B's shape here), so the server prepares
 the next one before anyone asks: once it has served a delta b -> v, a fleet holds v, and when v' is announced the
@@ -21,12 +21,14 @@ import json
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import zmq
 
 from asyncrl.security.curve import CurveGuard, secure_client, warn_if_open
 from asyncrl.weightsync import delta
+from asyncrl.weightsync.announcement import AnnouncementError, WeightsAnnouncement
 from asyncrl.weightsync.buckets import FlatBuckets
 
 log = logging.getLogger(__name__)
@@ -58,7 +60,7 @@ class CatchupServer:
         warn_if_open(host, keys, "the weight catch-up server")
         self.address = f"tcp://{advertise or host}:{port}"
         self._ring = None
-        self._messages: dict[int, dict] = {}
+        self._messages: dict[int, WeightsAnnouncement] = {}
         self._newest = -1
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -86,11 +88,11 @@ class CatchupServer:
         """Answer {"files": ...} requests with this archive: a generator with nothing shared starts from it."""
         self._files = (digest, blob)
 
-    def announce(self, message: dict) -> None:
-        """A complete version is in the ring; keep the messages of the versions the ring still holds."""
+    def announce(self, message: WeightsAnnouncement) -> None:
+        """A complete version is in the ring; keep the announcements of the versions the ring still holds."""
         with self._lock:
-            self._messages[message["version"]] = message
-            self._newest = message["version"]
+            self._messages[message.version] = message
+            self._newest = message.version
             for old in [v for v in self._messages if v <= self._newest - self._ring.slots]:
                 del self._messages[old]
             if self._prepared is not None:  # encoded for nobody: the fleet does not follow through catch-up (now)
@@ -141,7 +143,7 @@ class CatchupServer:
         patch = None
         if base_message and self.delta_max_fraction > 0 and delta.base_digest(base_message) == base[1]:
             patch = self._delta(ring, base[0], version, slot)
-        self.full_bytes += message["bytes"]  # counted before the reply goes, so a reader that got it sees them
+        self.full_bytes += message.nbytes  # counted before the reply goes, so a reader that got it sees them
         self.served += 1
         if patch is not None:
             entries, patch_frames = patch
@@ -153,11 +155,11 @@ class CatchupServer:
                 if self.prepare_deltas and (self._follow is None or version > self._follow):
                     self._follow = version
             self.sent_bytes += delta.nbytes(patch_frames)
-            self._reply(identity, {**message, "delta": {"base": base[0], "entries": entries}},
+            self._reply(identity, {**message.to_wire(), "delta": {"base": base[0], "entries": entries}},
                         [memoryview(frame.numpy()) for frame in patch_frames])
         else:
-            self.sent_bytes += message["bytes"]
-            self._reply(identity, message, [memoryview(b.numpy()) for b in ring.buckets(slot).buffers])
+            self.sent_bytes += message.nbytes
+            self._reply(identity, message.to_wire(), [memoryview(b.numpy()) for b in ring.buckets(slot).buffers])
 
     def _prepare_next(self) -> None:
         """Encode the delta from the version the fleet holds to the newest one, into the cache, ahead of the
@@ -232,21 +234,35 @@ def _ask(address: str, request: dict, timeout_s: float, keys, what: str) -> tupl
     return message, frames[1:]
 
 
+@dataclass
+class Fetched:
+    """What `fetch` got: the version's announcement, the buckets it was copied into, and whether the server sent
+    only what changed since the caller's base (a delta whose checksums fail is fetched again whole)."""
+
+    announcement: WeightsAnnouncement
+    buckets: FlatBuckets
+    delta: bool
+
+
 def fetch(address: str, version: int, dest_for, timeout_s: float, base: FlatBuckets | None = None,
-          base_message: dict | None = None, keys=None) -> tuple[dict, FlatBuckets]:
-    """Ask `address` for `version` (-1: the newest) and copy its buckets into `dest_for(message)` (FlatBuckets the
-    caller owns, chosen once the message says which layout). With `base` (the caller's verified copy of the version
-    `base_message` describes), the server may answer with a delta: `dest` is then `base` with the changes applied.
-    Returns (message, dest); checksums are the caller's (a delta that does not reproduce them is caught there).
+          base_message: WeightsAnnouncement | None = None, keys=None) -> Fetched:
+    """Ask `address` for `version` (-1: the newest) and copy its buckets into `dest_for(announcement)` (FlatBuckets
+    the caller owns, chosen once the announcement says which layout). With `base` (the caller's verified copy of the
+    version `base_message` announced), the server may answer with a delta: the buckets are then `base` with the
+    changes applied. Checksums are the caller's (a delta that does not reproduce them is caught there).
     `keys` (security.curve.ClientKeys): this generator's CURVE keys, when the server wants them."""
     request = {"version": version}
     if base is not None and base_message is not None:
-        request.update(base=int(base_message["version"]), base_digest=delta.base_digest(base_message))
-    message, frames = _ask(address, request, timeout_s, keys, f"for v{version}")
+        request.update(base=int(base_message.version), base_digest=delta.base_digest(base_message))
+    wire, frames = _ask(address, request, timeout_s, keys, f"for v{version}")
+    patch = wire.pop("delta", None)
+    try:
+        message = WeightsAnnouncement.from_wire(wire)
+    except AnnouncementError as err:
+        raise CatchupError(f"weight catch-up server {address}: {err}") from None
     dest = dest_for(message)
-    patch = message.get("delta")
     if patch is not None:
-        if base is None or not isinstance(patch, dict) or patch.get("base") != base_message["version"]:
+        if base is None or not isinstance(patch, dict) or patch.get("base") != base_message.version:
             raise CatchupError(f"weight catch-up server {address} sent a delta from a base this generator did not "
                                f"name")
         if base.layout.fingerprint != dest.layout.fingerprint:
@@ -258,17 +274,17 @@ def fetch(address: str, version: int, dest_for, timeout_s: float, base: FlatBuck
             delta.apply(dest, patch.get("entries"), [frame.buffer for frame in frames])
         except delta.DeltaError as err:
             raise CatchupError(f"weight catch-up server {address}: {err}") from None
-        return message, dest
+        return Fetched(message, dest, delta=True)
     if len(frames) != len(dest.buffers):
-        raise CatchupError(f"weight catch-up server {address} sent {len(frames)} buckets for v{message['version']}"
+        raise CatchupError(f"weight catch-up server {address} sent {len(frames)} buckets for v{message.version}"
                            f", the layout has {len(dest.buffers)}")
     for frame, target in zip(frames, dest.buffers):
         source = np.frombuffer(frame.buffer, dtype=np.uint8)  # read-only view of the received frame
         if source.size != target.numel():
-            raise CatchupError(f"weight catch-up server {address}: a bucket of v{message['version']} has "
+            raise CatchupError(f"weight catch-up server {address}: a bucket of v{message.version} has "
                                f"{source.size} bytes, the layout says {target.numel()}")
         np.copyto(target.numpy(), source)
-    return message, dest
+    return Fetched(message, dest, delta=False)
 
 
 def fetch_files(address: str, timeout_s: float, keys=None) -> tuple[bytes, str]:

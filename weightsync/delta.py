@@ -35,10 +35,11 @@ class DeltaError(ValueError):
     """A delta that does not fit the layout it claims (malformed, or for another layout)."""
 
 
-def base_digest(message: dict) -> str:
-    """Names the exact bytes of a version: its layout and per-bucket checksums (a resumed learner reuses version
-    numbers with other bytes, so the number alone is not enough)."""
-    payload = json.dumps([message.get("fingerprint"), message.get("checksums")]).encode()
+def base_digest(message) -> str:
+    """Names the exact bytes of a version (`message`: its announcement.WeightsAnnouncement): its layout and
+    per-bucket checksums (a resumed learner reuses version numbers with other bytes, so the number alone is not
+    enough)."""
+    payload = json.dumps([message.fingerprint, list(message.checksums)]).encode()
     return hashlib.sha256(payload).hexdigest()[:32]
 
 

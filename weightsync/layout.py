@@ -2,8 +2,9 @@
 
 Why flat buckets: the anchors' users' top complaint is weight sync bound by per-tensor control traffic (one RPC or
 one collective per parameter). Here a version is `len(buckets)` contiguous byte buffers, each moved whole by any
-data plane (shared memory, a broadcast group, the catch-up server), and one small message describes them all:
-version, names, dtypes, shapes, the bucket layout (bucket, byte offset per tensor) and one checksum per bucket.
+data plane (shared memory, a broadcast group, the catch-up server), and one small message describes them all
+(announcement.py's WeightsAnnouncement): version, names, dtypes, shapes, the bucket layout (bucket, byte offset per
+tensor) and one checksum per bucket.
 
 The layout depends only on the names, dtypes and shapes, so it is the same every version: both ends allocate their
 bucket buffers once and reuse them (on CPU, fresh allocations cost more than the copy; docs/platform.md), and a
@@ -16,13 +17,14 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
+from asyncrl.weightsync.announcement import AnnouncementError, WeightsAnnouncement
 from asyncrl.weightsync.dtypes import DTYPES
 
 ALIGN = 64  # every tensor starts on a cache line, so a typed view of the bucket is always aligned
 
 
-class LayoutError(ValueError):
-    """A control message that does not describe a loadable version (the message says what is wrong)."""
+class LayoutError(AnnouncementError):
+    """An announcement that does not describe a loadable version (the message says what is wrong)."""
 
 
 @dataclass(frozen=True)
@@ -86,38 +88,33 @@ def bucket_checksum(bucket: torch.Tensor) -> str:
     return xxhash.xxh3_64_hexdigest(memoryview(bucket.numpy()))
 
 
-def to_message(layout: Layout, version: int, checksums: list, **transport) -> dict:
-    """The control message for `version` (JSON-safe). `transport` adds where the bytes are (shm path and slot, the
-    broadcast group's address, the catch-up server's address)."""
-    return {"version": int(version), "names": [e.name for e in layout.entries],
-            "dtypes": [e.dtype for e in layout.entries], "shapes": [list(e.shape) for e in layout.entries],
-            "buckets": [e.bucket for e in layout.entries], "offsets": [e.offset for e in layout.entries],
-            "bucket_sizes": list(layout.bucket_sizes), "checksums": list(checksums),
-            "fingerprint": layout.fingerprint, "bytes": layout.total_bytes, **transport}
+def announcement_for(layout: Layout, version: int, checksums: list, *, publisher: str, published_at: float,
+                     **places) -> WeightsAnnouncement:
+    """The announcement of `version` laid out as `layout`. `places`: where the bytes are, as WeightsAnnouncement
+    names them (shm, catchup, broadcast, engines), and a LoRA version's `lora` settings."""
+    return WeightsAnnouncement(
+        version=int(version), publisher=publisher, names=tuple(e.name for e in layout.entries),
+        dtypes=tuple(e.dtype for e in layout.entries), shapes=tuple(e.shape for e in layout.entries),
+        buckets=tuple(e.bucket for e in layout.entries), offsets=tuple(e.offset for e in layout.entries),
+        bucket_sizes=tuple(layout.bucket_sizes), checksums=tuple(checksums), fingerprint=layout.fingerprint,
+        nbytes=layout.total_bytes, published_at=float(published_at), **places)
 
 
-def from_message(message: dict) -> Layout:
-    """The layout a control message describes, checked for consistency before anything is allocated or loaded."""
-    try:
-        names, dtypes, shapes = message["names"], message["dtypes"], message["shapes"]
-        buckets, offsets, sizes = message["buckets"], message["offsets"], message["bucket_sizes"]
-    except (KeyError, TypeError) as err:
-        raise LayoutError(f"weights v{message.get('version') if isinstance(message, dict) else '?'}: control "
-                          f"message lacks {err}") from None
-    if not len(names) == len(dtypes) == len(shapes) == len(buckets) == len(offsets):
-        raise LayoutError(f"weights v{message.get('version')}: names, dtypes, shapes, buckets and offsets differ in "
-                          f"length")
-    if len(message.get("checksums", [])) != len(sizes):
-        raise LayoutError(f"weights v{message.get('version')}: {len(sizes)} buckets but "
-                          f"{len(message.get('checksums', []))} checksums")
+def layout_of(announcement: WeightsAnnouncement) -> Layout:
+    """The layout an announcement describes, checked before anything is allocated or loaded: every dtype is one
+    weight sync carries, every tensor fits its bucket, and the fingerprint matches (announcement.py's `from_wire`
+    has checked the types and lengths)."""
+    where = f"weights v{announcement.version}: "
+    sizes = announcement.bucket_sizes
     entries = []
-    for name, dtype, shape, bucket, offset in zip(names, dtypes, shapes, buckets, offsets):
-        nbytes = tensor_bytes(name, dtype, shape, f"weights v{message.get('version')}: ")
+    for name, dtype, shape, bucket, offset in zip(announcement.names, announcement.dtypes, announcement.shapes,
+                                                  announcement.buckets, announcement.offsets):
+        nbytes = tensor_bytes(name, dtype, shape, where)
         if not 0 <= bucket < len(sizes) or offset < 0 or offset + nbytes > sizes[bucket] or offset % ALIGN:
-            raise LayoutError(f"weights v{message.get('version')}: {name!r} at bucket {bucket} offset {offset} "
-                              f"({nbytes} bytes) does not fit the bucket sizes {sizes}")
+            raise LayoutError(f"{where}{name!r} at bucket {bucket} offset {offset} ({nbytes} bytes) does not fit the "
+                              f"bucket sizes {list(sizes)}")
         entries.append(Entry(name, dtype, tuple(int(d) for d in shape), int(bucket), int(offset), nbytes))
     layout = Layout(tuple(entries), tuple(int(size) for size in sizes))
-    if message.get("fingerprint") not in (None, layout.fingerprint):
-        raise LayoutError(f"weights v{message.get('version')}: the layout's fingerprint does not match its fields")
+    if announcement.fingerprint != layout.fingerprint:
+        raise LayoutError(f"{where}the layout's fingerprint does not match its fields")
     return layout

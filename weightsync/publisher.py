@@ -3,7 +3,7 @@
 `publish(named_tensors, version)` takes the full tensors as the FSDP gathers produce them (bucket by bucket, on
 rank 0), copies each into its place in the ring slot for this version (the persistent shared-memory mapping,
 shm_ring.py), and hands every completed bucket to a sender thread that checksums it and, when a broadcast group is
-attached, sends it on while the main thread gathers the next bucket. It returns the control message (layout.py),
+attached, sends it on while the main thread gathers the next bucket. It returns the announcement (announcement.py),
 which the buffer announces to generators; a generator that missed the broadcast (it joined late, restarted, or
 lives on another host without the group) fetches the same bytes from the catch-up server (catchup.py), which
 serves them from the ring.
@@ -12,7 +12,7 @@ Nothing a receiver does can block `publish`: shared memory has no reader handsha
 timeouts and drops dead members (its own module), and catch-up runs on its own thread.
 
 A broadcast group on NCCL moves GPU memory only, so with one the publisher also keeps a set of buckets on the
-group's device (`group.device`, the learner's GPU): each gathered tensor is copied into its place there, device to
+group's device (`plane.device`, the learner's GPU): each gathered tensor is copied into its place there, device to
 device, and the group sends those, never the CPU ring. The ring still gets its copy, for generators on this host
 (shared memory) and on others (catch-up).
 """
@@ -22,14 +22,34 @@ import queue
 import threading
 import time
 import uuid
+from typing import Protocol
 
 import torch
 
 from asyncrl.weightsync.buckets import FlatBuckets
-from asyncrl.weightsync.layout import Layout, bucket_checksum, plan_layout, to_message
+from asyncrl.weightsync.announcement import ShmRingPlace, WeightsAnnouncement
+from asyncrl.weightsync.layout import Layout, announcement_for, bucket_checksum, plan_layout
 from asyncrl.weightsync.shm_ring import ShmRing
 
 log = logging.getLogger(__name__)
+
+
+class DataPlane(Protocol):
+    """A data plane beside the ring that sends each version on as it is published (backends.BroadcastPlane, the
+    chain relay; backends.EnginePushPlane, the push into engines). Its `send` never raises for a generator's
+    failure: a generator that missed a version fetches it from the ring or the catch-up server."""
+
+    device: torch.device
+    """Where the buckets it sends must be (the publisher keeps a copy there when it is not the CPU)."""
+
+    def describe(self) -> dict:
+        """Where the announcement names this plane: WeightsAnnouncement fields (broadcast=..., engines=...)."""
+
+    def send(self, version: int, buffers: list, ready=None, layout: Layout | None = None) -> None:
+        """Send `version`'s buckets; `ready(k, deadline)` waits until bucket k is complete."""
+
+    def close(self) -> None:
+        """Release the plane's store and groups."""
 
 
 class PublishError(RuntimeError):
@@ -38,20 +58,19 @@ class PublishError(RuntimeError):
 
 class WeightPublisher:
     """`ring_path`: the persistent mapping (on tmpfs); `slots`: versions kept readable at once (>= 2);
-    `group`: an optional data plane with `send(version, buckets, ready, layout)` (backends.GroupSender, the chain;
-    backends.EnginePusher, the push into engines), where `ready(k, deadline)` waits for bucket k; `catchup`: an optional server told about each complete version."""
+    `plane`: an optional data plane (a `DataPlane`: backends.BroadcastPlane, the chain; backends.EnginePushPlane,
+    the push into engines); `catchup`: an optional server told about each complete version."""
 
-    def __init__(self, ring_path: str, slots: int, bucket_bytes: int, group=None, catchup=None, host: str = ""):
+    def __init__(self, ring_path: str, slots: int, bucket_bytes: int, plane=None, catchup=None, host: str = ""):
         self.ring_path = ring_path
         self.slots = slots
         self.bucket_bytes = bucket_bytes
-        self.group = group
+        self.plane = plane
         self.catchup = catchup
         self.host = host or os.uname().nodename
         self.ring: ShmRing | None = None
         self.layout: Layout | None = None
-        self.device_buckets: FlatBuckets | None = None  # the group's copy on its device (NCCL: the GPU)
-        self.last_message: dict = {}
+        self.device_buckets: FlatBuckets | None = None  # the plane's copy on its device (NCCL: the GPU)
         self.timings: dict = {}
         self.life = uuid.uuid4().hex[:12]
         """Names this publisher in every message: a learner resumed from a checkpoint publishes version numbers the
@@ -64,17 +83,17 @@ class WeightPublisher:
             os.makedirs(os.path.dirname(self.ring_path) or ".", exist_ok=True)
             self.ring = ShmRing(self.ring_path, layout, self.slots, create=True)  # once per job, then reused
             self.layout = layout
-            device = getattr(self.group, "device", None)
+            device = self.plane.device if self.plane is not None else None
             self.device_buckets = (FlatBuckets(layout, device=device)
                                    if device is not None and torch.device(device).type != "cpu" else None)
             if self.catchup is not None:
                 self.catchup.attach(self.ring)
         return self.ring
 
-    def publish(self, named_tensors, version: int, specs: list, extra: dict | None = None) -> dict:
+    def publish(self, named_tensors, version: int, specs: list, extra: dict | None = None) -> WeightsAnnouncement:
         """specs: (name, dtype name, shape) of every tensor in the order `named_tensors` yields them (known before
-        any gather, from the sharded state dict). `extra`: more fields of the control message (a LoRA version's
-        `lora` settings). Returns the control message for `version`."""
+        any gather, from the sharded state dict). `extra`: more fields of the announcement (a LoRA version's `lora`
+        settings). Returns the announcement of `version`."""
         started = time.perf_counter()
         layout = plan_layout(specs, self.bucket_bytes)
         ring = self._ring_for(layout)
@@ -83,7 +102,7 @@ class WeightPublisher:
         remaining = [len(layout.in_bucket(index)) for index in range(len(layout.bucket_sizes))]
         checksums = [None] * len(remaining)
         device_buckets = self.device_buckets
-        sender = _BucketSender(self.group, version, buckets.buffers, checksums,
+        sender = _BucketSender(self.plane, version, buckets.buffers, checksums,
                                send_buffers=device_buckets.buffers if device_buckets is not None else None,
                                layout=layout)
         ring.begin_write(slot)
@@ -111,23 +130,23 @@ class WeightPublisher:
             sender.close(aborted=not complete)
         sender.raise_error()
         ring.end_write(slot, version)
-        message = to_message(layout, version, checksums, shm={"path": self.ring_path, "host": self.host,
-                                                              "slots": self.slots},
-                             published_at=time.time(), publisher=self.life, **(extra or {}))
-        if self.group is not None:
-            message[self.group.message_key] = self.group.describe()
+        places = {"shm": ShmRingPlace(self.ring_path, self.host, self.slots)}
+        if self.plane is not None:
+            places.update(self.plane.describe())
         if self.catchup is not None:
-            message["catchup"] = self.catchup.address
+            places["catchup"] = self.catchup.address
+        message = announcement_for(layout, version, checksums, publisher=self.life, published_at=time.time(),
+                                   **places, **(extra or {}))
+        if self.catchup is not None:
             self.catchup.announce(message)
-        self.last_message = message
         self.timings = {"publish_s": time.perf_counter() - started, "send_wait_s": sender.wait_s}
         return message
 
     def close(self) -> None:
         if self.catchup is not None:
             self.catchup.close()
-        if self.group is not None:
-            self.group.close()
+        if self.plane is not None:
+            self.plane.close()
         if self.ring is not None:
             self.ring.close(unlink=True)
             self.ring = None
@@ -138,19 +157,19 @@ class _BucketSender:
     thread (with a broadcast group) sends each one down the chain as soon as it is complete. xxhash and
     torch.distributed release the GIL, so both overlap the main thread's gathers and copies."""
 
-    def __init__(self, group, version: int, buffers: list, checksums: list, send_buffers: list | None = None,
+    def __init__(self, plane, version: int, buffers: list, checksums: list, send_buffers: list | None = None,
                  layout: Layout | None = None):
-        self.group, self.version, self.buffers, self.checksums = group, version, buffers, checksums
+        self.plane, self.version, self.buffers, self.checksums = plane, version, buffers, checksums
         self.layout = layout
-        self.send_buffers = send_buffers if send_buffers is not None else buffers  # the group's (its device's)
+        self.send_buffers = send_buffers if send_buffers is not None else buffers  # the plane's (its device's)
         self.queue: queue.Queue = queue.Queue()
         self.copied = [threading.Event() for _ in buffers]
         self.aborted = False
         self.error: BaseException | None = None
-        self.group_error: BaseException | None = None
+        self.plane_error: BaseException | None = None
         self.wait_s = 0.0
         self.threads = [threading.Thread(target=self._checksums, name="asyncrl-weight-checksums", daemon=True)]
-        if group is not None:
+        if plane is not None:
             self.threads.append(threading.Thread(target=self._send, name="asyncrl-weight-sender", daemon=True))
         for thread in self.threads:
             thread.start()
@@ -176,9 +195,9 @@ class _BucketSender:
 
     def _send(self) -> None:
         try:
-            self.group.send(self.version, self.send_buffers, ready=self._ready, layout=self.layout)
+            self.plane.send(self.version, self.send_buffers, ready=self._ready, layout=self.layout)
         except BaseException as err:  # the version is still in the ring and the catch-up server: logged only
-            self.group_error = err
+            self.plane_error = err
 
     def close(self, aborted: bool = False) -> None:
         started = time.perf_counter()
@@ -188,9 +207,9 @@ class _BucketSender:
         for thread in self.threads:
             thread.join()
         self.wait_s = time.perf_counter() - started
-        if self.group_error is not None:
+        if self.plane_error is not None:
             log.warning("weight sync v%d: the broadcast failed (%s); generators fetch it from the catch-up server",
-                        self.version, self.group_error)
+                        self.version, self.plane_error)
 
     def raise_error(self) -> None:
         if self.error is not None:

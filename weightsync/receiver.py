@@ -3,8 +3,8 @@ verified, before any engine touches it.
 
 A generator keeps a staging ring of three slots (shm_ring.py): the version its engine runs (kept, so a failed load
 can go back to it), the version being loaded, and one free slot where the next version lands. A version gets there
-by the cheapest path that has it, each checked against the control message's per-bucket checksums:
-1. the broadcast group's background receiver already holds it (weightsync/group/member.py): copy it in;
+by the cheapest path that has it, each checked against the announcement's per-bucket checksums:
+1. the broadcast group's background receiver already holds it (weightsync/broadcast/member.py): copy it in;
 2. the learner's ring is on this host: copy it from the shared mapping (seqlock-checked);
 3. otherwise ask the learner's catch-up server for it (catchup.py).
 Only a `Staged` version — complete, checksummed, in a slot nobody writes to — is handed to an engine's receiver,
@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from asyncrl.weightsync.buckets import FlatBuckets
+from asyncrl.weightsync.announcement import BroadcastPlace, WeightsAnnouncement
 from asyncrl.weightsync.catchup import CatchupError, fetch
-from asyncrl.weightsync.layout import Layout, LayoutError, bucket_checksum, from_message
+from asyncrl.weightsync.layout import Layout, LayoutError, bucket_checksum, layout_of
 from asyncrl.weightsync.shm_ring import RingError, ShmRing, remove_stale
 
 log = logging.getLogger(__name__)
@@ -34,15 +35,15 @@ class WeightSyncError(RuntimeError):
 class Staged:
     """A complete, verified version in a staging slot; `ring_path` and `slot` let another process map it."""
     version: int
-    message: dict
+    announcement: WeightsAnnouncement
     ring_path: str
     slot: int
     buckets: FlatBuckets
 
 
-def verify(buckets: FlatBuckets, message: dict) -> list[int]:
-    """Indexes of the buckets whose bytes do not match the control message's checksums."""
-    return [index for index, (buffer, expected) in enumerate(zip(buckets.buffers, message["checksums"]))
+def verify(buckets: FlatBuckets, message: WeightsAnnouncement) -> list[int]:
+    """Indexes of the buckets whose bytes do not match the announcement's checksums."""
+    return [index for index, (buffer, expected) in enumerate(zip(buckets.buffers, message.checksums))
             if bucket_checksum(buffer) != expected]
 
 
@@ -59,8 +60,8 @@ class WeightStage:
         self.loading: int | None = None  # the slot being staged or loaded
         self._lock = threading.Lock()
         self._learner_rings: dict[str, ShmRing] = {}
-        self.paths_used = {"group": 0, "shm": 0, "catchup": 0, "catchup_delta": 0}
-        self.member = None  # group.member.WeightGroupMember, joined when a control message names a group
+        self.paths_used = {"broadcast": 0, "shm": 0, "catchup": 0, "catchup_delta": 0}
+        self.member = None  # broadcast.member.BroadcastMember, joined when an announcement names a group
         self._member_address = None
         self._received: tuple | None = None  # (version, buckets) taken from the member, not yet used
         self._last_delta = False  # the last catch-up answer was a delta (its checksums are checked in `stage`)
@@ -86,14 +87,14 @@ class WeightStage:
             self.loading = free[0]
             return free[0]
 
-    def stage(self, message: dict) -> Staged:
+    def stage(self, message: WeightsAnnouncement) -> Staged:
         """The announced version, complete and verified in a staging slot pinned until `end_load`, or
         WeightSyncError naming what each path did."""
         try:
-            layout = from_message(message)
+            layout = layout_of(message)
         except LayoutError as err:
             raise WeightSyncError(str(err)) from None
-        version = message["version"]
+        version = message.version
         with self._lock:
             ring = self._ring_for(layout)
             found = ring.find(version)
@@ -106,7 +107,7 @@ class WeightStage:
         slot = self._reserve_loading(layout)
         tried = []
         self._last_delta = False
-        for path, copy in (("group", self._from_group), ("shm", self._from_learner_ring),
+        for path, copy in (("broadcast", self._from_group), ("shm", self._from_learner_ring),
                            ("catchup", self._from_catchup), ("catchup", self._from_catchup_whole)):
             ring.begin_write(slot)
             try:
@@ -130,20 +131,20 @@ class WeightStage:
         self.end_load(None, ok=False)
         raise WeightSyncError(f"weights v{version}: no complete copy could be staged ({'; '.join(tried) or 'no path'})")
 
-    def _from_group(self, message: dict, layout: Layout, dest: FlatBuckets) -> bool:
-        """What the broadcast group's background receiver delivered, if it is this version. The first message
+    def _from_group(self, message: WeightsAnnouncement, layout: Layout, dest: FlatBuckets) -> bool:
+        """What the broadcast group's background receiver delivered, if it is this version. The first announcement
         naming a group joins it (later versions then arrive without asking)."""
-        group = message.get("group")
-        if not group:
+        group = message.broadcast
+        if group is None:
             return False
-        if self.member is None or self._member_address != group["address"]:
+        if self.member is None or self._member_address != group.address:
             self._join(group, layout)
             return False  # joining takes effect at the learner's next send
         while (latest := self.member.take_latest()) is not None:
             if self._received is not None:
                 self.member.release(self._received[1])
             self._received = latest
-        if self._received is None or self._received[0] != message["version"]:
+        if self._received is None or self._received[0] != message.version:
             return False
         version, buckets = self._received
         self._received = None
@@ -154,60 +155,60 @@ class WeightStage:
             self.member.release(buckets)
         return True
 
-    def _join(self, group: dict, layout: Layout) -> None:
-        from asyncrl.weightsync.group.chain import BACKENDS, bucket_device
-        from asyncrl.weightsync.group.member import WeightGroupMember
+    def _join(self, group: BroadcastPlace, layout: Layout) -> None:
+        from asyncrl.weightsync.broadcast.chain import BACKENDS, bucket_device
+        from asyncrl.weightsync.broadcast.member import BroadcastMember
 
-        backend = group.get("backend", "gloo")
+        backend = group.backend
         if backend not in BACKENDS:
-            raise WeightSyncError(f"the control message names a broadcast group on backend {backend!r}; this "
+            raise WeightSyncError(f"the announcement names a broadcast group on backend {backend!r}; this "
                                   f"generator knows {BACKENDS}")
         if self.member is not None:
             self.member.close()
         sizes = list(layout.bucket_sizes)
         device = bucket_device(backend)  # NCCL receives into GPU memory; _from_group copies it into staging
-        self.member = WeightGroupMember.connect(group["address"], self.name, self.catchup_timeout_s,
+        self.member = BroadcastMember.connect(group.address, self.name, self.catchup_timeout_s,
                                                 backend=backend)
         self.member.start_receiving(lambda: [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes])
-        self._member_address = group["address"]
-        log.info("weight sync: %s joined the broadcast group at %s", self.name, group["address"])
+        self._member_address = group.address
+        log.info("weight sync: %s joined the broadcast group at %s", self.name, group.address)
 
-    def _from_learner_ring(self, message: dict, layout: Layout, dest: FlatBuckets) -> bool:
-        shm = message.get("shm") or {}
-        if not shm.get("path") or not os.path.exists(shm["path"]):
+    def _from_learner_ring(self, message: WeightsAnnouncement, layout: Layout, dest: FlatBuckets) -> bool:
+        shm = message.shm
+        if shm is None or not shm.path or not os.path.exists(shm.path):
             return False  # another host: the catch-up path serves it
-        inode = os.stat(shm["path"]).st_ino  # a ring re-created under the same name is another file
-        cached = self._learner_rings.get(shm["path"])
+        inode = os.stat(shm.path).st_ino  # a ring re-created under the same name is another file
+        cached = self._learner_rings.get(shm.path)
         if cached is None or cached[0] != inode or cached[1].layout.fingerprint != layout.fingerprint:
             if cached is not None:
                 cached[1].close()
-            cached = (inode, ShmRing(shm["path"], layout, int(shm["slots"]), create=False))  # mapped once
-            self._learner_rings[shm["path"]] = cached
-        cached[1].copy_out(message["version"], dest)
+            cached = (inode, ShmRing(shm.path, layout, shm.slots, create=False))  # mapped once
+            self._learner_rings[shm.path] = cached
+        cached[1].copy_out(message.version, dest)
         return True
 
-    def _from_catchup(self, message: dict, layout: Layout, dest: FlatBuckets) -> bool:
-        if not message.get("catchup"):
+    def _from_catchup(self, message: WeightsAnnouncement, layout: Layout, dest: FlatBuckets) -> bool:
+        if not message.catchup:
             return False
-        base = self.good if self.good is not None and self.good.message.get("fingerprint") == layout.fingerprint \
+        base = self.good if self.good is not None and self.good.announcement.fingerprint == layout.fingerprint \
             else None  # the version the engine runs, verified: the server may send only what changed since
-        got, _ = fetch(message["catchup"], message["version"], lambda m: dest, self.catchup_timeout_s,
-                       base=base.buckets if base else None, base_message=base.message if base else None,
-                       keys=self.keys)
-        if got.get("fingerprint") != layout.fingerprint:
-            raise CatchupError(f"{message['catchup']} answered with another layout")
-        self._last_delta = "delta" in got
+        got = fetch(message.catchup, message.version, lambda m: dest, self.catchup_timeout_s,
+                    base=base.buckets if base else None, base_message=base.announcement if base else None,
+                    keys=self.keys)
+        if got.announcement.fingerprint != layout.fingerprint:
+            raise CatchupError(f"{message.catchup} answered with another layout")
+        self._last_delta = got.delta
         return True
 
-    def _from_catchup_whole(self, message: dict, layout: Layout, dest: FlatBuckets) -> bool:
+    def _from_catchup_whole(self, message: WeightsAnnouncement, layout: Layout, dest: FlatBuckets) -> bool:
         """Only after a delta that failed the checksums (the server's base was not ours after all): the full
         version, one more request away."""
         if not self._last_delta:
             return False
         self._last_delta = False
         log.warning("weight sync: a delta to v%d from %s failed its checksums; fetching the full version",
-                    message["version"], message["catchup"])
-        fetch(message["catchup"], message["version"], lambda m: dest, self.catchup_timeout_s, keys=self.keys)
+                    message.version, message.catchup)
+        fetch(message.catchup, message.version, lambda m: dest, self.catchup_timeout_s, keys=self.keys)
         return True
 
     def end_load(self, staged: Staged | None, ok: bool) -> None:

@@ -27,8 +27,8 @@ import msgpack
 
 from asyncrl.buffer.dealer import check_deal
 from asyncrl.buffer.eval_rounds import decode_eval_task, evals_wanted
-from asyncrl.buffer.interface import (AdmitReply, GeneratorRefused, HelloReply, LearnerUnavailable, SendReply,
-                                     Status, too_large_reply)
+from asyncrl.buffer.interface import (AdmitReply, GeneratorRefused, HelloReply, LearnerUnavailable, RunInfo, SendReply,
+                                     Status, decode_weights, too_large_reply)
 from asyncrl.buffer.redis.conn import redacted
 from asyncrl.buffer.redis.coordinator import RedisCoordinator
 from asyncrl.buffer.redis.dealing import forget_holder, settle_deals
@@ -36,6 +36,7 @@ from asyncrl.buffer.redis.eval_bridge import answer_eval, take_evals
 from asyncrl.buffer.redis.produce import DeliveryBatcher, produce_batch
 from asyncrl.buffer.redis.reconnect import RedisUnavailable, direct
 from asyncrl.buffer.redis.stream import REFUSED, GroupStream
+from asyncrl.weightsync.announcement import WeightsAnnouncement
 
 
 class NotRegistered(RuntimeError):
@@ -59,7 +60,8 @@ class RedisBufferClient:
         self.reports = 0
         self.evaluates = False  # the learner runs evaluation rounds (the run info says `evals`)
         self.deals_held: dict = {}  # deal ids dealt to this generator and not yet delivered or handed back
-        self._weights: tuple[str, dict] = ("", {})  # (weights_id, control message): read again only when it changes
+        self._weights: tuple[str, WeightsAnnouncement | None] = ("", None)  # (weights_id, announcement): read
+        # again only when the id changes
 
     # --- interface.GeneratorBuffer ------------------------------------------------------------------------------
     async def hello(self, config_hash: str, timeout_s: float | None = None) -> HelloReply:
@@ -112,7 +114,7 @@ class RedisBufferClient:
         Its lease is taken once, so a resend neither loses it nor takes another. A group whose deal is no longer
         out to this generator (past data.deal_timeout_s: dealt again) is refused in the same script."""
         if not group_id:
-            return {"ok": False, "accepted": False, "version": 0, "weights": {}, "done": False,
+            return {"ok": False, "accepted": False, "weights": None, "done": False,
                     "error": "a group request needs its group_id (idempotence key)"}
         lease = self.leases.pop(0) if self.leases else ""
         try:
@@ -133,15 +135,15 @@ class RedisBufferClient:
                                                META_FIELDS)
         meta = meta_of(raw_meta)
         weights = self.retry("weights", self._weights_for, meta["weights_id"])
-        return reply_fields(meta, version, weights), version, results
+        return reply_fields(meta, weights), version, results
 
     def _handle(self, op: str, fields: dict, token: str) -> dict:
         pipe = self.client.pipeline(transaction=False)
         raw_meta, version = pipe.hmget(self.keys["meta"], *META_FIELDS).get(self.keys["version"]).execute()
         meta = meta_of(raw_meta)
-        return self._op(op, meta, self._reply(meta, op, int(version or 0)), int(version or 0), fields, token)
+        return self._op(op, meta, self._reply(meta, op), int(version or 0), fields, token)
 
-    def _reply(self, meta: dict, op: str, version: int) -> dict:
+    def _reply(self, meta: dict, op: str) -> dict:
         """The fields every reply carries, from the run metadata the learner keeps in Redis."""
         if meta["config_hash"] is None:
             if op == "hello":  # the caller waits for the learner to start, saying so
@@ -149,17 +151,17 @@ class RedisBufferClient:
             # mid-run, the metadata can only be missing because Redis restarted empty: the learner rewrites it as
             # soon as it reconnects, so this is waited out like the outage itself
             raise redis.ConnectionError("the job's metadata is gone from Redis; waiting for the learner to rewrite it")
-        return reply_fields(meta, version, self._weights_for(meta["weights_id"]))
+        return reply_fields(meta, self._weights_for(meta["weights_id"]))
 
-    def _weights_for(self, weights_id: str | None) -> dict:
-        """The control message `weights_id` names, read from Redis only when it is not the one already held: it
+    def _weights_for(self, weights_id: str | None) -> WeightsAnnouncement | None:
+        """The announcement `weights_id` names, read from Redis only when it is not the one already held: it
         lists every tensor (17 KB of JSON for a 0.5B model, over 1 MB for a large MoE), and reading and parsing it
         with every request cost more than the request. A learner that writes no id (older) is read every time."""
         held_id, held = self._weights
         if weights_id is not None and weights_id == held_id:
             return held
         fresh_id, raw = self.client.hmget(self.keys["meta"], "weights_id", "weights")
-        descriptor = json.loads(raw or "{}")
+        descriptor = decode_weights(json.loads(raw or "null"), self.endpoint)
         if fresh_id is not None:
             self._weights = (fresh_id.decode(), descriptor)
         return descriptor
@@ -177,10 +179,11 @@ class RedisBufferClient:
                     f"same recipe and shared overrides")}
             self.client.hsetnx(self.keys["meta"] + ":joins", self.generator_id, json.dumps(
                 {"hello_version": version, "at": time.time()}))
-            run_info = json.loads(self.client.hget(self.keys["meta"], "run_info") or "{}")
-            self.evaluates = bool(run_info.get("evals"))
-            if run_info.get("deals"):
-                self.deal_ms = max(1, int(float(run_info.get("deal_timeout_s", 1800)) * 1000))
+            run_info = RunInfo.from_wire(json.loads(self.client.hget(self.keys["meta"], "run_info") or "null"),
+                                         self.endpoint)
+            self.evaluates = run_info.evals
+            if run_info.deals:
+                self.deal_ms = max(1, int(run_info.deal_timeout_s * 1000))
                 # a process that just joined holds nothing: deals out under this id (a predecessor killed with -9)
                 # go back to the epoch now rather than after data.deal_timeout_s
                 forget_holder(self.client, self.keys, self.generator_id)
@@ -192,7 +195,7 @@ class RedisBufferClient:
                                    token, self.coordinator.lease_ms + 3_600_000)
                 want -= len(evals)
             if not reply["done"]:
-                granted, reply["version"], deals = self.coordinator.admit_dealt(
+                granted, _, deals = self.coordinator.admit_dealt(
                     self.generator_id, want, self.deal_ms, request_id=token)
             self.leases.extend(granted)
             self.deals_held.update(dict.fromkeys(deal_id for deal_id, _ in deals))
@@ -240,9 +243,9 @@ def meta_of(values: list) -> dict:
     return {name: None if value is None else value.decode() for name, value in zip(META_FIELDS, values)}
 
 
-def reply_fields(meta: dict, version: int, weights: dict) -> dict:
+def reply_fields(meta: dict, weights: WeightsAnnouncement | None) -> dict:
     """The fields every reply carries (as the zmq learner's), from the run metadata the learner keeps in Redis."""
-    return {"ok": True, "version": version, "weights": weights, "done": meta.get("done") == "1"}
+    return {"ok": True, "weights": weights, "done": meta.get("done") == "1"}
 
 
 def _unpack(task: bytes):
@@ -255,5 +258,4 @@ def _unpack(task: bytes):
 
 def _status(reply: dict) -> dict:
     """The `interface.Status` fields of a reply dict (Redis holds no rejections: bad entries are dead-lettered)."""
-    return {"version": int(reply.get("version", 0)), "weights": reply.get("weights") or {},
-            "done": bool(reply.get("done"))}
+    return {"weights": reply.get("weights"), "done": bool(reply.get("done"))}

@@ -25,12 +25,14 @@ import redis
 
 from asyncrl.buffer.codec import CodecError, decode_group
 from asyncrl.buffer.fleet_stats import fleet_metrics
+from asyncrl.buffer.interface import RunInfo
 from asyncrl.buffer.plausibility import JobLimits, check_stats
 from asyncrl.buffer.rejections import RejectionLog
 from asyncrl.buffer.redis.conn import redacted
 from asyncrl.buffer.redis.reconnect import direct
 from asyncrl.buffer.redis.eval_bridge import RedisEvalBridge
 from asyncrl.buffer.redis.stream import GroupStream, job_keys
+from asyncrl.weightsync.announcement import WeightsAnnouncement
 
 log = logging.getLogger(__name__)
 TRIM_EVERY_S = 1.0
@@ -42,7 +44,7 @@ RECENT_TAKES = 4096  # taken groups whose lease is remembered for give_back (col
 
 class RedisBufferServer:
     def __init__(self, client, url: str, job: str, coordinator, *, vocab_size: int, config_hash: str,
-                 max_message_bytes: int, run_info: dict, reclaim_idle_s: float = 60.0, read_count: int = 64,
+                 max_message_bytes: int, run_info: RunInfo, reclaim_idle_s: float = 60.0, read_count: int = 64,
                  retry=direct, limits: JobLimits | None = None, shared_config: dict | None = None,
                  stats_ttl_s: float = 120.0, dealer=None, evals=None):
         self.client = client
@@ -59,7 +61,7 @@ class RedisBufferServer:
         self._next_hearing = 0.0
         self._stats_seen: dict = {}  # generator -> (its last raw report, when it last changed, its parse or None)
         self.max_message_bytes = max_message_bytes
-        self.run_info = dict(run_info)
+        self.run_info = run_info
         self.reclaim_idle_ms = int(reclaim_idle_s * 1000)
         self.read_count = read_count
         self.stream = GroupStream(client, job, retry=retry, on_poison=self._poisoned)
@@ -75,7 +77,7 @@ class RedisBufferServer:
         self.held: set = set()  # entry ids read (ready or taken) and not yet acked
         self._acked: OrderedDict = OrderedDict()  # recently acked entry ids, oldest first
         self.redelivered = 0  # entries delivered again that this learner already held or acked (skipped)
-        self._weights: dict = {}
+        self._weights: dict | None = None  # the announcement, as it travels (WeightsAnnouncement.to_wire)
         self._weights_id = ""  # fresh per set_weights: generators re-read the control message only when it changes
         self._done = False
         self._next_reclaim = 0.0
@@ -94,7 +96,7 @@ class RedisBufferServer:
     def _write_meta(self, retry=None) -> None:
         """Everything a generator needs, in one hash; idempotent, so it is simply rewritten after a reconnect."""
         (retry or self.retry)("run metadata", self.client.hset, self.keys["meta"], mapping={
-            "config_hash": self.config_hash, "run_info": json.dumps(self.run_info),
+            "config_hash": self.config_hash, "run_info": json.dumps(self.run_info.to_wire()),
             "shared_config": json.dumps(self.shared_config),
             "weights": json.dumps(self._weights), "weights_id": self._weights_id, "done": "1" if self._done else "0"})
 
@@ -311,8 +313,8 @@ class RedisBufferServer:
             self._rejections.reject(reason, group.generator_id, f"group {group.group_id} (entry "
                                                                  f"{entry_id.decode()}) poisoned a step")
 
-    def announce_weights(self, message: dict) -> None:
-        self._weights, self._weights_id = dict(message), uuid.uuid4().hex[:16]
+    def announce_weights(self, message: WeightsAnnouncement) -> None:
+        self._weights, self._weights_id = message.to_wire(), uuid.uuid4().hex[:16]
         self._write_meta()
 
     def set_version(self, version: int) -> None:

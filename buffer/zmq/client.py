@@ -20,10 +20,11 @@ import zmq
 
 from asyncrl.buffer.dealer import check_deal
 from asyncrl.buffer.eval_rounds import decode_eval_task
-from asyncrl.buffer.interface import (AdmitReply, GeneratorRefused, HelloReply, LearnerUnavailable, SendReply,
-                                     Status, too_large_reply)
+from asyncrl.buffer.interface import (AdmitReply, GeneratorRefused, HelloReply, LearnerUnavailable, RunInfo, SendReply,
+                                     Status, decode_weights, too_large_reply)
 from asyncrl.buffer.zmq.wire import pack, status_fields, unpack_reply
 from asyncrl.security.curve import secure_client
+from asyncrl.weightsync.announcement import AnnouncementError, WeightsAnnouncement
 
 BATCH_MAX_GROUPS = 16
 """Most groups sent in one message (wire.py); one more than that starts another."""
@@ -54,7 +55,7 @@ class ZmqBufferClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: deque = deque()  # (op, req, fields, body, reply future) not yet handed to libzmq
         self._flush_scheduled = False
-        self.weights: dict = {}  # the newest weights control message heard of, and its id (see wire.py)
+        self.weights: WeightsAnnouncement | None = None  # the newest announcement heard of, and its id (wire.py)
         self.weights_id = ""
 
     # --- interface.GeneratorBuffer ------------------------------------------------------------------------------
@@ -62,8 +63,7 @@ class ZmqBufferClient:
         reply = await self._request("hello", timeout_s=timeout_s, config_hash=config_hash)
         if not reply.get("ok"):
             raise GeneratorRefused(str(reply.get("error", "refused")), reply.get("shared_config"))
-        run_info = reply.get("run_info")
-        return HelloReply(**status_fields(reply), run_info=run_info if isinstance(run_info, dict) else {})
+        return HelloReply(**status_fields(reply), run_info=RunInfo.from_wire(reply.get("run_info"), self.endpoint))
 
     async def admit(self, want: int = 1, version: int | None = None) -> AdmitReply:
         reply = await self._request("admit", want=want, **({"ver": version} if version is not None else {}))
@@ -204,8 +204,15 @@ class ZmqBufferClient:
                 reply = unpack_reply(frames[-1])
             except Exception:
                 continue  # a reply we cannot read is dropped; the request times out with a clear error
-            self._note_weights(reply)
             results = reply.pop("results", None)
+            try:
+                self._note_weights(reply)
+            except AnnouncementError as err:  # each request it answers fails with it, naming the field
+                answered = [result.get("req") for result in results if isinstance(result, dict)] \
+                    if isinstance(results, list) else [reply.get("req")]
+                for req in answered:
+                    self._fail(req, err)
+                continue
             if not isinstance(results, list):
                 self._resolve(reply.get("req"), reply)
                 continue
@@ -218,10 +225,17 @@ class ZmqBufferClient:
         if future is not None and not future.done():
             future.set_result(reply)
 
+    def _fail(self, req, error: Exception) -> None:
+        future = self._pending.get(req)
+        if future is not None and not future.done():
+            future.set_exception(error)
+
     def _note_weights(self, reply: dict) -> None:
-        """Keep the control message a reply carries; give the kept one to a reply that carries only its id."""
+        """Keep the announcement a reply carries; give the kept one to a reply that carries only its id."""
         if "weights" in reply:
-            self.weights, self.weights_id = reply["weights"], str(reply.get("weights_id", ""))
+            self.weights = decode_weights(reply["weights"], self.endpoint)
+            self.weights_id = str(reply.get("weights_id", ""))
+            reply["weights"] = self.weights
         else:
             reply["weights"] = self.weights
 

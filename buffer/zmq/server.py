@@ -24,11 +24,13 @@ from asyncrl.buffer.dealer import PromptDealer
 from asyncrl.buffer.done import wait_until_told
 from asyncrl.buffer.eval_rounds import EvalRounds, evals_wanted
 from asyncrl.buffer.fleet_stats import fleet_metrics
+from asyncrl.buffer.interface import RunInfo
 from asyncrl.buffer.plausibility import JobLimits, check_stats
 from asyncrl.buffer.rejections import RejectionLog
 from asyncrl.buffer.staleness import Coordinator
 from asyncrl.buffer.zmq.wire import ProtocolError, pack, unpack_request
 from asyncrl.security.curve import CurveGuard, warn_if_open
+from asyncrl.weightsync.announcement import WeightsAnnouncement
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,7 @@ too_large itself), so only a client that ignores the limit meets libzmq's, which
 
 class ZmqBufferServer:
     def __init__(self, host: str, port: int, coordinator: Coordinator, *, vocab_size: int, config_hash: str,
-                 max_message_bytes: int, queue_groups: int, run_info: dict, peer_timeout_s: float = 120.0,
+                 max_message_bytes: int, queue_groups: int, run_info: RunInfo, peer_timeout_s: float = 120.0,
                  queue_bytes: int = 0, limits: JobLimits | None = None, shared_config: dict | None = None,
                  dealer: PromptDealer | None = None, evals: EvalRounds | None = None, keys=None):
         self.coordinator = coordinator
@@ -58,7 +60,7 @@ class ZmqBufferServer:
         self.config_hash = config_hash
         self.shared_config = shared_config or {}  # told to a generator whose config hash differs (it names keys)
         self.max_message_bytes = max_message_bytes
-        self.run_info = dict(run_info)
+        self.run_info = run_info.to_wire()  # as every hello reply carries it
         self.peer_timeout_s = peer_timeout_s
         self.queue_groups = queue_groups
         self.queue_bytes = queue_bytes  # 0: bounded in groups only
@@ -81,7 +83,7 @@ class ZmqBufferServer:
         self.joins: dict[str, dict] = {}  # generator -> version at hello, min token version of its first group
         # (id, control message) of the newest weights, replaced whole so the server thread never reads a new
         # message under an old id; the id names one set_weights call, and a generator holding it is not sent it again
-        self._weights: tuple[str, dict] = ("", {})
+        self._weights: tuple[str, dict | None] = ("", None)
         self._done = False
         self.told_done: set[str] = set()  # generators that received a reply saying the job is done
         self._stop = threading.Event()
@@ -183,14 +185,14 @@ class ZmqBufferServer:
         """reason -> groups (and requests) rejected so far."""
         return self._rejections.snapshot()
 
-    def announce_weights(self, message: dict) -> None:
+    def announce_weights(self, message: WeightsAnnouncement) -> None:
         """Announce published weights; generators learn of them in their next reply.
 
-        The control message lists every tensor (17 KB for a 0.5B model, over 1 MB for a large MoE), so a reply
+        The announcement lists every tensor (17 KB for a 0.5B model, over 1 MB for a large MoE), so a reply
         carries it only to a generator whose request names another `weights_id` than the newest (`_handle`):
         packing it into every reply cost more than validating the group it answered. The id is fresh per call,
         not the version: a learner resumed from a checkpoint republishes a version number with other addresses."""
-        self._weights = (uuid.uuid4().hex[:16], dict(message))
+        self._weights = (uuid.uuid4().hex[:16], message.to_wire())
 
     def set_version(self, version: int) -> None:
         self.coordinator.set_version(version)

@@ -22,16 +22,20 @@ weights control message the generator holds, "" for none):
                              # and lengths nil give it back
   stats {metrics}            -> {}
   bye                        -> {}
-Every reply carries `req`, `ok`, `weights_id` (of the newest weights), `weights` (their control message) only when
-the request's `wid` differs, `error` when ok is false, and `rejected` {count, last_error} when groups this generator
-sent earlier were found invalid since its last reply (the learner validates a group when it takes it, so "accepted"
-means queued; only an oversized group is refused in its own reply, with `reason`). ZmqBufferClient keeps the newest
-message, and turns every reply into the typed replies of buffer/interface.py (`status_fields`), so callers always
-see `weights`. Group payloads travel in their own frame so the codec's size limit applies to them alone.
+Every reply carries `req`, `ok`, `version` (the learner's published version, for a peer that follows no weights;
+ZmqBufferClient reads the version from the announcement instead), `weights_id` (of the newest weights), `weights`
+(their announcement, weightsync/announcement.py `to_wire`) only when the request's `wid` differs, `error` when ok is
+false, and `rejected` {count, last_error} when groups this generator sent earlier were found invalid since its last
+reply (the learner validates a group when it takes it, so "accepted" means queued; only an oversized group is
+refused in its own reply, with `reason`). ZmqBufferClient keeps the newest announcement (decoded once:
+interface.decode_weights), and turns every reply into the typed replies of buffer/interface.py (`status_fields`), so
+callers always see `weights`. Group payloads travel in their own frame so the codec's size limit applies to them
+alone.
 """
 import msgpack
 
 from asyncrl.buffer.interface import Rejections
+from asyncrl.weightsync.announcement import WeightsAnnouncement
 
 OPS = ("hello", "admit", "release", "group", "eval", "stats", "bye")
 MAX_HEADER_BYTES = 1 << 20
@@ -69,13 +73,11 @@ def unpack_reply(frame: bytes) -> dict:
 def status_fields(reply: dict) -> dict:
     """The `interface.Status` fields of a reply: what every reply carries, with types checked (a field of the wrong
     type reads as absent rather than reaching the rollout loop)."""
-    version = reply.get("version")
     weights = reply.get("weights")
     rejected = reply.get("rejected")
     if isinstance(rejected, dict) and isinstance(rejected.get("count"), int):
         rejected = Rejections(rejected["count"], str(rejected.get("last_error", "")))
     else:
         rejected = None
-    return {"version": version if isinstance(version, int) else 0,
-            "weights": weights if isinstance(weights, dict) else {},
+    return {"weights": weights if isinstance(weights, WeightsAnnouncement) else None,
             "done": reply.get("done") is True, "rejected": rejected}

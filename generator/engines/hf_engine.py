@@ -150,7 +150,7 @@ class HfEngine:
         are checked before the first copy; should a copy still fail midway, `fallback` (the last good staged
         version, or the model's own files) is copied back before the lock is released. A LoRA version goes into
         adapters injected into the model (load_adapter)."""
-        if is_lora_version(staged.message):
+        if is_lora_version(staged.announcement):
             return await self.load_adapter(staged)
         async with self._lock:
             if self.adapter is not None:
@@ -176,7 +176,7 @@ class HfEngine:
         """A LoRA version: on the first, peft's adapters are injected into the model with its settings (the base
         weights stay the model's own); every version then copies its adapter tensors in, under the lock. A version
         whose rank or targets differ from the injected ones is refused."""
-        spec = parse_adapter(staged.message, self._base_shapes)
+        spec = parse_adapter(staged.announcement, self._base_shapes)
         async with self._lock:
             if self.adapter is None:
                 from peft import LoraConfig, inject_adapter_in_model

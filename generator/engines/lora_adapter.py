@@ -38,8 +38,9 @@ class AdapterSpec:
                 "modules_to_save": None}
 
 
-def is_lora_version(message: dict) -> bool:
-    return isinstance(message, dict) and "lora" in message
+def is_lora_version(message) -> bool:
+    """`message` (a weightsync WeightsAnnouncement) announces a LoRA adapter rather than a full version."""
+    return message.lora is not None
 
 
 def vllm_max_lora_rank(rank: int) -> int:
@@ -50,14 +51,14 @@ def vllm_max_lora_rank(rank: int) -> int:
     raise ValueError(f"LoRA rank {rank} is above what vLLM serves ({VLLM_LORA_RANKS[-1]})")
 
 
-def parse_adapter(message: dict, base_shapes: dict, max_rank: int | None = None) -> AdapterSpec:
-    """The adapter a LoRA version's control message describes, checked against the base model's weight shapes
+def parse_adapter(message, base_shapes: dict, max_rank: int | None = None) -> AdapterSpec:
+    """The adapter a LoRA version's announcement describes, checked against the base model's weight shapes
     (`base_shapes`: plain module key -> shape, e.g. `model.layers.0.self_attn.q_proj.weight`), or WeightLoadError
     saying what does not fit. `max_rank`: the most the engine was started for."""
-    version = message.get("version")
-    lora = message.get("lora")
+    version = message.version
+    lora = message.lora
     if not isinstance(lora, dict):
-        raise WeightLoadError(f"v{version}: the `lora` entry of the control message is not a mapping")
+        raise WeightLoadError(f"v{version}: the `lora` entry of the announcement is not a mapping")
     rank, alpha, targets = lora.get("r"), lora.get("lora_alpha"), lora.get("target_modules")
     if not isinstance(rank, int) or isinstance(rank, bool) or not 1 <= rank <= 512:
         raise WeightLoadError(f"v{version}: LoRA rank {rank!r} is not an integer in [1, 512]")
@@ -70,7 +71,7 @@ def parse_adapter(message: dict, base_shapes: dict, max_rank: int | None = None)
             or not all(isinstance(name, str) and _MODULE_NAME.match(name) for name in targets)):
         raise WeightLoadError(f"v{version}: LoRA target_modules {targets!r} is not a list of module names")
     problems, sent = [], set()
-    for name, shape in zip(message["names"], message["shapes"]):
+    for name, shape in zip(message.names, message.shapes):
         try:
             key = adapter_module_key(name)
         except ValueError as err:
@@ -150,13 +151,13 @@ class ServedAdapters:
     async def load(self, staged) -> ServedAdapter:
         """Add `staged` (a checked LoRA version) as the adapter new requests take; WeightLoadError leaves the
         current one serving. A version already loaded (an evaluation round pinned to it) is taken again."""
-        publisher = str(staged.message.get("publisher", ""))
+        publisher = staged.announcement.publisher
         for served in self.loaded:
             if served.version == staged.version and served.publisher == publisher and not self.base_only:
                 self.loaded.remove(served)
                 self.loaded.append(served)
                 return served
-        spec = parse_adapter(staged.message, self.base_shapes, self.max_rank)
+        spec = parse_adapter(staged.announcement, self.base_shapes, self.max_rank)
         lora_id, self.next_id = self.next_id, self.next_id + 1
         path = write_adapter_dir(os.path.join(self.root, f"v{int(staged.version)}-{lora_id}"), staged, spec,
                                  self.base_model)

@@ -147,7 +147,7 @@ class SglangEngine:
     # --- versions pushed from the learner's GPU (weightsync/engine_push), driven by generator/weights.py ---
 
     push_kind = "sglang"
-    """Which trainer side the learner opens for this engine (weightsync/engine_push/host.py)."""
+    """Which trainer side the learner opens for this engine (weightsync/engine_push/sender.py)."""
 
     @property
     def push_ranks(self) -> int:

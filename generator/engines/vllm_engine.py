@@ -151,14 +151,14 @@ class VllmEngine:
 
         A LoRA version (learner.lora) is added as an adapter of its own instead (lora_adapter.ServedAdapters):
         nothing pauses, requests running on older versions finish on them, new ones take it."""
-        if is_lora_version(staged.message):
+        if is_lora_version(staged.announcement):
             if self.adapters is None:
                 raise WeightLoadError(f"v{staged.version} is a LoRA adapter and this vLLM engine was started without "
                                       f"LoRA: give the generator the learner's recipe (learner.lora.rank > 0)")
             await self.adapters.load(staged)
             self.version = staged.version
             return
-        problems = check_against_checkpoint(staged.message, self._expected)
+        problems = check_against_checkpoint(staged.announcement, self._expected)
         if problems:  # caught before the engine is touched: vLLM cannot check fused parameters up front
             raise WeightLoadError(f"v{staged.version} does not fit the model's checkpoint: {problems}; kept "
                                   f"v{self.version}")
@@ -198,7 +198,7 @@ class VllmEngine:
     # --- versions pushed from the learner's GPU (weightsync/engine_push), driven by generator/weights.py ---
 
     push_kind = "vllm"
-    """Which trainer side the learner opens for this engine (weightsync/engine_push/host.py)."""
+    """Which trainer side the learner opens for this engine (weightsync/engine_push/sender.py)."""
 
     @property
     def push_ranks(self) -> int:
@@ -270,12 +270,10 @@ class VllmEngine:
         if staged is None:
             updates = [{"path": self.options.model_path}]
         else:
-            layout = json.dumps({key: staged.message[key] for key in (
-                "version", "names", "dtypes", "shapes", "buckets", "offsets", "bucket_sizes", "checksums",
-                "fingerprint")})
+            layout = json.dumps(staged.announcement.to_wire())
             updates = [{"version": staged.version, "ring_path": staged.ring_path, "slot": staged.slot,
                         "bucket": bucket, "message_json": layout}
-                       for bucket in range(len(staged.message["bucket_sizes"]))]
+                       for bucket in range(len(staged.announcement.bucket_sizes))]
         for update in updates:  # a failure leaves the worker's reload closed (vllm_transfer.py)
             await self._engine.update_weights(WeightTransferUpdateRequest(update_info=update))
         version = self.version if staged is None else staged.version
@@ -388,15 +386,15 @@ def checkpoint_shapes(model_path: str) -> dict:
     return shapes
 
 
-def check_against_checkpoint(message: dict, expected: dict) -> list[str]:
-    """What in a control message would fail vLLM's load midway (unknown names, wrong shapes) or leave it half
+def check_against_checkpoint(message, expected: dict) -> list[str]:
+    """What in an announcement (weightsync WeightsAnnouncement) would fail vLLM's load midway (unknown names, wrong shapes) or leave it half
     loaded without an error (missing names: vLLM keeps the old values of layers it got nothing for). A tied
     lm_head, which checkpoints often omit, may be present."""
     if not expected:
         return []
-    missing = sorted(set(expected) - set(message["names"]))
+    missing = sorted(set(expected) - set(message.names))
     problems = [f"missing tensor {name!r}" for name in missing[:3]]
-    for name, shape in zip(message["names"], message["shapes"]):
+    for name, shape in zip(message.names, message.shapes):
         want = expected.get(name)
         if want is None and name != "lm_head.weight":
             problems.append(f"unknown tensor {name!r}")

@@ -34,7 +34,8 @@ import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
-from asyncrl.weightsync.layout import from_message
+from asyncrl.weightsync.announcement import WeightsAnnouncement
+from asyncrl.weightsync.layout import layout_of
 from asyncrl.weightsync.receiver import STAGING_SLOTS
 from asyncrl.weightsync.shm_ring import ShmRing
 
@@ -71,7 +72,7 @@ class ShmUpdateInfo(WeightTransferUpdateInfo):
     slot: int = -1
     bucket: int = -1
     message_json: str = ""
-    """The control message's layout (names, dtypes, shapes, buckets, offsets, sizes, fingerprint) as JSON."""
+    """The version's announcement as JSON (WeightsAnnouncement.to_wire), whose layout says where each tensor sits."""
     path: str = ""
     names: list = field(default_factory=list)
     """Only with `path`: which tensors of the files to load ([] = all)."""
@@ -166,7 +167,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         if update_info.path:
             self.model.load_weights(_safetensors(update_info.path, set(update_info.names)))
             return
-        layout = from_message(json.loads(update_info.message_json))
+        layout = layout_of(WeightsAnnouncement.from_wire(json.loads(update_info.message_json)))
         ring = self._rings.get(update_info.ring_path)
         if ring is None or ring.layout.fingerprint != layout.fingerprint:
             if ring is not None:

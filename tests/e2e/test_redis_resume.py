@@ -49,7 +49,7 @@ class RedisScriptedGenerator(threading.Thread):
                 if not reply.granted:
                     time.sleep(0.02)
                     continue
-                group = scripted_group(reply.version, len(self.produced), 0)
+                group = scripted_group(reply.weights.version, len(self.produced), 0)  # published before any admit
                 group.group_id = uuid.uuid4().hex
                 asyncio.run(self.client.send(group.group_id, encode_group(group)))
                 self.produced.append(group.group_id)

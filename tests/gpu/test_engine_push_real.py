@@ -65,11 +65,11 @@ def test_a_pushed_version_is_what_the_engine_samples(kind, transport, demo_asset
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # as VllmEngine.start sets it (VllmOptions.ipc_push)
     from asyncrl.learner.model import load_model
     from asyncrl.weightsync.buckets import FlatBuckets
-    from asyncrl.weightsync.engine_push.host import EnginePushHost
+    from asyncrl.weightsync.engine_push.sender import EnginePushSender
     from asyncrl.weightsync.layout import plan_layout
 
     torch.cuda.set_device(0)
-    host = EnginePushHost(heartbeat_timeout_s=30.0, transport=transport)
+    host = EnginePushSender(heartbeat_timeout_s=30.0, transport=transport)
     child = subprocess.Popen(
         [sys.executable, "-c", "import asyncio, sys; from tests.gpu.test_engine_push_real import generator_side; "
                                "asyncio.run(generator_side(*sys.argv[1:]))", kind, demo_assets[0], host.address,

@@ -19,9 +19,10 @@ from asyncrl.buffer.zmq.server import ZmqBufferServer
 from asyncrl.security.curve import ClientKeys, KeysError, client_keys, make_keys, server_keys
 from asyncrl.weightsync.buckets import FlatBuckets
 from asyncrl.weightsync.catchup import CatchupError, CatchupServer, fetch
-from asyncrl.weightsync.layout import from_message
+from asyncrl.weightsync.layout import layout_of
 from asyncrl.weightsync.publisher import WeightPublisher
 from tests.conftest import free_port
+from tests.messages import run_info
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def keys_dir(tmp_path_factory):
 
 def buffer_server(keys):
     server = ZmqBufferServer("127.0.0.1", free_port(), Coordinator(1, 2), vocab_size=16, config_hash="h",
-                             max_message_bytes=4096, queue_groups=2, run_info={"k": "v"}, keys=keys)
+                             max_message_bytes=4096, queue_groups=2, run_info=run_info(job="k"), keys=keys)
     server.start()
     return server
 
@@ -63,8 +64,8 @@ def test_the_buffer_admits_known_keys_and_refuses_counts_and_logs_the_rest(keys_
     job = str(keys_dir / "job")
     server = buffer_server(server_keys(job))
     try:
-        assert hello(server.endpoint, client_keys(job, "gen-a"), "gen-a").run_info == {"k": "v"}
-        assert hello(server.endpoint, client_keys(job, "gen-b"), "gen-b").run_info == {"k": "v"}
+        assert hello(server.endpoint, client_keys(job, "gen-a"), "gen-a").run_info == run_info(job="k")
+        assert hello(server.endpoint, client_keys(job, "gen-b"), "gen-b").run_info == run_info(job="k")
         assert server.curve.refused == 0
         with caplog.at_level(logging.WARNING, logger="asyncrl.security.curve"):
             with pytest.raises(LearnerUnavailable, match="did not answer"):
@@ -95,9 +96,9 @@ def test_the_catch_up_server_serves_weights_only_to_known_keys(keys_dir, tmp_pat
     try:
         weights = [("w", torch.arange(12, dtype=torch.float32))]
         message = publisher.publish(iter(weights), 1, [("w", "float32", (12,))])
-        dest = FlatBuckets(from_message(message))
-        got, _ = fetch(catchup.address, 1, lambda m: dest, 5, keys=client_keys(job, "gen-a"))
-        assert got["version"] == 1 and torch.equal(dict(dest.tensors())["w"], weights[0][1])
+        dest = FlatBuckets(layout_of(message))
+        got = fetch(catchup.address, 1, lambda m: dest, 5, keys=client_keys(job, "gen-a"))
+        assert got.announcement == message and torch.equal(dict(dest.tensors())["w"], weights[0][1])
         with pytest.raises(CatchupError, match="did not answer"):
             fetch(catchup.address, 1, lambda m: dest, 1)
         stranger = client_keys(str(keys_dir / "other"), "stranger")

@@ -1,4 +1,4 @@
-"""The engine push's learner side (weightsync/engine_push/host.py) and its store control plane (calls.py,
+"""The engine push's learner side (weightsync/engine_push/sender.py) and its store control plane (calls.py,
 member.py) with a real TCPStore and members that answer every call, in threads of this process.
 
 NCCL needs a GPU (one per rank), so the trainer side is `WireTrainer`: the control flow of vLLM's
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from asyncrl.weightsync.buckets import FlatBuckets
-from asyncrl.weightsync.engine_push.host import EnginePushHost
+from asyncrl.weightsync.engine_push.sender import EnginePushSender
 from asyncrl.weightsync.engine_push.member import EnginePushMember
 from asyncrl.weightsync.layout import plan_layout
 
@@ -152,7 +152,7 @@ def push():
         trainers.append(trainer)
         return trainer
 
-    host = EnginePushHost(heartbeat_timeout_s=1.0, trainer_factory=factory)
+    host = EnginePushSender(heartbeat_timeout_s=1.0, trainer_factory=factory)
     members = []
 
     def join(member_id: str, engine: FakeEngine, ranks: int = 1) -> EnginePushMember:
@@ -232,18 +232,18 @@ def test_a_dead_engine_is_dropped_after_its_heartbeat_stops_and_a_restart_rejoin
 
 
 def test_the_publisher_pushes_each_complete_version_and_names_the_push_in_its_message(push, tmp_path):
-    from asyncrl.weightsync.backends import EnginePusher
+    from asyncrl.weightsync.backends import EnginePushPlane
     from asyncrl.weightsync.publisher import WeightPublisher
 
     host, wire, trainers, join = push
     engine = FakeEngine(wire)
     join("gen-a", engine)
-    pusher = EnginePusher(host, timeout_s=10, device="cpu")  # on a GPU: the learner's device
-    publisher = WeightPublisher(str(tmp_path / "ring"), slots=3, bucket_bytes=1024, group=pusher)
+    pusher = EnginePushPlane(host, timeout_s=10, device="cpu")  # on a GPU: the learner's device
+    publisher = WeightPublisher(str(tmp_path / "ring"), slots=3, bucket_bytes=1024, plane=pusher)
     try:
         source = version_buckets(7)
         message = publisher.publish(((e.name, source.view(e)) for e in source.layout.entries), 7, SPECS)
-        assert message["engines"] == {"address": host.address} and "group" not in message
+        assert message.engines == host.address and message.broadcast is None
         assert pusher.last_report.delivered == ["gen-a"] and engine.version == 7
         for entry in source.layout.entries:
             assert torch.equal(engine.received[entry.name], source.view(entry))
@@ -277,7 +277,7 @@ def test_sparse_nccl_sends_only_what_changed_to_engines_that_hold_the_previous_v
             return sparse_trainers[-1]
         return WireTrainer(wire, *args)
 
-    host = EnginePushHost(heartbeat_timeout_s=5.0, trainer_factory=factory, transport="sparse_nccl",
+    host = EnginePushSender(heartbeat_timeout_s=5.0, trainer_factory=factory, transport="sparse_nccl",
                           to_patches=lambda patches: patches)
     steady, flaky = FakeEngine(wire), FakeEngine(wire)
     members = [EnginePushMember.connect(host.address, name, 1, engine.handle, timeout_s=10)

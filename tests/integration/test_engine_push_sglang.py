@@ -1,4 +1,4 @@
-"""The engine push into SGLang, end to end on CPU: the learner's EnginePushHost with SglangTrainer, a generator's
+"""The engine push into SGLang, end to end on CPU: the learner's EnginePushSender with SglangTrainer, a generator's
 push member and PushedWeights driving the real SglangEngine and its receiver on the faithful fake SGLang
 (tests/fakes/fake_sglang.py), over a real TCPStore and a real gloo weight-update group (SGLang joins it with
 `init_weights_update_group` and receives with `update_weights_from_distributed`, one broadcast per tensor). Only
@@ -12,7 +12,7 @@ from asyncrl.buffer.group import Sampling
 from asyncrl.generator.weights import join_push
 from asyncrl.weightsync.buckets import FlatBuckets
 from asyncrl.weightsync.dtypes import dtype_name
-from asyncrl.weightsync.engine_push.host import EnginePushHost
+from asyncrl.weightsync.engine_push.sender import EnginePushSender
 from asyncrl.weightsync.engine_push.sglang_trainer import SglangTrainer
 from asyncrl.weightsync.layout import plan_layout
 from asyncrl.weightsync.publisher import WeightPublisher
@@ -49,7 +49,7 @@ def test_sglang_takes_pushed_versions_and_goes_back_to_a_complete_one_after_a_fa
     def on_loop(coroutine, timeout_s=30):
         return asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout_s)
 
-    host = EnginePushHost(heartbeat_timeout_s=10.0, trainer_factory=sglang_on_gloo)
+    host = EnginePushSender(heartbeat_timeout_s=10.0, trainer_factory=sglang_on_gloo)
     publisher = WeightPublisher(str(tmp_path / "learner.ring"), slots=3, bucket_bytes=1 << 16)
     stage = WeightStage(str(tmp_path), "gen-s")
     latest: dict = {}

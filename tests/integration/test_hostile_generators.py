@@ -23,6 +23,7 @@ from asyncrl.buffer.group import Group, Sample, Sampling
 from asyncrl.buffer.interface import LearnerUnavailable
 from tests.conftest import free_port
 from tests.integration.helpers import VOCAB, recipe_sampling
+from tests.messages import run_info
 from tests.raw_peer import RawPeer
 
 LIMIT = 1 << 20  # buffer.max_message_bytes in these jobs
@@ -165,10 +166,10 @@ class Honest(threading.Thread):
         finally:
             stage.close()
 
-    def check_weights(self, stage, message: dict) -> None:
-        version = message.get("version")
-        if version is None or version in self.versions_checked:
+    def check_weights(self, stage, message) -> None:
+        if message is None or message.version in self.versions_checked:
             return
+        version = message.version
         staged = stage.stage(message)
         self.non_finite += [f"v{version} {name}" for name, tensor in staged.buckets.tensors()
                             if tensor.is_floating_point() and not torch.isfinite(tensor).all()]
@@ -395,7 +396,7 @@ def test_an_entry_every_learner_incarnation_dies_on_is_dead_lettered_after_max_d
         client = connect(RedisOptions(url))
         coordinator = RedisCoordinator(client, job, lead=0, groups_per_step=4)
         server = RedisBufferServer(client, url, job, coordinator, vocab_size=VOCAB, config_hash="h",
-                                   max_message_bytes=LIMIT, run_info={})
+                                   max_message_bytes=LIMIT, run_info=run_info())
         server.start()
         return server
 

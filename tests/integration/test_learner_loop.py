@@ -66,7 +66,7 @@ class ScriptedGenerator(threading.Thread):
             client.close()
 
     def hear(self, reply) -> None:
-        version = reply.weights.get("version")
+        version = reply.weights.version if reply.weights is not None else None
         if version is not None and (not self.versions_heard or version != self.versions_heard[-1]):
             self.versions_heard.append(version)
 

@@ -21,6 +21,7 @@ from asyncrl.buffer.redis.server import RedisBufferServer
 from asyncrl.buffer.redis.stream import REFUSED, GroupStream
 from asyncrl.data.prompts import decode_prompt, encode_prompts
 from tests.dealt_rows import Row
+from tests.messages import run_info
 
 pytestmark = pytest.mark.redis
 VOCAB = 64
@@ -66,7 +67,7 @@ class Job:
         dealer = RedisDealer(client, self.job, base or base_dealer(self.count), self.ready)
         server = RedisBufferServer(client, self.url, self.job, coordinator, vocab_size=VOCAB, config_hash="h",
                                    max_message_bytes=1 << 20, evals=self.evals, dealer=dealer,
-                                   run_info={"deals": True, "deal_timeout_s": 60, "evals": self.evals is not None})
+                                   run_info=run_info(deals=True, deal_timeout_s=60.0, evals=self.evals is not None))
         server.start()
         return server
 

@@ -22,6 +22,8 @@ from asyncrl.buffer.redis.produce import produce_batch
 from asyncrl.buffer.redis.reconnect import Reconnecting
 from asyncrl.buffer.redis.server import RedisBufferServer
 from asyncrl.buffer.redis.stream import GROUP, GroupStream
+from asyncrl.weightsync.announcement import ShmRingPlace
+from tests.messages import announcement, run_info
 from tests.conftest import RedisServer
 
 pytestmark = pytest.mark.redis
@@ -41,7 +43,7 @@ def learner_side(url: str, job: str, patience_s: float = 30.0, reclaim_idle_s: f
     coordinator = RedisCoordinator(client, job, lead=1 << 20, groups_per_step=1 << 20, retry=retry)
     coordinator.set_version(0, allow_backwards=True)
     server = RedisBufferServer(client, url, job, coordinator, vocab_size=VOCAB, config_hash="h",
-                               max_message_bytes=1 << 20, run_info={"job": job}, reclaim_idle_s=reclaim_idle_s,
+                               max_message_bytes=1 << 20, run_info=run_info(job=job), reclaim_idle_s=reclaim_idle_s,
                                retry=retry)
     server.start()
     return server, retry
@@ -131,7 +133,7 @@ def test_a_redis_that_comes_back_empty_is_rebuilt_and_the_loss_is_said(tmp_path,
     job = "em" + uuid.uuid4().hex[:8]
     try:
         server, retry = learner_side(redis_proc.url, job)
-        server.announce_weights({"version": 3, "path": "/x"})
+        server.announce_weights(announcement(3))
         client = generator_side(redis_proc.url, job)
         asyncio.run(client.hello("h"))
         redis_proc.kill(signal.SIGKILL)
@@ -140,7 +142,7 @@ def test_a_redis_that_comes_back_empty_is_rebuilt_and_the_loss_is_said(tmp_path,
             assert server.take(0.5) is None  # reconnects, finds nothing, rebuilds
         assert "groups queued in it are lost" in caplog.text  # redis-py redialled silently: NOGROUP told
         reply = asyncio.run(client.admit(1))
-        assert reply.granted == 1 and reply.weights["version"] == 3  # metadata rewritten by the learner
+        assert reply.granted == 1 and reply.weights.version == 3  # metadata rewritten by the learner
         asyncio.run(client.send("after", encode_group(a_group("after"))))
         assert server.take(5.0).group_id == "after"
     finally:
@@ -270,22 +272,23 @@ def test_durability_is_configured_and_its_loss_window_stated(tmp_path, caplog):
 
 
 def test_the_weights_message_is_read_once_per_publish(redis_server):
-    """A generator reads the control message (every tensor's name and place) only when the learner publishes a new
+    """A generator reads the announcement (every tensor's name and place) only when the learner publishes a new
     one, not with every request; a new publish, even of the same version number, is read again."""
     job = "wm" + uuid.uuid4().hex[:8]
     server, _ = learner_side(redis_server.url, job)
     client = generator_side(redis_server.url, job)
-    assert asyncio.run(client.hello("h")).weights == {}
-    server.announce_weights({"version": 2, "names": ["w"] * 1000})
-    assert asyncio.run(client.admit(1)).weights["version"] == 2
+    assert asyncio.run(client.hello("h")).weights is None
+    server.announce_weights(announcement(2, tensors=1000))
+    assert asyncio.run(client.admit(1)).weights.version == 2
     server.client.hset(server.keys["meta"], "weights", '{"version": 99}')  # the same id: not read again
     reply = asyncio.run(client.send("g1", encode_group(a_group("g1"))))
-    assert reply.accepted and reply.weights["version"] == 2
-    assert asyncio.run(client.admit(1)).weights["version"] == 2
-    server.announce_weights({"version": 2, "names": ["w"], "shm": {"path": "/elsewhere"}})  # a resumed learner
+    assert reply.accepted and reply.weights.version == 2
+    assert asyncio.run(client.admit(1)).weights.version == 2
+    elsewhere = ShmRingPlace("/elsewhere", "host", 3)
+    server.announce_weights(announcement(2, shm=elsewhere))  # a resumed learner
     reply = asyncio.run(client.send("g2", encode_group(a_group("g2"))))
-    assert reply.weights["shm"] == {"path": "/elsewhere"}
-    assert asyncio.run(client.admit(1)).weights["shm"] == {"path": "/elsewhere"}
+    assert reply.weights.shm == elsewhere
+    assert asyncio.run(client.admit(1)).weights.shm == elsewhere
 
 
 def test_a_group_from_weights_newer_than_the_learner_is_dropped_and_a_negative_version_is_dead_lettered(

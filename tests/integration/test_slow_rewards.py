@@ -17,6 +17,7 @@ from asyncrl.generator.engines.base import Completion
 from asyncrl.generator.rollout import RolloutLoop
 from asyncrl.generator.rewards.scorer import RewardScorer
 from tests.conftest import free_port
+from tests.messages import run_info
 
 REWARD = '''
 import time
@@ -53,7 +54,7 @@ def fast_group_rate(reward_path: str, slow_every: int, seconds: float) -> tuple[
     """Groups of fast prompts that reached the learner per second over `seconds`, the slow groups that did, and
     the scorer's mean seconds per call and its failures."""
     server = ZmqBufferServer("127.0.0.1", free_port(), Coordinator(0, 100_000), vocab_size=16, config_hash="h",
-                             max_message_bytes=1 << 16, queue_groups=10_000, run_info={})
+                             max_message_bytes=1 << 16, queue_groups=10_000, run_info=run_info())
     server.start()
     client = ZmqBufferClient(server.endpoint, "g", timeout_s=5)
     rows = (PromptRow(prompt_id=f"p{i}", prompt_ids=[1, 2], data_source="t", ground_truth="9",

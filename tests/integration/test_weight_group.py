@@ -1,5 +1,5 @@
-"""The torch.distributed weight-sync data plane with real gloo groups: the learner (WeightGroupHost) runs in the
-test process, and each generator (WeightGroupMember with its background receiver) is this module run as a script
+"""The torch.distributed weight-sync data plane with real gloo groups: the learner (BroadcastSender) runs in the
+test process, and each generator (BroadcastMember with its background receiver) is this module run as a script
 in its own process. Each generator prints one JSON line per version it holds (with a CRC32 per bucket) and exits
 when its stdin closes. Buckets are a few MB."""
 import json
@@ -15,10 +15,10 @@ import zlib
 import pytest
 import torch
 
-from asyncrl.weightsync.group.chain import PeerError
-from asyncrl.weightsync.group.protocol import NoAnnouncement
-from asyncrl.weightsync.group.host import WeightGroupHost
-from asyncrl.weightsync.group.member import WeightGroupMember
+from asyncrl.weightsync.broadcast.chain import PeerError
+from asyncrl.weightsync.broadcast.protocol import NoAnnouncement
+from asyncrl.weightsync.broadcast.sender import BroadcastSender
+from asyncrl.weightsync.broadcast.member import BroadcastMember
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SIZES = [1 << 20, 2 << 20, 1 << 20, 12_345]
@@ -70,7 +70,7 @@ class Generator:
 
 @pytest.fixture
 def host():
-    host = WeightGroupHost(heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+    host = BroadcastSender(heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
     yield host
     host.close()
 
@@ -159,7 +159,7 @@ def test_stalled_member_times_out_with_errors_that_name_it(host, start_generator
 
 
 def test_receive_without_a_send_times_out_naming_the_learner(host):
-    member = WeightGroupMember.connect(host.address, "lonely", timeout_s=5)
+    member = BroadcastMember.connect(host.address, "lonely", timeout_s=5)
     try:
         start = time.monotonic()
         with pytest.raises(NoAnnouncement, match=f"'lonely'.*learner at {host.address}"):
@@ -171,20 +171,20 @@ def test_receive_without_a_send_times_out_naming_the_learner(host):
 
 def test_connect_to_a_missing_learner_names_the_address():
     with pytest.raises(PeerError, match="'nobody'.*127.0.0.1:9"):
-        WeightGroupMember.connect("127.0.0.1:9", "nobody", timeout_s=0.5)
+        BroadcastMember.connect("127.0.0.1:9", "nobody", timeout_s=0.5)
 
 
 def test_a_store_bound_beyond_loopback_says_it_has_no_authentication(caplog):
-    with caplog.at_level(logging.WARNING, logger="asyncrl.weightsync.group.roster"):
+    with caplog.at_level(logging.WARNING, logger="asyncrl.weightsync.broadcast.roster"):
         for bind in ("0.0.0.0", "127.0.0.1"):
-            WeightGroupHost(bind, 0).close()
+            BroadcastSender(bind, 0).close()
     warnings = [r.getMessage() for r in caplog.records if "authentication" in r.getMessage()]
     assert len(warnings) == 1 and "binds 0.0.0.0" in warnings[0] and "backend=broadcast" in warnings[0]
 
 
 def run_generator(address: str, member_id: str) -> None:
     """A generator's receiving side: print each version's CRCs as it lands; leave when stdin closes."""
-    member = WeightGroupMember.connect(address, member_id, timeout_s=20, heartbeat_s=0.2)
+    member = BroadcastMember.connect(address, member_id, timeout_s=20, heartbeat_s=0.2)
 
     def on_version(version: int):
         latest = member.take_latest()

@@ -14,6 +14,8 @@ from asyncrl.buffer.staleness import Coordinator
 from asyncrl.buffer.interface import GeneratorRefused, LearnerUnavailable
 from asyncrl.buffer.zmq.client import ZmqBufferClient
 from asyncrl.buffer.zmq.server import ZmqBufferServer
+from asyncrl.weightsync.announcement import AnnouncementError, ShmRingPlace
+from tests.messages import announcement, run_info
 from tests.conftest import free_port
 
 
@@ -28,7 +30,7 @@ def group(reward=1.0, token=3, version=0, gen="gen-a"):
 @pytest.fixture
 def server():
     srv = ZmqBufferServer("127.0.0.1", free_port(), Coordinator(1, 2), vocab_size=16, config_hash="h",
-                          max_message_bytes=4096, queue_groups=2, run_info={"k": "v"})
+                          max_message_bytes=4096, queue_groups=2, run_info=run_info(job="k"))
     srv.start()
     yield srv
     srv.close()
@@ -42,7 +44,7 @@ def test_bad_groups_are_rejected_counted_given_back_and_their_generator_is_told(
     """Groups are validated when the learner takes them: bad ones are skipped, counted by reason, their admissions
     freed, and the generator hears of them in its next reply. Only an oversized group is refused at once."""
     server = ZmqBufferServer("127.0.0.1", free_port(), Coordinator(1, 2), vocab_size=16, config_hash="h",
-                             max_message_bytes=4096, queue_groups=8, run_info={})
+                             max_message_bytes=4096, queue_groups=8, run_info=run_info())
     server.start()
     client = ZmqBufferClient(server.endpoint, "gen-a", timeout_s=5)
     wrong_schema = msgpack.unpackb(encode_group(group()), raw=False)
@@ -90,7 +92,7 @@ def test_malformed_control_frames_do_not_stop_the_server(server):
     raw.close(linger=0)
     context.term()
     client = ZmqBufferClient(server.endpoint, "gen-b", timeout_s=5)
-    assert run(client.hello("h")).run_info == {"k": "v"}
+    assert run(client.hello("h")).run_info == run_info(job="k")
     client.close()
     assert server.rejected["malformed"] == 2
 
@@ -147,7 +149,7 @@ def test_finished_learner_keeps_serving_until_every_recent_generator_heard_done(
 
 
 def test_the_weights_message_goes_to_each_generator_once_per_publish(server):
-    """The control message lists every tensor, so a reply carries it only to a generator that lacks it; the client
+    """The announcement lists every tensor, so a reply carries it only to a generator that lacks it; the client
     keeps it and hands it to every caller, and a new publish (even of the same version number) is sent again."""
     context = zmq.Context()
     raw = context.socket(zmq.DEALER)
@@ -161,16 +163,16 @@ def test_the_weights_message_goes_to_each_generator_once_per_publish(server):
 
     client = ZmqBufferClient(server.endpoint, "gen-w", timeout_s=5)
     try:
-        assert run(client.admit(1)).weights == {}  # nothing published yet
-        server.announce_weights({"version": 1, "names": ["w"] * 1000})
+        assert run(client.admit(1)).weights is None  # nothing published yet
+        server.announce_weights(announcement(1, tensors=1000))
         first = raw_reply("")
         assert first["weights"]["version"] == 1 and first["weights_id"]
         assert "weights" not in raw_reply(first["weights_id"])  # holds it: only the id comes back
         assert raw_reply(None)["weights"]["version"] == 1  # a client that sends no `wid` always gets it
-        assert [run(client.admit(1)).weights["version"] for _ in range(3)] == [1, 1, 1]
+        assert [run(client.admit(1)).weights.version for _ in range(3)] == [1, 1, 1]
         assert client.weights_id == first["weights_id"]
-        server.announce_weights({"version": 1, "names": ["w"], "shm": {"path": "/elsewhere"}})  # a resumed learner
-        assert run(client.admit(1)).weights["shm"] == {"path": "/elsewhere"}
+        server.announce_weights(announcement(1, shm=ShmRingPlace("/elsewhere", "host", 3)))  # a resumed learner
+        assert run(client.admit(1)).weights.shm == ShmRingPlace("/elsewhere", "host", 3)
         assert client.weights_id != first["weights_id"]
     finally:
         client.close()
@@ -193,8 +195,9 @@ def test_groups_sent_together_travel_in_one_message_and_each_caller_gets_its_own
         request = msgpack.unpackb(header)
         results = [{"req": req, "accepted": index != 1, "retry": index == 1}
                    for index, req in enumerate(request["reqs"])]
-        router.send_multipart([identity, pack({"req": request["req"], "ok": True, "version": 7, "weights_id": "",
-                                               "done": False, "results": results})])
+        router.send_multipart([identity, pack({"req": request["req"], "ok": True, "version": 7, "weights_id": "w7",
+                                               "weights": announcement(7).to_wire(), "done": False,
+                                               "results": results})])
         return request, bodies
 
     async def scenario():
@@ -210,12 +213,12 @@ def test_groups_sent_together_travel_in_one_message_and_each_caller_gets_its_own
         context.term()
     assert request["op"] == "group" and len(request["reqs"]) == 3 and bodies == [b"\x00", b"\x01\x01", b"\x02" * 3]
     assert [r.accepted for r in replies] == [True, False, True] and replies[1].retry
-    assert all(r.version == 7 for r in replies)
+    assert all(r.weights == announcement(7) for r in replies)  # the reply's common fields, in every result
 
 
 def test_the_server_answers_each_group_of_a_batch_and_refuses_a_batch_it_cannot_match():
     server = ZmqBufferServer("127.0.0.1", free_port(), Coordinator(1, 2), vocab_size=16, config_hash="h",
-                             max_message_bytes=4096, queue_groups=2, run_info={})
+                             max_message_bytes=4096, queue_groups=2, run_info=run_info())
     server.start()
     context = zmq.Context()
     raw = context.socket(zmq.DEALER)
@@ -270,3 +273,41 @@ def test_a_generator_can_release_only_admissions_it_holds_whatever_it_asks(serve
         raw.close(linger=0)
         context.term()
         client.close()
+
+
+@pytest.mark.parametrize("weights, named", [
+    ({"version": 2, "names": ["w"]}, "field 'publisher' is missing"),
+    ({**announcement(2).to_wire(), "shapes": [[4, "x"]]}, "field 'shapes'"),
+    ({**announcement(2).to_wire(), "checksums": []}, "1 buckets but 0 checksums"),
+    ([1, 2], "not a mapping"),
+])
+def test_a_malformed_weights_announcement_fails_the_request_naming_the_learner_and_the_field(weights, named):
+    """A generator reads the announcement off the network: one that is malformed fails the request that carried it
+    with an AnnouncementError naming the learner and what is wrong, never a KeyError in the rollout loop."""
+    context = zmq.Context()
+    router = context.socket(zmq.ROUTER)
+    port = free_port()
+    router.bind(f"tcp://127.0.0.1:{port}")
+    client = ZmqBufferClient(f"tcp://127.0.0.1:{port}", "gen-w", timeout_s=5)
+
+    def serve_one():
+        assert router.poll(5000)
+        identity, header = router.recv_multipart()
+        router.send_multipart([identity, pack({"req": msgpack.unpackb(header)["req"], "ok": True, "version": 2,
+                                               "weights_id": "w1", "weights": weights, "done": False})])
+
+    async def scenario():
+        server = asyncio.create_task(asyncio.to_thread(serve_one))
+        try:
+            with pytest.raises(AnnouncementError, match=f"learner at tcp://127.0.0.1:{port}.*{named}"):
+                await client.admit(1)
+        finally:
+            await server
+
+    try:
+        asyncio.run(scenario())
+        assert client.weights is None and client.weights_id == ""  # asked again with the next request
+    finally:
+        client.close()
+        router.close(linger=0)
+        context.term()

@@ -18,6 +18,7 @@ from asyncrl.buffer.zmq.server import ZmqBufferServer
 from asyncrl.data.prompts import decode_prompt, encode_prompts
 from tests.conftest import free_port
 from tests.dealt_rows import Row
+from tests.messages import run_info
 
 
 def rows(count):
@@ -166,7 +167,7 @@ def decoded(reply):
 def test_the_zmq_buffer_deals_with_admissions_and_refuses_groups_outside_their_deal():
     d = dealer(4, epochs=1)
     server = ZmqBufferServer("127.0.0.1", free_port(), Coordinator(4, 2), vocab_size=16, config_hash="h",
-                             max_message_bytes=4096, queue_groups=8, run_info={}, dealer=d)
+                             max_message_bytes=4096, queue_groups=8, run_info=run_info(), dealer=d)
     server.start()
     gen_a = ZmqBufferClient(server.endpoint, "gen-a", timeout_s=5)
     gen_b = ZmqBufferClient(server.endpoint, "gen-b", timeout_s=5)

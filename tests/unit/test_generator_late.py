@@ -9,6 +9,7 @@ from asyncrl.buffer.zmq.server import ZmqBufferServer
 from asyncrl.configs.run_config import load_config, shared_hash
 from asyncrl.generator.main import run_generator_async
 from tests.conftest import free_port
+from tests.messages import run_info
 
 
 def test_a_generator_that_joins_a_finished_job_exits_zero_without_loading_anything():
@@ -17,7 +18,7 @@ def test_a_generator_that_joins_a_finished_job_exits_zero_without_loading_anythi
                              "buffer.request_timeout_s=5", "generator.connect_timeout_s=10"])
     server = ZmqBufferServer("127.0.0.1", port, Coordinator(1, 2), vocab_size=16, config_hash=shared_hash(cfg),
                              max_message_bytes=4096, queue_groups=2,
-                             run_info={"model_path": "/nonexistent/model", "train_files": []})
+                             run_info=run_info())
     server.start()
     said = []
     try:

@@ -22,6 +22,7 @@ from asyncrl.buffer.zmq.client import ZmqBufferClient
 from asyncrl.buffer.zmq.server import ZmqBufferServer
 from tests.conftest import free_port
 from tests.raw_peer import RawPeer
+from tests.messages import run_info
 
 ETA, B = 1, 2
 LIMITS = JobLimits(group_size=1, temperature=1.0, top_p=1.0, top_k=-1, max_tokens=16, max_completion_tokens=16,
@@ -37,7 +38,7 @@ def group(gen: str, temperature: float = 1.0, completion: int = 2) -> Group:
 
 
 def make_server(**overrides) -> ZmqBufferServer:
-    options = dict(vocab_size=16, config_hash="h", max_message_bytes=4096, queue_groups=64, run_info={},
+    options = dict(vocab_size=16, config_hash="h", max_message_bytes=4096, queue_groups=64, run_info=run_info(),
                    limits=LIMITS)
     server = ZmqBufferServer("127.0.0.1", free_port(), Coordinator(ETA, B), **(options | overrides))
     server.start()

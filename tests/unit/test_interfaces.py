@@ -3,16 +3,18 @@ their callers use: every Protocol method exists on each backend with the same pa
 exactly where the Protocol's is), and the learner and the rollout loop touch nothing else of a buffer."""
 import ast
 import inspect
+import json
 import os
 from typing import Protocol
 
 import pytest
 
-from asyncrl.buffer.interface import GeneratorBuffer, LearnerBuffer
+from asyncrl.buffer.interface import GeneratorBuffer, LearnerBuffer, RunInfo, RunInfoError
 from asyncrl.buffer.redis.client import RedisBufferClient
 from asyncrl.buffer.redis.server import RedisBufferServer
 from asyncrl.buffer.zmq.client import ZmqBufferClient
 from asyncrl.buffer.zmq.server import ZmqBufferServer
+from tests.messages import run_info
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -84,3 +86,16 @@ def test_no_caller_asks_a_buffer_what_it_can_do():
         calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                  and node.func.id in ("hasattr", "getattr")]
         assert not calls, (path, [ast.unparse(call) for call in calls])
+
+
+def test_run_info_survives_the_wire_and_a_malformed_one_names_the_learner_and_the_field():
+    info = run_info(train_files=("/data/a.parquet",), lora_rank=8, deals=True, data_sources=("gsm8k",),
+                    deal_timeout_s=60.0, evals=True, model_files="abc")
+    assert RunInfo.from_wire(json.loads(json.dumps(info.to_wire())), "tcp://l:1") == info
+    wire = info.to_wire()
+    for broken, named in (({k: v for k, v in wire.items() if k != "job"}, "without 'job'"),
+                          ({**wire, "lora_rank": True}, "'lora_rank' is bool"),
+                          ({**wire, "train_files": "/data/a.parquet"}, "'train_files' is str"),
+                          ({**wire, "deals": 1}, "'deals' is int"), ("info", "not a mapping")):
+        with pytest.raises(RunInfoError, match=f"learner at tcp://l:1 .*{named}"):
+            RunInfo.from_wire(broken, "tcp://l:1")

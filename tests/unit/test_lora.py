@@ -3,6 +3,7 @@ published adapter with the learner's logits; hostile adapter messages are refuse
 keeps the admitted versions and those still in use; checkpoints resume the adapter and export merges it. The
 multi-rank match is in tests/integration/test_parallel.py, the real vLLM engine in test_lora_vllm.py."""
 import asyncio
+import dataclasses
 import math
 import os
 from types import SimpleNamespace
@@ -26,6 +27,7 @@ from asyncrl.learner.model import build_qwen2
 from asyncrl.learner.parallel import ParallelState
 from asyncrl.learner.publish import outgoing_version, repeats_previous
 from asyncrl.learner.state import LearnerState
+from asyncrl.weightsync.layout import announcement_for, plan_layout
 from asyncrl.weightsync.lora_names import adapter_module_key, is_adapter_key
 from asyncrl.weightsync.publisher import WeightPublisher
 from asyncrl.weightsync.receiver import WeightStage
@@ -164,12 +166,16 @@ def test_the_hf_engine_serves_each_published_adapter_with_the_learners_logits(tm
         publisher.close()
 
 
-def adapter_message(model=None, **changes) -> dict:
+def announced(version: int, specs: list, extra: dict, publisher: str = "life-1"):
+    """The announcement the publisher makes of a LoRA version with these specs (checksums are not read here)."""
+    layout = plan_layout(specs, 1 << 20)
+    return announcement_for(layout, version, ["0" * 16] * len(layout.bucket_sizes), publisher=publisher,
+                            published_at=0.0, **extra)
+
+
+def adapter_message(model=None, **changes):
     outgoing = outgoing_version(model or lora_model(), ParallelState(), SETTINGS, "float32", 1 << 20)
-    message = {"version": 3, "names": [n for n, _, _ in outgoing.specs],
-               "shapes": [list(s) for _, _, s in outgoing.specs], **outgoing.extra}
-    message.update(changes)
-    return message
+    return dataclasses.replace(announced(3, outgoing.specs, outgoing.extra), **changes)
 
 
 BASE_SHAPES = {name: tuple(tensor.shape) for name, tensor in tiny().state_dict().items()}
@@ -190,19 +196,19 @@ def test_a_malformed_lora_entry_is_refused(changes, match):
 def test_adapter_tensors_that_do_not_fit_the_base_model_are_refused():
     good = adapter_message()
     assert parse_adapter(good, BASE_SHAPES).alpha == 8.0
-    shapes = [list(shape) for shape in good["shapes"]]
-    shapes[0] = [4, 65]
+    shapes = list(good.shapes)
+    shapes[0] = (4, 65)
     with pytest.raises(WeightLoadError, match="shape"):
-        parse_adapter(dict(good, shapes=shapes), BASE_SHAPES)
+        parse_adapter(dataclasses.replace(good, shapes=tuple(shapes)), BASE_SHAPES)
     with pytest.raises(WeightLoadError, match="missing"):  # a layer left out would keep an older update
-        parse_adapter(dict(good, names=good["names"][1:], shapes=good["shapes"][1:]), BASE_SHAPES)
-    names = list(good["names"])
+        parse_adapter(dataclasses.replace(good, names=good.names[1:], shapes=good.shapes[1:]), BASE_SHAPES)
+    names = list(good.names)
     names[0] = "base_model.model.model.embed_tokens.lora_A.weight"
     with pytest.raises(WeightLoadError, match="adapts no target layer"):
-        parse_adapter(dict(good, names=names), BASE_SHAPES)
+        parse_adapter(dataclasses.replace(good, names=tuple(names)), BASE_SHAPES)
     names[0] = "model.layers.0.self_attn.q_proj.lora_A.weight"
     with pytest.raises(WeightLoadError, match="not named as PEFT"):
-        parse_adapter(dict(good, names=names), BASE_SHAPES)
+        parse_adapter(dataclasses.replace(good, names=tuple(names)), BASE_SHAPES)
     with pytest.raises(WeightLoadError, match="max_lora_rank"):
         parse_adapter(good, BASE_SHAPES, max_rank=1)
     assert vllm_max_lora_rank(4) == 8 and vllm_max_lora_rank(8) == 8 and vllm_max_lora_rank(33) == 64
@@ -212,9 +218,9 @@ def fake_staged(version: int, b_seed: int, publisher: str = "life-1"):
     model = lora_model(b_seed)
     outgoing = outgoing_version(model, ParallelState(), SETTINGS, "float32", 1 << 20)
     tensors = list(outgoing.weights)
-    message = {"version": version, "publisher": publisher, "names": [n for n, _ in tensors],
-               "shapes": [list(t.shape) for _, t in tensors], **outgoing.extra}
-    return SimpleNamespace(version=version, message=message,
+    message = announced(version, [(name, "float32", tuple(t.shape)) for name, t in tensors], outgoing.extra,
+                        publisher)
+    return SimpleNamespace(version=version, announcement=message,
                            buckets=SimpleNamespace(tensors=lambda: iter(tensors)))
 
 
@@ -244,7 +250,7 @@ def test_served_adapters_keep_every_admitted_version_and_those_still_in_use(tmp_
     async def scenario():
         first = await adapters.load(fake_staged(1, 1))
         with safe_open(os.path.join(first.path, "adapter_model.safetensors"), framework="pt") as handle:
-            assert set(handle.keys()) == set(fake_staged(1, 1).message["names"])
+            assert set(handle.keys()) == set(fake_staged(1, 1).announcement.names)
         await adapters.load(fake_staged(2, 2))
         running = adapters.acquire()  # a request that started on v2
         assert running.version == 2
@@ -273,7 +279,7 @@ def test_a_written_adapter_directory_is_what_peft_loads(tmp_path):
     from peft import PeftModel
 
     staged = fake_staged(1, 1)
-    spec = parse_adapter(staged.message, BASE_SHAPES)
+    spec = parse_adapter(staged.announcement, BASE_SHAPES)
     path = write_adapter_dir(str(tmp_path / "v1"), staged, spec, "base")
     served = PeftModel.from_pretrained(tiny(), path).eval()
     ids = torch.randint(2, VOCAB, (1, 9))

@@ -11,6 +11,7 @@ from asyncrl.data.prompts import PromptRow
 from asyncrl.generator.engines.base import Completion, EngineBroken, WeightLoadError
 from asyncrl.generator.rewards.functions import score
 from asyncrl.generator.rollout import RolloutLoop
+from tests.messages import announcement, run_info
 
 
 class ScriptedEngine:
@@ -88,7 +89,7 @@ class FakeStage:
         self.ended = []
 
     def stage(self, message):
-        return message["version"]
+        return message.version
 
     def end_load(self, staged, ok):
         self.ended.append((staged, ok))
@@ -107,7 +108,7 @@ def loop_with(engine, stage):
     loop = RolloutLoop(client=None, engine=engine, prompts=iter([]), scorer=InlineScorer(reward_is_nine),
                        tokenizer=DigitTokenizer(), rollout_cfg=RolloutConfig(), max_inflight_groups=1,
                        generator_id="g", stage=stage)
-    loop.weights.latest = {"version": 4}
+    loop.weights.latest = announcement(4)
     return loop
 
 
@@ -141,10 +142,10 @@ def test_a_reply_announcing_newer_weights_is_kept_and_an_older_one_is_not():
     loop = RolloutLoop(client=None, engine=ScriptedEngine(), prompts=iter([]), scorer=InlineScorer(reward_is_nine),
                        tokenizer=DigitTokenizer(), rollout_cfg=RolloutConfig(n=1, max_tokens=4), max_inflight_groups=1,
                        generator_id="g", reward_shaping=RewardConfig())
-    loop.note_reply(Status(version=4, weights={"version": 4, "names": ["w"]}))
-    loop.note_reply(Status(version=4, weights={"version": 3, "names": ["old"]}))
-    loop.note_reply(Status(version=4, weights={}))
-    assert loop.weights.latest == {"version": 4, "names": ["w"]} and not loop.done
+    loop.note_reply(Status(weights=announcement(4)))
+    loop.note_reply(Status(weights=announcement(3, tensors=2)))
+    loop.note_reply(Status(weights=None))
+    assert loop.weights.latest == announcement(4) and not loop.done
 
 
 class LoadingEngine(ScriptedEngine):
@@ -167,17 +168,17 @@ def test_a_restarted_learners_messages_replace_the_previous_lives_even_at_lower_
     loop = RolloutLoop(client=None, engine=engine, prompts=iter([]), scorer=InlineScorer(reward_is_nine),
                        tokenizer=DigitTokenizer(), rollout_cfg=RolloutConfig(n=1, max_tokens=4), max_inflight_groups=1,
                        generator_id="g", reward_shaping=RewardConfig(), stage=FakeStage())
-    loop.note_reply(Status(weights={"version": 3, "publisher": "old"}))
+    loop.note_reply(Status(weights=announcement(3, publisher="old")))
     asyncio.run(loop.weights.ensure_latest())
     assert engine.loads == [3]
-    loop.note_reply(Status(weights={"version": 2, "publisher": "new"}))  # the resumed learner's first publish
-    assert loop.weights.latest == {"version": 2, "publisher": "new"} and loop.weights.by_version == {
-        2: {"version": 2, "publisher": "new"}}
+    loop.note_reply(Status(weights=announcement(2, publisher="new")))  # the resumed learner's first publish
+    assert loop.weights.latest == announcement(2, publisher="new") and loop.weights.by_version == {
+        2: announcement(2, publisher="new")}
     asyncio.run(loop.weights.ensure_latest())  # the engine's v3 is the old life's: v2 of the new one replaces it
     assert engine.loads == [3, 2]
-    loop.note_reply(Status(weights={"version": 4, "publisher": "old"}))  # a stale reply of the dead learner
-    assert loop.weights.latest["publisher"] == "new"
-    loop.note_reply(Status(weights={"version": 3, "publisher": "new"}))
+    loop.note_reply(Status(weights=announcement(4, publisher="old")))  # a stale reply of the dead learner
+    assert loop.weights.latest.publisher == "new"
+    loop.note_reply(Status(weights=announcement(3, publisher="new")))
     asyncio.run(loop.weights.ensure_latest())
     asyncio.run(loop.weights.ensure_latest())  # nothing newer: no load
     assert engine.loads == [3, 2, 3]
@@ -238,7 +239,7 @@ def test_dynamic_sampling_drops_zero_variance_groups_at_the_generator_and_releas
     from tests.conftest import free_port
 
     server = ZmqBufferServer("127.0.0.1", free_port(), Coordinator(0, 2), vocab_size=16, config_hash="h",
-                             max_message_bytes=4096, queue_groups=8, run_info={})
+                             max_message_bytes=4096, queue_groups=8, run_info=run_info())
     server.start()
     client = ZmqBufferClient(server.endpoint, "g", timeout_s=5)
     rows = (PromptRow(prompt_id=f"p{i}", prompt_ids=[1 + i % 2, 2], data_source="t", ground_truth="9",
@@ -289,13 +290,13 @@ def test_an_evaluation_prompt_is_sampled_at_its_version_or_given_back():
                        tokenizer=DigitTokenizer(), rollout_cfg=RolloutConfig(n=1, max_tokens=4),
                        max_inflight_groups=1, generator_id="g",
                        reward_shaping=RewardConfig(overlong_buffer_len=2, overlong_penalty_factor=5.0))
-    loop.note_reply(Status(weights={"version": 3, "names": []}))
-    loop.note_reply(Status(weights={"version": 5, "names": []}))
+    loop.note_reply(Status(weights=announcement(3)))
+    loop.note_reply(Status(weights=announcement(5)))
     prompt = encode_prompt(PromptRow("t:0", [1], "t", "9", {}))
     loads = []
 
     async def never_load(target):
-        loads.append(target["version"])
+        loads.append(target.version)
 
     loop.weights._load = never_load
 

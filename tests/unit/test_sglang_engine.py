@@ -16,7 +16,7 @@ from asyncrl.generator.engines.factory import make_engine
 from asyncrl.generator.engines.sglang_engine import SglangEngine, kv_cache_tokens, new_tokens
 from asyncrl.weightsync.buckets import FlatBuckets
 from asyncrl.weightsync.dtypes import dtype_name
-from asyncrl.weightsync.layout import bucket_checksum, plan_layout, to_message
+from asyncrl.weightsync.layout import announcement_for, bucket_checksum, plan_layout
 from asyncrl.weightsync.receiver import Staged
 from tests.fakes.fake_sglang import FakeSglangEngine
 from tests.fakes.sglang_setup import build, weights_without_eos
@@ -32,14 +32,15 @@ async def wait_until(condition, timeout_s: float = 10.0) -> None:
 
 
 def staged_version(version: int, weights: dict, slot: int = 0) -> Staged:
-    """`weights` as WeightStage hands a verified version to an engine: the real Staged, FlatBuckets and control
-    message, with the buckets in process memory instead of a staging slot (the receiver reads only the buckets)."""
+    """`weights` as WeightStage hands a verified version to an engine: the real Staged, FlatBuckets and announcement,
+    with the buckets in process memory instead of a staging slot (the receiver reads only the buckets)."""
     named = list(weights.items())
     layout = plan_layout([(name, dtype_name(tensor.dtype), tuple(tensor.shape)) for name, tensor in named], 1 << 16)
     buckets = FlatBuckets(layout)
     for name, tensor in named:
         buckets.put(name, tensor)
-    message = to_message(layout, version, [bucket_checksum(buffer) for buffer in buckets.buffers])
+    message = announcement_for(layout, version, [bucket_checksum(buffer) for buffer in buckets.buffers],
+                               publisher="life-1", published_at=0.0)
     return Staged(version, message, ring_path="", slot=slot, buckets=buckets)
 
 

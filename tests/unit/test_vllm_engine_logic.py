@@ -6,6 +6,7 @@ reset failing, which must leave the engine paused for good and make every later 
 than hang or sample from partial weights. Also the version check `start()` runs before building an engine.
 """
 import asyncio
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -16,16 +17,13 @@ from asyncrl.generator.engines.base import (EngineBroken, EngineOptions, EngineU
 from asyncrl.generator.engines.factory import engine_options
 from asyncrl.generator.engines.vllm_engine import (VllmEngine, apply_version_spans, check_transfer_plugin,
                                                    check_vllm_version)
+from tests.messages import announcement
 
 
 
 def WeightVersionSpan(version: str, start: int, end: int):
     """vllm.outputs.WeightVersionSpan's fields (the unit tier does not import vLLM)."""
     return SimpleNamespace(version=version, start=start, end=end)
-
-MESSAGE_KEYS = ("version", "names", "dtypes", "shapes", "buckets", "offsets", "bucket_sizes", "checksums",
-                "fingerprint")
-
 
 class Controls:
     """AsyncLLM's pause/resume/reset and its weight-transfer calls (start_weight_update, update_weights once per
@@ -65,9 +63,8 @@ class Controls:
 
 
 def staged(version: int):
-    message = {key: version if key == "version" else [] for key in MESSAGE_KEYS}
-    message["bucket_sizes"] = [64, 32]
-    return SimpleNamespace(version=version, ring_path="/dev/shm/none", slot=0, message=message)
+    message = dataclasses.replace(announcement(version), bucket_sizes=(64, 32), checksums=("0", "0"))
+    return SimpleNamespace(version=version, ring_path="/dev/shm/none", slot=0, announcement=message)
 
 
 def engine_with(controls: Controls) -> VllmEngine:

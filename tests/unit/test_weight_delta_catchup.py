@@ -2,6 +2,7 @@
 answers a generator that names the version it holds with only the changes, falling back to the full version when
 the base is gone from the ring, is another learner life's bytes, or the delta would not be smaller."""
 import contextlib
+import dataclasses
 import time
 
 import numpy as np
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from asyncrl.weightsync import delta
+from asyncrl.weightsync.announcement import ShmRingPlace
 from asyncrl.weightsync.buckets import FlatBuckets
 from asyncrl.weightsync.catchup import CatchupServer
 from asyncrl.weightsync.layout import plan_layout
@@ -134,7 +136,7 @@ def publish(publisher, named, version):
 
 
 def remote(message, tmp_path):
-    return dict(message, shm={"path": str(tmp_path / "not-on-this-host"), "slots": 3})
+    return dataclasses.replace(message, shm=ShmRingPlace(str(tmp_path / "not-on-this-host"), "other", 3))
 
 
 def test_catch_up_sends_only_what_changed_since_the_version_the_generator_holds(tmp_path):
@@ -222,7 +224,7 @@ def test_a_server_told_to_send_full_copies_never_sends_a_delta(tmp_path):
         stage.end_load(stage.stage(remote(publish(publisher, tensors(0), 1), tmp_path)), ok=True)
         staged = stage.stage(remote(publish(publisher, stepped(tensors(0), {"layer.w": [1]}), 2), tmp_path))
         assert same_bytes(staged.buckets, flat(stepped(tensors(0), {"layer.w": [1]})))
-        assert server.deltas_served == 0 and server.sent_bytes == 2 * staged.message["bytes"]
+        assert server.deltas_served == 0 and server.sent_bytes == 2 * staged.announcement.nbytes
 
 
 def test_a_delta_that_fails_its_checksums_is_followed_by_the_full_version(tmp_path):

@@ -6,10 +6,13 @@ message naming them, before posting anything. The publisher must hand a device g
 group's device, never the CPU ring ("meta" stands in for the GPU: it has a device type of its own and copies into
 it are free). The real NCCL path has not run yet: it needs a GPU (docs/testing.md, "What has run on a GPU").
 """
+import dataclasses
+
 import pytest
 import torch
 
-from asyncrl.weightsync.group.chain import PeerError, bucket_device, relay_chain, send_chain
+from asyncrl.weightsync.announcement import BroadcastPlace
+from asyncrl.weightsync.broadcast.chain import PeerError, bucket_device, relay_chain, send_chain
 from asyncrl.weightsync.publisher import WeightPublisher
 from asyncrl.weightsync.receiver import WeightStage
 
@@ -81,17 +84,15 @@ def test_bucket_devices_follow_the_backend_and_nccl_without_cuda_is_a_clear_erro
         assert bucket_device("nccl").type == "cuda"
 
 
-class DeviceGroupSender:
-    """backends.GroupSender's interface, on a device of its own: records where the buckets it was given live."""
+class DevicePlane:
+    """backends.BroadcastPlane's interface, on a device of its own: records where the buckets it was given live."""
 
     def __init__(self, device):
         self.device = torch.device(device)
         self.sent = []
 
-    message_key = "group"
-
     def describe(self) -> dict:
-        return {"address": "127.0.0.1:1", "backend": "nccl"}
+        return {"broadcast": BroadcastPlace("127.0.0.1:1", "nccl")}
 
     def send(self, version, buffers, ready=None, layout=None):
         for k in range(len(buffers)):
@@ -104,15 +105,15 @@ class DeviceGroupSender:
 
 
 def test_a_device_group_is_sent_the_publishers_device_copy_never_the_cpu_ring(tmp_path):
-    group = DeviceGroupSender("meta")
-    publisher = WeightPublisher(str(tmp_path / "ring"), slots=3, bucket_bytes=4096, group=group)
+    group = DevicePlane("meta")
+    publisher = WeightPublisher(str(tmp_path / "ring"), slots=3, bucket_bytes=4096, plane=group)
     stage = WeightStage(str(tmp_path), "gen")
     try:
         message = publish(publisher, model_tensors(1), 1)
         version, placed = group.sent[0]
-        assert version == 1 and len(placed) == len(message["bucket_sizes"])
+        assert version == 1 and len(placed) == len(message.bucket_sizes)
         assert {device for device, _ in placed} == {"meta"}
-        staged = stage.stage(dict(message, group=None))  # the ring still holds the version, checksummed
+        staged = stage.stage(dataclasses.replace(message, broadcast=None))  # the ring still holds the version, checksummed
         assert torch.equal(dict(staged.buckets.tensors())["layer.0.w"], model_tensors(1)[1][1])
     finally:
         stage.close()
@@ -120,8 +121,8 @@ def test_a_device_group_is_sent_the_publishers_device_copy_never_the_cpu_ring(tm
 
 
 def test_a_cpu_group_is_sent_the_ring_itself(tmp_path):
-    group = DeviceGroupSender("cpu")
-    publisher = WeightPublisher(str(tmp_path / "ring"), slots=3, bucket_bytes=4096, group=group)
+    group = DevicePlane("cpu")
+    publisher = WeightPublisher(str(tmp_path / "ring"), slots=3, bucket_bytes=4096, plane=group)
     try:
         publish(publisher, model_tensors(1), 1)
         ring_pointers = [b.data_ptr() for b in publisher.ring.buckets(1).buffers]
@@ -132,7 +133,7 @@ def test_a_cpu_group_is_sent_the_ring_itself(tmp_path):
 
 
 def test_a_generator_without_cuda_told_of_an_nccl_group_stages_through_another_path(tmp_path):
-    """A control message naming an NCCL group reaches a generator with no GPU (or a hostile one names a backend
+    """An announcement naming an NCCL group reaches a generator with no GPU (or a hostile one names a backend
     nobody knows): joining fails with a reason, and the version is staged from shared memory all the same."""
     if torch.cuda.is_available():
         pytest.skip("this machine could join an NCCL group")
@@ -141,7 +142,7 @@ def test_a_generator_without_cuda_told_of_an_nccl_group_stages_through_another_p
     try:
         for version, backend in ((2, "nccl"), (3, "mpi")):
             message = publish(publisher, model_tensors(version), version)
-            staged = stage.stage(dict(message, group={"address": "127.0.0.1:9", "backend": backend}))
+            staged = stage.stage(dataclasses.replace(message, broadcast=BroadcastPlace("127.0.0.1:9", backend)))
             assert staged.version == version and stage.member is None
             stage.end_load(staged, ok=True)
         assert stage.paths_used["shm"] == 2

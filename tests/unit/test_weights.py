@@ -9,6 +9,7 @@ import pytest
 from asyncrl.generator import weights
 from asyncrl.generator.engines.base import EngineBroken
 from asyncrl.generator.weights import PushBusy, PushedWeights
+from tests.messages import announcement
 
 
 class FakeEngine:
@@ -55,8 +56,8 @@ class FakeStage:
         self.staged, self.ended = [], []
 
     def stage(self, message):
-        self.staged.append(message["version"])
-        return type("Staged", (), {"version": message["version"]})()
+        self.staged.append(message.version)
+        return type("Staged", (), {"version": message.version})()
 
     def end_load(self, staged, ok):
         self.ended.append((staged.version, ok))
@@ -76,7 +77,7 @@ def loop():
 def make(loop, engine, latest=None):
     lock = asyncio.run_coroutine_threadsafe(_new_lock(), loop).result()
     stage = FakeStage()
-    return PushedWeights(engine, lock, lambda: latest or {}, stage, loop, "gen-t"), lock, stage
+    return PushedWeights(engine, lock, lambda: latest, stage, loop, "gen-t"), lock, stage
 
 
 async def _new_lock():
@@ -98,7 +99,7 @@ def test_a_push_pauses_receives_commits_and_releases_the_lock(loop):
 
 def test_a_failed_update_loads_the_newest_announced_version_whole_before_resuming(loop):
     engine = FakeEngine(fail="receive")
-    pushed, lock, stage = make(loop, engine, latest={"version": 2})
+    pushed, lock, stage = make(loop, engine, latest=announcement(2))
     pushed.handle("start", {"version": 3}, 5)
     with pytest.raises(RuntimeError, match="receive failed"):
         pushed.handle("update", {"update_info": {}}, 5)
@@ -112,7 +113,7 @@ def test_a_failed_update_loads_the_newest_announced_version_whole_before_resumin
 
 def test_a_round_the_learner_never_finishes_expires_into_a_reload(loop):
     engine = FakeEngine()
-    pushed, lock, _ = make(loop, engine, latest={})
+    pushed, lock, _ = make(loop, engine, latest=None)
     pushed.handle("start", {"version": 1}, 0.3)
     pushed.handle("update", {"update_info": {}}, 5)
     deadline = time.monotonic() + 5
@@ -145,7 +146,7 @@ def test_an_update_stuck_past_its_deadline_breaks_the_engine(loop):
 
 def test_a_failed_recovery_breaks_the_engine(loop):
     engine = FakeEngine(fail="receive")
-    pushed, _, stage = make(loop, engine, latest={"version": 5})
+    pushed, _, stage = make(loop, engine, latest=announcement(5))
     stage.stage = lambda message: (_ for _ in ()).throw(OSError("ring gone"))
     pushed.handle("start", {"version": 6}, 5)
     with pytest.raises((EngineBroken, RuntimeError)):
@@ -160,7 +161,7 @@ def test_a_broken_commit_is_not_recovered_into_and_never_releases_a_lock_it_does
         raise EngineBroken("resume failed")
 
     engine.push_commit = broken_commit
-    pushed, lock, stage = make(loop, engine, latest={"version": 1})
+    pushed, lock, stage = make(loop, engine, latest=announcement(1))
     pushed.handle("start", {"version": 2}, 5)
     pushed.handle("update", {"update_info": {}}, 5)
     with pytest.raises(EngineBroken):

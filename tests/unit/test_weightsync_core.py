@@ -1,34 +1,58 @@
 """Weight sync's control plane and shared-memory data plane, in one process: the layout and its message, buckets
 reused across versions, the persistent ring's seqlock, the publisher, catch-up, and staging that never hands on a
 version it has not verified whole."""
+import dataclasses
+import json
 import os
 import threading
 
+import msgpack
 import pytest
 import torch
 
 from asyncrl.weightsync.catchup import CatchupError, CatchupServer, fetch
-from asyncrl.weightsync.layout import ALIGN, LayoutError, from_message, plan_layout, to_message
+from asyncrl.weightsync.announcement import AnnouncementError, BroadcastPlace, ShmRingPlace, WeightsAnnouncement
+from asyncrl.weightsync.layout import ALIGN, LayoutError, announcement_for, layout_of, plan_layout
 from asyncrl.weightsync.publisher import PublishError, WeightPublisher
 from asyncrl.weightsync.receiver import WeightStage, WeightSyncError
 from asyncrl.weightsync.shm_ring import RingError, ShmRing
 from tests.weightsync_tensors import model_tensors, publish, specs_of
 
 
-def test_layout_packs_aligned_buckets_and_survives_its_message():
+def test_layout_packs_aligned_buckets_and_survives_its_announcement():
     tensors = model_tensors(0)
     layout = plan_layout(specs_of(tensors), bucket_bytes=4096)
     assert all(e.offset % ALIGN == 0 for e in layout.entries)
     assert layout.bucket_sizes[0] <= 4096 and len(layout.bucket_sizes) == 3  # 3200, 1024+12+32, 3200 bytes
-    message = to_message(layout, 7, ["x"] * len(layout.bucket_sizes))
-    assert from_message(message) == layout and message["version"] == 7
+    message = announcement_for(layout, 7, ["x"] * len(layout.bucket_sizes), publisher="life", published_at=0.0)
+    assert layout_of(message) == layout and message.version == 7 and message.nbytes == layout.total_bytes
     big = plan_layout([("huge", "float32", (2000,))], bucket_bytes=1024)  # larger than a bucket: its own
     assert big.bucket_sizes == (8000,)
-    broken = dict(message, offsets=[0, 0, 0, 0, 100000])
     with pytest.raises(LayoutError, match="does not fit"):
-        from_message(broken)
-    with pytest.raises(LayoutError, match="checksums"):
-        from_message(dict(message, checksums=[]))
+        layout_of(dataclasses.replace(message, offsets=(0, 0, 0, 0, 100000)))
+    with pytest.raises(LayoutError, match="fingerprint"):
+        layout_of(dataclasses.replace(message, shapes=((50, 16), (16, 16), (3,), (16,), (49, 16))))
+    with pytest.raises(LayoutError, match="'complex64'"):
+        layout_of(dataclasses.replace(message, dtypes=("complex64",) * 5))
+
+
+def test_an_announcement_survives_msgpack_and_json_and_a_malformed_one_is_named():
+    layout = plan_layout(specs_of(model_tensors(0)), bucket_bytes=4096)
+    message = announcement_for(layout, 3, ["ab"] * len(layout.bucket_sizes), publisher="life", published_at=1.5,
+                               shm=ShmRingPlace("/dev/shm/r", "host", 3), catchup="tcp://h:1",
+                               broadcast=BroadcastPlace("h:2", "gloo"), engines="h:3", lora={"r": 4})
+    for wire in (msgpack.unpackb(msgpack.packb(message.to_wire())), json.loads(json.dumps(message.to_wire()))):
+        assert WeightsAnnouncement.from_wire(wire) == message
+    plain = announcement_for(layout, 3, ["ab"] * len(layout.bucket_sizes), publisher="life", published_at=1.5)
+    assert WeightsAnnouncement.from_wire(plain.to_wire()) == plain and plain.shm is None and plain.catchup == ""
+    wire = message.to_wire()
+    for broken, named in (({**wire, "version": "3"}, "field 'version'"), ({**wire, "names": wire["names"][1:]},
+                                                                           "5 dtypes for 4 names"),
+                          ({**wire, "shm": {"path": "/x"}}, "field 'shm'"), ({**wire, "nbytes": 1}, "nbytes 1"),
+                          ({**wire, "broadcast": "h:2"}, "field 'broadcast'"), ({**wire, "lora": [4]}, "'lora'")):
+        with pytest.raises(AnnouncementError, match=f"weights v3|{named}") as caught:
+            WeightsAnnouncement.from_wire(broken)
+        assert named in str(caught.value)
 
 
 def test_publisher_writes_versions_in_place_and_staging_copies_them_verified(tmp_path):
@@ -112,9 +136,9 @@ def test_catch_up_serves_the_newest_version_to_another_host(tmp_path):
     try:
         publish(publisher, model_tensors(5), 1)
         message = publish(publisher, model_tensors(6), 2)
-        remote = dict(message, shm={"path": str(tmp_path / "not-on-this-host"), "slots": 2})
+        remote = dataclasses.replace(message, shm=ShmRingPlace(str(tmp_path / "not-on-this-host"), "other", 2))
         staged = stage.stage(remote)
-        assert stage.paths_used == {"group": 0, "shm": 0, "catchup": 1, "catchup_delta": 0}
+        assert stage.paths_used == {"broadcast": 0, "shm": 0, "catchup": 1, "catchup_delta": 0}
         assert torch.equal(dict(staged.buckets.tensors())["layer.0.w"], model_tensors(6)[1][1])
         with pytest.raises(CatchupError, match="not held"):
             fetch(server.address, 0, lambda m: staged.buckets, 5)

@@ -14,8 +14,8 @@ import time
 
 import torch.distributed as dist
 
-from asyncrl.weightsync.group.chain import PeerError
-from asyncrl.weightsync.group.protocol import ACK_POLL_S, ANNOUNCEMENT_POLL_S
+from asyncrl.weightsync.broadcast.chain import PeerError
+from asyncrl.weightsync.broadcast.protocol import ACK_POLL_S, ANNOUNCEMENT_POLL_S
 
 OPS = ("init", "start", "update", "finish", "shutdown")
 DROPPED_CHECK_EVERY = 200

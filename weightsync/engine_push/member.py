@@ -1,11 +1,11 @@
-"""A generator's side of the engine push (host.py): register the engine it hosts, keep a heartbeat, and run each
+"""A generator's side of the engine push (sender.py): register the engine it hosts, keep a heartbeat, and run each
 call the learner makes (calls.py) through a handler that owns the engine (generator/weights.py)."""
 import threading
 
 import torch.distributed as dist
 
 from asyncrl.weightsync.engine_push.calls import serve_calls
-from asyncrl.weightsync.group.roster import connect_store, register, start_heartbeat
+from asyncrl.weightsync.broadcast.roster import connect_store, register, start_heartbeat
 
 
 class EnginePushMember:

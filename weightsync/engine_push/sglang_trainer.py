@@ -1,4 +1,4 @@
-"""The learner's side of SGLang's distributed weight update, for the engine push (host.py).
+"""The learner's side of SGLang's distributed weight update, for the engine push (sender.py).
 
 SGLang has no trainer-side engine like vLLM's, only the two calls its RL docs pair with a torch.distributed group
 that the trainer opens as rank 0: `init_weights_update_group(master_address, master_port, rank_offset, world_size,
@@ -6,7 +6,7 @@ group_name, backend)` on the engine, while the trainer joins the same rendezvous
 `update_weights_from_distributed(names, dtypes, shapes, group_name, ...)` on the engine, while the trainer
 broadcasts each tensor from rank 0 in `names` order. `SglangTrainer` runs that with the control flow of vLLM's
 `NCCLTrainerWeightTransferEngine` (the engine's init on a side thread while the group opens; start, update on a
-side thread while broadcasting, finish), so host.py drives both the same way and its watchdog covers both.
+side thread while broadcasting, finish), so sender.py drives both the same way and its watchdog covers both.
 
 Rank 0 is opened with SGLang's own `init_custom_process_group` (what its workers use for the other ranks), so the
 two ends rendezvous the same way by construction; the learner then needs `sglang` importable. CPU tests pass
@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from asyncrl.weightsync.group.chain import abort_process_group
+from asyncrl.weightsync.broadcast.chain import abort_process_group
 
 
 def sglang_rank0(master_address: str, master_port: int, world_size: int, group_name: str, backend: str):

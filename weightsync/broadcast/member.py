@@ -8,13 +8,13 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from asyncrl.weightsync.group.chain import PeerError, abort_process_group, make_process_group, relay_chain
-from asyncrl.weightsync.group.protocol import (ANNOUNCEMENT_POLL_S, KEEP_ANNOUNCEMENTS, NoAnnouncement, describe_member,
+from asyncrl.weightsync.broadcast.chain import PeerError, abort_process_group, make_process_group, relay_chain
+from asyncrl.weightsync.broadcast.protocol import (ANNOUNCEMENT_POLL_S, KEEP_ANNOUNCEMENTS, NoAnnouncement, describe_member,
                                            timedelta_s)
-from asyncrl.weightsync.group.roster import connect_store, register, start_heartbeat
+from asyncrl.weightsync.broadcast.roster import connect_store, register, start_heartbeat
 
 
-class WeightGroupMember:
+class BroadcastMember:
     """Generator side (rank >= 1). Use either `receive` (blocking, one version) or `start_receiving` (a background
     thread that is always ready, so the learner never waits on a busy engine), never both at once."""
 
@@ -37,7 +37,7 @@ class WeightGroupMember:
 
     @classmethod
     def connect(cls, address: str, member_id: str, timeout_s: float, backend: str = "gloo",
-                heartbeat_s: float = 0.5) -> "WeightGroupMember":
+                heartbeat_s: float = 0.5) -> "BroadcastMember":
         """Join the learner's store at "host:port" and register; joins the group at the next `send`."""
         store = connect_store(address, f"member {member_id!r}", timeout_s)
         return cls(store, address, member_id, backend, heartbeat_s)

@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from asyncrl.weightsync.group.chain import PeerError, abort_process_group, make_process_group, send_chain
-from asyncrl.weightsync.group.protocol import ACK_POLL_S, KEEP_ANNOUNCEMENTS, describe_member, timedelta_s
-from asyncrl.weightsync.group.roster import Roster, warn_if_store_open
+from asyncrl.weightsync.broadcast.chain import PeerError, abort_process_group, make_process_group, send_chain
+from asyncrl.weightsync.broadcast.protocol import ACK_POLL_S, KEEP_ANNOUNCEMENTS, describe_member, timedelta_s
+from asyncrl.weightsync.broadcast.roster import Roster, warn_if_store_open
 
 
 @dataclass
 class SendReport:
-    """What one `WeightGroupHost.send` achieved; member ids are the ones given to `WeightGroupMember.connect`."""
+    """What one `BroadcastSender.send` achieved; member ids are the ones given to `BroadcastMember.connect`."""
     version: int
     generation: int
     delivered: list[str] = field(default_factory=list)
@@ -30,7 +30,7 @@ class SendReport:
         return not self.failed
 
 
-class WeightGroupHost:
+class BroadcastSender:
     """Learner side (rank 0): owns the TCPStore, the membership and the current generation's process group.
 
     Not thread-safe: call `send` from one thread (the publisher's). Generators never block it for longer than

@@ -3,7 +3,7 @@ registered generator's engine, one NCCL group per engine: vLLM's own NCCL weight
 distributed update (`init_weights_update_group` + `update_weights_from_distributed`, sglang_trainer.py) for SGLang.
 The vLLM flow is described below; SGLang's is the same with its calls.
 
-Per engine (a generator registered under "ep/", see group/roster.py, with the number of ranks its engine has):
+Per engine (a generator registered under "ep/", see broadcast/roster.py, with the number of ranks its engine has):
 - the first send opens vLLM's trainer endpoint (`NCCLTrainerWeightTransferEngine.trainer_init`, rank 0 of a group
   of 1 + the engine's ranks, on a fresh port) while the generator's engine joins it
   (`init_weight_transfer_engine`, driven through calls.py);
@@ -35,9 +35,9 @@ import torch.distributed as dist
 from asyncrl.weightsync.buckets import FlatBuckets
 from asyncrl.weightsync.engine_push.calls import StoreEngineClient
 from asyncrl.weightsync.engine_push.delta import sparse_patches
-from asyncrl.weightsync.group.host import SendReport
-from asyncrl.weightsync.group.protocol import describe_member, timedelta_s
-from asyncrl.weightsync.group.roster import Roster, warn_if_store_open
+from asyncrl.weightsync.broadcast.sender import SendReport
+from asyncrl.weightsync.broadcast.protocol import describe_member, timedelta_s
+from asyncrl.weightsync.broadcast.roster import Roster, warn_if_store_open
 
 
 def bucket_source(buckets: FlatBuckets):
@@ -107,7 +107,7 @@ def free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-class EnginePushHost:
+class EnginePushSender:
     """Owns the store generators register in and one vLLM trainer engine per registered engine.
 
     `transport` (weightsync.engine_transport): `nccl`, `sparse_nccl` (patches of what changed to every vLLM engine
@@ -254,7 +254,7 @@ class _Current:
     """The host's current buckets, read at each iteration: a trainer engine keeps its source for its lifetime,
     and the publisher hands a new set when the layout changes."""
 
-    def __init__(self, host: EnginePushHost):
+    def __init__(self, host: EnginePushSender):
         self.host = host
 
     @property

@@ -1,5 +1,5 @@
-"""torch.distributed data plane of weight sync: the learner (host.WeightGroupHost, rank 0) relays each
-version's buckets down a chain of generators (member.WeightGroupMember, ranks 1..N), see chain.py.
+"""torch.distributed data plane of weight sync: the learner (host.BroadcastSender, rank 0) relays each
+version's buckets down a chain of generators (member.BroadcastMember, ranks 1..N), see chain.py.
 This module holds the protocol both sides follow, and what they share.
 
 Membership lives in the learner's TCPStore, and every key is under "ws/":

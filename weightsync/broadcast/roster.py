@@ -1,5 +1,5 @@
 """Membership in the learner's TCPStore, shared by both weight data planes that have members: the chain relay
-(host.py / member.py, keys under "ws/") and the push into inference engines (weightsync/engine_push, keys under
+(sender.py / member.py, keys under "ws/") and the push into inference engines (weightsync/engine_push, keys under
 "ep/").
 
 Under a prefix P:
@@ -19,7 +19,7 @@ import time
 import torch.distributed as dist
 
 from asyncrl.security.curve import is_loopback
-from asyncrl.weightsync.group.protocol import describe_member, timedelta_s
+from asyncrl.weightsync.broadcast.protocol import describe_member, timedelta_s
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ def warn_if_store_open(host: str, what: str) -> bool:
 
 def connect_store(address: str, who: str, timeout_s: float) -> dist.TCPStore:
     """A client of the learner's store at "host:port", or PeerError naming `who` and the address."""
-    from asyncrl.weightsync.group.chain import PeerError
+    from asyncrl.weightsync.broadcast.chain import PeerError
 
     host, port = address.rsplit(":", 1)
     try:
