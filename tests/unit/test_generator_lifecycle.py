@@ -11,6 +11,7 @@ from asyncrl.buffer.zmq.server import ZmqBufferServer
 from asyncrl.configs.run_config import load_config, shared_hash
 from asyncrl.generator.main import run_generator_async
 from tests.conftest import free_port
+from tests.messages import run_info
 
 
 def write_tokenizer(directory: str) -> str:
@@ -46,7 +47,7 @@ def test_a_generator_whose_engine_fails_to_start_closes_what_it_had_built(tmp_pa
                              "generator.connect_timeout_s=10"])
     server = ZmqBufferServer("127.0.0.1", port, Coordinator(1, 2), vocab_size=16, config_hash=shared_hash(cfg),
                              max_message_bytes=4096, queue_groups=2,
-                             run_info={"model_path": model_dir, "deals": True, "data_sources": []})
+                             run_info=run_info(model_path=model_dir, deals=True))
     server.start()
     try:
         with pytest.raises((OSError, ValueError), match="config.json"):  # transformers: no model here
