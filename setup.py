@@ -51,7 +51,7 @@ setup(
         "safetensors",
         "peft==0.21.0",  # learner.lora: adapters injected into the learner's model, the hf engine's, and export's merge
         "xxhash>=3",  # weight-sync bucket checksums (about 10x faster than CRC32)
-        "uvloop>=0.18",  # the generator's event loop (buffer/event_loop.py); bench/buffer.py --compare-loops measures it
+        "uvloop>=0.18",  # the generator's event loop (generator/event_loop.py); bench/buffer.py --compare-loops measures it
         "mcp>=2,<3",  # tools served by MCP servers (generator/agents/mcp_tools.py: the 2.x Client API)
         "math-verify==0.9.0",  # the built-in competition-math scorer (generator/rewards/builtin/math_answer.py)
         # the reward server and its client (generator/reward_server/), the agents' OpenAI endpoint

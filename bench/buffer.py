@@ -21,7 +21,7 @@ the runs): the consumer process's while it consumes (server thread, I/O threads 
 and the producer's while it sends (its imports and start-up excluded). CPU per group moves less than groups/s with
 the machine's load (a few tens of percent here, against 2x), so it shows what a backend costs over its raw
 transport when the ratio is lost in noise.
-The backends' producers run on the generator's event loop (`--loop`, uvloop by default, buffer/event_loop.py).
+The backends' producers run on the generator's event loop (`--loop`, uvloop by default, generator/event_loop.py).
 `--compare-loops` adds, per path and size, pairs of the backend's producer on plain asyncio and on uvloop: the
 ratio is uvloop's groups/s over asyncio's, and the producer's CPU per group is the cost of the loop itself.
 Usage:
@@ -120,7 +120,7 @@ def produce_raw_zmq(port: int, size: int, count: int, report) -> None:
 def produce_zmq_backend(port: int, size: int, count: int, loop: str, report) -> None:
     import asyncio
 
-    from asyncrl.buffer.event_loop import run as run_loop
+    from asyncrl.generator.event_loop import run as run_loop
     from asyncrl.buffer.zmq.client import ZmqBufferClient  # imported before the clock starts, as in every producer
 
     async def run():
@@ -164,7 +164,7 @@ def produce_redis_backend(url: str, job: str, size: int, count: int, loop: str, 
     """The generator's real path: RedisBufferClient.send, IN_FLIGHT at once (it pipelines them)."""
     import asyncio
 
-    from asyncrl.buffer.event_loop import run as run_loop
+    from asyncrl.generator.event_loop import run as run_loop
     from asyncrl.buffer.redis.client import RedisBufferClient
     from asyncrl.buffer.redis.conn import RedisOptions, connect
 

@@ -21,7 +21,7 @@ from asyncrl.generator.agents.mcp_tools import McpServerError
 from asyncrl.generator.agents.openai_agent import AgentLoadError
 from asyncrl.generator.agents.tools import ToolLoadError
 from asyncrl.data.prompts import iterate_prompts, job_rows, tokenize_rows
-from asyncrl.buffer.event_loop import run as run_event_loop
+from asyncrl.generator.event_loop import run as run_event_loop
 from asyncrl.generator.engines.base import EngineBroken, EngineUnsupported
 from asyncrl.generator.engines.factory import engine_options, make_engine
 from asyncrl.generator.rewards.client import wait_for_server

@@ -334,7 +334,7 @@ def cmd_eval(cfg, args) -> int:
 def cmd_reward_server(cfg, args) -> int:
     """Serve until interrupted (Ctrl-C: 130, SIGTERM: 143, as every command); a model it cannot load or a port it
     cannot bind ends it with 2 and the reason."""
-    from asyncrl.buffer.event_loop import run as run_event_loop
+    from asyncrl.generator.event_loop import run as run_event_loop
     from asyncrl.generator.reward_server.app import serve
 
     try:

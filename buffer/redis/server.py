@@ -27,7 +27,7 @@ from asyncrl.buffer.codec import CodecError, decode_group
 from asyncrl.buffer.fleet_stats import fleet_metrics
 from asyncrl.buffer.interface import RunInfo
 from asyncrl.buffer.plausibility import JobLimits, check_stats
-from asyncrl.buffer.rejections import RejectionLog
+from asyncrl.telemetry.rejections import RejectionLog
 from asyncrl.buffer.redis.conn import redacted
 from asyncrl.buffer.redis.reconnect import direct
 from asyncrl.buffer.redis.eval_bridge import RedisEvalBridge

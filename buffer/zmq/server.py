@@ -26,7 +26,7 @@ from asyncrl.buffer.eval_rounds import EvalRounds, evals_wanted
 from asyncrl.buffer.fleet_stats import fleet_metrics
 from asyncrl.buffer.interface import RunInfo
 from asyncrl.buffer.plausibility import JobLimits, check_stats
-from asyncrl.buffer.rejections import RejectionLog
+from asyncrl.telemetry.rejections import RejectionLog
 from asyncrl.buffer.staleness import Coordinator
 from asyncrl.buffer.zmq.wire import ProtocolError, pack, unpack_request
 from asyncrl.security.curve import CurveGuard, warn_if_open

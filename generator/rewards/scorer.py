@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Optional
 
-from asyncrl.buffer.rejections import RejectionLog
+from asyncrl.telemetry.rejections import RejectionLog
 from asyncrl.generator.rewards.functions import load_reward_fn, normalize_score
 from asyncrl.generator.user_code.pool import CallFailed, CallTarget, CallTimeout, PoolBroken, ProcessCallPool
 

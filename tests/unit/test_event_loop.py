@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from asyncrl.buffer.event_loop import run
+from asyncrl.generator.event_loop import run
 
 
 async def loop_module() -> str:

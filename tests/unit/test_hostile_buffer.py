@@ -16,7 +16,7 @@ from asyncrl.buffer.codec import encode_group
 from asyncrl.buffer.group import Group, Sample, Sampling
 from asyncrl.buffer.interface import GeneratorRefused
 from asyncrl.buffer.plausibility import JobLimits
-from asyncrl.buffer.rejections import RejectionLog
+from asyncrl.telemetry.rejections import RejectionLog
 from asyncrl.buffer.staleness import Coordinator
 from asyncrl.buffer.zmq.client import ZmqBufferClient
 from asyncrl.buffer.zmq.server import ZmqBufferServer

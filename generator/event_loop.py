@@ -1,4 +1,4 @@
-"""The event loop of asyncio processes: uvloop when it is installed, plain asyncio otherwise.
+"""The event loop of the generator and of the reward server: uvloop when it is installed, plain asyncio otherwise.
 
 The generator's loop carries every in-flight request, the buffer client's replies, reward and tool calls; uvloop
 (libuv) runs the same coroutines with less interpreter overhead per callback and per socket event.

@@ -4,7 +4,8 @@ A broken or hostile generator can send thousands of bad groups a second; one WAR
 else (and cost more than rejecting them). `RejectionLog` counts every rejection by reason (the counts become
 `buffer/rejected/<reason>`) and logs the first of each reason at once, then at most one line per reason every
 `every_s` seconds saying how many more there were and the last one's error. Thread-safe: the zmq server's two
-threads both reject. The generator counts its failed reward calls with it too (`area`, `verb`).
+threads both reject. The generator counts its failed reward calls with it too (`area`, `verb`), which is why it
+lives in telemetry/ (standard library only, so the buffer may import it) rather than in buffer/.
 """
 import logging
 import threading
