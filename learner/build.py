@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncrl.algos.kl import AdaptiveKLController, FixedKLController
+from asyncrl.algos.plan import OffPolicyPlan
 from asyncrl.learner.checkpoint import CheckpointError, latest_checkpoint, read_state, resolve_checkpoint
 from asyncrl.learner.collect import BatchFilter
 from asyncrl.learner.lora import apply_lora, trainable_parameters
@@ -86,7 +87,7 @@ def build_step_parts(cfg, model_path: str, parallel: ParallelState) -> StepParts
         controller = AdaptiveKLController(algo.kl_reward_coef, algo.kl_target, algo.kl_horizon)
     else:
         controller = FixedKLController(algo.kl_reward_coef)
-    batch_filter = BatchFilter(dynamic_sampling=algo.dynamic_sampling, needs_baseline=algo.advantage == "remax")
+    batch_filter = BatchFilter(dynamic_sampling=algo.dynamic_sampling, needs_baseline=OffPolicyPlan.from_algo(algo).greedy_baseline)
     return StepParts(ref_model, controller, batch_filter)
 
 

@@ -28,7 +28,7 @@ from asyncrl.algos.corrections import compute_correction, compute_vtrace_advanta
 from asyncrl.algos.vtrace import compute_vtrace_advantages_and_targets
 from asyncrl.algos.kl import apply_kl_penalty
 from asyncrl.algos.metrics import combine_token_metrics
-from asyncrl.algos.plan import PROX_RECOMPUTE, WEIGHT_BATCH, OffPolicyPlan
+from asyncrl.algos.plan import ADVANTAGE_GAE, ADVANTAGE_VTRACE, PROX_RECOMPUTE, WEIGHT_BATCH, OffPolicyPlan
 from asyncrl.learner.batch import (Batch, build_batch, placeholder_microbatch, plan_microbatches, scatter_rows,
                                    split_minibatches)
 from asyncrl.learner.critic import Critic, compute_batch_values, train_critic, value_metrics
@@ -111,36 +111,42 @@ def penalise_rewards(batch: Batch, algo, kl_controller) -> tuple[torch.Tensor, d
 
 def compute_advantages(batch: Batch, groups: list, token_rewards: torch.Tensor, algo,
                        plan: OffPolicyPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """([B, L-1] advantages, 0 off-mask; the critic's targets [B, L-1], or None without a critic). V-trace
-    replaces the estimator (its weights live in the advantages); GAE and V-trace's critic baseline read the
-    critic's step-start values, `batch.values`."""
+    """([B, L-1] advantages, 0 off-mask; the critic's targets [B, L-1], or None without a critic), on the plan's
+    advantage path. GAE and V-trace's critic baseline read the critic's step-start values, `batch.values`."""
+    if plan.advantage_path == ADVANTAGE_VTRACE:
+        return vtrace_advantages(batch, len(groups), token_rewards, plan)
     mask = batch.loss_mask
-    if plan.vtrace_advantages:
-        seq_rewards = (token_rewards * mask).sum(-1).double()  # [B]
-        values = None
-        if algo.vtrace_values == "group_mean":
-            per_group = seq_rewards.view(len(groups), -1)  # [G, n]
-            group_mean = per_group.mean(-1, keepdim=True).expand_as(per_group).reshape(-1, 1)  # [B, 1]
-            values = group_mean * mask.double()  # V(x_t) = the prompt's mean reward, at every t
-        elif algo.vtrace_values == "critic":
-            advantages, targets = compute_vtrace_advantages_and_targets(
-                batch.logprobs_prox.double(), batch.logprobs_behav.double(), mask, seq_rewards,
-                batch.values.double(), **plan.vtrace_kwargs)
-            return advantages.float(), targets.float()
-        advantages = compute_vtrace_advantages(batch.logprobs_prox.double(), batch.logprobs_behav.double(),
-                                               mask, seq_rewards, values, **plan.vtrace_kwargs)
-        return advantages.float(), None
-    if algo.advantage == "gae":
+    if plan.advantage_path == ADVANTAGE_GAE:
         advantages, returns = compute_gae_advantages(token_rewards.double(), batch.values.double(), mask,
                                                      gamma=algo.gamma, lam=algo.lam)
         return advantages.float(), returns.float()
     baseline = None
-    if algo.advantage == "remax":
+    if plan.greedy_baseline:
         baseline = torch.tensor([float(group.meta["baseline_reward"]) for group in groups], dtype=torch.float64)
     inputs = AdvantageInputs(token_rewards=token_rewards.double(), loss_mask=mask,
                              group_size=len(groups[0].samples), baseline_rewards=baseline)
-    return compute_token_advantages(algo.advantage, inputs, norm_by_std=algo.norm_adv_by_std,
+    return compute_token_advantages(plan.estimator, inputs, norm_by_std=algo.norm_adv_by_std,
                                     gamma=algo.gamma).float(), None
+
+
+def vtrace_advantages(batch: Batch, num_groups: int, token_rewards: torch.Tensor,
+                      plan: OffPolicyPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """V-trace replaces the estimator (its importance weights live in the advantages); its baseline is the plan's
+    `vtrace_baseline`: none, each prompt's mean reward, or the critic (which then also gets V-trace's targets)."""
+    mask = batch.loss_mask
+    seq_rewards = (token_rewards * mask).sum(-1).double()  # [B]
+    prox, behav = batch.logprobs_prox.double(), batch.logprobs_behav.double()
+    if plan.vtrace_baseline == "critic":
+        advantages, targets = compute_vtrace_advantages_and_targets(prox, behav, mask, seq_rewards,
+                                                                    batch.values.double(), **plan.vtrace_kwargs)
+        return advantages.float(), targets.float()
+    values = None
+    if plan.vtrace_baseline == "group_mean":
+        per_group = seq_rewards.view(num_groups, -1)  # [G, n]
+        group_mean = per_group.mean(-1, keepdim=True).expand_as(per_group).reshape(-1, 1)  # [B, 1]
+        values = group_mean * mask.double()  # V(x_t) = the prompt's mean reward, at every t
+    advantages = compute_vtrace_advantages(prox, behav, mask, seq_rewards, values, **plan.vtrace_kwargs)
+    return advantages.float(), None
 
 
 def compute_batch_weight(batch: Batch, plan: OffPolicyPlan) -> tuple[torch.Tensor | None, dict | None]:
@@ -257,7 +263,7 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
         settings.parallel, (pg_loss, kl_loss, entropy_loss), token_metrics, prox_parts, entropy_parts, start_parts)
     shape = tuple(batch.loss_mask.shape)
     metrics = collect_step_metrics(
-        batch, groups, algo, plan, settings, prox=scatter_rows(shape, prox_parts),
+        batch, groups, plan, settings, prox=scatter_rows(shape, prox_parts),
         entropy=scatter_rows(shape, entropy_parts), correction_metrics=correction_metrics,
         step_start=step_start_logprobs(batch, plan, shape, start_parts))
     metrics.update(combine_token_metrics(token_metrics))
