@@ -22,7 +22,7 @@ from asyncrl.learner.critic import build_critic
 from asyncrl.learner.host import LearnerHost
 from asyncrl.learner.lr_schedule import resync_after_load
 from asyncrl.learner.parallel import ParallelState, broadcast_object
-from asyncrl.learner.publish import outgoing_version
+from asyncrl.learner.publish import GatherSettings, outgoing_version
 from asyncrl.learner.state import AckLedger, LearnerState
 from asyncrl.learner.step_metrics import warn_on_mismatch
 from asyncrl.learner.train_step import PoisonedBatch, StepSettings, train_step
@@ -58,13 +58,15 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
                        load_prompts=load_prompts, load_eval_prompts=load_eval_prompts) if parallel.is_main else None
     acks = AckLedger(host.buffer if host is not None else None, state)
     start_version, status = state.version, "FAILED"
+    gather = GatherSettings(cfg.learner.lora, cfg.weightsync.dtype, int(cfg.learner.publish_bucket_mb * 2**20))
     try:
-        publish_weights(model, parallel, host, state.version, cfg)
+        publish_weights(model, parallel, host, state.version, gather)
         if host is not None:
             host.start()
         data_left = True
         while state.version < cfg.learner.total_steps and data_left:
-            trained, data_left = train_one_version(cfg, model, optimizer, scheduler, host, parallel, state, parts)
+            trained, data_left = train_one_version(cfg, model, optimizer, scheduler, host, parallel, state, parts,
+                                                   gather)
             acks.note_taken()
             if trained:  # a skipped step left the version where it was: nothing new to save
                 checkpoint_if_due(cfg, job_dir, model_path, model, optimizer, scheduler, state, acks,
@@ -81,7 +83,7 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
 
 
 def train_one_version(cfg, model, optimizer, scheduler, host: LearnerHost | None, parallel: ParallelState,
-                      state: LearnerState, parts: StepParts) -> tuple[bool, bool]:
+                      state: LearnerState, parts: StepParts, gather: GatherSettings) -> tuple[bool, bool]:
     """Take a batch, train on it (state.version -> +1), publish when due, and (rank 0) log the step. Returns
     (trained: False when the batch poisoned the step (skip_poisoned_step) or the data had ended with nothing left:
     nothing moved, data left: False once the dealer's last epoch is taken)."""
@@ -95,9 +97,9 @@ def train_one_version(cfg, model, optimizer, scheduler, host: LearnerHost | None
                             seed=cfg.learner.seed, packing=cfg.learner.packing, fp32_head=cfg.model.lm_head_fp32,
                             parallel=parallel)
     try:
-        metrics = train_step(model, optimizer, scheduler, groups, cfg.algo, settings, ref_model=parts.ref_model,
-                             kl_controller=parts.kl_controller, critic=parts.critic)
-        cause = "the gradient was not finite in every mini-batch" if metrics["learner/skipped"] else None
+        result = train_step(model, optimizer, scheduler, groups, cfg.algo, settings, ref_model=parts.ref_model,
+                            kl_controller=parts.kl_controller, critic=parts.critic)
+        cause = None if result.stepped else "the gradient was not finite in every mini-batch"
     except PoisonedBatch as err:
         cause = str(err)
     except Exception as err:
@@ -106,6 +108,7 @@ def train_one_version(cfg, model, optimizer, scheduler, host: LearnerHost | None
     if cause is not None:
         skip_poisoned_step(host, state, parts, groups, dropped, cause, cfg.learner.max_consecutive_skips)
         return False, True
+    metrics = result.metrics
     state.version = version + 1
     state.skipped_in_a_row = 0
     if host is not None:  # rank 0 speaks for the step
@@ -115,7 +118,7 @@ def train_one_version(cfg, model, optimizer, scheduler, host: LearnerHost | None
     started = time.perf_counter()
     published = final or should_publish(state.version, cfg.weightsync.every_steps, cfg.learner.total_steps)
     if published:  # a step with no gradient at all (every advantage 0) may rightly leave the weights as they were
-        publish_weights(model, parallel, host, state.version, cfg, moved=metrics.get("policy/grad_norm", 1.0) > 0)
+        publish_weights(model, parallel, host, state.version, gather, moved=result.moved)
     if host is not None:
         if published:
             metrics["timing/weightsync/publish_s"] = time.perf_counter() - started
@@ -193,15 +196,14 @@ def next_batch(cfg, host: LearnerHost | None, parallel: ParallelState, version: 
     return groups, Counter(dropped), collected, final
 
 
-def publish_weights(model, parallel: ParallelState, host: LearnerHost | None, version: int, cfg,
+def publish_weights(model, parallel: ParallelState, host: LearnerHost | None, version: int, gather: GatherSettings,
                     moved: bool = True) -> None:
     """Gather the full weights bucket by bucket on every rank; rank 0 publishes `version` (the publisher casts to
     weightsync.dtype as it copies each tensor into its ring), then tells the buffer: only now may generators be
     admitted against it (buffer/staleness.py). With learner.lora only the adapter is gathered and published, named
     as PEFT's adapter files name it, with its settings in the control message: the engines serve it as an
     adapter on the base model they already hold (generator/engines/lora_adapter.py)."""
-    outgoing = outgoing_version(model, parallel, cfg.learner.lora, cfg.weightsync.dtype,
-                                int(cfg.learner.publish_bucket_mb * 2**20))
+    outgoing = outgoing_version(model, parallel, gather.lora, gather.dtype, gather.bucket_bytes)
     if host is None:
         for _ in outgoing.weights:  # nothing is yielded here; iterating runs this rank's side of the gathers
             pass

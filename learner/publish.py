@@ -84,6 +84,15 @@ def repeats_previous(previous: tuple | None, message: dict) -> tuple[bool, tuple
     return previous == key, key
 
 
+@dataclass(frozen=True)
+class GatherSettings:
+    """How every rank gathers a version for rank 0 to publish: learner.lora (the adapter alone when enabled),
+    weightsync.dtype (the engine's dtype, named in the specs), and learner.publish_bucket_mb in bytes."""
+    lora: object
+    dtype: str
+    bucket_bytes: int
+
+
 @dataclass
 class OutgoingVersion:
     """What the publisher takes for one version: the (name, tensor) iterator (yielding on rank 0 only), the specs,

@@ -15,8 +15,9 @@ Two guards keep one bad batch from poisoning the model (the learner loop decides
 - building the batch and its advantages is data-dependent and the same on every rank; a failure there raises
   `PoisonedBatch` before any collective, so every rank skips the step together;
 - an optimizer step whose global gradient norm is not finite is not taken: the gradients are dropped, the weights
-  and the optimizer state stay as they were (`optimizer_step`). A step none of whose mini-batches stepped is
-  reported as skipped (`learner/skipped`), and the loop neither moves the version nor publishes.
+  and the optimizer state stay as they were (`optimizer_step`). A step none of whose mini-batches stepped comes
+  back with `StepResult.stepped` False (and `learner/skipped` in its metrics), and the loop neither moves the
+  version nor publishes.
 """
 import time
 from dataclasses import dataclass
@@ -41,6 +42,21 @@ from asyncrl.learner.step_metrics import collect_step_metrics
 
 class PoisonedBatch(ValueError):
     """The batch could not be built or scored (its groups are at fault, not the model); no rank has trained on it."""
+
+
+@dataclass
+class StepResult:
+    """What one train_step did: its metrics, and the two facts the loop decides on (never read from the metrics)."""
+
+    metrics: dict
+    """The step's metrics (docs/architecture.md §10 names)."""
+    stepped: bool
+    """The step counts as trained and the version moves on: some mini-batch took its optimizer step, or the
+    critic's warmup held the policy still on purpose. False: every step was refused (a non-finite loss or
+    gradient), nothing moved, and the batch poisoned the step."""
+    moved: bool
+    """The policy's weights changed: an optimizer step was taken on a non-zero gradient. A batch whose
+    advantages are all 0, or a critic warmup step, may rightly publish the previous version's bytes again."""
 
 
 @dataclass
@@ -213,8 +229,8 @@ def data_dependent(what: str, phase, *args):
 
 
 def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSettings, ref_model=None,
-               kl_controller=None, critic: Critic | None = None) -> dict:
-    """Train on `groups` (one batch); returns the step's metrics (docs/architecture.md §10 names). With a
+               kl_controller=None, critic: Critic | None = None) -> StepResult:
+    """Train on `groups` (one batch); returns its metrics and whether it stepped and moved the weights. With a
     `critic` (PPO's value model, learner/critic.py) its values feed the advantages and it is trained after the
     policy; during critic.warmup_steps the policy's passes run (for the step's metrics) but it takes no step."""
     started = time.perf_counter()
@@ -233,6 +249,7 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
     batch.is_weight, correction_metrics = compute_batch_weight(batch, plan)
     generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + settings.version)
     pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts, grad_norms, stepped = 0.0, 0.0, [], [], [], [], 0
+    moved = False  # some optimizer step was taken on a non-zero gradient
     entropy_loss = 0.0  # the entropy bonus's term (algo.entropy_coef), summed like the policy loss
     start_parts = []  # the current pass before the first optimizer update: the step-start policy's logprobs
     for mini in split_minibatches(batch, algo.ppo_minibatches):
@@ -259,6 +276,7 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
                                          losses_finite(mini_loss, settings.parallel))
         grad_norms.append(grad_norm)
         stepped += took
+        moved = moved or bool(took and grad_norm > 0)
     (pg_loss, kl_loss, entropy_loss), token_metrics, prox_parts, entropy_parts, start_parts = gather_over_dp(
         settings.parallel, (pg_loss, kl_loss, entropy_loss), token_metrics, prox_parts, entropy_parts, start_parts)
     shape = tuple(batch.loss_mask.shape)
@@ -288,4 +306,4 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
     step_s = time.perf_counter() - started
     metrics["timing/learner/step_s"] = step_s
     metrics["perf/learner/tokens_per_s"] = float(batch.attention_mask.sum()) / step_s
-    return metrics
+    return StepResult(metrics, stepped=bool(stepped) or warmup, moved=moved)
