@@ -142,7 +142,7 @@ def skip_poisoned_step(host: LearnerHost | None, state: LearnerState, parts: Ste
         log.warning("learner v%d: skipped the step (%s); groups %s from %s are quarantined", state.version, cause,
                     [group.group_id for group in groups], sorted({group.generator_id for group in groups}))
         host.buffer.quarantine(groups, "poisoned_step")
-        host.metrics_log.log({"learner/skipped_steps": float(state.skipped_steps)}, step=state.version)
+        host.record.log({"learner/skipped_steps": float(state.skipped_steps)}, step=state.version)
     if state.skipped_in_a_row >= max_in_a_row:  # on every rank: they all count alike
         raise TrainingPoisoned(f"{state.skipped_in_a_row} steps in a row at v{state.version} could not train "
                                f"(learner.max_consecutive_skips={max_in_a_row}); the last: {cause}")

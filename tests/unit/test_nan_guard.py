@@ -94,11 +94,11 @@ def test_a_batch_that_cannot_be_built_is_a_poisoned_batch_before_any_compute(mod
 
 
 class Quarantine:
-    """Records what skip_poisoned_step does with the host (the buffer and the metrics are the host's parts)."""
+    """Records what skip_poisoned_step does with the host (the buffer and the run's record are the host's parts)."""
 
     def __init__(self):
         self.quarantined, self.logged = [], []
-        self.buffer, self.metrics_log = self, self
+        self.buffer, self.record = self, self
 
     def quarantine(self, groups, reason):
         self.quarantined.append(([g.group_id for g in groups], reason))
