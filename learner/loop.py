@@ -44,11 +44,11 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
     torch.manual_seed(cfg.learner.seed)
     if cfg.learner.torch_threads:
         torch.set_num_threads(cfg.learner.torch_threads)
-    model = build_policy(cfg, model_path, parallel).train()
+    model = build_policy(cfg.learner, cfg.model.trust_remote_code, model_path, parallel).train()
     optimizer, scheduler = build_optimizer(model, cfg.learner)
-    parts = build_step_parts(cfg, model_path, parallel)
+    parts = build_step_parts(cfg.algo, cfg.learner, cfg.model.trust_remote_code, model_path, parallel)
     parts.critic = build_critic(cfg, model_path, parallel) if cfg.algo.needs_critic() else None
-    resume_from = find_resume_point(cfg, job_dir)
+    resume_from = find_resume_point(cfg.learner, job_dir)
     state = (load_checkpoint(resume_from, model, optimizer, scheduler, critic=parts.critic) if resume_from
              else LearnerState())
     if resume_from:
@@ -69,7 +69,7 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
                                                    gather)
             acks.note_taken()
             if trained:  # a skipped step left the version where it was: nothing new to save
-                checkpoint_if_due(cfg, job_dir, model_path, model, optimizer, scheduler, state, acks,
+                checkpoint_if_due(cfg.learner, job_dir, model_path, model, optimizer, scheduler, state, acks,
                                   last=not data_left, critic=parts.critic)
         wait_for_pending_save()
         acks.all_saved()
@@ -88,7 +88,8 @@ def train_one_version(cfg, model, optimizer, scheduler, host: LearnerHost | None
     (trained: False when the batch poisoned the step (skip_poisoned_step) or the data had ended with nothing left:
     nothing moved, data left: False once the dealer's last epoch is taken)."""
     version = state.version
-    groups, dropped, collected, final = next_batch(cfg, host, parallel, version, parts)
+    groups, dropped, collected, final = next_batch(host, parallel, version, parts, cfg.buffer,
+                                                   cfg.learner.wait_for_batch_timeout_s)
     if not groups:  # the data ended with the previous batch
         return False, False
     settings = StepSettings(version=version, max_staleness=cfg.buffer.max_staleness,
@@ -174,16 +175,18 @@ class BatchUnavailable(RuntimeError):
     """Rank 0 could not assemble a batch; the other ranks stop with its message."""
 
 
-def next_batch(cfg, host: LearnerHost | None, parallel: ParallelState, version: int, parts: StepParts):
-    """Rank 0 collects the step's groups from the buffer and sends them, with what it dropped on the way, to every
-    rank, so every rank's LearnerState stays the same. Returns (groups, dropped counts, Collected on rank 0 / None,
+def next_batch(host: LearnerHost | None, parallel: ParallelState, version: int, parts: StepParts, buffer_cfg,
+               timeout_s: float):
+    """Rank 0 collects the step's groups from the buffer (buffer_cfg.groups_per_step of them, none staler than
+    buffer_cfg.max_staleness against the trained `version`, waiting at most `timeout_s`) and sends them, with what
+    it dropped on the way, to every rank, so every rank's LearnerState stays the same. Returns (groups, dropped counts, Collected on rank 0 / None,
     whether the data ended with these groups).
     A failure on rank 0 is sent too, so no rank waits in a collective forever."""
     collected, message = None, None
     if host is not None:
         try:
-            collected = collect_batch(host.buffer, cfg.buffer.groups_per_step, cfg.buffer.max_staleness, version,
-                                      cfg.learner.wait_for_batch_timeout_s, parts.batch_filter,
+            collected = collect_batch(host.buffer, buffer_cfg.groups_per_step, buffer_cfg.max_staleness, version,
+                                      timeout_s, parts.batch_filter,
                                       data_done=host.data_done)
             message = ("groups", (collected.groups, dict(collected.dropped), collected.final))
         except Exception as err:
@@ -212,17 +215,17 @@ def publish_weights(model, parallel: ParallelState, host: LearnerHost | None, ve
                  moved=moved)
 
 
-def checkpoint_if_due(cfg, job_dir: str, model_path: str, model, optimizer, scheduler, state: LearnerState,
+def checkpoint_if_due(learner, job_dir: str, model_path: str, model, optimizer, scheduler, state: LearnerState,
                       acks: AckLedger, last: bool = False, critic=None) -> None:
     """Every learner.checkpoint_every steps and after the last (learner.total_steps, or `last`: the data ended);
     with checkpoints off, the buffer may forget each batch at once (there is nothing to resume from). The critic,
-    when there is one, is saved with the policy."""
-    every = cfg.learner.checkpoint_every
+    when there is one, is saved with the policy. `learner` is the learner section."""
+    every = learner.checkpoint_every
     if not every:
         acks.checkpointed(background=False)
         return
-    if state.version % every and state.version != cfg.learner.total_steps and not last:
+    if state.version % every and state.version != learner.total_steps and not last:
         return
-    save_checkpoint(checkpoint_root(cfg, job_dir), model, optimizer, scheduler, state, cfg.learner.checkpoint_keep,
-                    model_dir=model_path, async_save=cfg.learner.checkpoint_async, critic=critic)
-    acks.checkpointed(background=cfg.learner.checkpoint_async)
+    save_checkpoint(checkpoint_root(learner.checkpoint_dir, job_dir), model, optimizer, scheduler, state,
+                    learner.checkpoint_keep, model_dir=model_path, async_save=learner.checkpoint_async, critic=critic)
+    acks.checkpointed(background=learner.checkpoint_async)
