@@ -8,9 +8,11 @@ by publishing each version (every `weightsync.every_steps` steps), which raises 
 must keep besides the model and optimizer is one `LearnerState` (learner/state.py); a restarted job resumes from its
 newest checkpoint (`learner.resume=auto`) at the same version.
 """
+import dataclasses
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
@@ -32,6 +34,38 @@ log = logging.getLogger(__name__)
 
 class TrainingPoisoned(RuntimeError):
     """learner.max_consecutive_skips steps in a row could not train: the job stops instead of spinning."""
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """What the loop reads at every step, taken from the config once (`loop_settings`), so the step's functions
+    say what they use."""
+
+    algo: object
+    """The algo section (train_step's)."""
+    step: StepSettings
+    """train_step's settings; each step fills in its version."""
+    groups_per_step: int
+    max_staleness: int
+    wait_for_batch_timeout_s: float
+    publish_every: int
+    """weightsync.every_steps."""
+    total_steps: int
+    max_consecutive_skips: int
+    gather: GatherSettings
+
+
+def loop_settings(cfg, parallel: ParallelState) -> LoopSettings:
+    """The loop's settings from the run's config: the one place the loop reads the whole of it."""
+    learner = cfg.learner
+    step = StepSettings(version=0, max_staleness=cfg.buffer.max_staleness,
+                        max_tokens_per_microbatch=learner.max_tokens_per_microbatch,
+                        chunk_tokens=learner.logprob_chunk_tokens, grad_clip=learner.grad_clip, seed=learner.seed,
+                        packing=learner.packing, fp32_head=cfg.model.lm_head_fp32, parallel=parallel)
+    gather = GatherSettings(learner.lora, cfg.weightsync.dtype, int(learner.publish_bucket_mb * 2**20))
+    return LoopSettings(cfg.algo, step, cfg.buffer.groups_per_step, cfg.buffer.max_staleness,
+                        learner.wait_for_batch_timeout_s, cfg.weightsync.every_steps, learner.total_steps,
+                        learner.max_consecutive_skips, gather)
 
 
 def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
@@ -58,15 +92,14 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
                        load_prompts=load_prompts, load_eval_prompts=load_eval_prompts) if parallel.is_main else None
     acks = AckLedger(host.buffer if host is not None else None, state)
     start_version, status = state.version, "FAILED"
-    gather = GatherSettings(cfg.learner.lora, cfg.weightsync.dtype, int(cfg.learner.publish_bucket_mb * 2**20))
+    loop = loop_settings(cfg, parallel)
     try:
-        publish_weights(model, parallel, host, state.version, gather)
+        publish_weights(model, parallel, host, state.version, loop.gather)
         if host is not None:
             host.start()
         data_left = True
         while state.version < cfg.learner.total_steps and data_left:
-            trained, data_left = train_one_version(cfg, model, optimizer, scheduler, host, parallel, state, parts,
-                                                   gather)
+            trained, data_left = train_one_version(model, optimizer, scheduler, host, parallel, state, parts, loop)
             acks.note_taken()
             if trained:  # a skipped step left the version where it was: nothing new to save
                 checkpoint_if_due(cfg.learner, job_dir, model_path, model, optimizer, scheduler, state, acks,
@@ -82,23 +115,18 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
     return host.summary(state, start_version) if host is not None else None
 
 
-def train_one_version(cfg, model, optimizer, scheduler, host: LearnerHost | None, parallel: ParallelState,
-                      state: LearnerState, parts: StepParts, gather: GatherSettings) -> tuple[bool, bool]:
+def train_one_version(model, optimizer, scheduler, host: LearnerHost | None, parallel: ParallelState,
+                      state: LearnerState, parts: StepParts, loop: LoopSettings) -> tuple[bool, bool]:
     """Take a batch, train on it (state.version -> +1), publish when due, and (rank 0) log the step. Returns
     (trained: False when the batch poisoned the step (skip_poisoned_step) or the data had ended with nothing left:
     nothing moved, data left: False once the dealer's last epoch is taken)."""
     version = state.version
-    groups, dropped, collected, final = next_batch(host, parallel, version, parts, cfg.buffer,
-                                                   cfg.learner.wait_for_batch_timeout_s)
+    groups, dropped, collected, final = next_batch(host, parallel, version, parts, loop)
     if not groups:  # the data ended with the previous batch
         return False, False
-    settings = StepSettings(version=version, max_staleness=cfg.buffer.max_staleness,
-                            max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch,
-                            chunk_tokens=cfg.learner.logprob_chunk_tokens, grad_clip=cfg.learner.grad_clip,
-                            seed=cfg.learner.seed, packing=cfg.learner.packing, fp32_head=cfg.model.lm_head_fp32,
-                            parallel=parallel)
+    settings = dataclasses.replace(loop.step, version=version)
     try:
-        result = train_step(model, optimizer, scheduler, groups, cfg.algo, settings, ref_model=parts.ref_model,
+        result = train_step(model, optimizer, scheduler, groups, loop.algo, settings, ref_model=parts.ref_model,
                             kl_controller=parts.kl_controller, critic=parts.critic)
         cause = None if result.stepped else "the gradient was not finite in every mini-batch"
     except PoisonedBatch as err:
@@ -107,7 +135,7 @@ def train_one_version(cfg, model, optimizer, scheduler, host: LearnerHost | None
         quarantine_failed_step(host, version, groups, err)
         raise
     if cause is not None:
-        skip_poisoned_step(host, state, parts, groups, dropped, cause, cfg.learner.max_consecutive_skips)
+        skip_poisoned_step(host, state, parts, groups, dropped, cause, loop.max_consecutive_skips)
         return False, True
     metrics = result.metrics
     state.version = version + 1
@@ -117,9 +145,9 @@ def train_one_version(cfg, model, optimizer, scheduler, host: LearnerHost | None
     state.record_batch(groups, dropped)
     state.kl_coef = parts.kl_controller.value
     started = time.perf_counter()
-    published = final or should_publish(state.version, cfg.weightsync.every_steps, cfg.learner.total_steps)
+    published = final or should_publish(state.version, loop.publish_every, loop.total_steps)
     if published:  # a step with no gradient at all (every advantage 0) may rightly leave the weights as they were
-        publish_weights(model, parallel, host, state.version, gather, moved=result.moved)
+        publish_weights(model, parallel, host, state.version, loop.gather, moved=result.moved)
     if host is not None:
         if published:
             metrics["timing/weightsync/publish_s"] = time.perf_counter() - started
@@ -175,18 +203,17 @@ class BatchUnavailable(RuntimeError):
     """Rank 0 could not assemble a batch; the other ranks stop with its message."""
 
 
-def next_batch(host: LearnerHost | None, parallel: ParallelState, version: int, parts: StepParts, buffer_cfg,
-               timeout_s: float):
-    """Rank 0 collects the step's groups from the buffer (buffer_cfg.groups_per_step of them, none staler than
-    buffer_cfg.max_staleness against the trained `version`, waiting at most `timeout_s`) and sends them, with what
-    it dropped on the way, to every rank, so every rank's LearnerState stays the same. Returns (groups, dropped counts, Collected on rank 0 / None,
+def next_batch(host: LearnerHost | None, parallel: ParallelState, version: int, parts: StepParts, loop: LoopSettings):
+    """Rank 0 collects the step's groups from the buffer (loop.groups_per_step of them, none staler than
+    loop.max_staleness against the trained `version`) and sends them, with what it dropped on the way, to every
+    rank, so every rank's LearnerState stays the same. Returns (groups, dropped counts, Collected on rank 0 / None,
     whether the data ended with these groups).
     A failure on rank 0 is sent too, so no rank waits in a collective forever."""
     collected, message = None, None
     if host is not None:
         try:
-            collected = collect_batch(host.buffer, buffer_cfg.groups_per_step, buffer_cfg.max_staleness, version,
-                                      timeout_s, parts.batch_filter,
+            collected = collect_batch(host.buffer, loop.groups_per_step, loop.max_staleness, version,
+                                      loop.wait_for_batch_timeout_s, parts.batch_filter,
                                       data_done=host.data_done)
             message = ("groups", (collected.groups, dict(collected.dropped), collected.final))
         except Exception as err:
