@@ -88,7 +88,8 @@ def build_step_parts(algo, learner, trust_remote_code: bool, model_path: str, pa
         controller = AdaptiveKLController(algo.kl_reward_coef, algo.kl_target, algo.kl_horizon)
     else:
         controller = FixedKLController(algo.kl_reward_coef)
-    batch_filter = BatchFilter(dynamic_sampling=algo.dynamic_sampling, needs_baseline=OffPolicyPlan.from_algo(algo).greedy_baseline)
+    batch_filter = BatchFilter(dynamic_sampling=algo.dynamic_sampling,
+                               needs_baseline=OffPolicyPlan.from_algo(algo).greedy_baseline)
     return StepParts(ref_model, controller, batch_filter)
 
 
