@@ -12,10 +12,11 @@ Combination rules (``check_combination``) are checked when the config loads; eac
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from asyncrl.algos.registry import ADVANTAGES, BYPASS, CORRECTIONS, LOSSES, NO_WEIGHT
+from asyncrl.algos.registry import (ADVANTAGES, BYPASS, CORRECTIONS, CRITIC_ESTIMATORS, GREEDY_BASELINE_ESTIMATORS,
+                                    LOSSES, NO_WEIGHT)
 
-CRITIC_ADVANTAGES = ("gae",)
-"""Estimators that read a value model's predictions (learner/critic.py): choosing one builds the critic."""
+CRITIC_ADVANTAGES = CRITIC_ESTIMATORS
+"""Estimators that read a value model's predictions (the registry's list)."""
 ADVANTAGE_NAMES = ("grpo", "grpo_passk", "rloo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg", "remax",
                    *CRITIC_ADVANTAGES)
 DISCOUNTED = ("reinforce_pp", "gae")
@@ -259,6 +260,10 @@ class AlgoConfig:
     def needs_critic(self) -> bool:
         """A value model is built and trained only for estimators that read it (gae, V-trace's critic baseline)."""
         return self.advantage in CRITIC_ADVANTAGES or (self.correction == "vtrace" and self.vtrace_values == "critic")
+
+    def needs_greedy_baseline(self) -> bool:
+        """ReMax's baseline: one greedy completion per prompt, sampled by the generators and read by the learner."""
+        return self.advantage in GREEDY_BASELINE_ESTIMATORS
 
     def needs_reference_model(self) -> bool:
         """The reference model is loaded only when some KL coefficient is non-zero."""

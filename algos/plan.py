@@ -18,6 +18,14 @@ The π_prox column is for one optimizer step per batch and ``algo.prox_logprobs=
 correction needs the whole batch first (it saves a forward pass); ``recompute``, the no-grad pass over the whole
 batch before the first update (needed by ``algo.ppo_minibatches > 1`` and by batch-global corrections);
 ``loglinear``, A-3PO's interpolation between μ and the current pass (``algo.prox_logprobs=loglinear``).
+
+The plan also decides the advantage path, once, so no learner module asks for an estimator's name:
+
+| path                 | when                              | reads besides the rewards                        |
+|----------------------|-----------------------------------|--------------------------------------------------|
+| ``estimator``        | every other ``algo.advantage``    | remax: each group's greedy ``baseline_reward``   |
+| ``gae``              | ``algo.advantage=gae``            | the critic's values                              |
+| ``vtrace``           | ``algo.correction=vtrace``        | π_prox, μ, and ``algo.vtrace_values``'s baseline |
 """
 from dataclasses import dataclass, field
 
@@ -27,6 +35,7 @@ from asyncrl.algos.registry import (
     BYPASS_PG_CAP,
     BYPASS_PG_CORRECTION,
     CORRECTIONS,
+    CRITIC_ESTIMATORS,
     LOSSES,
     WEIGHT,
 )
@@ -39,6 +48,9 @@ WEIGHT_PER_MICRO = "per_micro"
 """The correction's weight from ρ = π_prox/μ, computed for each micro-batch (row-wise corrections)."""
 WEIGHT_BATCH = "batch"
 """The correction's weight computed once on the whole batch before the first update (batch-global, m2po)."""
+ADVANTAGE_ESTIMATOR, ADVANTAGE_GAE, ADVANTAGE_VTRACE = "estimator", "gae", "vtrace"
+"""The advantage paths (module doc): a group-level estimator of ``advantages.ADVANTAGE_ESTIMATORS``, GAE over the
+critic's values, or V-trace's advantages from π_prox and μ."""
 WEIGHT_CURRENT = "current"
 """``BYPASS_PG_CORRECTION``'s weight from π_θ/μ on the current pass, per micro-batch (bypass with plain PG)."""
 
@@ -66,16 +78,28 @@ class OffPolicyPlan:
     """The advantages are V-trace's, computed from π_prox and μ on the whole batch, instead of the estimator's."""
     vtrace_kwargs: dict = field(default_factory=dict)
     """Keywords of ``compute_vtrace_advantages`` set in the config."""
+    advantage_path: str = ADVANTAGE_ESTIMATOR
+    """How the advantages are computed: ADVANTAGE_ESTIMATOR, ADVANTAGE_GAE or ADVANTAGE_VTRACE (module doc)."""
+    estimator: str = "grpo"
+    """``algo.advantage``: the estimator's name on the ADVANTAGE_ESTIMATOR path."""
+    vtrace_baseline: str = "none"
+    """On the ADVANTAGE_VTRACE path, V-trace's baseline (``algo.vtrace_values``): none, group_mean or critic."""
+    critic_values: bool = False
+    """The advantages read a critic's values (GAE, or V-trace with the critic baseline): the learner builds and
+    trains one, and its values are computed before the advantages."""
+    greedy_baseline: bool = False
+    """The estimator's baseline is the reward of one greedy completion per prompt (ReMax): a group without a
+    finite ``meta["baseline_reward"]`` cannot be trained, and the step reports the baselines' mean."""
 
     @classmethod
     def from_algo(cls, algo) -> "OffPolicyPlan":
         """The plan of an ``AlgoConfig`` (already validated, so the pair is one the config accepts)."""
         loss, correction = LOSSES[algo.loss], CORRECTIONS[algo.correction]
+        vtrace = correction.kind == ADVANTAGES
         return cls(loss=algo.loss, loss_kwargs=algo.loss_kwargs(), prox_source=_prox_source(algo, correction),
                    centre=CENTRE_BEHAV if correction.kind == BYPASS else CENTRE_PROX,
-                   vtrace_advantages=correction.kind == ADVANTAGES,
-                   vtrace_kwargs=algo.correction_kwargs() if correction.kind == ADVANTAGES else {},
-                   **_weight(algo, loss, correction))
+                   vtrace_advantages=vtrace, vtrace_kwargs=algo.correction_kwargs() if vtrace else {},
+                   **_advantage_path(algo, vtrace), **_weight(algo, loss, correction))
 
     @property
     def batch_metrics_correction(self) -> str | None:
@@ -90,6 +114,18 @@ def _prox_source(algo, correction) -> str:
     if algo.ppo_minibatches > 1 or correction.batch_global or algo.is_batch_norm:
         return PROX_RECOMPUTE  # after the first optimizer step the current pass is no longer π_prox
     return PROX_FUSED
+
+
+def _advantage_path(algo, vtrace: bool) -> dict:
+    """The advantage_* fields of the plan: V-trace replaces the estimator (the config keeps algo.advantage at its
+    default then); GAE is the estimator that reads the critic (``algo.needs_critic``)."""
+    if vtrace:
+        path = ADVANTAGE_VTRACE
+    else:
+        path = ADVANTAGE_GAE if algo.advantage in CRITIC_ESTIMATORS else ADVANTAGE_ESTIMATOR
+    return dict(advantage_path=path, estimator=algo.advantage,
+                vtrace_baseline=algo.vtrace_values if vtrace else "none", critic_values=algo.needs_critic(),
+                greedy_baseline=algo.needs_greedy_baseline())
 
 
 def _weight(algo, loss, correction) -> dict:

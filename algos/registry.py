@@ -102,6 +102,12 @@ CORRECTIONS: dict[str, CorrectionSpec] = {
                              batch_global=True, only_losses=("reinforce",)),
 }
 
+CRITIC_ESTIMATORS = ("gae",)
+"""Advantage estimators that read a value model's predictions (learner/critic.py): choosing one builds the critic."""
+GREEDY_BASELINE_ESTIMATORS = ("remax",)
+"""Advantage estimators whose baseline is the reward of one greedy completion per prompt: the generators sample it
+(rollout.greedy_baseline is switched on) and the learner trains only groups that carry it."""
+
 BYPASS_PG_CORRECTION = "tis"
 """The weight that bypass gives the plain policy-gradient losses (ratio-free, not weighting against μ themselves:
 reinforce, gpg): min(π_θ/μ, C) on the current pass (verl's bypass_pg_is). Its cap is ``algo.is_cap``."""

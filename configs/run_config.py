@@ -130,7 +130,7 @@ def check_episodes(cfg: "RunConfig") -> None:
 def check_sections_agree(cfg: "RunConfig") -> None:
     """Rules that span sections. ReMax's greedy baseline is switched on for the generators rather than
     rejected, because asking for remax already says that the baseline is wanted."""
-    if cfg.algo.advantage == "remax":
+    if cfg.algo.needs_greedy_baseline():
         cfg.rollout.greedy_baseline = True
     check_episodes(cfg)
     if not cfg.algo.needs_critic() and cfg.critic != CriticConfig():

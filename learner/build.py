@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncrl.algos.kl import AdaptiveKLController, FixedKLController
+from asyncrl.algos.plan import OffPolicyPlan
 from asyncrl.learner.checkpoint import CheckpointError, latest_checkpoint, read_state, resolve_checkpoint
 from asyncrl.learner.collect import BatchFilter
 from asyncrl.learner.lora import apply_lora, trainable_parameters
@@ -21,25 +22,26 @@ from asyncrl.learner.ulysses import apply_ulysses
 log = logging.getLogger(__name__)
 
 
-def build_policy(cfg, model_path: str, parallel: ParallelState, adapters: bool = True):
+def build_policy(learner, trust_remote_code: bool, model_path: str, parallel: ParallelState, adapters: bool = True):
     """The HF model on this rank: loaded, with learner.lora's adapters injected when `adapters` and LoRA is on
     (before the wrapping, so FSDP2 shards them like any parameter), routed through Ulysses when sp_size > 1, then
-    FSDP2-sharded. The reference model is the base model: adapters=False."""
-    model = load_model(model_path, cfg.learner.dtype, cfg.model.trust_remote_code, cfg.learner.attn_implementation)
-    if adapters and cfg.learner.lora.enabled:
-        model = apply_lora(model, cfg.learner.lora)
-    return shard_model(model, cfg, parallel)
+    FSDP2-sharded. The reference model is the base model: adapters=False. `learner` is the learner section;
+    `trust_remote_code` is model.trust_remote_code."""
+    model = load_model(model_path, learner.dtype, trust_remote_code, learner.attn_implementation)
+    if adapters and learner.lora.enabled:
+        model = apply_lora(model, learner.lora)
+    return shard_model(model, learner, parallel)
 
 
-def shard_model(model, cfg, parallel: ParallelState):
+def shard_model(model, learner, parallel: ParallelState):
     """A loaded model (the policy, its reference, the critic) on this rank's device, through Ulysses when
-    sp_size > 1, then FSDP2-sharded with the learner's precision, offload and checkpointing settings."""
+    sp_size > 1, then FSDP2-sharded with the learner section's precision, offload and checkpointing settings."""
     model.to(parallel.device)
     if parallel.sp_size > 1:
-        apply_ulysses(model, parallel.sp_group, parallel.sp_size, cfg.learner.sp_impl)
-    return apply_fsdp(model, parallel, param_dtype=cfg.learner.param_dtype or cfg.learner.dtype,
-                      reduce_dtype=cfg.learner.reduce_dtype, cpu_offload=cfg.learner.cpu_offload,
-                      activation_checkpointing=cfg.learner.activation_checkpointing)
+        apply_ulysses(model, parallel.sp_group, parallel.sp_size, learner.sp_impl)
+    return apply_fsdp(model, parallel, param_dtype=learner.param_dtype or learner.dtype,
+                      reduce_dtype=learner.reduce_dtype, cpu_offload=learner.cpu_offload,
+                      activation_checkpointing=learner.activation_checkpointing)
 
 
 def build_optimizer(model, learner_cfg):
@@ -74,41 +76,42 @@ class StepParts:
             self.kl_controller.value = float(state.kl_coef)
 
 
-def build_step_parts(cfg, model_path: str, parallel: ParallelState) -> StepParts:
-    """Loading the reference costs a second copy of the weights, so nothing loads it by default."""
-    algo = cfg.algo
+def build_step_parts(algo, learner, trust_remote_code: bool, model_path: str, parallel: ParallelState) -> StepParts:
+    """Loading the reference costs a second copy of the weights, so nothing loads it by default (`learner` and
+    `trust_remote_code` build it as build_policy does)."""
     ref_model = None
     if algo.needs_reference_model():
-        ref_model = build_policy(cfg, model_path, parallel, adapters=False).eval()
+        ref_model = build_policy(learner, trust_remote_code, model_path, parallel, adapters=False).eval()
         ref_model.requires_grad_(False)
         log.info("learner: loaded the reference model for the KL term from %s", model_path)
     if algo.kl_controller == "adaptive":
         controller = AdaptiveKLController(algo.kl_reward_coef, algo.kl_target, algo.kl_horizon)
     else:
         controller = FixedKLController(algo.kl_reward_coef)
-    batch_filter = BatchFilter(dynamic_sampling=algo.dynamic_sampling, needs_baseline=algo.advantage == "remax")
+    batch_filter = BatchFilter(dynamic_sampling=algo.dynamic_sampling,
+                               needs_baseline=OffPolicyPlan.from_algo(algo).greedy_baseline)
     return StepParts(ref_model, controller, batch_filter)
 
 
-def checkpoint_root(cfg, job_dir: str) -> str:
+def checkpoint_root(checkpoint_dir: str | None, job_dir: str) -> str:
     """learner.checkpoint_dir, else the job directory's checkpoints/ (a fresh job directory never resumes by
     accident; a fixed checkpoint_dir, or ASYNCRL_JOB_DIR reused, makes restarts pick up where they stopped)."""
-    return cfg.learner.checkpoint_dir or os.path.join(job_dir, "checkpoints")
+    return checkpoint_dir or os.path.join(job_dir, "checkpoints")
 
 
-def find_resume_point(cfg, job_dir: str) -> str | None:
-    """The checkpoint to start from, per learner.resume ("auto", "never" or a path)."""
-    if cfg.learner.resume == "never":
+def find_resume_point(learner, job_dir: str) -> str | None:
+    """The checkpoint to start from, per learner.resume ("auto", "never" or a path) of the learner section."""
+    if learner.resume == "never":
         return None
-    if cfg.learner.resume == "auto":
-        found = latest_checkpoint(checkpoint_root(cfg, job_dir))
+    if learner.resume == "auto":
+        found = latest_checkpoint(checkpoint_root(learner.checkpoint_dir, job_dir))
     else:
-        found = resolve_checkpoint(cfg.learner.resume)
+        found = resolve_checkpoint(learner.resume)
     if found is not None:
         version = read_state(found).version
-        if version >= cfg.learner.total_steps:
+        if version >= learner.total_steps:
             raise CheckpointError(
-                f"checkpoint {found} is at version {version} >= learner.total_steps={cfg.learner.total_steps}: that "
+                f"checkpoint {found} is at version {version} >= learner.total_steps={learner.total_steps}: that "
                 f"job already finished. Raise learner.total_steps to train on, or set learner.resume=never (or "
                 f"another learner.checkpoint_dir) to start over")
     return found

@@ -77,13 +77,14 @@ def waiting_message(buffer, out: Collected, groups_per_step: int, version: int, 
     return message
 
 
-def collect_batch(buffer, groups_per_step: int, max_staleness: int, version: int, timeout_s: float,
+def collect_batch(buffer, groups_per_step: int, max_staleness: int, trained_version: int, timeout_s: float,
                   batch_filter: BatchFilter | None = None, report_every_s: float = 30.0,
                   data_done=None) -> Collected:
     """Take groups from `buffer` (an `interface.LearnerBuffer`) until `groups_per_step` usable ones are in hand,
     or, once `data_done()` says every prompt of the last epoch was taken, with what is in hand (`final`).
-    Dropped groups are counted and given back. A wait longer than `report_every_s` says why in the log, again
-    each `report_every_s`, so a starved learner is never silent until its timeout."""
+    Staleness is measured against `trained_version` (optimizer steps done, buffer/staleness.py), not the
+    published one. Dropped groups are counted and given back. A wait longer than `report_every_s` says why in the
+    log, again each `report_every_s`, so a starved learner is never silent until its timeout."""
     started = time.monotonic()
     next_report = started + report_every_s
     out = Collected(groups=[])
@@ -91,10 +92,10 @@ def collect_batch(buffer, groups_per_step: int, max_staleness: int, version: int
         now = time.monotonic()
         remaining = timeout_s - (now - started)
         if remaining <= 0:
-            raise BatchTimeout(f"only {waiting_message(buffer, out, groups_per_step, version, timeout_s)}")
+            raise BatchTimeout(f"only {waiting_message(buffer, out, groups_per_step, trained_version, timeout_s)}")
         if now >= next_report:
-            log.warning("still waiting for a batch: %s", waiting_message(buffer, out, groups_per_step, version,
-                                                                         now - started))
+            log.warning("still waiting for a batch: %s",
+                        waiting_message(buffer, out, groups_per_step, trained_version, now - started))
             next_report = now + report_every_s
         group = buffer.take(min(remaining, 0.2 if data_done is not None else 1.0))
         if group is None:
@@ -105,18 +106,18 @@ def collect_batch(buffer, groups_per_step: int, max_staleness: int, version: int
         oldest = group.min_version()
         if oldest < 0:  # no completion tokens at all: nothing to learn from
             reason = "empty"
-        elif is_too_stale(version, oldest, max_staleness):
+        elif is_too_stale(trained_version, oldest, max_staleness):
             reason = "stale"
         else:
             reason = drop_reason(group, batch_filter) if batch_filter else None
         if reason is not None:
             if reason == "no_baseline" and out.dropped[reason] == 0:
-                log.warning("learner v%d: dropping group %s from %s (%s)", version, group.group_id,
+                log.warning("learner v%d: dropping group %s from %s (%s)", trained_version, group.group_id,
                             group.generator_id, reason)
             out.dropped[reason] += 1
             buffer.give_back(group, reason)
             continue
         out.groups.append(group)
-        out.staleness.append(group_staleness(version, oldest))
+        out.staleness.append(group_staleness(trained_version, oldest))
     out.wait_s = time.monotonic() - started
     return out

@@ -77,7 +77,7 @@ def build_critic(cfg, policy_path: str, parallel: ParallelState) -> Critic:
     with the learner's settings, and its AdamW at critic.lr (constant: the critic has no schedule of its own)."""
     model = load_value_model(cfg.critic.model_path or policy_path, cfg.learner.dtype, cfg.model.trust_remote_code,
                              cfg.learner.attn_implementation)
-    model = shard_model(model, cfg, parallel).train()
+    model = shard_model(model, cfg.learner, parallel).train()
     optimizer_cfg = dataclasses.replace(cfg.learner, lr=cfg.critic.lr, weight_decay=cfg.critic.weight_decay,
                                         warmup_steps=0, lr_schedule="constant", min_lr_ratio=0.0)
     optimizer, scheduler = build_optimizer(model, optimizer_cfg)

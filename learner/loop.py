@@ -8,9 +8,11 @@ by publishing each version (every `weightsync.every_steps` steps), which raises 
 must keep besides the model and optimizer is one `LearnerState` (learner/state.py); a restarted job resumes from its
 newest checkpoint (`learner.resume=auto`) at the same version.
 """
+import dataclasses
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
@@ -23,7 +25,7 @@ from asyncrl.learner.critic import build_critic
 from asyncrl.learner.host import LearnerHost
 from asyncrl.learner.lr_schedule import resync_after_load
 from asyncrl.learner.parallel import ParallelState, broadcast_object
-from asyncrl.learner.publish import outgoing_version
+from asyncrl.learner.publish import GatherSettings, outgoing_version
 from asyncrl.learner.state import AckLedger, LearnerState
 from asyncrl.learner.step_metrics import warn_on_mismatch
 from asyncrl.learner.train_step import PoisonedBatch, StepSettings, train_step
@@ -33,6 +35,38 @@ log = logging.getLogger(__name__)
 
 class TrainingPoisoned(RuntimeError):
     """learner.max_consecutive_skips steps in a row could not train: the job stops instead of spinning."""
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """What the loop reads at every step, taken from the config once (`loop_settings`), so the step's functions
+    say what they use."""
+
+    algo: object
+    """The algo section (train_step's)."""
+    step: StepSettings
+    """train_step's settings; each step fills in its version."""
+    groups_per_step: int
+    max_staleness: int
+    wait_for_batch_timeout_s: float
+    publish_every: int
+    """weightsync.every_steps."""
+    total_steps: int
+    max_consecutive_skips: int
+    gather: GatherSettings
+
+
+def loop_settings(cfg, parallel: ParallelState) -> LoopSettings:
+    """The loop's settings from the run's config: the one place the loop reads the whole of it."""
+    learner = cfg.learner
+    step = StepSettings(version=0, max_staleness=cfg.buffer.max_staleness,
+                        max_tokens_per_microbatch=learner.max_tokens_per_microbatch,
+                        chunk_tokens=learner.logprob_chunk_tokens, grad_clip=learner.grad_clip, seed=learner.seed,
+                        packing=learner.packing, fp32_head=cfg.model.lm_head_fp32, parallel=parallel)
+    gather = GatherSettings(learner.lora, cfg.weightsync.dtype, int(learner.gather_bucket_mb * 2**20))
+    return LoopSettings(cfg.algo, step, cfg.buffer.groups_per_step, cfg.buffer.max_staleness,
+                        learner.wait_for_batch_timeout_s, cfg.weightsync.every_steps, learner.total_steps,
+                        learner.max_consecutive_skips, gather)
 
 
 def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
@@ -46,11 +80,11 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
     torch.manual_seed(cfg.learner.seed)
     if cfg.learner.torch_threads:
         torch.set_num_threads(cfg.learner.torch_threads)
-    model = build_policy(cfg, model_path, parallel).train()
+    model = build_policy(cfg.learner, cfg.model.trust_remote_code, model_path, parallel).train()
     optimizer, scheduler = build_optimizer(model, cfg.learner)
-    parts = build_step_parts(cfg, model_path, parallel)
+    parts = build_step_parts(cfg.algo, cfg.learner, cfg.model.trust_remote_code, model_path, parallel)
     parts.critic = build_critic(cfg, model_path, parallel) if cfg.algo.needs_critic() else None
-    resume_from = find_resume_point(cfg, job_dir)
+    resume_from = find_resume_point(cfg.learner, job_dir)
     state = (load_checkpoint(resume_from, model, optimizer, scheduler, critic=parts.critic) if resume_from
              else LearnerState())
     if resume_from:
@@ -60,16 +94,17 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
                        prompts=prompts, eval_prompts=eval_prompts) if parallel.is_main else None
     acks = AckLedger(host.buffer if host is not None else None, state)
     start_version, status = state.version, "FAILED"
+    loop = loop_settings(cfg, parallel)
     try:
-        publish_weights(model, parallel, host, state.version, cfg)
+        publish_weights(model, parallel, host, state.version, loop.gather)
         if host is not None:
             host.start()
         data_left = True
         while state.version < cfg.learner.total_steps and data_left:
-            trained, data_left = train_one_version(cfg, model, optimizer, scheduler, host, parallel, state, parts)
+            trained, data_left = train_one_version(model, optimizer, scheduler, host, parallel, state, parts, loop)
             acks.note_taken()
             if trained:  # a skipped step left the version where it was: nothing new to save
-                checkpoint_if_due(cfg, job_dir, model_path, model, optimizer, scheduler, state, acks,
+                checkpoint_if_due(cfg.learner, job_dir, model_path, model, optimizer, scheduler, state, acks,
                                   last=not data_left, critic=parts.critic)
         wait_for_pending_save()
         acks.all_saved()
@@ -82,32 +117,29 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
     return host.summary(state, start_version) if host is not None else None
 
 
-def train_one_version(cfg, model, optimizer, scheduler, host: LearnerHost | None, parallel: ParallelState,
-                      state: LearnerState, parts: StepParts) -> tuple[bool, bool]:
+def train_one_version(model, optimizer, scheduler, host: LearnerHost | None, parallel: ParallelState,
+                      state: LearnerState, parts: StepParts, loop: LoopSettings) -> tuple[bool, bool]:
     """Take a batch, train on it (state.version -> +1), publish when due, and (rank 0) log the step. Returns
     (trained: False when the batch poisoned the step (skip_poisoned_step) or the data had ended with nothing left:
     nothing moved, data left: False once the dealer's last epoch is taken)."""
     version = state.version
-    groups, dropped, collected, final = next_batch(cfg, host, parallel, version, parts)
+    groups, dropped, collected, final = next_batch(host, parallel, version, parts, loop)
     if not groups:  # the data ended with the previous batch
         return False, False
-    settings = StepSettings(version=version, max_staleness=cfg.buffer.max_staleness,
-                            max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch,
-                            chunk_tokens=cfg.learner.logprob_chunk_tokens, grad_clip=cfg.learner.grad_clip,
-                            seed=cfg.learner.seed, packing=cfg.learner.packing, fp32_head=cfg.model.lm_head_fp32,
-                            parallel=parallel)
+    settings = dataclasses.replace(loop.step, version=version)
     try:
-        metrics = train_step(model, optimizer, scheduler, groups, cfg.algo, settings, ref_model=parts.ref_model,
-                             kl_controller=parts.kl_controller, critic=parts.critic)
-        cause = "the gradient was not finite in every mini-batch" if metrics["learner/skipped"] else None
+        result = train_step(model, optimizer, scheduler, groups, loop.algo, settings, ref_model=parts.ref_model,
+                            kl_controller=parts.kl_controller, critic=parts.critic)
+        cause = None if result.stepped else "the gradient was not finite in every mini-batch"
     except PoisonedBatch as err:
         cause = str(err)
     except Exception as err:
         quarantine_failed_step(host, version, groups, err)
         raise
     if cause is not None:
-        skip_poisoned_step(host, state, parts, groups, dropped, cause, cfg.learner.max_consecutive_skips)
+        skip_poisoned_step(host, state, parts, groups, dropped, cause, loop.max_consecutive_skips)
         return False, True
+    metrics = result.metrics
     state.version = version + 1
     state.skipped_in_a_row = 0
     if host is not None:  # rank 0 speaks for the step
@@ -115,9 +147,9 @@ def train_one_version(cfg, model, optimizer, scheduler, host: LearnerHost | None
     state.record_batch(groups, dropped)
     state.kl_coef = parts.kl_controller.value
     started = time.perf_counter()
-    published = final or should_publish(state.version, cfg.weightsync.every_steps, cfg.learner.total_steps)
+    published = final or should_publish(state.version, loop.publish_every, loop.total_steps)
     if published:  # a step with no gradient at all (every advantage 0) may rightly leave the weights as they were
-        publish_weights(model, parallel, host, state.version, cfg, moved=metrics.get("policy/grad_norm", 1.0) > 0)
+        publish_weights(model, parallel, host, state.version, loop.gather, moved=result.moved)
     if host is not None:
         if published:
             metrics["timing/weightsync/publish_s"] = time.perf_counter() - started
@@ -141,7 +173,7 @@ def skip_poisoned_step(host: LearnerHost | None, state: LearnerState, parts: Ste
         log.warning("learner v%d: skipped the step (%s); groups %s from %s are quarantined", state.version, cause,
                     [group.group_id for group in groups], sorted({group.generator_id for group in groups}))
         host.buffer.quarantine(groups, "poisoned_step")
-        host.metrics_log.log({"learner/skipped_steps": float(state.skipped_steps)}, step=state.version)
+        host.record.log({"learner/skipped_steps": float(state.skipped_steps)}, step=state.version)
     if state.skipped_in_a_row >= max_in_a_row:  # on every rank: they all count alike
         raise TrainingPoisoned(f"{state.skipped_in_a_row} steps in a row at v{state.version} could not train "
                                f"(learner.max_consecutive_skips={max_in_a_row}); the last: {cause}")
@@ -173,16 +205,17 @@ class BatchUnavailable(RuntimeError):
     """Rank 0 could not assemble a batch; the other ranks stop with its message."""
 
 
-def next_batch(cfg, host: LearnerHost | None, parallel: ParallelState, version: int, parts: StepParts):
-    """Rank 0 collects the step's groups from the buffer and sends them, with what it dropped on the way, to every
+def next_batch(host: LearnerHost | None, parallel: ParallelState, version: int, parts: StepParts, loop: LoopSettings):
+    """Rank 0 collects the step's groups from the buffer (loop.groups_per_step of them, none staler than
+    loop.max_staleness against the trained `version`) and sends them, with what it dropped on the way, to every
     rank, so every rank's LearnerState stays the same. Returns (groups, dropped counts, Collected on rank 0 / None,
     whether the data ended with these groups).
     A failure on rank 0 is sent too, so no rank waits in a collective forever."""
     collected, message = None, None
     if host is not None:
         try:
-            collected = collect_batch(host.buffer, cfg.buffer.groups_per_step, cfg.buffer.max_staleness, version,
-                                      cfg.learner.wait_for_batch_timeout_s, parts.batch_filter,
+            collected = collect_batch(host.buffer, loop.groups_per_step, loop.max_staleness, version,
+                                      loop.wait_for_batch_timeout_s, parts.batch_filter,
                                       data_done=host.data_done)
             message = ("groups", (collected.groups, dict(collected.dropped), collected.final))
         except Exception as err:
@@ -195,15 +228,14 @@ def next_batch(cfg, host: LearnerHost | None, parallel: ParallelState, version: 
     return groups, Counter(dropped), collected, final
 
 
-def publish_weights(model, parallel: ParallelState, host: LearnerHost | None, version: int, cfg,
+def publish_weights(model, parallel: ParallelState, host: LearnerHost | None, version: int, gather: GatherSettings,
                     moved: bool = True) -> None:
     """Gather the full weights bucket by bucket on every rank; rank 0 publishes `version` (the publisher casts to
     weightsync.dtype as it copies each tensor into its ring), then tells the buffer: only now may generators be
     admitted against it (buffer/staleness.py). With learner.lora only the adapter is gathered and published, named
     as PEFT's adapter files name it, with its settings in the control message: the engines serve it as an
     adapter on the base model they already hold (generator/engines/lora_adapter.py)."""
-    outgoing = outgoing_version(model, parallel, cfg.learner.lora, cfg.weightsync.dtype,
-                                int(cfg.learner.gather_bucket_mb * 2**20))
+    outgoing = outgoing_version(model, parallel, gather.lora, gather.dtype, gather.bucket_bytes)
     if host is None:
         for _ in outgoing.weights:  # nothing is yielded here; iterating runs this rank's side of the gathers
             pass
@@ -212,17 +244,17 @@ def publish_weights(model, parallel: ParallelState, host: LearnerHost | None, ve
                  moved=moved)
 
 
-def checkpoint_if_due(cfg, job_dir: str, model_path: str, model, optimizer, scheduler, state: LearnerState,
+def checkpoint_if_due(learner, job_dir: str, model_path: str, model, optimizer, scheduler, state: LearnerState,
                       acks: AckLedger, last: bool = False, critic=None) -> None:
     """Every learner.checkpoint_every steps and after the last (learner.total_steps, or `last`: the data ended);
     with checkpoints off, the buffer may forget each batch at once (there is nothing to resume from). The critic,
-    when there is one, is saved with the policy."""
-    every = cfg.learner.checkpoint_every
+    when there is one, is saved with the policy. `learner` is the learner section."""
+    every = learner.checkpoint_every
     if not every:
         acks.checkpointed(background=False)
         return
-    if state.version % every and state.version != cfg.learner.total_steps and not last:
+    if state.version % every and state.version != learner.total_steps and not last:
         return
-    save_checkpoint(checkpoint_root(cfg, job_dir), model, optimizer, scheduler, state, cfg.learner.checkpoint_keep,
-                    model_dir=model_path, async_save=cfg.learner.checkpoint_async, critic=critic)
-    acks.checkpointed(background=cfg.learner.checkpoint_async)
+    save_checkpoint(checkpoint_root(learner.checkpoint_dir, job_dir), model, optimizer, scheduler, state,
+                    learner.checkpoint_keep, model_dir=model_path, async_save=learner.checkpoint_async, critic=critic)
+    acks.checkpointed(background=learner.checkpoint_async)

@@ -74,7 +74,7 @@ def resume_point(cfg, job_dir: str) -> str | None:
     if cfg.learner.resume == "never":
         return None
     if cfg.learner.resume == "auto":
-        return latest_checkpoint(checkpoint_root(cfg, job_dir))
+        return latest_checkpoint(checkpoint_root(cfg.learner.checkpoint_dir, job_dir))
     return resolve_checkpoint(cfg.learner.resume)
 
 
@@ -87,7 +87,7 @@ def run_sft_job(cfg, model_path: str, files: list, job_dir: str, parallel: Paral
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.model.trust_remote_code)
     if cfg.learner.lora.enabled:
         say("sft: learner.lora is for RL; SFT trains every weight and saves a full model")
-    model = build_policy(cfg, model_path, parallel, adapters=False)
+    model = build_policy(cfg.learner, cfg.model.trust_remote_code, model_path, parallel, adapters=False)
     examples = read_sft_examples(files, tokenizer, sft.max_length or None, sft.truncation)
     if sft.val_files:
         val = read_sft_examples(sft.val_files, tokenizer, sft.max_length or None, sft.truncation)
@@ -116,7 +116,7 @@ def run_sft_job(cfg, model_path: str, files: list, job_dir: str, parallel: Paral
     logger = _mlflow(cfg, parallel, job_dir)
     model.train()
     losses, val_losses = [], []
-    root = checkpoint_root(cfg, job_dir)
+    root = checkpoint_root(cfg.learner.checkpoint_dir, job_dir)
     started = time.monotonic()
     for step in range(start, steps):
         _, indexes = batch_for_step(step, len(examples), sft.batch_size, sft.seed, sft.epochs)

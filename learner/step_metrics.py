@@ -19,7 +19,7 @@ MULT_PROB_ERROR_ALERT = 1.05
 """NeMo-RL's threshold for offpolicy/token_mult_prob_error on tokens the learner's own weights sampled."""
 
 
-def collect_step_metrics(batch: Batch, groups: list, algo, plan: OffPolicyPlan, settings, prox: torch.Tensor,
+def collect_step_metrics(batch: Batch, groups: list, plan: OffPolicyPlan, settings, prox: torch.Tensor,
                          entropy: torch.Tensor, correction_metrics: dict | None,
                          step_start: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
     """Every batch-level metric of the step. ``correction_metrics``: those of a batch-global correction, already
@@ -50,7 +50,7 @@ def collect_step_metrics(batch: Batch, groups: list, algo, plan: OffPolicyPlan, 
         "advantage/std": float(advantages.std()) if advantages.numel() > 1 else 0.0,
         "rollout/len_tokens/mean": tokens / max(rewards.numel(), 1),
     })
-    if algo.advantage == "remax":
+    if plan.greedy_baseline:
         metrics["reward/greedy_baseline/mean"] = sum(float(g.meta["baseline_reward"]) for g in groups) / len(groups)
     return metrics
 

@@ -15,8 +15,9 @@ Two guards keep one bad batch from poisoning the model (the learner loop decides
 - building the batch and its advantages is data-dependent and the same on every rank; a failure there raises
   `PoisonedBatch` before any collective, so every rank skips the step together;
 - an optimizer step whose global gradient norm is not finite is not taken: the gradients are dropped, the weights
-  and the optimizer state stay as they were (`optimizer_step`). A step none of whose mini-batches stepped is
-  reported as skipped (`learner/skipped`), and the loop neither moves the version nor publishes.
+  and the optimizer state stay as they were (`optimizer_step`). A step none of whose mini-batches stepped comes
+  back with `StepResult.stepped` False (and `learner/skipped` in its metrics), and the loop neither moves the
+  version nor publishes.
 """
 import time
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from asyncrl.algos.corrections import compute_correction, compute_vtrace_advanta
 from asyncrl.algos.vtrace import compute_vtrace_advantages_and_targets
 from asyncrl.algos.kl import apply_kl_penalty
 from asyncrl.algos.metrics import combine_token_metrics
-from asyncrl.algos.plan import PROX_RECOMPUTE, WEIGHT_BATCH, OffPolicyPlan
+from asyncrl.algos.plan import ADVANTAGE_GAE, ADVANTAGE_VTRACE, PROX_RECOMPUTE, WEIGHT_BATCH, OffPolicyPlan
 from asyncrl.learner.batch import (Batch, build_batch, placeholder_microbatch, plan_microbatches, scatter_rows,
                                    split_minibatches)
 from asyncrl.learner.critic import Critic, compute_batch_values, train_critic, value_metrics
@@ -41,6 +42,21 @@ from asyncrl.learner.step_metrics import collect_step_metrics
 
 class PoisonedBatch(ValueError):
     """The batch could not be built or scored (its groups are at fault, not the model); no rank has trained on it."""
+
+
+@dataclass
+class StepResult:
+    """What one train_step did: its metrics, and the two facts the loop decides on (never read from the metrics)."""
+
+    metrics: dict
+    """The step's metrics (docs/architecture.md §10 names)."""
+    stepped: bool
+    """The step counts as trained and the version moves on: some mini-batch took its optimizer step, or the
+    critic's warmup held the policy still on purpose. False: every step was refused (a non-finite loss or
+    gradient), nothing moved, and the batch poisoned the step."""
+    moved: bool
+    """The policy's weights changed: an optimizer step was taken on a non-zero gradient. A batch whose
+    advantages are all 0, or a critic warmup step, may rightly publish the previous version's bytes again."""
 
 
 @dataclass
@@ -111,36 +127,42 @@ def penalise_rewards(batch: Batch, algo, kl_controller) -> tuple[torch.Tensor, d
 
 def compute_advantages(batch: Batch, groups: list, token_rewards: torch.Tensor, algo,
                        plan: OffPolicyPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """([B, L-1] advantages, 0 off-mask; the critic's targets [B, L-1], or None without a critic). V-trace
-    replaces the estimator (its weights live in the advantages); GAE and V-trace's critic baseline read the
-    critic's step-start values, `batch.values`."""
+    """([B, L-1] advantages, 0 off-mask; the critic's targets [B, L-1], or None without a critic), on the plan's
+    advantage path. GAE and V-trace's critic baseline read the critic's step-start values, `batch.values`."""
+    if plan.advantage_path == ADVANTAGE_VTRACE:
+        return vtrace_advantages(batch, len(groups), token_rewards, plan)
     mask = batch.loss_mask
-    if plan.vtrace_advantages:
-        seq_rewards = (token_rewards * mask).sum(-1).double()  # [B]
-        values = None
-        if algo.vtrace_values == "group_mean":
-            per_group = seq_rewards.view(len(groups), -1)  # [G, n]
-            group_mean = per_group.mean(-1, keepdim=True).expand_as(per_group).reshape(-1, 1)  # [B, 1]
-            values = group_mean * mask.double()  # V(x_t) = the prompt's mean reward, at every t
-        elif algo.vtrace_values == "critic":
-            advantages, targets = compute_vtrace_advantages_and_targets(
-                batch.logprobs_prox.double(), batch.logprobs_behav.double(), mask, seq_rewards,
-                batch.values.double(), **plan.vtrace_kwargs)
-            return advantages.float(), targets.float()
-        advantages = compute_vtrace_advantages(batch.logprobs_prox.double(), batch.logprobs_behav.double(),
-                                               mask, seq_rewards, values, **plan.vtrace_kwargs)
-        return advantages.float(), None
-    if algo.advantage == "gae":
+    if plan.advantage_path == ADVANTAGE_GAE:
         advantages, returns = compute_gae_advantages(token_rewards.double(), batch.values.double(), mask,
                                                      gamma=algo.gamma, lam=algo.lam)
         return advantages.float(), returns.float()
     baseline = None
-    if algo.advantage == "remax":
+    if plan.greedy_baseline:
         baseline = torch.tensor([float(group.meta["baseline_reward"]) for group in groups], dtype=torch.float64)
     inputs = AdvantageInputs(token_rewards=token_rewards.double(), loss_mask=mask,
                              group_size=len(groups[0].samples), baseline_rewards=baseline)
-    return compute_token_advantages(algo.advantage, inputs, norm_by_std=algo.norm_adv_by_std,
+    return compute_token_advantages(plan.estimator, inputs, norm_by_std=algo.norm_adv_by_std,
                                     gamma=algo.gamma).float(), None
+
+
+def vtrace_advantages(batch: Batch, num_groups: int, token_rewards: torch.Tensor,
+                      plan: OffPolicyPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """V-trace replaces the estimator (its importance weights live in the advantages); its baseline is the plan's
+    `vtrace_baseline`: none, each prompt's mean reward, or the critic (which then also gets V-trace's targets)."""
+    mask = batch.loss_mask
+    seq_rewards = (token_rewards * mask).sum(-1).double()  # [B]
+    prox, behav = batch.logprobs_prox.double(), batch.logprobs_behav.double()
+    if plan.vtrace_baseline == "critic":
+        advantages, targets = compute_vtrace_advantages_and_targets(prox, behav, mask, seq_rewards,
+                                                                    batch.values.double(), **plan.vtrace_kwargs)
+        return advantages.float(), targets.float()
+    values = None
+    if plan.vtrace_baseline == "group_mean":
+        per_group = seq_rewards.view(num_groups, -1)  # [G, n]
+        group_mean = per_group.mean(-1, keepdim=True).expand_as(per_group).reshape(-1, 1)  # [B, 1]
+        values = group_mean * mask.double()  # V(x_t) = the prompt's mean reward, at every t
+    advantages = compute_vtrace_advantages(prox, behav, mask, seq_rewards, values, **plan.vtrace_kwargs)
+    return advantages.float(), None
 
 
 def compute_batch_weight(batch: Batch, plan: OffPolicyPlan) -> tuple[torch.Tensor | None, dict | None]:
@@ -207,8 +229,8 @@ def data_dependent(what: str, phase, *args):
 
 
 def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSettings, ref_model=None,
-               kl_controller=None, critic: Critic | None = None) -> dict:
-    """Train on `groups` (one batch); returns the step's metrics (docs/architecture.md §10 names). With a
+               kl_controller=None, critic: Critic | None = None) -> StepResult:
+    """Train on `groups` (one batch); returns its metrics and whether it stepped and moved the weights. With a
     `critic` (PPO's value model, learner/critic.py) its values feed the advantages and it is trained after the
     policy; during critic.warmup_steps the policy's passes run (for the step's metrics) but it takes no step."""
     started = time.perf_counter()
@@ -227,6 +249,7 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
     batch.is_weight, correction_metrics = compute_batch_weight(batch, plan)
     generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + settings.version)
     pg_loss, kl_loss, token_metrics, prox_parts, entropy_parts, grad_norms, stepped = 0.0, 0.0, [], [], [], [], 0
+    moved = False  # some optimizer step was taken on a non-zero gradient
     entropy_loss = 0.0  # the entropy bonus's term (algo.entropy_coef), summed like the policy loss
     start_parts = []  # the current pass before the first optimizer update: the step-start policy's logprobs
     for mini in split_minibatches(batch, algo.ppo_minibatches):
@@ -253,11 +276,12 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
                                          losses_finite(mini_loss, settings.parallel))
         grad_norms.append(grad_norm)
         stepped += took
+        moved = moved or bool(took and grad_norm > 0)
     (pg_loss, kl_loss, entropy_loss), token_metrics, prox_parts, entropy_parts, start_parts = gather_over_dp(
         settings.parallel, (pg_loss, kl_loss, entropy_loss), token_metrics, prox_parts, entropy_parts, start_parts)
     shape = tuple(batch.loss_mask.shape)
     metrics = collect_step_metrics(
-        batch, groups, algo, plan, settings, prox=scatter_rows(shape, prox_parts),
+        batch, groups, plan, settings, prox=scatter_rows(shape, prox_parts),
         entropy=scatter_rows(shape, entropy_parts), correction_metrics=correction_metrics,
         step_start=step_start_logprobs(batch, plan, shape, start_parts))
     metrics.update(combine_token_metrics(token_metrics))
@@ -282,4 +306,4 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
     step_s = time.perf_counter() - started
     metrics["timing/learner/step_s"] = step_s
     metrics["perf/learner/tokens_per_s"] = float(batch.attention_mask.sum()) / step_s
-    return metrics
+    return StepResult(metrics, stepped=bool(stepped) or warmup, moved=moved)

@@ -98,3 +98,36 @@ def test_weights_are_published_every_k_steps_and_after_the_last_and_staleness_st
     assert [row["step"] for row in rows if "timing/weightsync/publish_s" in row] == [2, 4, 5]
     assert generator.versions_heard == [0, 2, 4, 5]  # it sampled with each published version, nothing else
     assert max(row["buffer/staleness/max"] for row in rows) <= 1
+
+
+def catchup_threads() -> int:
+    return sum(thread.name == "asyncrl-weight-catchup" and thread.is_alive() for thread in threading.enumerate())
+
+
+def test_a_buffer_that_cannot_bind_ends_the_run_failed_and_closes_the_publisher(tiny_model_dir, tmp_path, monkeypatch):
+    """The buffer is built after the MLflow run and the weight publisher; when its port is taken the learner
+    stops with the bind error, and neither a RUNNING run nor the publisher's catch-up server is left behind."""
+    import socket
+
+    from mlflow import MlflowClient
+
+    from asyncrl.configs import load_config
+    from asyncrl.learner.loop import run_learner
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cfg = load_config(None, [f"model.path={tiny_model_dir}", "demo.task=''", f"buffer.port={port}",
+                                 "buffer.host=127.0.0.1", "telemetry.progress=false", f"weightsync.shm_dir={tmp_path}",
+                                 f"telemetry.tracking_uri={uri}", "job.name=bind-fails"])
+        threads_before = catchup_threads()
+        with pytest.raises(RuntimeError, match=f"buffer cannot bind tcp://127.0.0.1:{port}"):
+            run_learner(cfg, tiny_model_dir, [], str(tmp_path))
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_experiment_by_name(cfg.telemetry.experiment).experiment_id])
+    assert [(run.info.run_name, run.info.status) for run in runs] == [("bind-fails", "FAILED")]
+    assert catchup_threads() == threads_before  # the publisher's catch-up server was closed
+    assert not list(tmp_path.glob("*.ring"))

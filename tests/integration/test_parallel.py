@@ -123,7 +123,7 @@ def run_step(model, parallel: ParallelState, case: dict, critic_model=None) -> t
                         CriticConfig(cliprange_value=0.05))
     algo = AlgoConfig(ppo_minibatches=case["minibatches"], entropy_coef=case.get("entropy_coef", 0.0),
                       advantage="gae" if critic is not None else "grpo")
-    metrics = train_step(model, optimizer, scheduler, make_groups(case["seed"]), algo, settings, critic=critic)
+    metrics = train_step(model, optimizer, scheduler, make_groups(case["seed"]), algo, settings, critic=critic).metrics
     return metrics, {**grads, **{f"critic/{name}": grad for name, grad in critic_grads.items()}}
 
 

@@ -136,7 +136,9 @@ def test_ppo_step_with_gae_trains_the_critic_alone_in_warmup_then_both(policy_di
 
     before = {name: p.detach().clone() for name, p in policy.named_parameters()}
     head = critic.model.score.weight.detach().clone()
-    warm = step(0)
+    warm_step = step(0)
+    assert warm_step.stepped and not warm_step.moved  # the version moves on; the policy stays, as it should
+    warm = warm_step.metrics
     assert warm["critic/warmup"] == 1.0 and warm["learner/skipped"] == 0.0
     assert all(torch.equal(p, before[name]) for name, p in policy.named_parameters())  # the policy did not move
     assert not torch.equal(critic.model.score.weight, head)
@@ -144,7 +146,7 @@ def test_ppo_step_with_gae_trains_the_critic_alone_in_warmup_then_both(policy_di
     for key in ("critic/vf_loss", "critic/vpred/mean", "critic/vf_clipfrac", "critic/explained_var",
                 "critic/grad_norm", "critic/returns/mean"):
         assert math.isfinite(warm[key]), key
-    later = [step(version) for version in range(1, 10)]
+    later = [step(version).metrics for version in range(1, 10)]
     assert later[0]["critic/warmup"] == 0.0
     assert not all(torch.equal(p, before[name]) for name, p in policy.named_parameters())
     assert later[-1]["critic/vf_loss"] < 0.5 * warm["critic/vf_loss"]  # it learns the returns of these groups
@@ -194,7 +196,7 @@ def test_vtrace_with_the_critic_baseline_regresses_the_vtrace_targets(policy_dir
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     settings = StepSettings(version=0, max_staleness=4, max_tokens_per_microbatch=64, chunk_tokens=8, grad_clip=1.0)
     metrics = train_step(policy, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0), [group],
-                         algo, settings, critic=critic)
+                         algo, settings, critic=critic).metrics
     assert metrics["learner/skipped"] == 0.0 and math.isfinite(metrics["critic/vf_loss"])
 
 

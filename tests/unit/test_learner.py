@@ -71,7 +71,7 @@ def _gradient_after_step(model, groups, max_tokens, algo=None, ref_model=None):
 
     optimizer.register_step_pre_hook(capture)
     metrics = train_step(model, optimizer, scheduler, groups, algo or AlgoConfig(), settings(max_tokens),
-                         ref_model=ref_model)
+                         ref_model=ref_model).metrics
     return metrics, captured
 
 
@@ -103,7 +103,7 @@ def test_two_minibatches_take_two_optimizer_steps_on_a_frozen_prox(model):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     steps = []
     optimizer.register_step_pre_hook(lambda optimizer, args, kwargs: steps.append(1))
-    metrics = train_step(model, optimizer, scheduler, groups, algo, settings(4096))
+    metrics = train_step(model, optimizer, scheduler, groups, algo, settings(4096)).metrics
     assert len(steps) == 2
     # the second mini-batch trains after an update, so its ratio π_θ/π_prox is no longer exactly 1
     assert metrics["policy/ppo_kl"] != 0.0
@@ -140,7 +140,7 @@ def test_kl_reward_penalty_lowers_the_rewards_the_estimator_sees(model):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     metrics = train_step(model, optimizer, scheduler, groups, AlgoConfig(kl_reward_coef=0.1), settings(4096),
-                         ref_model=shifted, kl_controller=FixedKLController(0.1))
+                         ref_model=shifted, kl_controller=FixedKLController(0.1)).metrics
     assert metrics["kl/reward_coef"] == 0.1 and metrics["kl/reward_token_kl"] != 0.0
 
 
@@ -152,7 +152,7 @@ def test_loglinear_prox_and_remax_run_through_the_step(model):
     algo = AlgoConfig(advantage="remax", prox_logprobs="loglinear")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    metrics = train_step(model, optimizer, scheduler, groups, algo, settings(4096, version=2))
+    metrics = train_step(model, optimizer, scheduler, groups, algo, settings(4096, version=2)).metrics
     assert metrics["reward/greedy_baseline/mean"] == 0.5
     assert np.isfinite(metrics["loss/pg"]) and metrics["offpolicy/staleness/max"] == 2
 
@@ -162,9 +162,11 @@ def test_train_step_reports_the_design_metrics(model):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     before = [p.detach().clone() for p in model.parameters()]
-    metrics = train_step(model, optimizer, scheduler, [make_group(rng) for _ in range(3)], AlgoConfig(),
-                         StepSettings(version=0, max_staleness=2, max_tokens_per_microbatch=4096, chunk_tokens=64,
-                                      grad_clip=1.0))
+    result = train_step(model, optimizer, scheduler, [make_group(rng) for _ in range(3)], AlgoConfig(),
+                        StepSettings(version=0, max_staleness=2, max_tokens_per_microbatch=4096, chunk_tokens=64,
+                                     grad_clip=1.0))
+    assert result.stepped and result.moved
+    metrics = result.metrics
     for key in ("loss/pg", "reward/mean", "offpolicy/mismatch_k3", "policy/entropy", "perf/learner/tokens_per_s",
                 "policy/clip_frac_high", "offpolicy/is_weight/max", "offpolicy/ess", "reward/frac_zero_std_groups",
                 "offpolicy/chi2_seq", "offpolicy/ppl_ratio", "offpolicy/staleness/mean", "offpolicy/staleness/hist/0"):
@@ -199,7 +201,7 @@ def test_packed_and_padded_batches_give_the_same_loss_and_gradients(model):
             lambda o, a, k, m=step_model, g=grads: g.update({n: p.grad.clone() for n, p in m.named_parameters()}))
         config = StepSettings(version=0, max_staleness=2, max_tokens_per_microbatch=40, chunk_tokens=7, grad_clip=0,
                               packing=packing)
-        results.append((train_step(step_model, optimizer, scheduler, groups, AlgoConfig(), config), grads))
+        results.append((train_step(step_model, optimizer, scheduler, groups, AlgoConfig(), config).metrics, grads))
     (padded, padded_grads), (packed, packed_grads) = results
     assert abs(padded["loss/pg"] - packed["loss/pg"]) < 1e-12
     assert abs(padded["policy/entropy"] - packed["policy/entropy"]) < 1e-12
@@ -249,13 +251,13 @@ def test_token_mult_prob_error_is_one_when_the_engine_matches_and_warns_on_a_fra
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     fresh = [with_learner_logprobs(model, make_group(rng, version=2), 0.0, 0.7) for _ in range(2)]
     stale = [with_learner_logprobs(model, make_group(rng, version=1), -0.5, 0.7)]
-    metrics = train_step(model, optimizer, scheduler, fresh + stale, algo, settings(4096, version=2))
+    metrics = train_step(model, optimizer, scheduler, fresh + stale, algo, settings(4096, version=2)).metrics
     assert metrics["offpolicy/token_mult_prob_error/fresh"] == pytest.approx(1.0, abs=1e-5)
     assert metrics["offpolicy/token_mult_prob_error"] > 1.2  # the stale group's 0.5 nats count here
     assert 0 < metrics["offpolicy/token_mult_prob_error/fresh_frac"] < 1
     assert not warn_on_mismatch(metrics, 2)
     gap = [with_learner_logprobs(model, make_group(rng, version=2), -0.2, 0.7) for _ in range(2)]
-    metrics = train_step(model, optimizer, scheduler, gap, algo, settings(4096, version=2))
+    metrics = train_step(model, optimizer, scheduler, gap, algo, settings(4096, version=2)).metrics
     assert metrics["offpolicy/token_mult_prob_error/fresh"] == pytest.approx(np.exp(0.2), abs=1e-4)
     with caplog.at_level("WARNING"):
         assert warn_on_mismatch(metrics, 2)

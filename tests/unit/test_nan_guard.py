@@ -34,7 +34,7 @@ def group(rewards, logprob=-1.0, prompt=(3, 4, 5)) -> Group:
 
 
 def step(model, groups, algo):
-    """One train_step with AdamW on a copy; returns (metrics, the copy, its optimizer)."""
+    """One train_step with AdamW on a copy; returns (its StepResult, the copy, its optimizer)."""
     model = copy.deepcopy(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
@@ -56,7 +56,9 @@ HUGE = 3e38  # finite in float32 (so plausible to the buffer), and its square ov
     (AlgoConfig(norm_adv_by_std=False, correction="bypass"), [group([0.0, HUGE, 0.0, HUGE], logprob=-100.0)]),
 ])
 def test_a_non_finite_loss_or_gradient_takes_no_optimizer_step(model, algo, groups):
-    metrics, trained, optimizer = step(model, groups, algo)
+    result, trained, optimizer = step(model, groups, algo)
+    assert not result.stepped and not result.moved
+    metrics = result.metrics
     assert metrics["learner/skipped"] == 1.0 and metrics["learner/skipped_minibatches"] == 1.0
     assert not (np.isfinite(metrics["loss/total"]) and np.isfinite(metrics["policy/grad_norm"]))
     assert unchanged(model, trained)  # weights, and so every later publish, stay as they were
@@ -65,16 +67,24 @@ def test_a_non_finite_loss_or_gradient_takes_no_optimizer_step(model, algo, grou
 
 
 def test_a_finite_step_still_trains(model):
-    metrics, trained, _ = step(model, [group([1.0, 0.0, 1.0, 0.0])], AlgoConfig(norm_adv_by_std=False))
-    assert metrics["learner/skipped"] == 0.0 and not unchanged(model, trained)
+    result, trained, _ = step(model, [group([1.0, 0.0, 1.0, 0.0])], AlgoConfig(norm_adv_by_std=False))
+    assert result.stepped and result.moved
+    assert result.metrics["learner/skipped"] == 0.0 and not unchanged(model, trained)
+
+
+def test_a_batch_without_gradient_steps_but_does_not_move_the_weights(model):
+    """Every reward equal: every advantage is 0, the gradient is 0, and the version may repeat its bytes."""
+    result, trained, _ = step(model, [group([1.0, 1.0, 1.0, 1.0])], AlgoConfig(norm_adv_by_std=False))
+    assert result.stepped and not result.moved
+    assert result.metrics["policy/grad_norm"] == 0.0
 
 
 def test_a_non_finite_weight_is_never_stepped_on(model):
     broken = copy.deepcopy(model)
     with torch.no_grad():
         next(broken.parameters()).view(-1)[0] = float("nan")
-    metrics, trained, optimizer = step(broken, [group([1.0, 0.0, 1.0, 0.0])], AlgoConfig())
-    assert metrics["learner/skipped"] == 1.0 and optimizer.state == {}
+    result, trained, optimizer = step(broken, [group([1.0, 0.0, 1.0, 0.0])], AlgoConfig())
+    assert not result.stepped and result.metrics["learner/skipped"] == 1.0 and optimizer.state == {}
 
 
 def test_a_batch_that_cannot_be_built_is_a_poisoned_batch_before_any_compute(model):
@@ -84,11 +94,11 @@ def test_a_batch_that_cannot_be_built_is_a_poisoned_batch_before_any_compute(mod
 
 
 class Quarantine:
-    """Records what skip_poisoned_step does with the host (the buffer and the metrics are the host's parts)."""
+    """Records what skip_poisoned_step does with the host (the buffer and the run's record are the host's parts)."""
 
     def __init__(self):
         self.quarantined, self.logged = [], []
-        self.buffer, self.metrics_log = self, self
+        self.buffer, self.record = self, self
 
     def quarantine(self, groups, reason):
         self.quarantined.append(([g.group_id for g in groups], reason))

@@ -4,6 +4,9 @@ import pytest
 
 from asyncrl.algos.config import CORRECTION_NAMES, AlgoConfig
 from asyncrl.algos.plan import (
+    ADVANTAGE_ESTIMATOR,
+    ADVANTAGE_GAE,
+    ADVANTAGE_VTRACE,
     CENTRE_BEHAV,
     CENTRE_PROX,
     PROX_FUSED,
@@ -98,3 +101,27 @@ def test_resolved_hyperparameters_show_the_bypass_cap_of_plain_policy_gradient()
     assert resolved_hyperparameters(AlgoConfig(loss="ppo", correction="bypass"))["algo.resolved.ppo.clip_low"] == "0.2"
     assert not any(key.startswith("algo.resolved.bypass") for key in
                    resolved_hyperparameters(AlgoConfig(loss="ppo", correction="bypass")))
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "rloo", "opo"])
+def test_group_estimators_read_the_rewards_alone(advantage):
+    p = plan(advantage=advantage)
+    assert (p.advantage_path, p.estimator) == (ADVANTAGE_ESTIMATOR, advantage)
+    assert not p.critic_values and not p.greedy_baseline and p.vtrace_baseline == "none"
+
+
+def test_remax_is_an_estimator_with_the_greedy_baseline():
+    p = plan(advantage="remax")
+    assert (p.advantage_path, p.estimator, p.greedy_baseline, p.critic_values) == (
+        ADVANTAGE_ESTIMATOR, "remax", True, False)
+
+
+def test_gae_reads_the_critic():
+    p = plan(advantage="gae", lam=0.95)
+    assert (p.advantage_path, p.critic_values, p.greedy_baseline) == (ADVANTAGE_GAE, True, False)
+
+
+@pytest.mark.parametrize("values, critic", [("none", False), ("group_mean", False), ("critic", True)])
+def test_vtrace_replaces_the_estimator_and_names_its_baseline(values, critic):
+    p = plan(loss="reinforce", correction="vtrace", vtrace_values=values)
+    assert (p.advantage_path, p.vtrace_baseline, p.critic_values) == (ADVANTAGE_VTRACE, values, critic)

@@ -28,7 +28,7 @@ from asyncrl.learner.collect import collect_batch
 
 
 def test_admission_capacity_formula():
-    assert admission_capacity(lead=2, version=0, groups_per_step=4, started=0) == 12
+    assert admission_capacity(lead=2, published_version=0, groups_per_step=4, started=0) == 12
     assert admission_capacity(2, 3, 4, 20) == 4
     assert admission_capacity(0, 0, 4, 4) == 0
     assert admission_capacity(0, 1, 4, 4) == 4
@@ -125,9 +125,10 @@ class SimulatedFleet:
 
 
 def simulate(seed: int, eta: int, groups_per_step: int, generators: int, steps: int, max_delay: int,
-             in_order: bool, max_train_ticks: int = 3, lead: int | None = None):
-    """Runs `steps` learner steps; returns (fleet, [(group id, version it was trained at)], dropped groups).
-    `lead`: the admission lead (buffer.admission_lead), η when None."""
+             in_order: bool, max_train_ticks: int = 3, lead: int | None = None, publish_every: int = 1):
+    """Runs `steps` learner steps; returns (fleet, [(group id, trained version it was trained at)], dropped
+    groups). `lead`: the admission lead (buffer.admission_lead), η when None. `publish_every`:
+    weightsync.every_steps, so the published version the coordinator paces by lags the trained one."""
     rng = random.Random(seed)
     coordinator = Coordinator(eta if lead is None else lead, groups_per_step)
     fleet = SimulatedFleet(coordinator, rng, generators, slots=4, max_delay=max_delay, in_order=in_order)
@@ -138,7 +139,8 @@ def simulate(seed: int, eta: int, groups_per_step: int, generators: int, steps: 
         trained += [(group.group_id, version) for group in collected.groups]
         dropped += [(group_id, version) for group_id in fleet.given_back[len(dropped):]]
         fleet.advance(1 if in_order else 1 + rng.randrange(max_train_ticks))  # training: generators keep going
-        coordinator.set_version(version + 1)  # published
+        if (version + 1) % publish_every == 0:
+            coordinator.set_version(version + 1)  # published
     return fleet, trained, dropped
 
 
@@ -191,6 +193,25 @@ def test_an_admission_lead_below_eta_paces_the_fleet_and_keeps_every_bound(seed,
     assert max(version - fleet.admissions[group_id].version for group_id, version in trained) <= lead
     fleet, trained, dropped = simulate(seed, eta, groups_per_step, generators, steps=15, max_delay=max_delay,
                                        in_order=False, lead=lead)
+    assert len(trained) == 15 * groups_per_step
+    assert_bounds(fleet, trained, dropped, eta, groups_per_step)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), eta=st.integers(0, 4), groups_per_step=st.integers(1, 6),
+       generators=st.integers(1, 4), max_delay=st.integers(1, 12), data=st.data())
+def test_publishing_every_k_steps_admits_by_the_published_version_and_keeps_the_trained_bound(
+        seed, eta, groups_per_step, generators, max_delay, data):
+    """weightsync.every_steps = k <= η + 1 (the config's rule): admission waits for the published version, which
+    lags the trained one by up to k - 1, so the fleet only runs less far ahead; staleness, measured against the
+    trained version, stays within η, and in admission order nothing is dropped."""
+    every = data.draw(st.integers(1, eta + 1))
+    fleet, trained, dropped = simulate(seed, eta, groups_per_step, generators, steps=15, max_delay=1, in_order=True,
+                                       publish_every=every)
+    assert dropped == [] and len(trained) == 15 * groups_per_step
+    assert fleet.coordinator.version == 15 - 15 % every  # the published version, not the trained 15
+    fleet, trained, dropped = simulate(seed, eta, groups_per_step, generators, steps=15, max_delay=max_delay,
+                                       in_order=False, publish_every=every)
     assert len(trained) == 15 * groups_per_step
     assert_bounds(fleet, trained, dropped, eta, groups_per_step)
 

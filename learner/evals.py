@@ -1,0 +1,77 @@
+"""The learner's side of evaluation rounds during training: which versions are evaluated, opening a round when
+one of them is published, and logging each round when the fleet has finished it (the protocol and the rounds'
+state are buffer/eval_rounds.py).
+
+A round is asked for by publishing a version, and it lands some steps later: its metrics are logged at the step
+it evaluated, with eval/lag_steps saying how far training had moved on since.
+"""
+import logging
+import time
+
+from asyncrl.buffer.eval_rounds import EvalRounds, eval_due, first_due
+from asyncrl.data.prompts import PromptSet, encode_prompts
+from asyncrl.telemetry.eval_metrics import eval_metrics
+
+log = logging.getLogger(__name__)
+
+
+def build_eval_rounds(eval_prompts: PromptSet | None, every_steps: int, timeout_s: float) -> EvalRounds | None:
+    """The held-out prompts evaluated on the fleet (data/prompts.py::load_eval_prompts: the rows and how many were
+    too long); None without them (eval.every_steps and eval.before_train off, or no eval prompts)."""
+    if eval_prompts is None:
+        return None
+    if eval_prompts.overlong:
+        log.warning("learner: %d eval prompts longer than data.max_prompt_tokens are left out", eval_prompts.overlong)
+    log.info("learner: evaluating %d held-out prompts every %d steps on the fleet", len(eval_prompts.rows),
+             every_steps)
+    return EvalRounds(encode_prompts(eval_prompts.rows), timeout_s)
+
+
+class Evaluations:
+    """Opens the due rounds and logs the finished ones into `record` (telemetry/run_record.py). `rounds` is None
+    when the job evaluates nothing; then every method is a no-op. `eval_cfg` is the eval section; `max_tokens`
+    the length a round samples up to (eval.max_tokens, else rollout.max_tokens)."""
+
+    def __init__(self, rounds: EvalRounds | None, eval_cfg, max_tokens: int, start_version: int, record):
+        self.rounds = rounds
+        self.cfg = eval_cfg
+        self.max_tokens = max_tokens
+        self.record = record
+        self._next_due = first_due(start_version, eval_cfg.every_steps)
+
+    def open_if_due(self, version: int) -> None:
+        """Version 0 with eval.before_train; then the first published version at or past each multiple of
+        eval.every_steps (with weightsync.every_steps > 1 not every multiple is published)."""
+        due, self._next_due = eval_due(version, self._next_due, self.cfg.every_steps, self.cfg.before_train)
+        if self.rounds is not None and due:
+            self.rounds.open(version, self.cfg.n, self.cfg.temperature, self.max_tokens)
+
+    def log_finished(self, published: int) -> int:
+        """Log each round that finished since the last call at its own step, with eval/lag_steps (the versions
+        published since it was asked for: `published` is the newest); returns how many are still open."""
+        if self.rounds is None:
+            return 0
+        for finished in self.rounds.finished():
+            metrics = eval_metrics(finished.results, list(self.cfg.k_values), self.cfg.pass_threshold)
+            metrics["eval/lag_steps"] = float(published - finished.version)
+            self.record.log_eval(finished.version, metrics)
+            log.info("learner: evaluation of v%d: mean reward %.4f over %d prompts (landed %d steps later)",
+                     finished.version, metrics["eval/all/mean_reward"], int(metrics["eval/all/prompts"]),
+                     published - finished.version)
+        return len(self.rounds.open_versions())
+
+    def after_step(self, published: int) -> dict:
+        """Between steps: log what finished; the step's eval metrics ({} when the job evaluates nothing)."""
+        if self.rounds is None:
+            return {}
+        self.log_finished(published)
+        return {"eval/rounds_abandoned": float(self.rounds.abandoned)}
+
+    def finish(self, published: int, live_generators) -> None:
+        """At the end of the job: wait (at most eval.timeout_s, and only while `live_generators()` names some
+        generator) for the rounds still open, so the last evaluation is logged too."""
+        deadline = time.monotonic() + self.cfg.timeout_s
+        while self.log_finished(published) and time.monotonic() < deadline and live_generators():
+            time.sleep(0.2)
+        if self.rounds is not None and self.rounds.open_versions():
+            log.warning("learner: evaluations of %s did not finish within eval.timeout_s", self.rounds.open_versions())

@@ -1,0 +1,147 @@
+"""The job's record, kept by rank 0 of the learner: the MLflow run (params, the resolved config, every step's
+metrics, evaluations, system metrics, plots), the progress line and progress.jsonl, and two files in the job
+directory that outlive the run: trained_groups.jsonl (the audit trail) and summary.json.
+
+It imports nothing else of asyncrl (telemetry's import rule): the learner hands it plain values, params and the
+config as YAML text, so the record never decides anything about training. Built first and closed last, so every
+other part's failure still ends the run with a status instead of leaving it RUNNING.
+"""
+import json
+import os
+import time
+from collections.abc import Mapping
+
+from asyncrl.telemetry.config import TelemetryConfig
+from asyncrl.telemetry.mlflow_logger import MetricsLogger, create_or_attach_run, resolve_tracking_uri
+from asyncrl.telemetry.plots import PlotPublisher
+from asyncrl.telemetry.progress import ProgressDisplay
+from asyncrl.telemetry.system_metrics import start_system_metrics, stop_system_metrics
+from asyncrl.telemetry.timing import share
+
+DROP_REASONS = ("stale", "zero_variance", "no_baseline", "empty", "poisoned_step")
+"""Why a taken group is not trained: collect_batch's filters (learner/collect.py) and a step it poisoned
+(learner/loop.py::skip_poisoned_step); each is in every step's progress.jsonl row, also when it is 0 (MLflow gets
+it when it changes: telemetry/counters.py)."""
+REJECTED_PREFIX = "buffer/rejected/"
+
+
+def batch_metrics(staleness: list, dropped: Mapping, dropped_total: Mapping) -> dict:
+    """The batch's staleness (mean, max over its groups) and the groups dropped while assembling it (this step
+    and since the job started), one key per DROP_REASONS entry whether or not it happened."""
+    metrics = {"buffer/staleness/mean": sum(staleness) / len(staleness),
+               "buffer/staleness/max": float(max(staleness))}
+    for reason in DROP_REASONS:
+        metrics[f"buffer/dropped/{reason}"] = float(dropped.get(reason, 0))
+        metrics[f"buffer/dropped_total/{reason}"] = float(dropped_total.get(reason, 0))
+    metrics["buffer/dropped_stale"] = float(dropped.get("stale", 0))
+    return metrics
+
+
+class RunRecord:
+    """Rank 0's record of the job. `job_name` names the MLflow run; `total_steps` sizes the progress line."""
+
+    def __init__(self, telemetry: TelemetryConfig, job_name: str, job_dir: str, total_steps: int):
+        self.job_dir = job_dir
+        self.tracking_uri = resolve_tracking_uri(telemetry.tracking_uri)
+        self.run_id = create_or_attach_run(self.tracking_uri, telemetry.experiment, job_name)
+        self.metrics_log = MetricsLogger(self.tracking_uri, self.run_id, overview=True)
+        self.system_metrics, self.plots, self.progress = None, None, None
+        try:
+            self.experiment_id = self.metrics_log.client.get_run(self.run_id).info.experiment_id
+            self.system_metrics = start_system_metrics(self.tracking_uri, self.run_id, "learner",
+                                                       telemetry.system_metrics_every_s)
+            self.plots = (PlotPublisher(self.tracking_uri, self.run_id, job_dir, telemetry.plots_every_s)
+                          if telemetry.plots else None)
+            self.progress = ProgressDisplay(total_steps, os.path.join(job_dir, "progress.jsonl"),
+                                            enabled=telemetry.progress)
+        except BaseException:
+            self.close("FAILED")
+            raise
+        self.groups_path = os.path.join(job_dir, "trained_groups.jsonl")
+        self.rewards: list = []
+        self.eval_history: list = []  # each finished evaluation's metrics, for the summary
+        self.rejected: dict = {}  # reason -> groups, as of the last step (for the summary)
+        self._step_ended = time.monotonic()  # reset by start_clock(); a step runs from the previous step's end
+
+    def write_config(self, params: dict, config_yaml: str) -> None:
+        """The run's params, the resolved config as an artifact, and job_dir/config.yaml (what `asyncrl plan
+        --from-run` reads)."""
+        self.metrics_log.log_params(params)
+        self.metrics_log.log_text(config_yaml, "config/resolved.yaml")
+        with open(os.path.join(self.job_dir, "config.yaml"), "w") as handle:
+            handle.write(config_yaml)
+
+    def start_clock(self) -> None:
+        """The first step's wall time runs from here (the buffer is up, generators may be admitted)."""
+        self._step_ended = time.monotonic()
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.metrics_log.log(metrics, step=step)
+
+    def log_eval(self, step: int, metrics: dict) -> None:
+        """A finished evaluation, at the step it evaluated; summary.json lists it under `eval`."""
+        self.metrics_log.log(metrics, step=step)
+        self.eval_history.append({"step": step, **metrics})
+
+    def log_step(self, step: int, groups: list, metrics: dict, wait_s: float) -> None:
+        """A trained step: its audit line, the rejections counted in its buffer metrics (kept for the summary),
+        the wait for the batch and its share of the step's wall time, then MLflow, the progress line and the
+        plots."""
+        self.record_groups(step, groups)
+        self.rejected = {key[len(REJECTED_PREFIX):]: int(value) for key, value in metrics.items()
+                         if key.startswith(REJECTED_PREFIX)}
+        metrics["timing/learner/wait_for_batch_s"] = wait_s
+        now = time.monotonic()  # the wait's share of the whole step: collect, train, publish, log
+        metrics["timing/learner/idle_frac"] = share(wait_s, now - self._step_ended)
+        self._step_ended = now
+        self.rewards.append(metrics["reward/mean"])
+        self.metrics_log.log(metrics, step=step)
+        self.progress.update(step, metrics)
+        if self.plots is not None:
+            self.plots.after_step()
+
+    def record_groups(self, step: int, groups: list) -> None:
+        """job_dir/trained_groups.jsonl: which groups, of which prompts, each step trained on (an audit trail:
+        with the Redis backend every admitted group appears exactly once across restarts; with dealt prompts,
+        every prompt once per epoch, counting for each step the learner's last life that trained it), and each
+        sample's completion length, the distribution `asyncrl plan` simulates."""
+        record = {"step": step, "groups": [group.group_id for group in groups],
+                  "prompts": [group.prompt_id for group in groups],
+                  "lengths": [[len(sample.completion_ids) for sample in group.samples] for group in groups]}
+        with open(self.groups_path, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def close(self, status: str) -> None:
+        """Stops what runs in the background, flushes, draws the final plots, and ends the run with `status`."""
+        if self.progress is not None:
+            self.progress.close()
+        stop_system_metrics(self.system_metrics)
+        try:
+            self.metrics_log.close()  # flushed, so the final plots read every point
+            if self.plots is not None:
+                self.plots.refresh()
+        finally:
+            self.metrics_log.end_run(status)
+
+    def summary(self, start_version: int, dropped_total: Mapping, generators) -> dict:
+        """job_dir/summary.json: the reward at the start and the end, what was rejected (as of the last step) and
+        dropped, who joined (`generators`, read by the caller before the buffer closed), the evaluations."""
+        rewards = self.rewards
+        window = max(1, len(rewards) // 10)
+        summary = {
+            "steps": len(rewards),
+            "start_version": start_version,
+            "reward_first": sum(rewards[:window]) / window if rewards else None,
+            "reward_last": sum(rewards[-window:]) / window if rewards else None,
+            "reward_window_steps": window,
+            "rejected": dict(self.rejected),
+            "dropped": dict(dropped_total),
+            "generators": generators,
+            "eval": self.eval_history,
+            "mlflow_tracking_uri": self.tracking_uri,
+            "mlflow_run_id": self.run_id,
+            "mlflow_experiment_id": self.experiment_id,
+        }
+        with open(os.path.join(self.job_dir, "summary.json"), "w") as handle:
+            json.dump(summary, handle, indent=2)
+        return summary
