@@ -1,21 +1,11 @@
 """The learner's side of evaluation rounds (learner/evals.py): rounds open for the due published versions, and
 each finished round is logged at the step it evaluated, with how far training had moved on since."""
-import dataclasses
 from types import SimpleNamespace
 
-from asyncrl.buffer.dealer import encode_prompt
 from asyncrl.buffer.eval_rounds import EvalRounds
+from asyncrl.data.prompts import PromptRow, encode_prompts
 from asyncrl.learner.evals import Evaluations
 
-
-@dataclasses.dataclass
-class Row:
-    prompt_id: str
-    prompt_ids: list
-    data_source: str
-    ground_truth: object = None
-    extra_info: dict = dataclasses.field(default_factory=dict)
-    messages: list | None = None
 
 
 class Record:
@@ -31,8 +21,8 @@ EVAL = SimpleNamespace(every_steps=2, before_train=True, n=2, temperature=0.0, k
 
 
 def test_due_versions_open_rounds_and_a_finished_round_is_logged_at_its_own_step():
-    rows = [Row(f"t:{i}", [3, 4], "a") for i in range(2)]
-    rounds = EvalRounds(rows, [encode_prompt(row) for row in rows], timeout_s=60.0)
+    rows = [PromptRow(f"t:{i}", [3, 4], "a", None, {}) for i in range(2)]
+    rounds = EvalRounds(encode_prompts(rows), timeout_s=60.0)
     record = Record()
     evals = Evaluations(rounds, EVAL, max_tokens=8, start_version=0, record=record)
     for version in (0, 1, 3):  # before training; not due; the first published at or past 2
