@@ -1,5 +1,5 @@
 """DeepSpeed's Ulysses (`learner.sp_impl=deepspeed`): DeepSpeed's `DistributedAttention` does the two all-to-alls
-around the same inner attention the native path uses (learner/ulysses.py::inner_attention), so packing, sliding
+around the same inner attention the native path uses (learner/sequence_attention.py::inner_attention), so packing, sliding
 windows, soft-capping and flash-attn's varlen kernel behave alike on both paths.
 
 `DistributedAttention` talks through `deepspeed.comm`, which must wrap the process group torch.distributed already
@@ -9,6 +9,8 @@ CPU that first call compiles DeepSpeed's shared-memory op with g++ (about 40 s o
 default.
 """
 import torch.distributed as dist
+
+from asyncrl.learner.sequence_attention import inner_attention, varlen_kernel
 
 INSTALL_HINT = 'learner.sp_impl=deepspeed needs DeepSpeed: pip install -e ".[deepspeed]"'
 
@@ -21,8 +23,6 @@ def local_attention(query, key, value, segment_ids=None, scale=None, dropout: fl
                     softcap=None):
     """What `DistributedAttention` runs between its all-to-alls: q [b, S, h/sp, d] and k/v [b, S, kv/sp, d] (the
     whole sequence, a slice of the heads) -> [b, S, h/sp, d]."""
-    from asyncrl.learner.ulysses import inner_attention, varlen_kernel
-
     out = inner_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), segment_ids, scale,
                           dropout, varlen_kernel(query.device), window=window, softcap=softcap)
     return out.transpose(1, 2)

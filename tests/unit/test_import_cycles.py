@@ -1,6 +1,6 @@
 """No new import cycles in the library: the import graph of every installed module, drawn with `ast` through
 setup.py's mapping (asyncrl.<part> is the folder <part>: the package is not on disk as asyncrl/), has no strongly
-connected component beyond the ones listed in ALLOWED_CYCLES.
+connected component.
 
 A cycle through imports inside functions runs without error, but it ties two modules so that neither can be read,
 tested or moved alone, so those count too (each edge says whether it is lazy). `from a.b import c` is an edge to
@@ -12,13 +12,6 @@ import sys
 from collections import defaultdict
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-ALLOWED_CYCLES = {
-    frozenset({"asyncrl.learner.ulysses", "asyncrl.learner.ulysses_deepspeed"}):
-        "ulysses calls the DeepSpeed exchange lazily (learner.sp_impl=deepspeed), which reuses ulysses' attention",
-}
-"""Cycles known and accepted, each with why it is there. When one goes, delete its entry: the test fails on an
-entry that no longer matches a cycle, so the list cannot hide a cycle that comes back."""
 
 
 def installed_parts() -> list[str]:
@@ -116,15 +109,9 @@ def cycles(graph: dict) -> list[frozenset]:
     return found
 
 
-def test_no_import_cycle_but_the_allowed_ones():
-    new = [sorted(c) for c in cycles(import_graph()) if c not in ALLOWED_CYCLES]
-    assert not new, f"import cycles not in ALLOWED_CYCLES (break them, or list one with why): {new}"
-
-
-def test_every_allowed_cycle_still_exists():
-    found = set(cycles(import_graph()))
-    gone = [sorted(c) for c in ALLOWED_CYCLES if c not in found]
-    assert not gone, f"these cycles are gone: delete them from ALLOWED_CYCLES: {gone}"
+def test_no_import_cycle_even_through_imports_inside_functions():
+    found = [sorted(c) for c in cycles(import_graph())]
+    assert not found, f"import cycles (break them: a module both sides need is the usual way out): {found}"
 
 
 def test_no_cycle_through_module_level_imports_alone():

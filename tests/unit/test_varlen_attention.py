@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from asyncrl.learner.ulysses import cu_seqlens, inner_attention, varlen_kernel
+from asyncrl.learner.sequence_attention import cu_seqlens, inner_attention, varlen_kernel
 
 
 def fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
