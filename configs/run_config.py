@@ -12,8 +12,8 @@ from typing import List, Optional
 
 from asyncrl.algos.config import GROUP_ADVANTAGES, AlgoConfig
 from asyncrl.buffer.config import BufferConfig
-from asyncrl.configs.sections import (DataConfig, DemoConfig, EvalConfig, JobConfig, ModelConfig, RewardConfig,
-                                      RewardServerConfig)
+from asyncrl.configs.sections import DemoConfig, EvalConfig, JobConfig, ModelConfig, RewardConfig, RewardServerConfig
+from asyncrl.data.config import DataConfig
 from asyncrl.generator.config import AgentConfig, EnvConfig, GeneratorConfig, RolloutConfig, ToolsConfig
 from asyncrl.learner.config import CriticConfig, LearnerConfig, SFTConfig
 from asyncrl.security.config import SecurityConfig

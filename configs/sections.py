@@ -1,4 +1,4 @@
-"""Config sections that belong to no single part: the job, the model, the data, the reward and the demo."""
+"""Config sections that belong to no single part: the job, the model, the reward, evaluation and the demo."""
 import math
 import re
 from dataclasses import dataclass, field
@@ -6,7 +6,6 @@ from typing import List, Optional
 
 DEMO_TASKS = ("", "sort_digits", "add_numbers")
 DEMO_SHAPES = ("tiny", "qwen2-0.5b")
-DATA_SOURCES = ("files", "reasoning_gym")
 
 
 @dataclass
@@ -33,46 +32,6 @@ class ModelConfig:
     """Compute the LM head (the last matmul, hidden -> logits) in fp32 on the learner and in vLLM
     (`hf_overrides={"head_dtype": "float32"}`), so bf16 weights do not round the logits the two sides compare;
     what RL training-inference consistency asks for with bf16 models. Costs one fp32 matmul per chunk of positions."""
-
-
-@dataclass
-class DataConfig:
-    train_files: List[str] = field(default_factory=list)
-    """Parquet files in verl's row format: prompt (chat messages), data_source, reward_model.ground_truth, extra_info."""
-    max_prompt_tokens: int = 64
-    """Prompts longer than this, in tokens, are skipped and counted."""
-    shuffle: bool = True
-    """Shuffle prompts each epoch (the learner's dealer, buffer/dealer.py: one order per epoch for the whole fleet)."""
-    seed: Optional[int] = None
-    """Seed of the epochs' shuffles; None: job.seed."""
-    epochs: Optional[int] = None
-    """Epochs over the prompts; the job ends after the last one or at learner.total_steps, whichever comes first.
-    None: as many as learner.total_steps takes."""
-    deal_timeout_s: float = 1800.0
-    """A prompt dealt to a generator and not delivered within this long goes back to the epoch (its group, arriving
-    later, is refused as unknown_deal); in s. Generators that leave or fall silent give theirs back at once."""
-    source: str = "files"
-    """Where prompts come from. `files`: data.train_files. `reasoning_gym`: generated procedurally by the
-    `reasoning-gym` package for data.reasoning_gym_tasks and scored by its own verifiers (the `reasoning`
-    extra); real reasoning tasks that need no download."""
-    reasoning_gym_tasks: List[str] = field(default_factory=list)
-    """data.source=reasoning_gym: the task names (reasoning_gym.create_dataset's), e.g. [basic_arithmetic]."""
-    reasoning_gym_size: int = 1000
-    """data.source=reasoning_gym: prompts generated per task (from job.seed, the same on every generator)."""
-
-    def __post_init__(self):
-        if self.max_prompt_tokens < 1:
-            raise ValueError(f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
-        if self.source not in DATA_SOURCES:
-            raise ValueError(f"data.source must be one of {DATA_SOURCES}, got {self.source!r}")
-        if self.source == "reasoning_gym" and not self.reasoning_gym_tasks:
-            raise ValueError("data.source=reasoning_gym needs data.reasoning_gym_tasks, e.g. [basic_arithmetic]")
-        if self.epochs is not None and self.epochs < 1:
-            raise ValueError(f"data.epochs must be >= 1 (or null: no limit), got {self.epochs}")
-        if self.deal_timeout_s <= 0:
-            raise ValueError(f"data.deal_timeout_s must be > 0, got {self.deal_timeout_s}")
-        if self.reasoning_gym_size < 1:
-            raise ValueError(f"data.reasoning_gym_size must be >= 1, got {self.reasoning_gym_size}")
 
 
 @dataclass
