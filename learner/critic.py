@@ -72,16 +72,17 @@ def load_value_model(path: str, dtype: str = "float32", trust_remote_code: bool 
     return model
 
 
-def build_critic(cfg, policy_path: str, parallel: ParallelState) -> Critic:
-    """The critic on this rank: loaded (critic.model_path, else the policy's directory), through Ulysses and FSDP2
-    with the learner's settings, and its AdamW at critic.lr (constant: the critic has no schedule of its own)."""
-    model = load_value_model(cfg.critic.model_path or policy_path, cfg.learner.dtype, cfg.model.trust_remote_code,
-                             cfg.learner.attn_implementation)
-    model = shard_model(model, cfg.learner, parallel).train()
-    optimizer_cfg = dataclasses.replace(cfg.learner, lr=cfg.critic.lr, weight_decay=cfg.critic.weight_decay,
+def build_critic(critic, learner, trust_remote_code: bool, policy_path: str, parallel: ParallelState) -> Critic:
+    """The critic on this rank (`critic`, `learner`: those config sections): loaded (critic.model_path, else the
+    policy's directory), through Ulysses and FSDP2 with the learner's settings, and its AdamW at critic.lr (constant:
+    the critic has no schedule of its own)."""
+    model = load_value_model(critic.model_path or policy_path, learner.dtype, trust_remote_code,
+                             learner.attn_implementation)
+    model = shard_model(model, learner, parallel).train()
+    optimizer_cfg = dataclasses.replace(learner, lr=critic.lr, weight_decay=critic.weight_decay,
                                         warmup_steps=0, lr_schedule="constant", min_lr_ratio=0.0)
     optimizer, scheduler = build_optimizer(model, optimizer_cfg)
-    return Critic(model, optimizer, scheduler, cfg.critic)
+    return Critic(model, optimizer, scheduler, critic)
 
 
 def value_states(model, **inputs) -> torch.Tensor:

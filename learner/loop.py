@@ -83,7 +83,8 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
     model = build_policy(cfg.learner, cfg.model.trust_remote_code, model_path, parallel).train()
     optimizer, scheduler = build_optimizer(model, cfg.learner)
     parts = build_step_parts(cfg.algo, cfg.learner, cfg.model.trust_remote_code, model_path, parallel)
-    parts.critic = build_critic(cfg, model_path, parallel) if cfg.algo.needs_critic() else None
+    parts.critic = (build_critic(cfg.critic, cfg.learner, cfg.model.trust_remote_code, model_path, parallel)
+                    if cfg.algo.needs_critic() else None)
     resume_from = find_resume_point(cfg.learner, job_dir)
     state = (load_checkpoint(resume_from, model, optimizer, scheduler, critic=parts.critic) if resume_from
              else LearnerState())

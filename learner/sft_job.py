@@ -69,13 +69,14 @@ def total_steps(cfg_sft, examples: int) -> int:
     return cfg_sft.steps
 
 
-def resume_point(cfg, job_dir: str) -> str | None:
-    """The SFT checkpoint to start from, per learner.resume (auto, never, or a path), as the RL learner's."""
-    if cfg.learner.resume == "never":
+def resume_point(learner, job_dir: str) -> str | None:
+    """The SFT checkpoint to start from, per learner.resume (auto, never, or a path) of the learner section, as the
+    RL learner's."""
+    if learner.resume == "never":
         return None
-    if cfg.learner.resume == "auto":
-        return latest_checkpoint(checkpoint_root(cfg.learner.checkpoint_dir, job_dir))
-    return resolve_checkpoint(cfg.learner.resume)
+    if learner.resume == "auto":
+        return latest_checkpoint(checkpoint_root(learner.checkpoint_dir, job_dir))
+    return resolve_checkpoint(learner.resume)
 
 
 def run_sft_job(cfg, model_path: str, files: list, job_dir: str, parallel: ParallelState, say) -> SFTResult:
@@ -104,7 +105,7 @@ def run_sft_job(cfg, model_path: str, files: list, job_dir: str, parallel: Paral
         lr_multiplier, warmup_steps=sft.warmup_steps, total_steps=max(steps, 1), schedule=sft.lr_schedule,
         min_ratio=sft.min_lr_ratio))
     start = 0
-    found = resume_point(cfg, job_dir)
+    found = resume_point(cfg.learner, job_dir)
     if found is not None:
         start = read_state(found).version
         if start > steps:
