@@ -11,8 +11,8 @@ A generator that holds an earlier version b (named by its number and `delta.base
 since (delta.py), when the ring still holds b and the delta costs less than `delta_max_fraction` of the full
 version; otherwise the full version. The last delta is kept, since a fleet asks for the same pair.
 
-Encoding costs most of a delta fetch (0.7-1.1 s of 0.9-2.0 s for Qwen2-0.5B's shape here), so the server prepares
-the next one before anyone asks: once it has served a delta b -> v, a fleet holds v, and when v' is announced the
+Encoding costs most of a delta fetch (docs/benchmarks.md measures it), so the server prepares the next one before
+anyone asks: once it has served a delta b -> v, a fleet holds v, and when v' is announced the
 server encodes v -> v' in its idle moments. A prepared delta that nobody asks for stops the preparing until the
 next delta request, so a job whose generators are all on the learner's host (or in the broadcast group) pays
 nothing for it.
