@@ -35,7 +35,7 @@ def make_learner_buffer(buffer: BufferConfig, security: SecurityConfig, job_name
     With Redis, a fresh start clears what an older run left under the same namespace; a resumed one keeps the
     stream (its unacked groups are still owed training) and moves the version back to the checkpoint's.
     `shared_config` (the learner's shared sections) lets a refused generator say which keys differ. `dealer`
-    (buffer/dealer.py) deals the prompts with the admissions (with Redis it holds the rows and the checkpoint's
+    (buffer/dealing.py) deals the prompts with the admissions (with Redis it holds the rows and the checkpoint's
     cursor, and the cursor lives in Redis: buffer/redis/dealing.py; the server's `dealer` is then that one),
     `evals` (buffer/eval_rounds.py; with Redis through buffer/redis/eval_bridge.py) the evaluation rounds."""
     if buffer.backend == "zmq":

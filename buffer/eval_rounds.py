@@ -21,7 +21,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass, field
 
-from asyncrl.buffer.dealer import DealError, EncodedPrompts
+from asyncrl.buffer.dealing import DealError, EncodedPrompts
 from asyncrl.buffer.interface import EvalTask
 
 EVALS_PER_REQUEST = 8

@@ -80,7 +80,7 @@ class RunInfo:
     lora_rank: int = 0
     """learner.lora.rank when the learner trains a LoRA adapter (the engines size their adapter slots from it)."""
     deals: bool = False
-    """The learner deals the prompts (buffer/dealer.py)."""
+    """The learner deals the prompts (buffer/dealing.py)."""
     data_sources: tuple[str, ...] = ()
     """The dealt data's sources, for the generator's reward check (with `deals`)."""
     deal_timeout_s: float = 1800.0
@@ -142,7 +142,7 @@ class AdmitReply(Status):
     granted: int = 0
     """Groups this generator may start now (0: the staleness budget is used up; ask again later)."""
     deals: list = field(default_factory=list)
-    """When the learner deals the prompts (buffer/dealer.py): one (deal id, row bytes) per grant, the prompt to
+    """When the learner deals the prompts (buffer/dealing.py): one (deal id, row bytes) per grant, the prompt to
     sample, which the generator decodes (data/prompts.py::decode_prompt); [] when the generator walks its own copy
     of the dataset (a learner without data)."""
     evals: list = field(default_factory=list)
@@ -210,13 +210,13 @@ class GeneratorBuffer(Protocol):
 
     async def send(self, group_id: str, payload: bytes, deal: str = "") -> SendReply:
         """Deliver one encoded group (buffer/codec.py); idempotent on group_id. `deal`: the id of the dealt prompt
-        it answers (buffer/dealer.py), "" when none was dealt."""
+        it answers (buffer/dealing.py), "" when none was dealt."""
 
     async def release(self, count: int = 1, deals: list | None = None, outcome: str = "unused") -> Status:
         """Give back `count` admissions this generator holds and will not deliver (groups its own filter dropped,
         algo.dynamic_sampling), so their capacity returns now; never more than it holds. `deals`: the dealt
         prompts' ids, and what became of them (`outcome`): `unused` grants go back to the epoch, `zero_variance`
-        and `skipped` prompts are consumed (buffer/dealer.py)."""
+        and `skipped` prompts are consumed (buffer/dealing.py)."""
 
     async def eval_done(self, deal_id: str, rewards: list | None, lengths: list | None) -> Status:
         """The result of an `EvalTask`: its n rewards and completion lengths; None, None gives it back (the
@@ -233,7 +233,7 @@ class GeneratorBuffer(Protocol):
 
 
 class PromptDealing(Protocol):
-    """What the learner asks the prompt dealer that serves a buffer's admissions (buffer/dealer.py in the zmq
+    """What the learner asks the prompt dealer that serves a buffer's admissions (buffer/dealing.py in the zmq
     learner's memory; buffer/redis/dealing.py with the cursor in Redis)."""
 
     def exhausted(self) -> bool:

@@ -13,7 +13,7 @@ class DataConfig:
     max_prompt_tokens: int = 64
     """Prompts longer than this, in tokens, are skipped and counted."""
     shuffle: bool = True
-    """Shuffle prompts each epoch (the learner's dealer, buffer/dealer.py: one order per epoch for the whole fleet)."""
+    """Shuffle prompts each epoch (the learner's dealer, buffer/dealing.py: one order per epoch for the whole fleet)."""
     seed: Optional[int] = None
     """Seed of the epochs' shuffles; None: job.seed."""
     epochs: Optional[int] = None

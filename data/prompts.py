@@ -4,7 +4,7 @@ row's encoding for a deal.
 
 Why the encoding lives here and not in buffer/: the buffer is below data/ (it may import only configs), yet it is the
 buffer that carries a dealt row from the learner to a generator. So the buffer carries the row as opaque bytes: the
-dealer (buffer/dealer.py) keeps the cursor over `EncodedPrompts` (each prompt's id, its encoded row and its data
+dealer (buffer/dealing.py) keeps the cursor over `EncodedPrompts` (each prompt's id, its encoded row and its data
 source) and deals what it was given, and the admit reply hands the generator [deal id, row bytes]. The row's fields
 are known in one module, this one: `encode_prompt` runs on the learner when it loads its data (so a row msgpack
 cannot carry fails at load time, naming the row), and `decode_prompt` runs on the generator when a deal arrives
@@ -18,7 +18,7 @@ from typing import Iterator
 import msgpack
 import numpy as np
 
-from asyncrl.buffer.dealer import DealError, EncodedPrompts
+from asyncrl.buffer.dealing import DealError, EncodedPrompts
 
 
 class DatasetError(ValueError):
@@ -119,7 +119,7 @@ def tokenize_with_model(raw_rows: list, model_path: str, max_prompt_tokens: int,
 
 def load_train_prompts(data_cfg, train_files: list, model_path: str, seed: int,
                        trust_remote_code: bool = False) -> PromptSet | None:
-    """What the learner deals (buffer/dealer.py): the job's prompts (`train_files`, resolved by the CLI, or
+    """What the learner deals (buffer/dealing.py): the job's prompts (`train_files`, resolved by the CLI, or
     reasoning-gym's); None for a job without data (its generators are scripted clients that bring their own)."""
     if data_cfg.source != "reasoning_gym" and not train_files:
         return None

@@ -111,7 +111,7 @@ class RolloutLoop:
     def __init__(self, client, engine, prompts, scorer, tokenizer, rollout_cfg, max_inflight_groups: int,
                  generator_id: str, on_stats=None, stats_every_s: float = 5.0, reward_shaping=None, stage=None,
                  drop_zero_variance: bool = False, episodes=None):
-        """`prompts`: an endless iterator of PromptRow, or None when the learner deals them (buffer/dealer.py);
+        """`prompts`: an endless iterator of PromptRow, or None when the learner deals them (buffer/dealing.py);
         `stage`: weightsync.receiver.WeightStage, verified copies of announced versions; `scorer`:
         generator/rewards/scorer.py RewardScorer; `episodes`: agents/episode.py EpisodeRunner, with tools or an
         environment."""

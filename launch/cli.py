@@ -247,7 +247,7 @@ def cmd_learner(cfg, args) -> int:
     """Join the ranks, build and run the learner, close."""
     if args.nproc * args.nnodes > 1 and "LOCAL_RANK" not in os.environ:
         return exec_torchrun(cfg.job, args, module="asyncrl.learner", command_name="learner")
-    from asyncrl.buffer.dealer import DealError
+    from asyncrl.buffer.dealing import DealError
     from asyncrl.data.prompts import DatasetError
     from asyncrl.learner.checkpoint import CheckpointError
     from asyncrl.learner.loop import TrainingPoisoned, run_learner

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncrl.algos.kl import AdaptiveKLController, FixedKLController
-from asyncrl.algos.plan import OffPolicyPlan
+from asyncrl.algos.offpolicy_plan import OffPolicyPlan
 from asyncrl.learner.checkpoint import CheckpointError, latest_checkpoint, read_state, resolve_checkpoint
 from asyncrl.learner.collect import BatchFilter
 from asyncrl.learner.lora import apply_lora, trainable_parameters

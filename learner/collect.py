@@ -32,7 +32,7 @@ class Collected:
     """reason -> groups dropped while assembling this batch (stale, zero_variance, no_baseline, empty)."""
     wait_s: float = 0.0
     final: bool = False
-    """The data ran out (data.epochs, buffer/dealer.py): these groups, however few, are the job's last."""
+    """The data ran out (data.epochs, buffer/dealing.py): these groups, however few, are the job's last."""
 
     @property
     def dropped_stale(self) -> int:

@@ -1,8 +1,8 @@
-"""The learner's side of dealing the job's prompts with the admissions (buffer/dealer.py): read the rows once on
+"""The learner's side of dealing the job's prompts with the admissions (buffer/dealing.py): read the rows once on
 rank 0, carry on from the checkpoint's cursor, and keep that cursor in the learner's state after every step."""
 import logging
 
-from asyncrl.buffer.dealer import DealError, PromptDealer
+from asyncrl.buffer.dealing import DealError, PromptDealer
 from asyncrl.data.prompts import PromptSet, encode_prompts
 from asyncrl.learner.checkpoint import CheckpointError
 

@@ -12,7 +12,7 @@ import socket
 from contextlib import ExitStack
 
 from asyncrl.buffer.backends import job_limits, make_learner_buffer
-from asyncrl.buffer.dealer import DealError
+from asyncrl.buffer.dealing import DealError
 from asyncrl.buffer.interface import RunInfo
 from asyncrl.configs import flatten, shared_hash, shared_sections, to_yaml
 from asyncrl.data.prompts import PromptSet
@@ -75,7 +75,7 @@ class LearnerHost:
                                               start_version=state.version, fresh=resumed_from is None,
                                               dealer=self.dealer, evals=rounds)
             if self.dealer is not None:  # with Redis the cursor lives there (buffer/redis/dealing.py)
-                self.dealer = self.buffer.dealer
+                self.dealer = self.buffer.dealing
             warmup = cfg.critic.warmup_steps if cfg.algo.needs_critic() else -1  # the policy stays as it was
             self.publishing = VersionPublisher(publisher, self.buffer, state.version, unchanged_until=warmup)
             self.evals = Evaluations(rounds, cfg.eval, cfg.eval.max_tokens or cfg.rollout.max_tokens, state.version,

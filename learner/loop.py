@@ -74,7 +74,7 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
                 eval_prompts: PromptSet | None = None) -> dict | None:
     """Trains the whole job on this rank; returns the summary on rank 0 (also written to job_dir/summary.json),
     None on the others. `prompts`: the job's prompts, read on rank 0 (data/prompts.py::load_train_prompts); with
-    them, rank 0 deals them to the generators (buffer/dealer.py) and the job also ends when data.epochs are trained;
+    them, rank 0 deals them to the generators (buffer/dealing.py) and the job also ends when data.epochs are trained;
     `eval_prompts` likewise are the held-out prompts evaluated on the fleet (buffer/eval_rounds.py)."""
     parallel = parallel or ParallelState()
     torch.manual_seed(cfg.learner.seed)

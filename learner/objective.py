@@ -1,7 +1,7 @@
 """The loss of one micro-batch, assembled from `asyncrl.algos` and nothing else (docs/architecture.md §5).
 
 Every off-policy choice (where π_prox comes from, which policy centres the loss ratio, which detached weight
-multiplies the loss and where it is computed) is read from the run's `algos.plan.OffPolicyPlan`, whose module doc
+multiplies the loss and where it is computed) is read from the run's `algos.offpolicy_plan.OffPolicyPlan`, whose module doc
 has the table per correction. This module only carries those answers out for one micro-batch.
 """
 from dataclasses import dataclass
@@ -12,7 +12,7 @@ from asyncrl.algos.corrections import CORRECTION_WEIGHTS, approximate_prox_logpr
 from asyncrl.algos.kl import compute_kl
 from asyncrl.algos.loss_parts import PolicyLossInputs
 from asyncrl.algos.losses import POLICY_LOSSES, aggregate_loss
-from asyncrl.algos.plan import (CENTRE_BEHAV, PROX_FUSED, PROX_RECOMPUTE, WEIGHT_BATCH, WEIGHT_CURRENT, WEIGHT_NONE,
+from asyncrl.algos.offpolicy_plan import (CENTRE_BEHAV, PROX_FUSED, PROX_RECOMPUTE, WEIGHT_BATCH, WEIGHT_CURRENT, WEIGHT_NONE,
                                 OffPolicyPlan)
 from asyncrl.algos.registry import keyword_defaults
 

@@ -34,7 +34,7 @@ class LearnerState:
     skipped_in_a_row: int = 0
     """Of those, how many in a row up to now (learner.max_consecutive_skips stops the job)."""
     data_cursor: dict = field(default_factory=dict)
-    """The prompt dealer's cursor (buffer/dealer.py `snapshot`): the epoch, how far it was dealt, the prompts to
+    """The prompt dealer's cursor (buffer/dealing.py `snapshot`): the epoch, how far it was dealt, the prompts to
     deal again; empty for a job without dealt data. Saved and restored like the rest."""
 
     def record_batch(self, groups: list, dropped: dict) -> None:

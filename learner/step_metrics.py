@@ -11,7 +11,7 @@ import torch
 
 from asyncrl.algos.corrections import compute_correction
 from asyncrl.algos.metrics import compute_mult_prob_error, compute_offpolicy_metrics, compute_staleness_metrics
-from asyncrl.algos.plan import OffPolicyPlan
+from asyncrl.algos.offpolicy_plan import OffPolicyPlan
 from asyncrl.learner.batch import Batch
 
 log = logging.getLogger(__name__)

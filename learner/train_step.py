@@ -29,7 +29,7 @@ from asyncrl.algos.corrections import compute_correction, compute_vtrace_advanta
 from asyncrl.algos.vtrace import compute_vtrace_advantages_and_targets
 from asyncrl.algos.kl import apply_kl_penalty
 from asyncrl.algos.metrics import combine_token_metrics
-from asyncrl.algos.plan import ADVANTAGE_GAE, ADVANTAGE_VTRACE, PROX_RECOMPUTE, WEIGHT_BATCH, OffPolicyPlan
+from asyncrl.algos.offpolicy_plan import ADVANTAGE_GAE, ADVANTAGE_VTRACE, PROX_RECOMPUTE, WEIGHT_BATCH, OffPolicyPlan
 from asyncrl.learner.batch import (Batch, build_batch, placeholder_microbatch, plan_microbatches, scatter_rows,
                                    split_minibatches)
 from asyncrl.learner.critic import Critic, compute_batch_values, train_critic, value_metrics

@@ -25,7 +25,7 @@ import redis
 
 import msgpack
 
-from asyncrl.buffer.dealer import check_deal
+from asyncrl.buffer.dealing import check_deal
 from asyncrl.buffer.eval_rounds import decode_eval_task, evals_wanted
 from asyncrl.buffer.interface import (AdmitReply, GeneratorRefused, HelloReply, LearnerUnavailable, RunInfo, SendReply,
                                      Status, decode_weights, too_large_reply)

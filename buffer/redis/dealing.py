@@ -1,6 +1,6 @@
 """The prompt dealer of the Redis backend: the dataset cursor lives in Redis, so every prompt of an epoch is trained
 exactly once across generators on any machine, generator crashes and learner restarts included (the zmq backend
-keeps the same rules in the learner's memory, buffer/dealer.py; docs/architecture.md §3.6).
+keeps the same rules in the learner's memory, buffer/dealing.py; docs/architecture.md §3.6).
 
 Why in Redis: with Redis the generators never talk to the learner, only to Redis (admission is a Lua script), so
 the prompts must be dealt there too, and a resumed learner must find the deals its generators hold and the groups
@@ -29,7 +29,7 @@ import logging
 import time
 import uuid
 
-from asyncrl.buffer.dealer import CONSUME_REASONS, RETURN_REASONS, STATE_FORMAT, DealError, PromptDealer, epoch_order
+from asyncrl.buffer.dealing import CONSUME_REASONS, RETURN_REASONS, STATE_FORMAT, DealError, PromptDealer, epoch_order
 from asyncrl.buffer.redis.reconnect import direct
 from asyncrl.buffer.redis.stream import GROUP, job_keys
 

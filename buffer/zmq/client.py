@@ -18,7 +18,7 @@ from collections import deque
 
 import zmq
 
-from asyncrl.buffer.dealer import check_deal
+from asyncrl.buffer.dealing import check_deal
 from asyncrl.buffer.eval_rounds import decode_eval_task
 from asyncrl.buffer.interface import (AdmitReply, GeneratorRefused, HelloReply, LearnerUnavailable, RunInfo, SendReply,
                                      Status, decode_weights, too_large_reply)

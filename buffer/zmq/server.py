@@ -8,7 +8,7 @@ rejected, counted under `buffer/rejected/<reason>`, logged at a bounded rate (re
 that sent it is told in its next reply; it never stops either thread. A rejected or dropped group gives back an
 admission only if it held one, and a group must carry the generator id of the connection that sent it. With a
 `PromptDealer` the admissions carry the prompts to sample, and a group is taken only under the deal it answers
-(buffer/dealer.py; docs/architecture.md §3.6).
+(buffer/dealing.py; docs/architecture.md §3.6).
 """
 import logging
 import queue
@@ -20,7 +20,7 @@ from collections import OrderedDict, deque
 import zmq
 
 from asyncrl.buffer.codec import CodecError, decode_group
-from asyncrl.buffer.dealer import PromptDealer
+from asyncrl.buffer.dealing import PromptDealer
 from asyncrl.buffer.done import wait_until_told
 from asyncrl.buffer.eval_rounds import EvalRounds, evals_wanted
 from asyncrl.buffer.fleet_stats import fleet_metrics
@@ -54,7 +54,7 @@ class ZmqBufferServer:
                  queue_bytes: int = 0, limits: JobLimits | None = None, shared_config: dict | None = None,
                  dealer: PromptDealer | None = None, evals: EvalRounds | None = None, keys=None):
         self.coordinator = coordinator
-        self.dealer = dealer  # deals the prompts with the admissions (buffer/dealer.py); None: generators walk theirs
+        self.dealer = dealer  # deals the prompts with the admissions (buffer/dealing.py); None: generators walk theirs
         self.evals = evals  # evaluation rounds dealt beside the admissions (buffer/eval_rounds.py)
         self.vocab_size = vocab_size
         self.config_hash = config_hash
@@ -169,7 +169,7 @@ class ZmqBufferServer:
     def give_back(self, group, reason: str = "stale") -> None:
         """A taken group the learner will not train: its admission frees capacity, if it held one (a group sent
         without asking, or after its generator's admissions were reclaimed, did not); its dealt prompt goes back
-        to the epoch, or stays consumed when the group was filtered (buffer/dealer.py)."""
+        to the epoch, or stays consumed when the group was filtered (buffer/dealing.py)."""
         if self._held.pop(group.group_id, False):
             self.coordinator.give_back(1, token=group.group_id)
         if self.dealer is not None:

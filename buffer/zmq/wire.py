@@ -8,12 +8,12 @@ weights control message the generator holds, "" for none):
                              # evaluation rounds at ver or later, [[id, version, row, n, temperature, max_tokens]]
                              # (buffer/eval_rounds.py), at most half of `want`, beside the grants
                              # deals: [[deal id, row bytes], ...], one per grant, when the learner deals the
-                             # prompts (buffer/dealer.py); absent when it does not
+                             # prompts (buffer/dealing.py); absent when it does not
   release {count, deals, outcome} -> {released}                       # admissions it will not deliver (filtered);
                              # deals: the dealt prompts' ids, outcome: unused | zero_variance | skipped
   group {deal} + second frame bytes -> {accepted, reason, retry, version, weights_id, done}
                              # deal: the dealt prompt's id ("" when none), so the learner knows the group of a
-                             # generator that leaves before it is taken is coming (buffer/dealer.py)
+                             # generator that leaves before it is taken is coming (buffer/dealing.py)
   group {reqs, deals} + one frame per group -> {version, weights_id, done, results: [{req, accepted, reason, retry}]}
                              # several groups in one message (`reqs` lists their request ids, `deals` their deal
                              # ids, in frame order;

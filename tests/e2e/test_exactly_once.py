@@ -1,4 +1,4 @@
-"""Every prompt of an epoch is trained exactly once: the learner deals the prompts (buffer/dealer.py; with Redis
+"""Every prompt of an epoch is trained exactly once: the learner deals the prompts (buffer/dealing.py; with Redis
 the cursor lives in Redis, buffer/redis/dealing.py) to two real generators; one is killed with -9 while it holds
 prompts, then the learner is killed with -9 after a checkpoint and resumed, with the generators started again. The
 job ends when the epoch (data.epochs=1) is trained, and the learner's trained_groups.jsonl, read as the final model

@@ -40,7 +40,7 @@ def test_cli_reports_bad_override_with_exit_code_2():
 
 
 def test_the_config_reads_the_registry_without_importing_torch():
-    code = ("import sys; from asyncrl.algos.config import AlgoConfig; from asyncrl.algos.plan import OffPolicyPlan; "
+    code = ("import sys; from asyncrl.algos.config import AlgoConfig; from asyncrl.algos.offpolicy_plan import OffPolicyPlan; "
             "OffPolicyPlan.from_algo(AlgoConfig(loss='reinforce', correction='bypass')); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

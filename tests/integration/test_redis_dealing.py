@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from asyncrl.buffer.codec import encode_group
-from asyncrl.buffer.dealer import DealError, PromptDealer
+from asyncrl.buffer.dealing import DealError, PromptDealer
 from asyncrl.buffer.group import Group, Sample, Sampling
 from asyncrl.buffer.redis.client import RedisBufferClient
 from asyncrl.buffer.redis.conn import RedisOptions, connect

@@ -13,7 +13,7 @@ class Learner:
 
     def __init__(self, budget: int, deals: bool = False):
         self.budget = budget
-        self.deals = deals  # deal a prompt with each grant, as a learner with data does (buffer/dealer.py)
+        self.deals = deals  # deal a prompt with each grant, as a learner with data does (buffer/dealing.py)
         self.dealt = 0
         self.admits: list = []
         self.released = 0

@@ -339,7 +339,7 @@ def test_mult_prob_error_is_the_mean_of_exp_abs_delta_over_valid_tokens():
 
 def test_batch_normalised_is_is_planned_on_the_whole_batch_and_refused_where_nothing_is_a_ratio():
     from asyncrl.algos.config import AlgoConfig
-    from asyncrl.algos.plan import PROX_RECOMPUTE, WEIGHT_BATCH, OffPolicyPlan
+    from asyncrl.algos.offpolicy_plan import PROX_RECOMPUTE, WEIGHT_BATCH, OffPolicyPlan
 
     plan = OffPolicyPlan.from_algo(AlgoConfig(correction="tis", is_level="sequence", is_batch_norm=True))
     assert plan.weight_source == WEIGHT_BATCH and plan.prox_source == PROX_RECOMPUTE

@@ -15,7 +15,7 @@ from asyncrl.algos.advantages import AdvantageInputs, compute_token_advantages
 from asyncrl.algos.config import AlgoConfig
 from asyncrl.algos.corrections import compute_correction, compute_vtrace_advantages
 from asyncrl.algos.losses import POLICY_LOSSES
-from asyncrl.algos.plan import WEIGHT_BATCH, OffPolicyPlan
+from asyncrl.algos.offpolicy_plan import WEIGHT_BATCH, OffPolicyPlan
 from asyncrl.learner.objective import StepCounts, compute_micro_loss
 
 F64 = torch.float64

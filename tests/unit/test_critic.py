@@ -164,7 +164,7 @@ def test_gae_advantages_in_the_step_come_from_the_critics_values(policy_dir):
     values = compute_values(critic.model, batch.input_ids, batch.attention_mask).detach()
     expected, returns = compute_gae_advantages(batch.token_rewards.double(), values.double(), batch.loss_mask,
                                                gamma=0.95, lam=0.8)
-    from asyncrl.algos.plan import OffPolicyPlan
+    from asyncrl.algos.offpolicy_plan import OffPolicyPlan
     from asyncrl.learner.train_step import compute_advantages
 
     algo = AlgoConfig(advantage="gae", gamma=0.95, lam=0.8)
@@ -184,7 +184,7 @@ def test_vtrace_with_the_critic_baseline_regresses_the_vtrace_targets(policy_dir
     batch = build_batch([group])
     batch.logprobs_prox = batch.logprobs_behav.clone()  # on-policy: π = μ
     batch.values = compute_values(critic.model, batch.input_ids, batch.attention_mask).detach()
-    from asyncrl.algos.plan import OffPolicyPlan
+    from asyncrl.algos.offpolicy_plan import OffPolicyPlan
     from asyncrl.learner.train_step import compute_advantages
 
     algo = AlgoConfig(loss="reinforce", correction="vtrace", vtrace_values="critic")

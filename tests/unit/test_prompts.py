@@ -5,7 +5,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from asyncrl.buffer.dealer import DealError, PromptDealer
+from asyncrl.buffer.dealing import DealError, PromptDealer
 from asyncrl.data.config import DataConfig
 from asyncrl.data.prompts import (DatasetError, PromptRow, decode_prompt, encode_prompt, encode_prompts,
                                   iterate_prompts, load_train_prompts, read_rows, tokenize_rows)

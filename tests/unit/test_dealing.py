@@ -1,4 +1,4 @@
-"""The learner's dataset cursor (buffer/dealer.py): every prompt of an epoch trained once, whatever the fleet does,
+"""The learner's dataset cursor (buffer/dealing.py): every prompt of an epoch trained once, whatever the fleet does,
 and a real zmq server and client dealing prompts with the admissions (their rows encoded and decoded by
 data/prompts.py)."""
 import asyncio
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from asyncrl.buffer.codec import encode_group
-from asyncrl.buffer.dealer import DealError, PromptDealer, check_deal, epoch_order
+from asyncrl.buffer.dealing import DealError, PromptDealer, check_deal, epoch_order
 from asyncrl.buffer.group import Group, Sample, Sampling
 from asyncrl.buffer.staleness import Coordinator
 from asyncrl.buffer.zmq.client import ZmqBufferClient

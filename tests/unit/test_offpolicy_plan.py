@@ -1,9 +1,9 @@
-"""The off-policy plan (algos/plan.py): for every correction and a few losses it gives the answers the learner used
+"""The off-policy plan (algos/offpolicy_plan.py): for every correction and a few losses it gives the answers the learner used
 to derive from the names (π_prox source, centre of the loss ratio, weight and where it is computed, V-trace)."""
 import pytest
 
 from asyncrl.algos.config import CORRECTION_NAMES, AlgoConfig
-from asyncrl.algos.plan import (
+from asyncrl.algos.offpolicy_plan import (
     ADVANTAGE_ESTIMATOR,
     ADVANTAGE_GAE,
     ADVANTAGE_VTRACE,
