@@ -1,6 +1,7 @@
 #!/bin/bash
-# The demo runs bench/plan_check.py checks `asyncrl plan` against (README, "Sizing the fleet"): the CPU demo as
-# shipped (configs/demo_cpu.yaml), 60 steps, with 1 and 2 generators at eta = 0, 1, 2, for each seed given.
+# The demo runs bench/plan_check.py checks `asyncrl plan` against (docs/benchmarks.md, "The capacity planner"): the
+# CPU demo as shipped (configs/demo_cpu.yaml), 60 steps, with 1 and 2 generators at eta = 0, 1, 2, for each seed
+# given.
 # Usage: bash bench/plan_runs.sh OUT_DIR [SEED ...]   (about 35 s a run on 2 cores)
 # then:  python -m asyncrl.bench.plan_check --calibrate OUT_DIR/s0-g1-eta1 --runs OUT_DIR/s0-g*-eta*
 set -u

@@ -249,7 +249,7 @@ def time_publish(named: list, backend: str, receivers: int, versions: int, direc
 
 
 def publish_once(publisher, named: list, version: int, receivers: int | None) -> tuple[dict, float]:
-    """(control message, seconds) of one publish; with a group, every one of `receivers` must have it."""
+    """(announcement, seconds) of one publish; with a group, every one of `receivers` must have it."""
     named, specs = next_version(named, version), specs_of(named)
     started = time.perf_counter()
     message = publisher.publish(iter(named), version, specs)

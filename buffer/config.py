@@ -29,7 +29,7 @@ class RedisConfig:
     naming it, in s."""
     appendfsync: str = ""
     """"" leaves the server's persistence as configured; always/everysec/no makes the learner turn AOF on with that
-    fsync policy at startup. The README's Redis section says what each loses in a crash."""
+    fsync policy at startup. docs/redis.md says what each loses in a crash."""
 
     def __post_init__(self):
         if self.lease_s <= 0 or self.reclaim_idle_s <= 0:

@@ -29,7 +29,7 @@ def uses_local(source: str, learner_path: str) -> bool:
 
 
 async def first_weights(client, config_hash: str, hello, timeout_s: float):
-    """The newest weights message with a catch-up address: in the hello reply, or in a later one once the learner
+    """The newest weights announcement with a catch-up address: in the hello reply, or in a later one once the learner
     has published (it publishes before it admits anyone, but a generator may say hello first)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s

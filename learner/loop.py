@@ -234,7 +234,7 @@ def publish_weights(model, parallel: ParallelState, host: LearnerHost | None, ve
     """Gather the full weights bucket by bucket on every rank; rank 0 publishes `version` (the publisher casts to
     weightsync.dtype as it copies each tensor into its ring), then tells the buffer: only now may generators be
     admitted against it (buffer/staleness.py). With learner.lora only the adapter is gathered and published, named
-    as PEFT's adapter files name it, with its settings in the control message: the engines serve it as an
+    as PEFT's adapter files name it, with its settings in the announcement: the engines serve it as an
     adapter on the base model they already hold (generator/engines/lora_adapter.py)."""
     outgoing = outgoing_version(model, parallel, gather.lora, gather.dtype, gather.bucket_bytes)
     if host is None:

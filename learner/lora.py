@@ -35,7 +35,7 @@ def apply_lora(model, lora):
 
 def adapter_message(lora) -> dict:
     """What a generator needs besides the tensors to serve a version as an adapter: the `lora` entry of its
-    control message, and the adapter_config.json it writes from it."""
+    announcement, and the adapter_config.json it writes from it."""
     return {"r": int(lora.rank), "lora_alpha": float(lora.alpha), "target_modules": list(lora.target_modules)}
 
 

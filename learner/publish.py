@@ -107,7 +107,7 @@ class GatherSettings:
 @dataclass
 class OutgoingVersion:
     """What the publisher takes for one version: the (name, tensor) iterator (yielding on rank 0 only), the specs,
-    the control message's extra fields, and what a full version of the model weighs (for the bytes share)."""
+    the announcement's extra fields, and what a full version of the model weighs (for the bytes share)."""
     weights: Iterator
     specs: list
     extra: dict | None

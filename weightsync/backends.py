@@ -1,6 +1,6 @@
 """Building the weight-sync ends from `weightsync.*`: the learner's publisher (ring, catch-up server, and with
 backend=broadcast the chain-relay group, with backend=engine_push the push into vLLM engines) and the generator's
-stage (which joins the group when the control message names one)."""
+stage (which joins the group when the announcement names one)."""
 import logging
 import os
 import time

@@ -34,7 +34,7 @@ that miss a push load it from staging as with `shm`."""
     """Address every learner-side weight server binds to: the catch-up server, and with backend=broadcast or
     engine_push the rendezvous store (0.0.0.0 to serve generators on other hosts)."""
     catchup_port: int = 0
-    """Port of the catch-up server (0: any free port; generators learn it from the control message)."""
+    """Port of the catch-up server (0: any free port; generators learn it from the weights announcement)."""
     advertise: str = ""
     """Host name generators on other machines use to reach the learner's weight servers ("" = weightsync.host)."""
     catchup_delta_max_fraction: float = 0.5

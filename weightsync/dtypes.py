@@ -1,4 +1,4 @@
-"""Dtypes by name: the one table. Configs, control messages and checkpoints name dtypes as strings ("bfloat16"),
+"""Dtypes by name: the one table. Configs, weights announcements and checkpoints name dtypes as strings ("bfloat16"),
 and every part that turns a name into a torch dtype (the learner's model and FSDP2 mixed precision, export, weight
 sync, the engines) reads this table, so a name one part accepts is never unknown to another."""
 import torch

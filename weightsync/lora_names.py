@@ -1,6 +1,6 @@
 """How a LoRA version travels (weight sync's contract between a LoRA learner, learner/lora.py, and the engines,
 generator/engines/lora_adapter.py): only the adapter's tensors, each named as PEFT's adapter_model.safetensors
-names it, which is also the name vLLM's adapter loader reads; the control message's `lora` entry carries the rank,
+names it, which is also the name vLLM's adapter loader reads; the announcement's `lora` entry carries the rank,
 alpha and target modules."""
 
 ADAPTER_PREFIX = "base_model.model."

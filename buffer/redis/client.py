@@ -234,7 +234,7 @@ class RedisBufferClient:
 
 
 META_FIELDS = ("config_hash", "done", "weights_id")
-"""The run metadata read with every request: small fields only. The weights' control message is read apart, when
+"""The run metadata read with every request: small fields only. The weights' announcement is read apart, when
 its id changes (`RedisBufferClient._weights_for`)."""
 
 

@@ -1,7 +1,7 @@
 """The learner's side of the Redis backend (`interface.LearnerBuffer`, as the zmq server).
 
 Redis holds everything a generator on another machine needs (`asyncrl:{job}:meta`): the config hash, the run info
-(model, data, MLflow run), the newest weights' control message and the done flag; generators write their join
+(model, data, MLflow run), the newest weights' announcement and the done flag; generators write their join
 records and statistics beside it. Groups arrive through the stream (stream.py, whose docstring states the
 exactly-once protocol); admission is the Lua coordinator (coordinator.py). Nothing here runs a thread: `take`
 reads the stream when the learner asks.
@@ -78,7 +78,7 @@ class RedisBufferServer:
         self._acked: OrderedDict = OrderedDict()  # recently acked entry ids, oldest first
         self.redelivered = 0  # entries delivered again that this learner already held or acked (skipped)
         self._weights: dict | None = None  # the announcement, as it travels (WeightsAnnouncement.to_wire)
-        self._weights_id = ""  # fresh per set_weights: generators re-read the control message only when it changes
+        self._weights_id = ""  # fresh per set_weights: generators re-read the announcement only when it changes
         self._done = False
         self._next_reclaim = 0.0
         self._next_trim = 0.0

@@ -81,7 +81,7 @@ class ZmqBufferServer:
         self.generator_stats: dict[str, dict] = {}
         self.last_seen: dict[str, float] = {}
         self.joins: dict[str, dict] = {}  # generator -> version at hello, min token version of its first group
-        # (id, control message) of the newest weights, replaced whole so the server thread never reads a new
+        # (id, announcement) of the newest weights, replaced whole so the server thread never reads a new
         # message under an old id; the id names one set_weights call, and a generator holding it is not sent it again
         self._weights: tuple[str, dict | None] = ("", None)
         self._done = False

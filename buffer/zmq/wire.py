@@ -1,7 +1,7 @@
 """Control messages between generators and the learner's embedded buffer (a msgpack map per frame).
 
 Requests (generator -> learner) carry `op`, `req` (request id), `gen` (generator id) and `wid` (the id of the
-weights control message the generator holds, "" for none):
+weights announcement the generator holds, "" for none):
   hello {config_hash}        -> {version, weights_id, run_info}       # refused if config hashes differ
   admit {want, ver}          -> {granted, deals, evals, version, weights_id, done}
                              # ver: the version the generator's engine holds; evals: held-out prompts of the

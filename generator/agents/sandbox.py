@@ -8,10 +8,10 @@ cgroup filesystem is writable (as root, where RLIMIT_NPROC does not apply). Past
 passes its cap, the whole process group and every process of the cgroup is killed. Whatever happens, the model gets
 one text: what the code printed, or an error that says which limit it hit; the generator is never at risk.
 
-What it does not isolate (README, "Agents"): the filesystem outside the working directory is readable and, as far
-as file permissions allow, writable (run generators as an unprivileged user, or in a container, to keep them
-apart); without a writable cgroup and as root, processes are bounded only by the timeout; where no network
-namespace can be made the network is reachable, unless `require_no_network` refuses to run.
+What it does not isolate (docs/agents.md, "The sandboxed `python` tool"): the filesystem outside the working
+directory is readable and, as far as file permissions allow, writable (run generators as an unprivileged user, or in
+a container, to keep them apart); without a writable cgroup and as root, processes are bounded only by the timeout;
+where no network namespace can be made the network is reachable, unless `require_no_network` refuses to run.
 """
 import asyncio
 import json

@@ -1,4 +1,4 @@
-"""`asyncrl reward-server`: a reward model served to the generators over HTTP (README, "Reward models").
+"""`asyncrl reward-server`: a reward model served to the generators over HTTP (docs/rewards.md, "Reward models").
 
     POST /v1/score   {"items": [{"prompt": str | [{role, content}], "response": str, "data_source"?, "ground_truth"?}]}
                   -> {"scores": [float], "info": [{str: float}]}

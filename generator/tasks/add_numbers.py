@@ -3,7 +3,7 @@
 The demo's ~1M-parameter model cannot add 4-digit numbers in its head, but it can learn to call the calculator
 and copy the result into its answer. The SFT warm start shows both habits: half the transcripts call the tool and
 copy its result, the others guess a number; asynchronous RL then raises the reward by raising the fraction of
-episodes that call the tool and copy right (configs/tools_cpu.yaml, README "The tool demo").
+episodes that call the tool and copy right (configs/tools_cpu.yaml, docs/benchmarks.md "The tool demo").
 
 A tool-using episode, as the chat template below renders it (the added tokens are single tokens of the demo
 tokenizer; every other character is one token):

@@ -25,7 +25,7 @@ def write_tokenizer(directory: str) -> str:
 
 
 def reward_workers_of(pid: int) -> list:
-    """PIDs of the call-pool workers (generator/call_pool.py) started by process `pid`."""
+    """PIDs of the call-pool workers (generator/user_code/pool.py) started by process `pid`."""
     found = []
     for entry in os.listdir("/proc"):
         try:

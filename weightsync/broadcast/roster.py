@@ -76,7 +76,7 @@ def warn_if_store_open(host: str, what: str) -> bool:
     """Log a warning when the learner's store binds beyond loopback; True when it did. torch.distributed's TCPStore
     and the process groups it sets up have no authentication, and CURVE keys do not cover them: whoever reaches
     the port can register, be sent every version, and drop or stall members. What generators load stays correct (a
-    relayed version is checked against the checksums in the buffer's control message, and a push comes from the
+    relayed version is checked against the checksums in the buffer's weights announcement, and a push comes from the
     learner's rank alone), so the harm is disclosure and delay."""
     if is_loopback(host):
         return False
