@@ -33,7 +33,7 @@ def reward_workers_of(pid: int) -> list:
                 argv = handle.read().split(b"\0")
         except (FileNotFoundError, PermissionError, NotADirectoryError, ProcessLookupError):
             continue
-        if b"asyncrl.generator.call_worker" in argv and str(pid).encode() in argv:
+        if b"asyncrl.generator.user_code.pool_worker" in argv and str(pid).encode() in argv:
             found.append(int(entry))
     return found
 
