@@ -40,7 +40,7 @@ def build_run_info(job_name: str, model_path: str, train_files: list, job_dir: s
         model_path=os.path.abspath(model_path), train_files=tuple(os.path.abspath(f) for f in train_files),
         mlflow_run_id=record.run_id, tracking_uri=record.tracking_uri, host=socket.gethostname(),
         job_dir=os.path.abspath(job_dir), job=job_name,
-        model_files=model_files[1] if model_files is not None else "",  # a generator on another host starts from
+        model_files=model_files[1] if model_files is not None else "",  # what a generator on another host starts from
         lora_rank=lora.rank if lora.enabled else 0,  # the generators' vLLM engines size their adapter slots by it
         deals=dealer is not None,  # generators sample what they are dealt and need no copy of the data
         data_sources=tuple(dealer.data_sources) if dealer is not None else (), deal_timeout_s=deal_timeout_s,

@@ -192,7 +192,8 @@ class VersionPublisher:
             self.unchanged_versions += 1
             log.error("weight sync: v%d sends exactly the bytes of the version before it (%d bytes%s) although a step "
                       "was trained: the generators will sample the old policy (learning rate 0? an adapter that "
-                      "does not train?)", sent.version, sent.nbytes, ", the LoRA adapter" if sent.lora is not None else "")
+                      "does not train?)", sent.version, sent.nbytes,
+                      ", the LoRA adapter" if sent.lora is not None else "")
 
     def take_metrics(self) -> dict:
         """The last publish's metrics, once: a step that published nothing logs none."""

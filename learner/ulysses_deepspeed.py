@@ -1,6 +1,6 @@
 """DeepSpeed's Ulysses (`learner.sp_impl=deepspeed`): DeepSpeed's `DistributedAttention` does the two all-to-alls
-around the same inner attention the native path uses (learner/sequence_attention.py::inner_attention), so packing, sliding
-windows, soft-capping and flash-attn's varlen kernel behave alike on both paths.
+around the same inner attention the native path uses (learner/sequence_attention.py::inner_attention), so packing,
+sliding windows, soft-capping and flash-attn's varlen kernel behave alike on both paths.
 
 `DistributedAttention` talks through `deepspeed.comm`, which must wrap the process group torch.distributed already
 runs (`deepspeed.init_distributed` on an initialised torch.distributed adopts it rather than starting another). On
