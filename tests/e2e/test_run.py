@@ -2,7 +2,6 @@
 before and after it. Every process is a real subprocess; ports are free ports on 127.0.0.1."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import time

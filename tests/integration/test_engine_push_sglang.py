@@ -19,6 +19,7 @@ from asyncrl.weightsync.publisher import WeightPublisher
 from asyncrl.weightsync.receiver import WeightStage
 from tests.fakes.fake_sglang import join_weights_group
 from tests.fakes.sglang_setup import build, weights_without_eos
+from tests.messages import announcement
 
 
 def gloo_rank0(master_address, master_port, world_size, group_name, backend):
@@ -52,15 +53,15 @@ def test_sglang_takes_pushed_versions_and_goes_back_to_a_complete_one_after_a_fa
     host = EnginePushSender(heartbeat_timeout_s=10.0, trainer_factory=sglang_on_gloo)
     publisher = WeightPublisher(str(tmp_path / "learner.ring"), slots=3, bucket_bytes=1 << 16)
     stage = WeightStage(str(tmp_path), "gen-s")
-    latest: dict = {}
+    latest: list = []  # what the learner announced, newest last (the recovery stages it)
     member = None
     try:
         on_loop(engine.start())
         fake = engine._engine
 
         async def join():
-            return await join_push({"engines": {"address": host.address}}, engine, asyncio.Lock(),
-                                   lambda: latest, stage, "gen-s", 10.0)
+            return await join_push(announcement(0, engines=host.address), engine, asyncio.Lock(),
+                                   lambda: latest[-1] if latest else None, stage, "gen-s", 10.0)
 
         member, pushed = on_loop(join())
         v1 = weights_without_eos(1)
@@ -76,7 +77,7 @@ def test_sglang_takes_pushed_versions_and_goes_back_to_a_complete_one_after_a_fa
         completion, = on_loop(engine.sample([3, 4, 5], Sampling(temperature=1.0, max_tokens=4), n=1))
         assert set(completion.versions) == {1}
 
-        latest.update(publisher.publish(iter(v1.items()), 1, specs_of(v1)))  # what the learner announced
+        latest.append(publisher.publish(iter(v1.items()), 1, specs_of(v1)))
         bad = {**weights_without_eos(2), "extra.bias": torch.zeros(3)}  # SGLang has no such parameter
         report = host.send(2, as_buckets(bad), timeout_s=30)
         assert report.delivered == [] and "no parameter extra.bias" in report.failed["gen-s"], report

@@ -20,7 +20,6 @@ import torch
 
 from asyncrl.buffer.codec import encode_group
 from asyncrl.buffer.group import Group, Sample, Sampling
-from asyncrl.buffer.interface import LearnerUnavailable
 from tests.conftest import free_port
 from tests.integration.helpers import VOCAB, recipe_sampling
 from tests.messages import run_info

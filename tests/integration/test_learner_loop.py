@@ -9,6 +9,7 @@ import time
 import uuid
 
 import numpy as np
+import pytest
 
 from asyncrl.buffer.codec import encode_group
 from asyncrl.buffer.group import Group, Sample, Sampling

@@ -18,7 +18,6 @@ from asyncrl.learner.batch import assign_rows, build_batch, plan_microbatches
 from asyncrl.learner.config import CriticConfig, LoraSettings
 from asyncrl.learner.critic import Critic
 from asyncrl.learner.families import FAMILIES, build_family_model
-from asyncrl.learner.model import build_qwen2
 from asyncrl.learner.parallel import ParallelConfigError, ParallelState, apply_fsdp, build_parallel_state
 from asyncrl.learner.lora import apply_lora, trainable_parameters
 from asyncrl.learner.publish import bucket_names, iter_full_weights

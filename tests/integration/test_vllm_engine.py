@@ -1,6 +1,5 @@
 """The real vLLM CPU engine, shared by the session: logprob parity with the learner and weight updates."""
 import asyncio
-import os
 import re
 
 import numpy as np

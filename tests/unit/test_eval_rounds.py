@@ -1,7 +1,6 @@
 """Evaluation rounds on the fleet (buffer/eval_rounds.py) and the generator's side of them: pinned to a version,
 dealt beside the admissions, checked when they come back, abandoned when late."""
 import asyncio
-import dataclasses
 
 import pytest
 

@@ -3,7 +3,6 @@ block-diagonal mask. On CPU the kernel is a faithful stand-in with flash_attn_va
 sdpa per segment; the `gpu` test runs the real kernel."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 from asyncrl.learner.sequence_attention import cu_seqlens, inner_attention, varlen_kernel
 

@@ -4,7 +4,6 @@ version it has not verified whole."""
 import dataclasses
 import json
 import os
-import threading
 
 import msgpack
 import pytest
