@@ -75,7 +75,7 @@ class LearnerHost:
                                               start_version=state.version, fresh=resumed_from is None,
                                               dealer=self.dealer, evals=rounds)
             if self.dealer is not None:  # with Redis the cursor lives there (buffer/redis/dealing.py)
-                self.dealer = self.buffer.dealing
+                self.dealer = self.buffer.dealer
             warmup = cfg.critic.warmup_steps if cfg.algo.needs_critic() else -1  # the policy stays as it was
             self.publishing = VersionPublisher(publisher, self.buffer, state.version, unchanged_until=warmup)
             self.evals = Evaluations(rounds, cfg.eval, cfg.eval.max_tokens or cfg.rollout.max_tokens, state.version,

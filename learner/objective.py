@@ -1,8 +1,8 @@
 """The loss of one micro-batch, assembled from `asyncrl.algos` and nothing else (docs/architecture.md §5).
 
 Every off-policy choice (where π_prox comes from, which policy centres the loss ratio, which detached weight
-multiplies the loss and where it is computed) is read from the run's `algos.offpolicy_plan.OffPolicyPlan`, whose module doc
-has the table per correction. This module only carries those answers out for one micro-batch.
+multiplies the loss and where it is computed) is read from the run's `algos.offpolicy_plan.OffPolicyPlan`, whose
+module doc has the table per correction. This module only carries those answers out for one micro-batch.
 """
 from dataclasses import dataclass
 
