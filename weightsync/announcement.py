@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 
 class AnnouncementError(ValueError):
-    """A weights control message that is not well formed (the message names the field)."""
+    """A weights announcement that is not well formed (the message names the field)."""
 
 
 @dataclass(frozen=True)
