@@ -210,16 +210,24 @@ class CatchupServer:
 def _ask(address: str, request: dict, timeout_s: float, keys, what: str) -> tuple[dict, list]:
     """Send one request to the catch-up server and return (its control message, the frames after it). `what` names
     the request in errors; a missing answer, a control message that is not a JSON object, or an error raise."""
+    unanswered = CatchupError(f"weight catch-up server {address} did not answer {what} within {timeout_s:.0f} s"
+                              + (" (with CURVE keys: does the learner use them, with this generator's public "
+                                 "key?)" if keys else ""))
+    deadline = time.monotonic() + timeout_s
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    # A refused CURVE handshake can take the socket's only pipe away before the send: a send without a timeout
+    # then waits forever for a peer (seen under CI load), so the send shares the request's deadline.
+    socket.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
     secure_client(socket, keys)
     socket.connect(address)
     try:
-        socket.send(json.dumps(request).encode())
-        if not socket.poll(int(timeout_s * 1000)):
-            raise CatchupError(f"weight catch-up server {address} did not answer {what} within {timeout_s:.0f} s"
-                               + (" (with CURVE keys: does the learner use them, with this generator's public "
-                                  "key?)" if keys else ""))
+        try:
+            socket.send(json.dumps(request).encode())
+        except zmq.Again:
+            raise unanswered from None
+        if not socket.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            raise unanswered
         frames = socket.recv_multipart(copy=False)
     finally:
         socket.close(linger=0)

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+import zmq
 
 from asyncrl.buffer.interface import LearnerUnavailable
 from asyncrl.buffer.staleness import Coordinator
@@ -108,6 +109,31 @@ def test_the_catch_up_server_serves_weights_only_to_known_keys(keys_dir, tmp_pat
         assert wait_for(lambda: catchup.curve.refused >= 2) and catchup.served == 1
     finally:
         publisher.close()
+
+
+def test_a_refused_key_never_hangs_the_catch_up_request(keys_dir, monkeypatch):
+    """A refused handshake can drop the request socket's only pipe before the send; a send without a deadline then
+    waited forever. A loaded machine is played by a 20 ms pause after connect: about half the tries then meet a
+    socket with no pipe (measured), so the old code hung here. Each try must end within its timeout."""
+    connect = zmq.Socket.connect
+
+    def connect_then_stall(socket, address):
+        connect(socket, address)
+        time.sleep(0.02)
+
+    monkeypatch.setattr(zmq.Socket, "connect", connect_then_stall)
+    job = str(keys_dir / "job")
+    catchup = CatchupServer("127.0.0.1", 0, keys=server_keys(job))
+    stranger = client_keys(str(keys_dir / "other"), "stranger")
+    unknown = ClientKeys(stranger.public, stranger.secret, server_keys(job).public)
+    try:
+        for _ in range(20):
+            started = time.monotonic()
+            with pytest.raises(CatchupError, match="did not answer"):
+                fetch(catchup.address, 1, lambda m: None, 0.1, keys=unknown)
+            assert time.monotonic() - started < 2.0
+    finally:
+        catchup.close()
 
 
 def test_missing_or_wrong_key_files_are_named(keys_dir, tmp_path):
