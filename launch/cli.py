@@ -3,6 +3,7 @@ commands share with `asyncrl run`'s supervisor (the job directory, the learner's
 launch/job.py. Torch and vLLM are imported only after parsing, so `--help`, `--dry-run` and `asyncrl config`
 answer fast."""
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -167,6 +168,8 @@ def main(argv=None) -> int:
     """Parse, then dispatch: the commands that read no recipe first, then load the recipe and run the command."""
     args = build_parser().parse_args(argv)
     if args.command in RECIPELESS_FUNCS:
+        if args.command in ("export", "data"):
+            quiet_third_party()
         return RECIPELESS_FUNCS[args.command](args)
     from asyncrl.configs import ConfigError, load_config, to_yaml
 
@@ -179,12 +182,30 @@ def main(argv=None) -> int:
         print(to_yaml(cfg), end="")
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    quiet_third_party()
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # run `finally` blocks: sockets, shm, MLflow flush
     try:
         return COMMAND_FUNCS[args.command](cfg, args)
     except KeyboardInterrupt:
         print(f"asyncrl {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def quiet_third_party() -> None:
+    """Silence what libraries print that a user cannot act on, through their documented switches, in the
+    environment so that every child (`asyncrl run`'s learner and generators, torchrun's ranks) inherits it; a value
+    the user set wins. transformers draws a progress bar for every model it loads or saves (a tiny model, a few ms).
+    transformers' generation code imports accelerate, which imports DeepSpeed when it is installed (the
+    `deepspeed` extra), and DeepSpeed warns "Setting accelerator to CPU" on every machine without a GPU: on such a
+    machine CPU is the only accelerator, so naming it (DS_ACCELERATOR) is what the warning asks for. With a GPU
+    DeepSpeed's own detection is left alone. Torch is imported only when DeepSpeed is installed, and only by
+    commands that import it anyway."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "DS_ACCELERATOR" not in os.environ and importlib.util.find_spec("deepspeed") is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            os.environ["DS_ACCELERATOR"] = "cpu"
 
 
 def overrides_of(args) -> list:

@@ -54,6 +54,8 @@ def test_asyncrl_sft_trains_and_saves_a_model(tmp_path, demo_assets, demo_cache,
                           "demo.sft_steps=20", "demo.num_prompts=256", "sft.steps=10", "sft.batch_size=32"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+    for noise in ("Setting accelerator", "Loading weights", "Writing model shards"):  # launch/cli.py quiet_third_party
+        assert noise not in out.stderr, out.stderr[-2000:]
     first, last = (float(x) for x in out.stdout.split("loss ")[1].split(";")[0].split(" -> "))
     assert last < first
     from transformers import AutoModelForCausalLM
