@@ -1,6 +1,6 @@
 """Learner and SFT settings (stdlib only)."""
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Optional
 
 from asyncrl.learner.lr_schedule import SCHEDULES
 
@@ -240,6 +240,9 @@ class SFTConfig:
     """Longest example in tokens (0 = no limit); what happens to longer ones is `truncation`."""
     truncation: str = "error"
     """Examples longer than max_length: "error" (stop and name the row), "drop" (skip, counted) or "right" (cut)."""
+    save_dir: Optional[str] = None
+    """Where the fine-tuned model is saved (an HF model directory, what `model.path` of the next job names); None:
+    `model/` in the job directory."""
 
     def __post_init__(self):
         if self.max_length < 0:

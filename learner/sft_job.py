@@ -140,7 +140,7 @@ def run_sft_job(cfg, model_path: str, files: list, job_dir: str, parallel: Paral
         if sft.checkpoint_every and (done % sft.checkpoint_every == 0 or done == steps):
             save_checkpoint(root, model, optimizer, scheduler, LearnerState(version=done),
                             cfg.learner.checkpoint_keep, model_dir=model_path)
-    out_dir = os.path.join(job_dir, "model")
+    out_dir = os.path.expanduser(sft.save_dir) if sft.save_dir else os.path.join(job_dir, "model")
     weights = dict(iter_full_weights(model, parallel, torch.float32, SAVE_BUCKET_BYTES))  # every rank gathers
     if parallel.is_main:
         model.save_pretrained(out_dir, state_dict=weights)
