@@ -181,3 +181,22 @@ def test_dry_run_marks_where_each_value_came_from_and_still_loads_as_the_same_co
     (tmp_path / "dry.yaml").write_text(out.stdout)
     assert load_config(str(tmp_path / "dry.yaml")) == load_config(str(tmp_path / "mine.yaml"),
                                                                   ["learner.lr=3e-4", "algo.advantage=remax"])
+
+
+def test_the_recipes_guide_in_docs_config_md_loads_as_written(tmp_path, monkeypatch):
+    """docs/config.md's inheriting recipe and each command-line spelling in its table load as they are written."""
+    import re
+    import shlex
+
+    from asyncrl.configs.reference import RECIPES_GUIDE
+
+    monkeypatch.chdir(tmp_path)
+    [recipe] = re.findall(r"```yaml\n(.*?)```", RECIPES_GUIDE, re.S)
+    cfg = load_config(write(tmp_path / "my_task.yaml", recipe))
+    assert (cfg.demo.task, cfg.job.name, cfg.rollout.n) == ("", "my-task", 8)  # rollout.n from demo_cpu.yaml
+    assert cfg.reward.functions == [RewardFunction(name="exact", path="reward.py")]
+    rows = [line for line in RECIPES_GUIDE.splitlines() if line.startswith("| ") and "`" in line]
+    spellings = [shlex.split(cell)[0] for row in rows for cell in re.findall(r"`([^`]+)`", row.split("|")[2])]
+    assert len(spellings) >= 8 and "demo.task=" in spellings
+    for item in spellings:
+        load_config(None, [item])
