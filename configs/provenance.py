@@ -22,7 +22,8 @@ def format_with_sources(loaded: LoadedConfig) -> str:
 
     tree = OmegaConf.to_container(OmegaConf.structured(loaded.config))
     defaults = OmegaConf.to_container(OmegaConf.structured(RunConfig))
-    chain = " <- ".join([*loaded.recipes, *([COMMAND_LINE] if COMMAND_LINE in {*loaded.sources.values(), *loaded.resets.values()} else [])])
+    from_command_line = COMMAND_LINE in {*loaded.sources.values(), *loaded.resets.values()}
+    chain = " <- ".join([*loaded.recipes, *([COMMAND_LINE] if from_command_line else [])])
     lines = [f"# resolved from: {chain}",
              "# a comment says where a value was set; a value without one is its default (asyncrl config KEY)"]
     lines += annotate(tree, defaults, loaded, "", 0)

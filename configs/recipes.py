@@ -124,7 +124,7 @@ def section_defaults(key: str):
 
 
 def override_layer(item: str) -> Layer:
-    """One `key=value` override as a layer. `key=` is the empty string for a text key (schema.empty_string_override)."""
+    """One `key=value` override as a layer; `key=` is the empty string for a text key (empty_string_override)."""
     from omegaconf import OmegaConf
 
     if "=" not in item:
@@ -143,10 +143,10 @@ def override_layer(item: str) -> Layer:
     return Layer(COMMAND_LINE, tree, override=item)
 
 
-def recipe_layers(path: str, chain: tuple = ()) -> List[Layer]:
+def recipe_layers(path: str) -> List[Layer]:
     """The recipe at `path` and its bases, bases first, each recipe once."""
     layers, seen = [], set()
-    for real, layer in _visit(path, chain):
+    for real, layer in _visit(path, ()):
         if real not in seen:
             seen.add(real)
             layers.append(layer)

@@ -100,7 +100,7 @@ def spell(key: str, value_text: str, cli: bool) -> str:
     return text
 
 
-def example(key: str, annotation, default) -> str:
+def example(annotation, default) -> str:
     """A value of the field's type, as YAML: its default when that says something, else a placeholder."""
     inner, _ = strip_optional(annotation)
     item = list_item(inner)
@@ -134,8 +134,8 @@ def check_shapes(tree: dict, cli: bool, prefix: str = "") -> List[str]:
             elif value is not None:
                 first = fields(inner)[0]
                 raise ConfigError(f"{key} is {describe_type(annotation)}, got {flow(value)}: set its keys, e.g. "
-                                 f"{spell(f'{key}.{first.name}', example(key, first.type, None), cli)}, or "
-                                 f"{spell(key, 'null', cli)} for its defaults")
+                                  f"{spell(f'{key}.{first.name}', example(first.type, None), cli)}, or "
+                                  f"{spell(key, 'null', cli)} for its defaults")
         elif value is None:
             if not optional:
                 raise ConfigError(null_message(key, annotation, default, cli))
@@ -144,7 +144,7 @@ def check_shapes(tree: dict, cli: bool, prefix: str = "") -> List[str]:
         elif isinstance(value, (dict, list)):
             shape = "a mapping" if isinstance(value, dict) else "a list"
             raise ConfigError(f"{key} is {describe_type(annotation)}, got {shape} {flow(value)}: e.g. "
-                              f"{spell(key, example(key, annotation, default), cli)}")
+                              f"{spell(key, example(annotation, default), cli)}")
     return nulled
 
 
@@ -154,7 +154,7 @@ def check_list(key: str, value, annotation, cli: bool) -> None:
     if not isinstance(value, list):
         got = "one mapping" if isinstance(value, dict) else "one value"
         raise ConfigError(f"{key} is {wanted}, got {got} {flow(value)}: write it as a list, "
-                         f"{spell(key, flow([value]), cli)}")
+                          f"{spell(key, flow([value]), cli)}")
     if not is_dataclass(item):
         return
     for index, entry in enumerate(value):
@@ -162,8 +162,8 @@ def check_list(key: str, value, annotation, cli: bool) -> None:
             first = fields(item)[0].name
             fixed = [entry if isinstance(other, dict) else {first: other} for other in value]
             raise ConfigError(f"{key}[{index}] must be a mapping of {item.__name__}'s keys "
-                             f"({', '.join(f.name for f in fields(item))}), got {flow(entry)}: e.g. "
-                             f"{spell(key, flow(fixed), cli)}")
+                              f"({', '.join(f.name for f in fields(item))}), got {flow(entry)}: e.g. "
+                              f"{spell(key, flow(fixed), cli)}")
         check_shapes(entry, cli, f"{key}[{index}].")
         check_item(key, index, value, item, cli)
 
@@ -179,8 +179,9 @@ def check_item(key: str, index: int, value: list, item: type, cli: bool) -> None
     unknown = [name for name in entry if name not in names]
     if unknown:
         close = difflib.get_close_matches(str(unknown[0]), names, n=1)
-        raise ConfigError(f"{key}[{index}] has no key {unknown[0]!r}" + (f" (did you mean {close[0]}?)" if close else "")
-                          + f"; {item.__name__}'s keys are {', '.join(names)}")
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"{key}[{index}] has no key {unknown[0]!r}{hint}; {item.__name__}'s keys are "
+                          f"{', '.join(names)}")
     try:
         OmegaConf.merge(OmegaConf.structured(item), entry)
     except OmegaConfBaseException as err:
@@ -204,7 +205,7 @@ def null_message(key: str, annotation, default, cli: bool) -> str:
         return f"{key} is {describe_type(annotation)} and cannot be null: for an empty list write " \
                f"{spell(key, '[]', cli)}"
     return (f"{key} is {describe_type(annotation)} and cannot be null: give one, e.g. "
-            f"{spell(key, example(key, annotation, default), cli)}")
+            f"{spell(key, example(annotation, default), cli)}")
 
 
 def empty_string_override(item: str) -> str:
@@ -226,7 +227,7 @@ def explain(key: Optional[str], message: str, given, cli: bool) -> str:
         return f"config key {key!r}: {message}" if key else message
     annotation, default = found
     return (f"{key} is {describe_type(annotation)}, got {flow(given)}: e.g. "
-            f"{spell(key, example(key, annotation, default), cli)}")
+            f"{spell(key, example(annotation, default), cli)}")
 
 
 def value_at(tree: dict, key: str):

@@ -172,7 +172,8 @@ def test_dry_run_marks_where_each_value_came_from_and_still_loads_as_the_same_co
         sections[depth:] = [name]
         lines[".".join(sections)] = line
     assert out.stdout.startswith("# resolved from: demo_cpu.yaml <- ./mine.yaml <- command line\n")
-    assert lines["job.name"].endswith("# from ./mine.yaml") and lines["buffer.groups_per_step"].endswith("# from demo_cpu.yaml")
+    assert lines["job.name"].endswith("# from ./mine.yaml")
+    assert lines["buffer.groups_per_step"].endswith("# from demo_cpu.yaml")
     assert lines["learner.lr"].split() == ["lr:", "0.0003", "#", "command", "line"]
     assert lines["demo"].endswith("# set to null in ./mine.yaml: its defaults")
     assert lines["rollout.greedy_baseline"].endswith("# set from other keys by validation")  # algo.advantage=remax
