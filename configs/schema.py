@@ -141,7 +141,7 @@ def check_shapes(tree: dict, cli: bool, prefix: str = "") -> List[str]:
                 raise ConfigError(null_message(key, annotation, default, cli))
         elif list_item(inner) is not None:
             check_list(key, value, annotation, cli)
-        elif isinstance(value, (dict, list)):
+        elif inner in TYPE_NAMES and isinstance(value, (dict, list)):  # a Dict or Any field takes them
             shape = "a mapping" if isinstance(value, dict) else "a list"
             raise ConfigError(f"{key} is {describe_type(annotation)}, got {shape} {flow(value)}: e.g. "
                               f"{spell(key, example(annotation, default), cli)}")
