@@ -211,9 +211,12 @@ def find_base(name: str, child: str) -> str:
     names = [name] if name.endswith((".yaml", ".yml")) else [name, name + ".yaml"]
     candidates = [n if os.path.isabs(n) else os.path.join(here, n) for n in names]
     candidates += [str(resources.files("asyncrl.configs").joinpath(n)) for n in names if not os.path.isabs(n)]
+    itself = [c for c in candidates if os.path.isfile(c) and os.path.realpath(c) == os.path.realpath(child)]
     for candidate in candidates:
-        if os.path.isfile(candidate) and os.path.realpath(candidate) != os.path.realpath(child):
+        if os.path.isfile(candidate) and candidate not in itself:
             return candidate
+    if itself:
+        raise ConfigError(f"recipe {display_name(child)} names itself as its base {name!r}")
     shipped = sorted(p.name for p in resources.files("asyncrl.configs").iterdir() if p.name.endswith(".yaml"))
     raise ConfigError(f"recipe {display_name(child)}: its base {name!r} is neither a file next to it "
                       f"({os.path.join(here, name)}) nor a shipped recipe ({', '.join(shipped)})")

@@ -74,6 +74,7 @@ def test_a_cycle_is_refused_naming_the_chain(tmp_path):
     ("base: {name: demo_cpu.yaml}\n", r"base \(or defaults\) is a recipe name or path, or a list of them"),
     ("base: demo_cpu.yaml\ndefaults: [demo_cpu.yaml]\n", "sets both base and defaults"),
     ("- a\n- b\n", "must be a mapping of sections"),
+    ("base: mine\n", r"mine\.yaml names itself as its base 'mine'"),
 ])
 def test_a_missing_or_malformed_base_is_an_error_naming_the_recipe(tmp_path, text, message):
     with pytest.raises(ConfigError, match=message):
