@@ -4,11 +4,10 @@ from asyncrl.configs.run_config import (  # noqa: F401
     RunConfig,
     describe_difference,
     flatten,
-    load_config,
-    recipe_path,
     shared_hash,
     shared_sections,
     training_eval_blocker,
     to_dict,
     to_yaml,
 )
+from asyncrl.configs.recipes import load_config, recipe_path  # noqa: F401

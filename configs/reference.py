@@ -135,13 +135,62 @@ def format_text(chosen: List[SectionDoc], width: int = 100) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+RECIPES_GUIDE = """\
+## Recipes, inheritance and overrides
+
+A recipe is a YAML file of sections (`--config my_task.yaml`, or the name of a shipped one: `demo_cpu.yaml`). The
+config is merged in layers: the defaults below, the recipe's bases, the recipe, then each `key=value` override in
+order; the last layer to set a key wins (`configs/recipes.py`).
+
+A recipe may inherit from others and change only what differs:
+
+```yaml
+# my_task.yaml: the CPU demo's settings, with my own model, data and reward
+base: demo_cpu.yaml        # a shipped recipe, or a path (relative to this file)
+demo: null                 # the demo section back to its defaults: no demo task
+job: {name: my-task}
+model: {path: ./my-model}
+data: {train_files: [train.parquet]}
+reward:
+  functions: [{name: exact, path: reward.py}]
+eval: {files: [heldout.parquet]}
+```
+
+- `base` is a recipe name or path, or a list of them merged in order; Hydra's spelling, `defaults: [demo_cpu.yaml,
+  _self_]`, means the same (entries after `_self_` override the recipe itself). A relative path is looked up next to
+  the recipe that names it, then among the shipped recipes; `.yaml` may be left out. Bases chain; a cycle is an
+  error naming it; a base two parents share is merged once, where it is first reached. `base` is not a config key:
+  the parts never see it.
+- A section set to null (`demo: null` in a recipe, `demo=null` on the command line) goes back to its defaults. A
+  single key may be null only where its type is `Optional` (`model.path=null`).
+- `--dry-run` (every command that reads a recipe takes it) prints the resolved config as YAML with a comment on each
+  value that is not a default, saying where it was set: `# from demo_cpu.yaml`, `# from ./my_task.yaml`, `# command
+  line`, or `# set from other keys by validation`. The output loads as a recipe.
+
+Override values are YAML; quote an override that holds brackets, braces or spaces for the shell:
+
+| value | on the command line |
+|---|---|
+| text | `job.name=my-task` |
+| the empty string | `demo.task=` (or `'demo.task=""'`) |
+| null, for an `Optional` key | `model.path=null` |
+| a list (one item is still a list) | `'data.train_files=[a.parquet,b.parquet]'`, `'eval.files=[heldout.parquet]'` |
+| a list of mappings | `'reward.functions=[{name: exact, path: reward.py}, {name: short, weight: 0.1, path: short.py}]'` |
+| a section's defaults | `demo=null` |
+
+A value of the wrong shape or type is an error naming the key, the type it wants, the value given and a spelling
+that works (`eval.files is a list of str, got one value a.parquet: write it as a list, 'eval.files=[a.parquet]'`).
+"""
+"""Prose for docs/config.md: how recipes inherit and how to spell a value (configs/recipes.py, configs/schema.py)."""
+
+
 def format_markdown() -> str:
-    """docs/config.md: one table per section."""
+    """docs/config.md: how recipes and overrides work, then one table per section."""
     out = ["# Configuration reference", "",
            f"<!-- generated from the config dataclasses' docstrings by `{REGENERATE}`; do not edit by hand -->", "",
            "Every key a recipe or a `section.key=value` override may set, with its type and default. "
            "`asyncrl config SECTION` or `asyncrl config KEY` prints the same in a terminal. Units are in each "
-           "description and in the name's suffix (`_s` seconds, `_mb` MiB, `_gib` GiB).", ""]
+           "description and in the name's suffix (`_s` seconds, `_mb` MiB, `_gib` GiB).", "", RECIPES_GUIDE]
     for section in sections():
         out += [f"## `{section.key}`", ""]
         if section.doc:

@@ -4,11 +4,9 @@ Only the stdlib and omegaconf are imported here, so `asyncrl <cmd> --help` and `
 """
 import hashlib
 import json
-import os
 import warnings
 from dataclasses import asdict, dataclass, field
-from importlib import resources
-from typing import List, Optional
+from typing import Optional
 
 from asyncrl.algos.config import GROUP_ADVANTAGES, AlgoConfig
 from asyncrl.buffer.config import BufferConfig
@@ -20,7 +18,6 @@ from asyncrl.security.config import SecurityConfig
 from asyncrl.telemetry.config import TelemetryConfig
 from asyncrl.weightsync.config import WeightSyncConfig
 
-DEFAULT_RECIPE = "demo_cpu.yaml"
 SHARED_SECTIONS = ("model", "data", "reward", "rollout", "tools", "env", "agent", "buffer", "demo", "weightsync")
 """Sections the learner and every generator must agree on; their hash is checked when a generator joins."""
 
@@ -190,53 +187,6 @@ def training_eval_blocker(cfg: "RunConfig") -> Optional[str]:
     if cfg.samples_episodes():
         return "it samples single-turn completions, and this job's prompts are episodes"
     return None
-
-
-def recipe_path(name_or_path: Optional[str]) -> str:
-    """A recipe is a file path, or the name of one shipped in `asyncrl/configs/` (e.g. `demo_cpu.yaml`)."""
-    name = name_or_path or DEFAULT_RECIPE
-    if os.path.exists(name):
-        return name
-    shipped = resources.files("asyncrl.configs").joinpath(name)
-    if shipped.is_file():
-        return str(shipped)
-    raise ConfigError(f"recipe not found: {name!r} (neither a file nor a recipe shipped in asyncrl/configs/)")
-
-
-def load_config(recipe: Optional[str] = None, overrides: Optional[List[str]] = None) -> RunConfig:
-    """Recipe YAML, then `a.b=value` overrides, validated. Unknown keys and bad values raise ConfigError."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    path = recipe_path(recipe)
-    try:
-        cfg = OmegaConf.structured(RunConfig)
-        recipe_tree = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-        cfg = OmegaConf.merge(cfg, OmegaConf.create(move_flat_keys(recipe_tree or {})))
-        for item in overrides or []:
-            if "=" not in item:
-                raise ConfigError(f"override {item!r} is not of the form key=value")
-            item = move_flat_override(item)
-            try:
-                parsed = OmegaConf.from_dotlist([item])
-            except Exception as err:  # PyYAML's errors, without importing PyYAML here (omegaconf wraps it)
-                if not type(err).__module__.startswith("yaml"):
-                    raise
-                raise ConfigError(f"override {item!r}: its value is not valid YAML "
-                                  f"({_first_line(err)}); quote or bracket it as YAML wants") from None
-            cfg = OmegaConf.merge(cfg, parsed)
-        return OmegaConf.to_object(cfg)
-    except OmegaConfBaseException as err:
-        key = getattr(err, "full_key", None)
-        raise ConfigError(f"config key {key!r}: {_first_line(err)} (recipe {path})") from None
-    except ValueError as err:  # raised by a part's __post_init__; its message names the key
-        if isinstance(err, ConfigError):
-            raise
-        raise ConfigError(f"{err} (recipe {path})") from None
-
-
-def _first_line(err: Exception) -> str:
-    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -32,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=help_text, description=help_text)
         cmd.add_argument("--config", default=None,
                          help="recipe YAML: a path, or a recipe shipped in asyncrl/configs (default demo_cpu.yaml)")
-        cmd.add_argument("--dry-run", action="store_true", help="print the resolved config as YAML and exit")
+        cmd.add_argument("--dry-run", action="store_true",
+                         help="print the resolved config as YAML, each value marked with the recipe or the command "
+                              "line that set it, and exit")
         cmd.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. buffer.max_staleness=4 learner.lr=1e-6")
         if name in ("learner", "sft"):
             add_launch_arguments(cmd, resume=True)
@@ -171,16 +173,20 @@ def main(argv=None) -> int:
         if args.command in ("export", "data"):
             quiet_third_party()
         return RECIPELESS_FUNCS[args.command](args)
-    from asyncrl.configs import ConfigError, load_config, to_yaml
+    from asyncrl.configs import ConfigError
+    from asyncrl.configs.recipes import load_with_sources
 
     try:
-        cfg = load_config(args.config, overrides_of(args))
+        loaded = load_with_sources(args.config, overrides_of(args))
     except ConfigError as err:
         print(f"asyncrl {args.command}: {err}", file=sys.stderr)
         return 2
     if args.dry_run:
-        print(to_yaml(cfg), end="")
+        from asyncrl.configs.provenance import format_with_sources
+
+        print(format_with_sources(loaded), end="")
         return 0
+    cfg = loaded.config
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     quiet_third_party()
     signal.signal(signal.SIGTERM, _exit_on_sigterm)  # run `finally` blocks: sockets, shm, MLflow flush

@@ -12,7 +12,7 @@ from asyncrl.algos.advantages import compute_gae_advantages
 from asyncrl.algos.config import AlgoConfig
 from asyncrl.algos.value_loss import compute_value_loss, explained_variance
 from asyncrl.algos.vtrace import compute_vtrace_advantages, compute_vtrace_advantages_and_targets
-from asyncrl.configs.run_config import RunConfig, load_config
+from asyncrl.configs import RunConfig, load_config
 from asyncrl.learner.batch import build_batch
 from asyncrl.learner.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from asyncrl.learner.config import CriticConfig

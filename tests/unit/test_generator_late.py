@@ -6,7 +6,7 @@ import threading
 
 from asyncrl.buffer.staleness import Coordinator
 from asyncrl.buffer.zmq.server import ZmqBufferServer
-from asyncrl.configs.run_config import load_config, shared_hash
+from asyncrl.configs import load_config, shared_hash
 from asyncrl.generator.main import run_generator_async
 from tests.conftest import free_port
 from tests.messages import run_info
