@@ -6,6 +6,7 @@ functions.
 Only stdlib at module level: launch/cli.py reads FAMILIES while building its parser, and `--help` stays fast.
 """
 import os
+import shutil
 from dataclasses import dataclass
 
 FAMILIES = ("qwen2", "qwen3", "llama")
@@ -117,10 +118,17 @@ def init_model(out_dir: str, corpus_paths: list, shape: ModelShape, spec=None, s
     corpus = read_corpus(corpus_paths)
     tokenizer, rendered = train_with_template(corpus, spec)
     model = build_model(shape, padded_vocab(len(tokenizer)), tokenizer.eos_token_id, tokenizer.pad_token_id, seed)
-    os.makedirs(out_dir, exist_ok=True)
-    save_model_dir(out_dir, model, tokenizer)
-    check_round_trip(out_dir, corpus.texts + rendered,
-                     corpus.sources + [f"the chat template's rendering of conversation {i}" for i in range(len(rendered))])
+    staging = out_dir.rstrip(os.sep) + ".init-model-tmp"  # a directory that fails the check is never in out_dir
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        save_model_dir(staging, model, tokenizer)
+        check_round_trip(staging, corpus.texts + rendered, corpus.sources +
+                         [f"the chat template's rendering of conversation {i}" for i in range(len(rendered))], name=out_dir)
+        os.makedirs(out_dir, exist_ok=True)
+        for name in os.listdir(staging):  # file by file: --force never deletes what else is in out_dir
+            os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return InitResult(os.path.abspath(out_dir), shape.family, sum(p.numel() for p in model.parameters()),
                       len(tokenizer), model.config.vocab_size, len(corpus.texts), len(rendered))
 

@@ -99,10 +99,10 @@ def train_tokenizer(corpus: list, spec: TokenizerSpec):
     return fast
 
 
-def check_round_trip(model_dir: str, texts: list, sources: list | None = None) -> None:
+def check_round_trip(model_dir: str, texts: list, sources: list | None = None, name: str | None = None) -> None:
     """The tokenizer as every part loads it (AutoTokenizer) must give each text back exactly; the first that does
-    not raises TokenizerRoundTripError naming where it came from (`sources[i]`), the first character that differs
-    and what to do."""
+    not raises TokenizerRoundTripError naming the model (`name`, else `model_dir`), where the text came from
+    (`sources[i]`), the first character that differs and what to do."""
     from asyncrl.learner.model import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
@@ -113,14 +113,14 @@ def check_round_trip(model_dir: str, texts: list, sources: list | None = None) -
         for offset, back in enumerate(tokenizer.batch_decode(ids)):
             if back != chunk[offset]:
                 where = sources[start + offset] if sources else f"text {start + offset}"
-                raise TokenizerRoundTripError(describe_mismatch(model_dir, type(tokenizer).__name__,
+                raise TokenizerRoundTripError(describe_mismatch(name or model_dir, type(tokenizer).__name__,
                                                                 chunk[offset], back, where))
 
 
-def describe_mismatch(model_dir: str, loaded_as: str, text: str, back: str, where: str) -> str:
+def describe_mismatch(name: str, loaded_as: str, text: str, back: str, where: str) -> str:
     at = next((i for i, (a, b) in enumerate(zip(text, back)) if a != b), min(len(text), len(back)))
     char = text[at] if at < len(text) else ""
-    head = (f"the tokenizer in {model_dir}, loaded as every part loads it ({loaded_as}), does not give back the "
+    head = (f"the tokenizer of {name}, loaded as every part loads it ({loaded_as}), does not give back the "
             f"text of {where}: {text[max(0, at - 20):at + 40]!r} came back as {back[max(0, at - 20):at + 40]!r}")
     if unicodedata.normalize("NFC", text) == back:
         return (f"{head}. The text is not in Unicode NFC form and {loaded_as} normalizes to NFC: normalize your "
