@@ -168,9 +168,9 @@ def cmd_init_model(args) -> int:
     print(f"init-model: wrote {built.path}: {built.family}, {built.parameters:,} parameters, {built.tokens} tokens "
           f"(vocabulary padded to {built.vocab_size}); the tokenizer gives back all {built.texts} corpus texts and "
           f"{built.rendered} chat renderings")
-    rows = [path for path in args.corpus if path.endswith((".parquet"))] or ["train.parquet"]
-    print(f"next: asyncrl sft model.path={built.path} data.train_files=[{','.join(rows)}]  (warm it up; "
-          f"then asyncrl run with model.path=<the SFT model>)")
+    rows = next((path for path in args.corpus if path.endswith(".parquet")), "train.parquet")
+    print(f"next: asyncrl sft model.path={built.path} data.train_files=[{rows}]  (warm it up on your training "
+          f"rows, not the held-out ones; then asyncrl run with model.path=<the SFT model>)")
     return 0
 
 

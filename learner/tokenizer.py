@@ -56,7 +56,10 @@ class TokenizerSpec:
         if missing:
             raise ValueError(f"special_tokens {self.special_tokens} lack {missing}")
         if self.model == "bpe" and self.vocab_size < 1:
-            raise ValueError("a bpe tokenizer needs vocab_size >= 1 (the vocabulary its merges stop at)")
+            raise ValueError("a bpe tokenizer needs a vocabulary size its merges stop at: --vocab-size N (N >= 1)")
+        if self.model != "bpe" and self.vocab_size:
+            raise ValueError("a vocabulary size (--vocab-size) is for the bpe tokenizer only (--tokenizer bpe); "
+                             "a character tokenizer's vocabulary is the corpus's characters")
 
 
 class TokenizerRoundTripError(RuntimeError):

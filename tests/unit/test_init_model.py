@@ -118,6 +118,10 @@ def test_unsupported_families_and_shapes_are_refused_naming_what_works():
         ModelShape("gpt2")
     with pytest.raises(InitModelError, match="--heads"):
         ModelShape("qwen2", hidden_size=96, heads=5)
+    with pytest.raises(ValueError, match="--vocab-size N"):
+        TokenizerSpec(model="bpe")
+    with pytest.raises(ValueError, match="--tokenizer bpe"):
+        TokenizerSpec(vocab_size=100)
 
 
 def test_a_qwen2_is_exactly_build_qwen2s_so_the_demos_cached_assets_stay_valid():
