@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_parser(sub)
     add_keys_parser(sub)
     add_config_parser(sub)
+    add_init_model_parser(sub)
     return parser
 
 
@@ -120,6 +121,60 @@ def add_config_parser(sub) -> None:
     cmd.add_argument("key", nargs="?", default=None, help="a section (buffer, buffer.redis) or a key "
                                                             "(buffer.max_staleness); all sections without one")
     cmd.add_argument("--markdown", action="store_true", help="all sections as the Markdown of docs/config.md")
+
+
+def add_init_model_parser(sub) -> None:
+    """`init-model` writes a new model directory from text files (learner/init_model.py); it reads no recipe."""
+    from asyncrl.learner.init_model import FAMILIES, ModelShape
+
+    help_text = ("build a tokenizer from your task's text and a small random-init model of a supported family, as "
+                 "an HF model directory (then `asyncrl sft ... model.path=DIR` warms it up)")
+    cmd = sub.add_parser("init-model", help=help_text, description=help_text)
+    cmd.add_argument("--out", required=True, help="the model directory to write")
+    cmd.add_argument("--corpus", required=True, nargs="+", action="extend", metavar="FILE",
+                     help="the task's text: verl or chat rows (.parquet, .jsonl) or plain text; every character the "
+                          "task uses must be in it (repeat or list several files)")
+    cmd.add_argument("--family", default="qwen2", choices=FAMILIES, help="model family (default qwen2)")
+    cmd.add_argument("--hidden", type=int, default=ModelShape.hidden_size, help="hidden size (default %(default)s)")
+    cmd.add_argument("--layers", type=int, default=ModelShape.num_layers, help="decoder layers (default %(default)s)")
+    cmd.add_argument("--heads", type=int, default=0, help="attention heads (default: hidden / 32)")
+    cmd.add_argument("--kv-heads", type=int, default=0, help="key/value heads (default: as many as --heads)")
+    cmd.add_argument("--max-positions", type=int, default=ModelShape.max_positions,
+                     help="longest prompt + response in tokens (default %(default)s)")
+    cmd.add_argument("--tokenizer", default="char", choices=["char", "bpe"],
+                     help="char: one token per character (byte-level, no merges; default); bpe: frequent words and "
+                          "pieces become tokens, up to --vocab-size")
+    cmd.add_argument("--vocab-size", type=int, default=0, help="bpe only: the vocabulary its merges stop at")
+    cmd.add_argument("--all-bytes", action="store_true",
+                     help="put all 256 byte symbols in the vocabulary, so text with characters the corpus lacks "
+                          "still round-trips (~200 more tokens)")
+    cmd.add_argument("--chat-template", default=None, metavar="FILE",
+                     help="a Jinja chat template file (default: Qwen-style <|im_start|>role ... <|im_end|>)")
+    cmd.add_argument("--seed", type=int, default=0, help="seed of the random initialisation (default 0)")
+    cmd.add_argument("--force", action="store_true", help="overwrite a model already in --out")
+
+
+def cmd_init_model(args) -> int:
+    from asyncrl.data.corpus import CorpusError
+    from asyncrl.learner.init_model import InitModelError, ModelShape, init_model
+    from asyncrl.learner.tokenizer import TokenizerRoundTripError, TokenizerSpec
+
+    try:
+        template = open(args.chat_template, encoding="utf-8").read() if args.chat_template else None
+        spec = TokenizerSpec(model="bpe" if args.tokenizer == "bpe" else "byte_level", vocab_size=args.vocab_size,
+                             all_bytes=args.all_bytes, **({"chat_template": template} if template else {}))
+        shape = ModelShape(args.family, args.hidden, args.layers, args.heads, args.kv_heads, args.max_positions)
+        built = init_model(args.out, args.corpus, shape, spec, args.seed, overwrite=args.force)
+    except (CorpusError, InitModelError, TokenizerRoundTripError, ValueError, OSError) as err:
+        print(f"asyncrl init-model: {err}", file=sys.stderr)
+        return 2
+    print(f"init-model: wrote {built.path}: {built.family}, {built.parameters:,} parameters, {built.tokens} tokens "
+          f"(vocabulary padded to {built.vocab_size}); the tokenizer gives back all {built.texts} corpus texts and "
+          f"{built.rendered} chat renderings")
+    rows = next((path for path in args.corpus if path.endswith(".parquet")), "train.parquet")
+    print(f"next: asyncrl sft model.path={built.path} data.train_files=[{rows}]  (warm it up on your training "
+          f"rows, not the held-out ones; then asyncrl run with model.path=<the SFT model>)")
+    return 0
 
 
 def cmd_config(args) -> int:
@@ -384,7 +439,8 @@ def cmd_slurm(cfg, args) -> int:
     return slurm_command(cfg, args)
 
 
-RECIPELESS_FUNCS = {"export": cmd_export, "data": cmd_data, "keys": cmd_keys, "config": cmd_config}
+RECIPELESS_FUNCS = {"export": cmd_export, "data": cmd_data, "keys": cmd_keys, "config": cmd_config,
+                    "init-model": cmd_init_model}
 """Commands that read no recipe (no --config, no overrides)."""
 COMMAND_FUNCS = {"run": cmd_run, "learner": cmd_learner, "generator": cmd_generator, "sft": cmd_sft,
                  "eval": cmd_eval, "reward-server": cmd_reward_server, "plan": cmd_plan, "slurm": cmd_slurm}

@@ -87,64 +87,40 @@ def write_dataset(task, path: str, num_prompts: int, seed: int) -> None:
                    os.path.join(os.path.dirname(path), "sft.parquet"))
 
 
+def tokenizer_spec(task):
+    """The task's tokenizer settings for learner/tokenizer.py. `task.TOKENIZER_MODEL` is `byte_level` (a character
+    tokenizer any text survives) or `word_level` (the sort task's original one, kept so its cached assets and
+    measured numbers stay valid: a word-level vocabulary survives Qwen2Tokenizer only for text without whitespace,
+    which `check_round_trip` verifies)."""
+    from asyncrl.learner.tokenizer import TokenizerSpec
+
+    return TokenizerSpec(model=task.TOKENIZER_MODEL, special_tokens=tuple(task.SPECIAL_TOKENS), eos=task.EOS,
+                         added_tokens=tuple(task.ADDED_TOKENS), chat_template=task.CHAT_TEMPLATE)
+
+
 def train_char_tokenizer(task, corpus: list):
-    """A character-level tokenizer trained on the task's text: every character of the corpus is one token, and
-    so is each of the task's special and added tokens (`<|im_end|>`, `<tool_call>`).
+    """A character-level tokenizer trained on the task's text (learner/tokenizer.py::train_tokenizer): every
+    character of the corpus is one token, and so is each of the task's special and added tokens."""
+    from asyncrl.learner.tokenizer import train_tokenizer
 
-    `task.TOKENIZER_MODEL` is `byte_level` (a byte-level BPE with no merges, so one token per character: what
-    transformers rebuilds for a Qwen2 model directory, whose AutoTokenizer is always Qwen2Tokenizer, byte-level;
-    any text survives the round trip) or `word_level` (the sort task's original one, kept so its cached assets
-    and measured numbers stay valid: a word-level vocabulary survives Qwen2Tokenizer only for text without
-    whitespace, which `check_round_trip` verifies)."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    if task.TOKENIZER_MODEL == "byte_level":
-        tokenizer = Tokenizer(models.BPE())
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        tokenizer.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=1, special_tokens=task.SPECIAL_TOKENS, show_progress=False)
-    else:
-        tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
-        tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-        tokenizer.decoder = decoders.Fuse()
-        trainer = trainers.WordLevelTrainer(special_tokens=task.SPECIAL_TOKENS)
-    tokenizer.train_from_iterator(corpus, trainer)
-    if task.ADDED_TOKENS:
-        tokenizer.add_tokens([AddedToken(text, special=False, normalized=False) for text in task.ADDED_TOKENS])
-    others = [token for token in task.SPECIAL_TOKENS if token not in (task.EOS, "<pad>", "<unk>")]
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=task.EOS, pad_token="<pad>",
-                                   unk_token="<unk>", additional_special_tokens=others)
-    fast.chat_template = task.CHAT_TEMPLATE
-    return fast
-
-
-def check_round_trip(model_dir: str, texts: list) -> None:
-    """The tokenizer as every part loads it (AutoTokenizer) must give back the task's text exactly."""
-    from asyncrl.learner.model import load_tokenizer
-
-    tokenizer = load_tokenizer(model_dir)
-    for text in texts:
-        back = tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if back != text:
-            raise RuntimeError(f"demo tokenizer in {model_dir} ({type(tokenizer).__name__}) does not round-trip "
-                               f"the task's text: {text[:60]!r} came back as {back[:60]!r}")
+    return train_tokenizer(corpus, tokenizer_spec(task))
 
 
 def build_base_model(task, out_dir: str, demo_cfg, seed: int) -> None:
-    from asyncrl.learner.model import build_qwen2, build_qwen2_05b
+    """The demo's random-init model (learner/init_model.py, as `asyncrl init-model` builds one) and tokenizer."""
+    from asyncrl.learner.init_model import ModelShape, build_model, padded_vocab, save_model_dir
+    from asyncrl.learner.model import build_qwen2_05b
+    from asyncrl.learner.tokenizer import check_round_trip
 
     tokenizer = train_char_tokenizer(task, task.tokenizer_corpus(seed))
-    vocab = ((len(tokenizer) + 15) // 16) * 16  # padded; ids >= len(tokenizer) are never sampled after SFT
+    vocab = padded_vocab(len(tokenizer))
     if demo_cfg.model_shape == "qwen2-0.5b":
         model = build_qwen2_05b(vocab, tokenizer.eos_token_id, tokenizer.pad_token_id, seed,
                                 max_positions=task.MAX_POSITIONS)
     else:
-        model = build_qwen2(vocab, demo_cfg.hidden_size, demo_cfg.num_layers, tokenizer.eos_token_id,
-                            tokenizer.pad_token_id, seed, max_positions=task.MAX_POSITIONS)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+        shape = ModelShape("qwen2", demo_cfg.hidden_size, demo_cfg.num_layers, max_positions=task.MAX_POSITIONS)
+        model = build_model(shape, vocab, tokenizer.eos_token_id, tokenizer.pad_token_id, seed)
+    save_model_dir(out_dir, model, tokenizer)
     check_round_trip(out_dir, task.tokenizer_corpus(seed)[:20])
 
 
