@@ -172,8 +172,9 @@ def cmd_init_model(args) -> int:
           f"(vocabulary padded to {built.vocab_size}); the tokenizer gives back all {built.texts} corpus texts and "
           f"{built.rendered} chat renderings")
     rows = next((path for path in args.corpus if path.endswith(".parquet")), "train.parquet")
-    print(f"next: asyncrl sft model.path={built.path} data.train_files=[{rows}]  (warm it up on your training "
-          f"rows, not the held-out ones; then asyncrl run with model.path=<the SFT model>)")
+    print(f"next: asyncrl sft model.path={built.path} data.train_files=[{rows}] sft.save_dir={built.path}-sft  "
+          f"(warm it up on your training rows, not the held-out ones; then asyncrl run with "
+          f"model.path={built.path}-sft)")
     return 0
 
 
@@ -225,7 +226,7 @@ def main(argv=None) -> int:
     """Parse, then dispatch: the commands that read no recipe first, then load the recipe and run the command."""
     args = build_parser().parse_args(argv)
     if args.command in RECIPELESS_FUNCS:
-        if args.command in ("export", "data"):
+        if args.command in ("export", "data", "init-model"):
             quiet_third_party()
         return RECIPELESS_FUNCS[args.command](args)
     from asyncrl.configs import ConfigError
