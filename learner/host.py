@@ -117,6 +117,7 @@ class LearnerHost:
         metrics["buffer/consumed_total"] = float(state.groups_consumed)
         metrics["learner/skipped_steps"] = float(state.skipped_steps)
         metrics.update(component_means(groups, self.reward_names))
+        metrics.update(self.buffer.take_sampled())  # every group sampled since the last step, not only these
         self.record.log_step(state.version, groups, metrics, collected.wait_s)
 
     def finish_evals(self) -> None:

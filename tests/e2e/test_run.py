@@ -14,8 +14,8 @@ from tests.e2e.jobs import common_overrides, job_env, mlflow_metric_keys, read_p
 REQUIRED_METRICS = ("reward/mean", "loss/pg", "buffer/staleness/mean", "buffer/staleness/max",
                     "offpolicy/mismatch_k3", "perf/learner/tokens_per_s", "perf/generator/tokens_per_s",
                     "timing/weightsync/publish_s", "timing/learner/idle_frac", "gen-0/timing/generator/idle_frac",
-                    "reward/sampled_mean", "gen-0/perf/generator/tokens_per_s", "RL overview/01 reward",
-                    "RL overview/10 generator idle frac", "system/learner/cpu_utilization_percentage",
+                    "reward/sampled_mean", "gen-0/perf/generator/tokens_per_s", "RL overview/01 reward sampled",
+                    "RL overview/11 generator idle frac", "system/learner/cpu_utilization_percentage",
                     "system/learner/system_memory_usage_megabytes", "system/gen-0/cpu_utilization_percentage")
 """Counters (buffer/dropped/*, generator/filtered_groups) reach MLflow only when they change: see
 test_asyncrl_run_trains_logs_to_mlflow_and_respects_eta."""
