@@ -85,8 +85,8 @@ def collect_batch(buffer, groups_per_step: int, max_staleness: int, trained_vers
     Staleness is measured against `trained_version` (optimizer steps done, buffer/staleness.py), not the
     published one. Dropped groups are counted and given back. A wait longer than `report_every_s` says why in the
     log, again each `report_every_s`, so a starved learner is never silent until its timeout. `watch()`, called
-    before each take (so at least once a second), may stop the wait with an error of its own (learner/learnable.py: a job whose
-    groups all score alike)."""
+    before each take (so at least once a second), may stop the wait with an error of its own
+    (learner/learnable.py: a job whose groups all score alike)."""
     started = time.monotonic()
     next_report = started + report_every_s
     out = Collected(groups=[])

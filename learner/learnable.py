@@ -12,9 +12,9 @@ learns and later saturates (every group all 1) is not a broken job.
 
 The decision is on evidence, not time. A policy that solves a prompt with probability p per sample gives a group of
 n samples that all score alike with probability about 1 - n p for small p, so N groups all alike with about
-(1 - n p)^N: for the default N = 1024, 3e-5 at n = 2 and p = 0.005 (the e2e tests' 20-step warm start
-samples 0.5% correct answers: at N = 256 it would trip 8% of the time), 1e-9 at n = 4. A job that cannot learn drops 1024 groups
-in about 20 s on the CPU demo (the user's job above dropped 50 a second).
+(1 - n p)^N: for the default N = 1024, 3e-5 at n = 2 and p = 0.005 (the e2e tests' 20-step warm start samples 0.5%
+correct answers: at N = 256 it would trip 8% of the time), 1e-9 at n = 4. A job that cannot learn drops 1024
+groups in about 20 s on the CPU demo (the user's job above dropped 50 a second).
 """
 import logging
 from collections.abc import Callable

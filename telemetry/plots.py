@@ -21,8 +21,8 @@ import time
 
 log = logging.getLogger(__name__)
 
-LEARNER_KEYS = ("reward/sampled_mean", "reward/mean", "eval/all/mean_reward", "buffer/staleness/mean", "buffer/staleness/max",
-                "offpolicy/mismatch_k3", "offpolicy/is_weight/ess", "offpolicy/is_weight/max",
+LEARNER_KEYS = ("reward/sampled_mean", "reward/mean", "eval/all/mean_reward", "buffer/staleness/mean",
+                "buffer/staleness/max", "offpolicy/mismatch_k3", "offpolicy/is_weight/ess", "offpolicy/is_weight/max",
                 "offpolicy/masked_frac", "perf/learner/tokens_per_s", "timing/learner/idle_frac")
 GENERATOR_KEYS = ("perf/generator/tokens_per_s", "timing/generator/idle_frac")
 """Logged by each generator under its own prefix (`gen-0/perf/generator/tokens_per_s`)."""

@@ -39,7 +39,8 @@ def assert_heard_two_filtered_and_one_taken(server) -> None:
     assert (seen.groups, seen.varied_groups, seen.equal_values) == (3, 1, ((0.0, 1), (1.0, 1)))
     window = server.take_sampled()
     assert window["reward/sampled_mean"] == pytest.approx(3 / 6)  # (0 + 0) + (1 + 1) + (1 + 0) over 6 samples
-    assert window["reward/sampled_groups"] == 3.0 and window["reward/sampled_frac_zero_std_groups"] == pytest.approx(2 / 3)
+    assert window["reward/sampled_groups"] == 3.0
+    assert window["reward/sampled_frac_zero_std_groups"] == pytest.approx(2 / 3)
     assert server.take_sampled() == {}  # the next step's window starts empty
     assert server.rejected.get("release_rewards") == len(HOSTILE)
 
