@@ -33,19 +33,25 @@ def push_sampled(client, keys: dict, generator_id: str, rewards: list) -> None:
 
 
 def drain_sampled(client, keys: dict, tally, rejections, group_size: int | None) -> int:
-    """Move what generators appended into `tally` (buffer/sampled.py SampledRewards), in one transaction (read the
-    head, trim it off); each bad entry is counted on `rejections` (RejectionLog). Returns the entries read."""
-    pipe = client.pipeline(transaction=True)
-    pipe.lrange(sampled_key(keys), 0, DRAIN_MAX - 1)
-    pipe.ltrim(sampled_key(keys), DRAIN_MAX, -1)
-    raw, _ = pipe.execute()
-    for entry in raw:
-        generator, rewards, problem = parse_entry(entry, group_size)
-        if problem is None:
-            tally.add(rewards)
-        else:
-            rejections.reject("release_rewards", generator, problem)
-    return len(raw)
+    """Move what generators appended into `tally` (buffer/sampled.py SampledRewards), DRAIN_MAX entries per
+    transaction (read the head, trim it off) until the list is empty, at most MAX_PENDING entries a call; each bad
+    entry is counted on `rejections` (RejectionLog). Returns the entries read."""
+    read = 0
+    while read < MAX_PENDING:
+        pipe = client.pipeline(transaction=True)
+        pipe.lrange(sampled_key(keys), 0, DRAIN_MAX - 1)
+        pipe.ltrim(sampled_key(keys), DRAIN_MAX, -1)
+        raw, _ = pipe.execute()
+        for entry in raw:
+            generator, rewards, problem = parse_entry(entry, group_size)
+            if problem is None:
+                tally.add(rewards)
+            else:
+                rejections.reject("release_rewards", generator, problem)
+        read += len(raw)
+        if len(raw) < DRAIN_MAX:
+            break
+    return read
 
 
 def parse_entry(entry: bytes, group_size: int | None) -> tuple:

@@ -4,6 +4,7 @@ carries is hostile input: NaN, strings, huge lists and the like are counted unde
 and ignored, and the buffer keeps serving."""
 import asyncio
 import json
+import logging
 import time
 import uuid
 
@@ -121,3 +122,28 @@ def test_redis_release_carries_a_filtered_groups_rewards_and_hostile_entries_are
     finally:
         generator.close()
         server.close()
+
+
+@pytest.mark.redis
+def test_redis_drains_every_filtered_group_of_a_step_however_many_and_keeps_the_list_bounded(redis_server):
+    """A big fleet filters thousands of groups a step: one drain reads them all (DRAIN_MAX at a time), and what a
+    learner that is gone leaves behind is capped at MAX_PENDING entries."""
+    from asyncrl.buffer.redis.conn import RedisOptions, connect
+    from asyncrl.buffer.redis.sampled import DRAIN_MAX, MAX_PENDING, drain_sampled, push_sampled, sampled_key
+    from asyncrl.buffer.redis.stream import job_keys
+    from asyncrl.buffer.sampled import SampledRewards
+    from asyncrl.telemetry.rejections import RejectionLog
+
+    client = connect(RedisOptions(redis_server.url))
+    keys = job_keys(uuid.uuid4().hex[:8])
+    try:
+        count = 2 * DRAIN_MAX + 7
+        client.rpush(sampled_key(keys), *[json.dumps(["gen-a", [1.0, 1.0]])] * count)
+        tally = SampledRewards()
+        assert drain_sampled(client, keys, tally, RejectionLog(logging.getLogger(__name__), "entry"), group_size=2) == count
+        assert tally.seen().groups == count and client.llen(sampled_key(keys)) == 0
+        client.rpush(sampled_key(keys), *[json.dumps(["gen-a", [0.0, 0.0]])] * MAX_PENDING)
+        push_sampled(client, keys, "gen-a", [1.0, 1.0])
+        assert client.llen(sampled_key(keys)) == MAX_PENDING
+    finally:
+        client.close()
