@@ -104,6 +104,8 @@ def collect_batch(buffer, groups_per_step: int, max_staleness: int, trained_vers
         group = buffer.take(min(remaining, 0.2 if data_done is not None else 1.0))
         if group is None:
             if data_done is not None and data_done():
+                if watch is not None and not out.groups:  # all the data gave, and nothing to train on
+                    watch(data_ended=True)
                 out.final = True
                 break
             continue

@@ -65,15 +65,17 @@ class LearnableWatch:
     dynamic_sampling: bool
     armed: bool = True
 
-    def check(self, may_stop: bool = True) -> None:
+    def check(self, may_stop: bool = True, data_ended: bool = False) -> None:
         """Raise NothingToLearn (dynamic sampling, where `may_stop`: rank 0 while it collects a batch, whose errors
-        reach the other ranks), or warn once, when the job cannot learn."""
+        reach the other ranks), or warn once, when the job cannot learn. `data_ended`: the last epoch's prompts
+        (data.epochs) are all taken with the batch still empty; then every group the data gave is the evidence,
+        however few (else the job would end with no step and nothing said)."""
         if not self.armed or self.after_groups <= 0:
             return
         seen = self.sampled_so_far()
         if seen.varied_groups:
             self.armed = False
-        elif is_unlearnable(seen, self.after_groups):
+        elif is_unlearnable(seen, 1 if data_ended else self.after_groups):
             message = unlearnable_message(seen, self.after_groups, self.dynamic_sampling)
             if self.dynamic_sampling and may_stop:
                 raise NothingToLearn(message)

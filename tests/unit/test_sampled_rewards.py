@@ -139,3 +139,17 @@ def test_the_closing_summary_prints_the_sampled_reward_first_and_names_the_train
     assert lines[0] == "reward of every group sampled: first 2 steps 0.200 -> last 2 steps 0.600 (4 steps)"
     assert lines[1] == "reward of the trained groups: first 2 steps 0.500 -> last 2 steps 0.850 (4 steps)"
     assert first_and_last("sampled_reward", [], 1) == {"sampled_reward_first": None, "sampled_reward_last": None}
+
+
+def test_when_the_data_ends_before_enough_groups_every_group_it_gave_is_the_evidence():
+    """data.epochs ran out with every group filtered: the job would end with no step and nothing said."""
+    server = TallyingServer([make_group([1, 1, 1]) for _ in range(3)])
+    watch = LearnableWatch(server.sampled.seen, 1024, dynamic_sampling=True)
+    with pytest.raises(NothingToLearn, match="3 groups sampled, all with equal rewards: 3 at 1.0"):
+        collect_batch(server, 2, 1, 0, timeout_s=600, batch_filter=BatchFilter(dynamic_sampling=True),
+                      data_done=lambda: server.groups.empty(), watch=watch.check)
+    varied = TallyingServer([make_group([0, 1, 1])])
+    out = collect_batch(varied, 2, 1, 0, timeout_s=600, batch_filter=BatchFilter(dynamic_sampling=True),
+                        data_done=lambda: varied.groups.empty(),
+                        watch=LearnableWatch(varied.sampled.seen, 1024, dynamic_sampling=True).check)
+    assert out.final and len(out.groups) == 1  # the last, short batch of a job that learns: as before
