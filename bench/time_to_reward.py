@@ -60,9 +60,9 @@ def reward_at_budget(elapsed: list, rewards: list, budget_s: float, window: int)
 
 
 def row_reward(row: dict) -> float:
-    """The reward of what the policy sampled: the fleet's `reward/sampled_mean` where the row has it (the learner's
-    `reward/mean` covers only the groups it trained on, and dynamic sampling drops the all-0 and all-1 ones), else
-    `reward/mean` (TRL's rows, and an asyncrl row before the first generator report)."""
+    """The reward of what the policy sampled: `reward/sampled_mean` where the row has it (every group sampled since
+    the previous step, buffer/sampled.py; the learner's `reward/mean` covers only the groups it trained on, and
+    dynamic sampling drops the all-0 and all-1 ones), else `reward/mean` (rows written before asyncrl logged it)."""
     return row.get("reward/sampled_mean", row["reward/mean"])
 
 

@@ -7,7 +7,8 @@ warmup then constant, AdamW, grad clip, PPO clip ε = 0.2 / 0.28 with one update
 (`loss_type="dapo"`), no KL (`beta=0`), generation with HF `generate`. Not dynamic sampling: GRPOTrainer has no
 zero-variance filter, so its batches keep the groups that teach nothing (its reward is over everything it sampled,
 like asyncrl's `reward/sampled_mean`). Each step is appended to
-`<job dir>/progress.jsonl` in asyncrl's format (step, elapsed_s, reward/mean), so both sides are read alike. Usage:
+`<job dir>/progress.jsonl` in asyncrl's format (step, elapsed_s, reward/sampled_mean and reward/mean, the same
+number: every group is trained), so both sides are read alike. Usage:
     python -m asyncrl.bench.trl_grpo --job-dir DIR --seed S --steps N [overrides...]
 """
 import argparse
@@ -53,7 +54,9 @@ class ProgressWriter:
         self.callback = Callback()
 
     def write(self, step: int, logs: dict) -> None:
-        row = {"step": step, "elapsed_s": time.monotonic() - self.started, "reward/mean": float(logs["reward"])}
+        reward = float(logs["reward"])
+        row = {"step": step, "elapsed_s": time.monotonic() - self.started, "reward/sampled_mean": reward,
+               "reward/mean": reward}
         with open(self.path, "a") as handle:
             handle.write(json.dumps(row) + "\n")
 

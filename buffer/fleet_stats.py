@@ -27,10 +27,6 @@ def fleet_metrics(reports: list) -> dict:
     """From `reports` (each live generator's latest):
     - perf/generator/tokens_per_s, summed;
     - timing/generator/idle_frac, averaged over those that report it (absent when none does);
-    - reward/sampled_mean: the mean of their `reward/mean`, the reward of everything they sampled in their last
-      report window. The learner's own reward/mean is over the groups it trained on, which dynamic sampling
-      biases (it drops the all-0 and the all-1 groups); this one is the policy's, as a peer without the filter
-      would report it (absent when no report has a reward yet);
     - generator/filtered_groups: the zero-variance groups they dropped before sending (algo.dynamic_sampling),
       summed, since each started;
     - episodes: EPISODE_MEANS and `rollout/tool_use_frac` (clamped) averaged, EPISODE_TOTALS and the error
@@ -40,9 +36,6 @@ def fleet_metrics(reports: list) -> dict:
             if "timing/generator/idle_frac" in report]
     if idle:
         out["timing/generator/idle_frac"] = sum(idle) / len(idle)
-    rewards = [float(report["reward/mean"]) for report in reports if "reward/mean" in report]
-    if rewards:
-        out["reward/sampled_mean"] = sum(rewards) / len(rewards)
     if any("generator/filtered_groups" in report for report in reports):
         out["generator/filtered_groups"] = _total(reports, "generator/filtered_groups")
     for key in EPISODE_MEANS + ("rollout/tool_use_frac",):

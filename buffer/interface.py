@@ -212,11 +212,14 @@ class GeneratorBuffer(Protocol):
         """Deliver one encoded group (buffer/codec.py); idempotent on group_id. `deal`: the id of the dealt prompt
         it answers (buffer/dealing.py), "" when none was dealt."""
 
-    async def release(self, count: int = 1, deals: list | None = None, outcome: str = "unused") -> Status:
+    async def release(self, count: int = 1, deals: list | None = None, outcome: str = "unused",
+                      rewards: list | None = None) -> Status:
         """Give back `count` admissions this generator holds and will not deliver (groups its own filter dropped,
         algo.dynamic_sampling), so their capacity returns now; never more than it holds. `deals`: the dealt
         prompts' ids, and what became of them (`outcome`): `unused` grants go back to the epoch, `zero_variance`
-        and `skipped` prompts are consumed (buffer/dealing.py)."""
+        and `skipped` prompts are consumed (buffer/dealing.py). `rewards`: the rewards of the one group the
+        generator sampled and dropped (`count` 1), so the learner's reward of what the policy sampled counts it
+        (buffer/sampled.py); None when no group was sampled."""
 
     async def eval_done(self, deal_id: str, rewards: list | None, lengths: list | None) -> Status:
         """The result of an `EvalTask`: its n rewards and completion lengths; None, None gives it back (the
@@ -260,6 +263,14 @@ class LearnerBuffer(Protocol):
     def take(self, timeout_s: float):
         """The next valid `Group`, or None after `timeout_s`. Invalid groups met on the way are rejected, counted
         under buffer/rejected/<reason> and logged; they never reach the caller."""
+
+    def take_sampled(self) -> dict:
+        """The reward of every group the policy sampled that this buffer heard of since the last call (taken, or
+        dropped by its generator with its rewards in the release), as a step's `reward/sampled_*` metrics
+        (buffer/sampled.py); {} when there was none."""
+
+    def sampled_so_far(self):
+        """buffer/sampled.py SampledSoFar: every group heard of since the learner started (for learner/learnable.py)."""
 
     def give_back(self, group, reason: str = "stale") -> None:
         """A taken group that will never be trained (`reason`: stale, zero_variance, ...): its admission frees

@@ -194,7 +194,9 @@ class RolloutLoop:
                 continue
             if self.drop_zero_variance and group.zero_variance():
                 self.stats.filtered_groups += 1  # its rewards are in stats.rewards: reward/mean is the fleet's
-                self.note_reply(await self.client.release(1, deals=deals, outcome="zero_variance"))
+                # and in the release: the learner's reward/sampled_mean counts every group sampled (buffer/sampled.py)
+                self.note_reply(await self.client.release(1, deals=deals, outcome="zero_variance",
+                                                          rewards=group.rewards()))
                 continue
             await self._send(group)
 

@@ -333,6 +333,7 @@ def cmd_learner(cfg, args) -> int:
     from asyncrl.buffer.dealing import DealError
     from asyncrl.data.prompts import DatasetError
     from asyncrl.learner.checkpoint import CheckpointError
+    from asyncrl.learner.learnable import NothingToLearn
     from asyncrl.learner.loop import TrainingPoisoned, run_learner
     from asyncrl.security.curve import KeysError
 
@@ -341,7 +342,7 @@ def cmd_learner(cfg, args) -> int:
             prompts, eval_prompts = load_learner_prompts(cfg, model_path, files) if parallel.is_main else (None, None)
             summary = run_learner(cfg, model_path, files, job_dir, parallel, prompts=prompts,
                                   eval_prompts=eval_prompts)
-        except TrainingPoisoned as err:
+        except (TrainingPoisoned, NothingToLearn) as err:
             print(f"asyncrl learner: {err}", file=sys.stderr)
             return 1
         if summary is not None:

@@ -145,13 +145,17 @@ def torchrun_command(args, argv: list, module: str = "asyncrl.learner") -> list:
 
 
 def print_summary(summary: dict) -> None:
-    """The end of an RL job: its reward from first to last steps, and where its MLflow run and charts are."""
+    """The end of an RL job: the reward of every group the policy sampled from first to last steps, the trained
+    groups' beside it, named (dynamic sampling leaves out the groups whose samples all scored alike, so it reads
+    higher: telemetry/run_record.py), and where its MLflow run and charts are."""
     from asyncrl.telemetry.overview import run_page_url
 
-    first, last = summary.get("reward_first"), summary.get("reward_last")
-    if first is not None:
-        print(f"reward: first {summary['reward_window_steps']} steps {first:.3f} -> last "
-              f"{summary['reward_window_steps']} steps {last:.3f} ({summary['steps']} steps)")
+    window, steps = summary.get("reward_window_steps"), summary.get("steps")
+    for name, label in (("sampled_reward", "reward of every group sampled"),
+                        ("trained_reward", "reward of the trained groups")):
+        first, last = summary.get(f"{name}_first"), summary.get(f"{name}_last")
+        if first is not None:
+            print(f"{label}: first {window} steps {first:.3f} -> last {window} steps {last:.3f} ({steps} steps)")
     uri, run_id = summary["mlflow_tracking_uri"], summary["mlflow_run_id"]
     print(f"MLflow: run {run_id} in {uri}")
     if "mlflow_experiment_id" in summary:

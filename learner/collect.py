@@ -79,12 +79,14 @@ def waiting_message(buffer, out: Collected, groups_per_step: int, version: int, 
 
 def collect_batch(buffer, groups_per_step: int, max_staleness: int, trained_version: int, timeout_s: float,
                   batch_filter: BatchFilter | None = None, report_every_s: float = 30.0,
-                  data_done=None) -> Collected:
+                  data_done=None, watch=None) -> Collected:
     """Take groups from `buffer` (an `interface.LearnerBuffer`) until `groups_per_step` usable ones are in hand,
     or, once `data_done()` says every prompt of the last epoch was taken, with what is in hand (`final`).
     Staleness is measured against `trained_version` (optimizer steps done, buffer/staleness.py), not the
     published one. Dropped groups are counted and given back. A wait longer than `report_every_s` says why in the
-    log, again each `report_every_s`, so a starved learner is never silent until its timeout."""
+    log, again each `report_every_s`, so a starved learner is never silent until its timeout. `watch()`, called
+    before each take (so at least once a second), may stop the wait with an error of its own
+    (learner/learnable.py: a job whose groups all score alike)."""
     started = time.monotonic()
     next_report = started + report_every_s
     out = Collected(groups=[])
@@ -93,6 +95,8 @@ def collect_batch(buffer, groups_per_step: int, max_staleness: int, trained_vers
         remaining = timeout_s - (now - started)
         if remaining <= 0:
             raise BatchTimeout(f"only {waiting_message(buffer, out, groups_per_step, trained_version, timeout_s)}")
+        if watch is not None:
+            watch()
         if now >= next_report:
             log.warning("still waiting for a batch: %s",
                         waiting_message(buffer, out, groups_per_step, trained_version, now - started))
@@ -100,6 +104,8 @@ def collect_batch(buffer, groups_per_step: int, max_staleness: int, trained_vers
         group = buffer.take(min(remaining, 0.2 if data_done is not None else 1.0))
         if group is None:
             if data_done is not None and data_done():
+                if watch is not None and not out.groups:  # all the data gave, and nothing to train on
+                    watch(data_ended=True)
                 out.final = True
                 break
             continue

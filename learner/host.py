@@ -19,6 +19,7 @@ from asyncrl.data.prompts import PromptSet
 from asyncrl.learner.checkpoint import CheckpointError
 from asyncrl.learner.dealing import build_dealer
 from asyncrl.learner.evals import Evaluations, build_eval_rounds
+from asyncrl.learner.learnable import LearnableWatch
 from asyncrl.learner.model import model_positions
 from asyncrl.learner.objective import resolved_hyperparameters
 from asyncrl.learner.parallel import ParallelState
@@ -81,6 +82,9 @@ class LearnerHost:
             self.evals = Evaluations(rounds, cfg.eval, cfg.eval.max_tokens or cfg.rollout.max_tokens, state.version,
                                      self.record)
             built.pop_all()  # built: close() owns them now
+        self.learnable = LearnableWatch(self.buffer.sampled_so_far, cfg.algo.unlearnable_after_groups,
+                                        cfg.algo.dynamic_sampling)
+        """Stops (or warns about) a job whose first groups all score alike (learner/learnable.py)."""
         self.reward_names = [function.name for function in cfg.reward.functions]
         self.done_grace_s = cfg.buffer.done_grace_s
         if resumed_from is not None:
@@ -117,19 +121,22 @@ class LearnerHost:
         metrics["buffer/consumed_total"] = float(state.groups_consumed)
         metrics["learner/skipped_steps"] = float(state.skipped_steps)
         metrics.update(component_means(groups, self.reward_names))
+        metrics.update(self.buffer.take_sampled())  # every group sampled since the last step, not only these
+        self.learnable.check(may_stop=False)  # such groups trained (no dynamic sampling): it can only warn
         self.record.log_step(state.version, groups, metrics, collected.wait_s)
 
     def finish_evals(self) -> None:
         self.evals.finish(self.publishing.version, self.buffer.live_generators)
 
-    def close(self, status: str) -> None:
-        """The end-of-job handshake (buffer/done.py) when the job finished, then everything is released (each
-        part even when an earlier one fails to close; the run ends last, with `status`)."""
+    def close(self, status: str, tell_generators: bool = False) -> None:
+        """The end-of-job handshake (buffer/done.py) when the job finished or the learner chose to stop
+        (`tell_generators`: learner/learnable.py), then everything is released (each part even when an earlier one
+        fails to close; the run ends last, with `status`)."""
         with ExitStack() as closing:
             closing.callback(self.record.close, status)
             closing.callback(self.publishing.close)
             closing.callback(self.buffer.close)
-            if status == "FINISHED":
+            if tell_generators:
                 untold = self.buffer.finish(self.done_grace_s)
                 if untold:
                     log.warning("learner: generators %s did not poll within %.0f s of the end; they will time out",

@@ -23,6 +23,7 @@ from asyncrl.learner.checkpoint import load_checkpoint, save_checkpoint, wait_fo
 from asyncrl.learner.collect import collect_batch
 from asyncrl.learner.critic import build_critic
 from asyncrl.learner.host import LearnerHost
+from asyncrl.learner.learnable import NothingToLearn
 from asyncrl.learner.lr_schedule import resync_after_load
 from asyncrl.learner.parallel import ParallelState, broadcast_object
 from asyncrl.learner.publish import GatherSettings, outgoing_version
@@ -94,7 +95,7 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
     host = LearnerHost(cfg, model, model_path, train_files, job_dir, parallel, state, resumed_from=resume_from,
                        prompts=prompts, eval_prompts=eval_prompts) if parallel.is_main else None
     acks = AckLedger(host.buffer if host is not None else None, state)
-    start_version, status = state.version, "FAILED"
+    start_version, status, tell_generators = state.version, "FAILED", False
     loop = loop_settings(cfg, parallel)
     try:
         publish_weights(model, parallel, host, state.version, loop.gather)
@@ -112,9 +113,12 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
         if host is not None:
             host.finish_evals()
         status = "FINISHED"
+    except NothingToLearn:  # the learner's own decision: the generators hear "done" and stop, as at the end
+        tell_generators = True
+        raise
     finally:
         if host is not None:
-            host.close(status)
+            host.close(status, tell_generators=tell_generators or status == "FINISHED")
     return host.summary(state, start_version) if host is not None else None
 
 
@@ -217,7 +221,7 @@ def next_batch(host: LearnerHost | None, parallel: ParallelState, version: int, 
         try:
             collected = collect_batch(host.buffer, loop.groups_per_step, loop.max_staleness, version,
                                       loop.wait_for_batch_timeout_s, parts.batch_filter,
-                                      data_done=host.data_done)
+                                      data_done=host.data_done, watch=host.learnable.check)
             message = ("groups", (collected.groups, dict(collected.dropped), collected.final))
         except Exception as err:
             broadcast_object(("error", f"{type(err).__name__}: {err}"), parallel)

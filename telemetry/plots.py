@@ -21,8 +21,8 @@ import time
 
 log = logging.getLogger(__name__)
 
-LEARNER_KEYS = ("reward/mean", "eval/all/mean_reward", "buffer/staleness/mean", "buffer/staleness/max",
-                "offpolicy/mismatch_k3", "offpolicy/is_weight/ess", "offpolicy/is_weight/max",
+LEARNER_KEYS = ("reward/sampled_mean", "reward/mean", "eval/all/mean_reward", "buffer/staleness/mean",
+                "buffer/staleness/max", "offpolicy/mismatch_k3", "offpolicy/is_weight/ess", "offpolicy/is_weight/max",
                 "offpolicy/masked_frac", "perf/learner/tokens_per_s", "timing/learner/idle_frac")
 GENERATOR_KEYS = ("perf/generator/tokens_per_s", "timing/generator/idle_frac")
 """Logged by each generator under its own prefix (`gen-0/perf/generator/tokens_per_s`)."""
@@ -110,7 +110,8 @@ def _finish(ax, title: str, drew: bool, ylabel: str | None = None) -> None:
 
 def draw_reward(series: dict, path: str) -> None:
     fig, (ax,) = _figure(1, 1, "reward")
-    drew = _line(ax, series, "reward/mean", "train (reward/mean)")
+    drew = _line(ax, series, "reward/sampled_mean", "sampled (reward/sampled_mean)")
+    drew |= _line(ax, series, "reward/mean", "trained groups (reward/mean)", alpha=0.6)
     drew |= _line(ax, series, "eval/all/mean_reward", "held-out eval", marker="o")
     _finish(ax, "mean reward", drew)
     fig.savefig(path, dpi=90)

@@ -1,5 +1,9 @@
 """The live progress line: step, reward, staleness, tokens/s and ETA.
 
+The reward shown first is that of every group the policy sampled since the last step (`reward/sampled_mean`,
+buffer/sampled.py), the number to compare with another framework's; the trained groups' (`reward/mean`) follows,
+named: with algo.dynamic_sampling it leaves out the groups whose samples all scored alike, so it reads higher.
+
 On a terminal it redraws one line; otherwise it prints a line every `every_s` seconds, so logs stay readable.
 Each update is also appended to `progress.jsonl`, which `asyncrl run` reads to draw the same line.
 """
@@ -11,12 +15,21 @@ import time
 def format_line(step: int, total: int, metrics: dict, elapsed_s: float) -> str:
     eta = elapsed_s / max(step, 1) * (total - step)
     return (
-        f"step {step}/{total} | reward {metrics.get('reward/mean', float('nan')):.3f}"
+        f"step {step}/{total} | {format_reward(metrics)}"
         f" | staleness {metrics.get('buffer/staleness/mean', 0.0):.2f} (max {metrics.get('buffer/staleness/max', 0):.0f})"
         f" | learner {metrics.get('perf/learner/tokens_per_s', 0.0):.0f} tok/s"
         f" | gen {metrics.get('perf/generator/tokens_per_s', 0.0):.0f} tok/s"
         f" | ETA {_fmt_s(eta)}"
     )
+
+
+def format_reward(metrics: dict) -> str:
+    """'reward 0.410 sampled, 0.520 trained'; a row without the sampled reward (written before it existed, or a
+    trainer that reports one reward) shows the one it has, named."""
+    trained = metrics.get("reward/mean", float("nan"))
+    if "reward/sampled_mean" not in metrics:
+        return f"reward {trained:.3f} trained"
+    return f"reward {metrics['reward/sampled_mean']:.3f} sampled, {trained:.3f} trained"
 
 
 def _fmt_s(seconds: float) -> str:

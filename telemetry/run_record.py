@@ -58,7 +58,8 @@ class RunRecord:
             self.close("FAILED")
             raise
         self.groups_path = os.path.join(job_dir, "trained_groups.jsonl")
-        self.rewards: list = []
+        self.rewards: list = []  # per step: the trained groups' reward (reward/mean)
+        self.sampled_rewards: list = []  # per step: every sampled group's (reward/sampled_mean), where known
         self.eval_history: list = []  # each finished evaluation's metrics, for the summary
         self.rejected: dict = {}  # reason -> groups, as of the last step (for the summary)
         self._step_ended = time.monotonic()  # reset by start_clock(); a step runs from the previous step's end
@@ -95,6 +96,8 @@ class RunRecord:
         metrics["timing/learner/idle_frac"] = share(wait_s, now - self._step_ended)
         self._step_ended = now
         self.rewards.append(metrics["reward/mean"])
+        if "reward/sampled_mean" in metrics:
+            self.sampled_rewards.append(metrics["reward/sampled_mean"])
         self.metrics_log.log(metrics, step=step)
         self.progress.update(step, metrics)
         if self.plots is not None:
@@ -124,15 +127,16 @@ class RunRecord:
             self.metrics_log.end_run(status)
 
     def summary(self, start_version: int, dropped_total: Mapping, generators) -> dict:
-        """job_dir/summary.json: the reward at the start and the end, what was rejected (as of the last step) and
+        """job_dir/summary.json: the reward at the start and the end (the mean over the first and the last tenth of
+        the steps) of every group sampled and of the trained groups, named apart (buffer/sampled.py: dynamic
+        sampling leaves the all-alike groups out of the trained ones), what was rejected (as of the last step) and
         dropped, who joined (`generators`, read by the caller before the buffer closed), the evaluations."""
-        rewards = self.rewards
-        window = max(1, len(rewards) // 10)
+        window = max(1, len(self.rewards) // 10)
         summary = {
-            "steps": len(rewards),
+            "steps": len(self.rewards),
             "start_version": start_version,
-            "reward_first": sum(rewards[:window]) / window if rewards else None,
-            "reward_last": sum(rewards[-window:]) / window if rewards else None,
+            **first_and_last("sampled_reward", self.sampled_rewards, window),
+            **first_and_last("trained_reward", self.rewards, window),
             "reward_window_steps": window,
             "rejected": dict(self.rejected),
             "dropped": dict(dropped_total),
@@ -145,3 +149,10 @@ class RunRecord:
         with open(os.path.join(self.job_dir, "summary.json"), "w") as handle:
             json.dump(summary, handle, indent=2)
         return summary
+
+
+def first_and_last(name: str, values: list, window: int) -> dict:
+    """`<name>_first` and `<name>_last`: the means of the first and the last `window` values (None when none)."""
+    head, tail = values[:window], values[-window:]
+    return {f"{name}_first": sum(head) / len(head) if head else None,
+            f"{name}_last": sum(tail) / len(tail) if tail else None}

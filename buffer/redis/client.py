@@ -35,6 +35,7 @@ from asyncrl.buffer.redis.dealing import forget_holder, settle_deals
 from asyncrl.buffer.redis.eval_bridge import answer_eval, take_evals
 from asyncrl.buffer.redis.produce import DeliveryBatcher, produce_batch
 from asyncrl.buffer.redis.reconnect import RedisUnavailable, direct
+from asyncrl.buffer.redis.sampled import push_sampled
 from asyncrl.buffer.redis.stream import REFUSED, GroupStream
 from asyncrl.weightsync.announcement import WeightsAnnouncement
 
@@ -83,9 +84,10 @@ class RedisBufferClient:
         return SendReply(**_status(reply), accepted=reply["accepted"], reason=reply.get("reason", ""),
                          error=reply.get("error", ""))
 
-    async def release(self, count: int = 1, deals: list | None = None, outcome: str = "unused") -> Status:
+    async def release(self, count: int = 1, deals: list | None = None, outcome: str = "unused",
+                      rewards: list | None = None) -> Status:
         return Status(**_status(await self._request("release", count=count, deals=list(deals or ()),
-                                                    outcome=outcome)))
+                                                    outcome=outcome, rewards=rewards)))
 
     async def eval_done(self, deal_id: str, rewards: list | None, lengths: list | None) -> Status:
         return Status(**_status(await self._request("eval_done", deal=deal_id, rewards=rewards, lengths=lengths)))
@@ -208,6 +210,8 @@ class RedisBufferClient:
             settle_deals(self.client, self.keys, self.generator_id, deals, fields.get("outcome", "unused"))
             for deal in deals:
                 self.deals_held.pop(deal, None)
+            if fields.get("rewards") is not None and leases:  # the learner's reward of what was sampled
+                push_sampled(self.client, self.keys, self.generator_id, fields["rewards"])
             return reply
         if op == "eval_done":
             answer_eval(self.client, self.keys, self.generator_id, str(fields.get("deal")), fields.get("rewards"),

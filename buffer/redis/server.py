@@ -31,6 +31,8 @@ from asyncrl.telemetry.rejections import RejectionLog
 from asyncrl.buffer.redis.conn import redacted
 from asyncrl.buffer.redis.reconnect import direct
 from asyncrl.buffer.redis.eval_bridge import RedisEvalBridge
+from asyncrl.buffer.redis.sampled import drain_sampled
+from asyncrl.buffer.sampled import SampledRewards, SampledSoFar
 from asyncrl.buffer.redis.stream import GroupStream, job_keys
 from asyncrl.weightsync.announcement import WeightsAnnouncement
 
@@ -39,6 +41,8 @@ TRIM_EVERY_S = 1.0
 ACKED_MEMORY = 200_000  # acked entry ids remembered (about 20 MB); far more than one checkpoint interval's groups
 EVAL_TICK_S = 0.25
 """How often `take` moves evaluation results and tasks between Redis and the learner's rounds."""
+SAMPLED_TICK_S = 0.5
+"""How often `take` drains the rewards of the groups generators filtered (buffer/redis/sampled.py)."""
 RECENT_TAKES = 4096  # taken groups whose lease is remembered for give_back (collect_batch gives back right away)
 
 
@@ -71,6 +75,8 @@ class RedisBufferServer:
         self.dropped_future = 0
         self._held_admission: OrderedDict = OrderedDict()  # group id -> (entry id, held a lease, deal), recent takes
         self.received = 0
+        self.sampled = SampledRewards()  # the rewards of every group taken or filtered (buffer/sampled.py)
+        self._next_sampled_tick = 0.0
         self.joins: dict[str, dict] = {}
         self._ready: deque = deque()  # (entry id, Group) read but not yet taken
         self.taken_entries: list = []  # (entry id, deal id) of groups handed to the learner, not yet acked
@@ -123,6 +129,8 @@ class RedisBufferServer:
             if self.dealer is not None:
                 self.dealer.tick(last_heard={gen: seen[1] for gen, seen in self._stats_seen.items()},
                                  silence_s=self.stats_ttl_s)
+            if time.monotonic() >= self._next_sampled_tick:
+                self._drain_sampled()
             if self.evals is not None and time.monotonic() >= self._next_eval_tick:
                 self._next_eval_tick = time.monotonic() + EVAL_TICK_S
                 now = time.monotonic()
@@ -152,7 +160,22 @@ class RedisBufferServer:
                         self._accept(entry, group)
         entry_id, group = self._ready.popleft()
         self.taken_entries.append((entry_id, group.meta.get("deal", "") if self.dealer is not None else ""))
+        self.sampled.add(group.rewards())
         return group
+
+    def _drain_sampled(self) -> None:
+        self._next_sampled_tick = time.monotonic() + SAMPLED_TICK_S
+        self.retry("filtered groups' rewards", drain_sampled, self.client, self.keys, self.sampled, self._rejections,
+                   self.limits.group_size if self.limits else None)
+
+    def take_sampled(self) -> dict:
+        self._drain_sampled()
+        return self.sampled.take_window()
+
+    def sampled_so_far(self) -> SampledSoFar:
+        if time.monotonic() >= self._next_sampled_tick:
+            self._drain_sampled()
+        return self.sampled.seen()
 
     def _hear_generators(self) -> None:
         """Read the generators' reports often enough (a quarter of stats_ttl_s, at most once a second) that the

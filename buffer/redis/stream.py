@@ -345,7 +345,8 @@ def reset_job(client, job: str) -> int:
     """Delete every key of `job` (a fresh start under a namespace an older run used); returns how many went."""
     keys = job_keys(job)
     names = [keys[name] for name in ("groups", "dead", "version", "started", "leases", "meta", "duplicates")]
-    names += [keys["meta"] + ":stats", keys["meta"] + ":joins"] + [keys[f"data_{name}"] for name in DATA_KEYS]
+    names += [keys["meta"] + ":stats", keys["meta"] + ":joins", keys["meta"] + ":sampled"]
+    names += [keys[f"data_{name}"] for name in DATA_KEYS]
     removed = client.delete(*names)
     for marks in ("seen", "grant", "given"):
         batch = []

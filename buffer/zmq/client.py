@@ -89,8 +89,11 @@ class ZmqBufferClient:
         return SendReply(**status_fields(reply), accepted=accepted, retry=not accepted and reply.get("retry") is True,
                          reason=str(reply.get("reason", "")), error=str(reply.get("error", "")))
 
-    async def release(self, count: int = 1, deals: list | None = None, outcome: str = "unused") -> Status:
+    async def release(self, count: int = 1, deals: list | None = None, outcome: str = "unused",
+                      rewards: list | None = None) -> Status:
         fields = {"deals": list(deals), "outcome": outcome} if deals else {}
+        if rewards is not None:
+            fields["rewards"] = [float(reward) for reward in rewards]
         return Status(**status_fields(await self._request("release", count=count, **fields)))
 
     async def report(self, metrics: dict, timeout_s: float | None = None) -> Status:

@@ -26,6 +26,7 @@ from asyncrl.buffer.eval_rounds import EvalRounds, evals_wanted
 from asyncrl.buffer.fleet_stats import fleet_metrics
 from asyncrl.buffer.interface import RunInfo
 from asyncrl.buffer.plausibility import JobLimits, check_stats
+from asyncrl.buffer.sampled import SampledRewards, SampledSoFar, check_released_rewards
 from asyncrl.telemetry.rejections import RejectionLog
 from asyncrl.buffer.staleness import Coordinator
 from asyncrl.buffer.zmq.wire import ProtocolError, pack, unpack_request
@@ -74,6 +75,7 @@ class ZmqBufferServer:
         self._bytes_in, self._bytes_out = 0, 0  # their bytes, counted the same way
         self._rejections = RejectionLog(log, "input")  # groups, requests and stats; both threads reject
         self.received = 0  # valid groups taken
+        self.sampled = SampledRewards()  # the rewards of every group taken or filtered (buffer/sampled.py)
         self.dropped_future = 0  # valid groups sampled with weights newer than the learner's (a resumed learner)
         self._held: OrderedDict = OrderedDict()  # group id -> it held an admission, for the recent takes
         self._unheard_rejections: dict[str, tuple[int, str]] = {}  # generator -> (count, last error) not yet told
@@ -164,7 +166,14 @@ class ZmqBufferServer:
             join = self.joins.setdefault(gen, {"hello_version": None})
             if "first_group_min_version" not in join:  # only the first group counts; skip the scan for the rest
                 join["first_group_min_version"] = group.min_version()
+            self.sampled.add(group.rewards())
             return group
+
+    def take_sampled(self) -> dict:
+        return self.sampled.take_window()
+
+    def sampled_so_far(self) -> SampledSoFar:
+        return self.sampled.seen()
 
     def give_back(self, group, reason: str = "stale") -> None:
         """A taken group the learner will not train: its admission frees capacity, if it held one (a group sent
@@ -347,6 +356,8 @@ class ZmqBufferServer:
             reply["released"] = self.coordinator.release(gen, count) if isinstance(count, int) and count > 0 else 0
             if self.dealer is not None and request.get("deals"):
                 self.dealer.settle(gen, request["deals"], request.get("outcome"))
+            if "rewards" in request:
+                self._note_filtered(gen, request["rewards"], reply["released"])
         elif op == "eval":
             problem = (self.evals.result(gen, request.get("deal"), request.get("rewards"), request.get("lengths"))
                        if self.evals is not None else "this learner runs no evaluation rounds")
@@ -363,6 +374,16 @@ class ZmqBufferServer:
         elif op == "bye":
             self._forget(gen, "said bye")
         return reply
+
+    def _note_filtered(self, gen: str, rewards, released: int) -> None:
+        """The rewards of the group a release gives back (filtered by its generator) join the sampled tally, when
+        they are valid and the release freed an admission (a generator reports no more groups than it was
+        granted); bad ones are counted under buffer/rejected/release_rewards and ignored."""
+        problem = check_released_rewards(rewards, self.limits.group_size if self.limits else None)
+        if problem is not None:
+            self._rejections.reject("release_rewards", gen, problem)
+        elif released > 0:
+            self.sampled.add(rewards)
 
     def _deal(self, gen: str, want: int) -> list:
         """Admissions within the staleness budget, each with the prompt to sample; fewer when the data runs out."""

@@ -9,8 +9,9 @@ weights announcement the generator holds, "" for none):
                              # (buffer/eval_rounds.py), at most half of `want`, beside the grants
                              # deals: [[deal id, row bytes], ...], one per grant, when the learner deals the
                              # prompts (buffer/dealing.py); absent when it does not
-  release {count, deals, outcome} -> {released}                       # admissions it will not deliver (filtered);
-                             # deals: the dealt prompts' ids, outcome: unused | zero_variance | skipped
+  release {count, deals, outcome, rewards} -> {released}              # admissions it will not deliver (filtered);
+                             # deals: the dealt prompts' ids, outcome: unused | zero_variance | skipped;
+                             # rewards: the filtered group's rewards (buffer/sampled.py), absent when none
   group {deal} + second frame bytes -> {accepted, reason, retry, version, weights_id, done}
                              # deal: the dealt prompt's id ("" when none), so the learner knows the group of a
                              # generator that leaves before it is taken is coming (buffer/dealing.py)

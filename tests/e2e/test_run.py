@@ -14,8 +14,8 @@ from tests.e2e.jobs import common_overrides, job_env, mlflow_metric_keys, read_p
 REQUIRED_METRICS = ("reward/mean", "loss/pg", "buffer/staleness/mean", "buffer/staleness/max",
                     "offpolicy/mismatch_k3", "perf/learner/tokens_per_s", "perf/generator/tokens_per_s",
                     "timing/weightsync/publish_s", "timing/learner/idle_frac", "gen-0/timing/generator/idle_frac",
-                    "reward/sampled_mean", "gen-0/perf/generator/tokens_per_s", "RL overview/01 reward",
-                    "RL overview/10 generator idle frac", "system/learner/cpu_utilization_percentage",
+                    "reward/sampled_mean", "gen-0/perf/generator/tokens_per_s", "RL overview/01 reward sampled",
+                    "RL overview/11 generator idle frac", "system/learner/cpu_utilization_percentage",
                     "system/learner/system_memory_usage_megabytes", "system/gen-0/cpu_utilization_percentage")
 """Counters (buffer/dropped/*, generator/filtered_groups) reach MLflow only when they change: see
 test_asyncrl_run_trains_logs_to_mlflow_and_respects_eta."""
@@ -73,7 +73,10 @@ def test_asyncrl_run_trains_logs_to_mlflow_and_respects_eta(tmp_path, demo_asset
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out
     summary = json.loads((job_dir / "summary.json").read_text())
-    assert summary["steps"] == 8 and "MLflow: run" in out and "reward: first" in out
+    assert summary["steps"] == 8 and "MLflow: run" in out
+    # the reward of every group the policy sampled first, the trained groups' named beside it (buffer/sampled.py)
+    assert out.index("reward of every group sampled: first") < out.index("reward of the trained groups: first")
+    assert None not in (summary["sampled_reward_first"], summary["trained_reward_last"])
     assert summary["rejected"].get("malformed", 0) >= 2, summary["rejected"]
     progress = read_progress(job_dir)
     assert max(p["buffer/staleness/max"] for p in progress) <= 1

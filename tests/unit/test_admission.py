@@ -36,7 +36,7 @@ class Learner:
             self.dealt += granted
         return AdmitReply(granted=granted, deals=deals)
 
-    async def release(self, count=1, deals=None, outcome="unused"):
+    async def release(self, count=1, deals=None, outcome="unused", rewards=None):
         self.released += count
         self.released_deals += [(deal, outcome) for deal in deals or ()]
         self.budget += count

@@ -72,7 +72,7 @@ class Learner:
         prompt = encode_prompt(PromptRow("t:0", [3], "a", None, {}))
         return AdmitReply(granted=1, evals=[EvalTask("e1", 7, prompt, 1, 0.0, 4)])
 
-    async def release(self, count=1, deals=None, outcome="unused"):
+    async def release(self, count=1, deals=None, outcome="unused", rewards=None):
         return Status()
 
     async def eval_done(self, deal_id, rewards, lengths):

@@ -45,10 +45,13 @@ def test_a_running_total_is_logged_when_it_changes_and_a_step_count_when_it_is_n
 
 
 def test_the_overview_copies_the_first_charts_under_a_section_that_sorts_before_every_metric_prefix():
-    report = {"reward/mean": 0.5, "buffer/staleness/mean": 1.0, "offpolicy/mismatch_k3": 0.01, "loss/pg": 0.2}
+    report = {"reward/sampled_mean": 0.3, "reward/mean": 0.5, "buffer/staleness/mean": 1.0,
+              "offpolicy/mismatch_k3": 0.01, "loss/pg": 0.2}
     out = with_overview(report)
-    assert out["RL overview/01 reward"] == 0.5 and out["RL overview/03 staleness mean"] == 1.0
-    assert out["RL overview/05 mismatch k3"] == 0.01 and out["loss/pg"] == 0.2 and out["reward/mean"] == 0.5
+    # the reward of every group sampled first, the trained groups' (dynamic sampling's survivors) named beside it
+    assert out["RL overview/01 reward sampled"] == 0.3 and out["RL overview/02 reward trained groups"] == 0.5
+    assert out["RL overview/04 staleness mean"] == 1.0
+    assert out["RL overview/06 mismatch k3"] == 0.01 and out["loss/pg"] == 0.2 and out["reward/mean"] == 0.5
     assert not any("loss" in key for key in out if key.startswith(SECTION))
     names = [f"{SECTION}/{name}" for _, name in OVERVIEW]
     assert names == sorted(names)  # MLflow sorts the charts of a section by name: this is their order
@@ -65,15 +68,16 @@ def test_the_logger_keeps_zero_counters_out_of_the_run_and_adds_the_overview(sto
     run_id = client.create_run(client.create_experiment("counters", artifact_location=str(tmp_path))).info.run_id
     logger = MetricsLogger(uri, run_id, overview=True)
     for step in range(3):
-        logger.log({"reward/mean": 0.1 * step, "buffer/dropped/stale": float(step == 1),
+        logger.log({"reward/sampled_mean": 0.1 * step, "buffer/dropped/stale": float(step == 1),
                     "buffer/dropped_total/stale": float(step >= 1)}, step=step)
     logger.close()
     history = {key: [(m.step, m.value) for m in client.get_metric_history(run_id, key)]
-               for key in ("reward/mean", "buffer/dropped/stale", "buffer/dropped_total/stale", "RL overview/01 reward")}
-    assert [step for step, _ in history["reward/mean"]] == [0, 1, 2]
+               for key in ("reward/sampled_mean", "buffer/dropped/stale", "buffer/dropped_total/stale",
+                           "RL overview/01 reward sampled")}
+    assert [step for step, _ in history["reward/sampled_mean"]] == [0, 1, 2]
     assert history["buffer/dropped/stale"] == [(1, 1.0), (2, 0.0)]
     assert history["buffer/dropped_total/stale"] == [(1, 1.0)]
-    assert [step for step, _ in history["RL overview/01 reward"]] == [0, 1, 2]
+    assert [step for step, _ in history["RL overview/01 reward sampled"]] == [0, 1, 2]
 
 
 def test_generator_series_and_staleness_bins_are_found_among_the_run_metrics():

@@ -263,6 +263,12 @@ def test_dynamic_sampling_drops_zero_variance_groups_at_the_generator_and_releas
         assert taken[2] is None and all(not group.zero_variance() for group in taken[:2])
         assert loop.stats.filtered_groups >= 1 and server.coordinator.started == 2
         assert loop.stats.snapshot(0)["generator/filtered_groups"] == loop.stats.filtered_groups
+        # every filtered group's rewards reached the learner with its release (the last may have been cancelled in
+        # flight): its reward of what was sampled counts them beside the groups it took (buffer/sampled.py)
+        seen = server.sampled_so_far()
+        assert seen.varied_groups == 2 and loop.stats.filtered_groups - 1 <= seen.equal_groups <= \
+            loop.stats.filtered_groups and seen.equal_groups >= 1
+        assert dict(seen.equal_values) == {1.0: seen.equal_groups}  # both samples "9": reward 1
     finally:
         client.close()
         server.close()
