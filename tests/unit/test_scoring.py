@@ -198,7 +198,7 @@ def test_the_pool_is_bounded_and_runs_its_workers_in_parallel(reward_path):
 
 def test_the_scorer_scores_failures_zero_and_counts_them_by_reason(reward_path, caplog):
     async def scenario():
-        scorer = RewardScorer(reward_path, "judge", workers=2, timeout_s=1.0, source="generator g")
+        scorer = RewardScorer(reward_path, "judge", workers=2, timeout_s=3.0, source="generator g")
         await scorer.start()
         try:
             texts = ["abc", "raise", "nan", "hang", "die", "raise", "xy"]
