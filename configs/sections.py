@@ -15,11 +15,20 @@ class JobConfig:
     out_dir: str = "runs"
     """Parent of the job directory (logs, progress, summary, config)."""
     seed: int = 0
-    """Global seed; parts derive theirs from it."""
+    """Global seed: every part seed left unset (learner.seed, generator.seed, sft.seed, data.seed) is this one, so
+    changing it alone changes the whole job (data order, the held-out split, initialisation, sampling)."""
 
     def __post_init__(self):
         if not self.name or "/" in self.name:
             raise ValueError(f"job.name must be a non-empty name without '/', got {self.name!r}")
+
+
+def part_seed(seed: Optional[int], job_seed: int) -> int:
+    """A part's seed: its own when set (an explicit value wins), else job.seed itself. Not an offset of job.seed:
+    the parts draw from different generators anyway (the learner's torch RNG, each generator's sampler, which
+    generator/main.py::sampling_seed already offsets by the generator's id, the dealer's shuffle), and job.seed=0
+    keeps giving the numbers measured when these seeds defaulted to 0."""
+    return job_seed if seed is None else seed
 
 
 @dataclass

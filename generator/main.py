@@ -14,6 +14,7 @@ from asyncrl.buffer.backends import make_generator_buffer
 from asyncrl.buffer.done import BYE_TIMEOUT_S
 from asyncrl.buffer.interface import GeneratorBuffer, GeneratorRefused, HelloReply, LearnerUnavailable, RunInfo
 from asyncrl.configs import describe_difference, shared_hash, shared_sections
+from asyncrl.configs.sections import part_seed
 from asyncrl.generator.agents.build import build_episode_runner, wants_episodes
 from asyncrl.generator.agents.chat_render import TemplateCannotAppend
 from asyncrl.generator.agents.environment import EnvironmentLoadError
@@ -124,7 +125,7 @@ async def build_rollout(cfg, client, hello: HelloReply, generator_id: str, built
                         say) -> RolloutLoop:
     """The rollout loop and what it uses, in the order they start; each is registered in `built` to be closed."""
     info = hello.run_info
-    seed = sampling_seed(cfg.generator.seed, generator_id)
+    seed = sampling_seed(part_seed(cfg.generator.seed, cfg.job.seed), generator_id)
     if cfg.generator.torch_threads:
         import torch
 

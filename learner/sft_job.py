@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncrl.configs import flatten, to_yaml
+from asyncrl.configs.sections import part_seed
 from asyncrl.learner.build import build_policy, checkpoint_root
 from asyncrl.learner.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, read_state,
                                         resolve_checkpoint, save_checkpoint)
@@ -84,7 +85,8 @@ def run_sft_job(cfg, model_path: str, files: list, job_dir: str, parallel: Paral
     to <job_dir>/model by rank 0. Raises SFTDataError / FileNotFoundError for unusable data, CheckpointError for a
     checkpoint that does not fit."""
     sft = cfg.sft
-    torch.manual_seed(sft.seed)
+    seed = part_seed(sft.seed, cfg.job.seed)
+    torch.manual_seed(seed)
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.model.trust_remote_code)
     if cfg.learner.lora.enabled:
         say("sft: learner.lora is for RL; SFT trains every weight and saves a full model")
@@ -93,7 +95,7 @@ def run_sft_job(cfg, model_path: str, files: list, job_dir: str, parallel: Paral
     if sft.val_files:
         val = read_sft_examples(sft.val_files, tokenizer, sft.max_length or None, sft.truncation)
     else:
-        examples, val = split_validation(examples, sft.val_fraction, sft.seed)
+        examples, val = split_validation(examples, sft.val_fraction, seed)
     if not examples:
         raise SFTDataError("no SFT examples to train on")
     steps = total_steps(sft, len(examples))
@@ -120,7 +122,7 @@ def run_sft_job(cfg, model_path: str, files: list, job_dir: str, parallel: Paral
     root = checkpoint_root(cfg.learner.checkpoint_dir, job_dir)
     started = time.monotonic()
     for step in range(start, steps):
-        _, indexes = batch_for_step(step, len(examples), sft.batch_size, sft.seed, sft.epochs)
+        _, indexes = batch_for_step(step, len(examples), sft.batch_size, seed, sft.epochs)
         loss = sft_step(model, optimizer, [examples[i] for i in indexes], settings)
         lr = optimizer.param_groups[0]["lr"]  # the rate this step used
         scheduler.step()
