@@ -13,7 +13,6 @@ seeded order) or `sft.steps` sampled batches; a learning-rate schedule (`sft.war
 import functools
 import logging
 import os
-import random
 import time
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ from asyncrl.learner.parallel import ParallelState
 from asyncrl.learner.publish import iter_full_weights
 from asyncrl.learner.sft import batch_for_step, sft_eval_loss, sft_step
 from asyncrl.data.sft import SFTDataError, read_sft_examples
+from asyncrl.data.split import SplitError, split_held_out
 from asyncrl.learner.state import LearnerState
 from asyncrl.learner.train_step import StepSettings
 
@@ -51,16 +51,12 @@ class SFTResult:
 
 
 def split_validation(examples: list, fraction: float, seed: int) -> tuple[list, list]:
-    """(train, validation): a seeded `fraction` of the examples held out (at least one when fraction > 0)."""
-    if fraction <= 0:
-        return examples, []
-    order = list(range(len(examples)))
-    random.Random(f"sft-val:{seed}").shuffle(order)
-    held = max(1, int(round(fraction * len(examples))))
-    if held >= len(examples):
-        raise SFTDataError(f"sft.val_fraction={fraction} leaves no training example out of {len(examples)}")
-    chosen = set(order[:held])
-    return ([e for i, e in enumerate(examples) if i not in chosen], [e for i, e in enumerate(examples) if i in chosen])
+    """(train, validation): a seeded `fraction` of the examples held out (data/split.py, at least one when
+    fraction > 0)."""
+    try:
+        return split_held_out(examples, fraction, seed, salt="sft-val")
+    except SplitError as err:
+        raise SFTDataError(f"sft.val_fraction={fraction}: {err}") from None
 
 
 def total_steps(cfg_sft, examples: int) -> int:
