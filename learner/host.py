@@ -79,7 +79,7 @@ class LearnerHost:
             warmup = cfg.critic.warmup_steps if cfg.algo.needs_critic() else -1  # the policy stays as it was
             self.publishing = VersionPublisher(publisher, self.buffer, state.version, unchanged_until=warmup)
             self.evals = Evaluations(rounds, cfg.eval, cfg.eval.max_tokens or cfg.rollout.max_tokens, state.version,
-                                     self.record)
+                                     self.record, source=eval_prompts.source if eval_prompts is not None else "")
             built.pop_all()  # built: close() owns them now
         self.reward_names = [function.name for function in cfg.reward.functions]
         self.done_grace_s = cfg.buffer.done_grace_s
