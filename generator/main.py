@@ -185,7 +185,8 @@ async def start_scorer(reward, gen, data_sources, generator_id: str, built: cont
 
 def local_prompts(data, job_seed: int, train_files: list, tokenizer, seed: int, generator_id: str):
     """This generator's own endless walk over the dataset, when the learner deals no prompts, and the data sources
-    in it. Shuffled with this generator's seed: not exactly once across the fleet."""
+    in it: the rows trained on (job_rows leaves data.val_fraction's held-out rows out, as the learner's dealer
+    does). Shuffled with this generator's seed: not exactly once across the fleet."""
     rows, skipped = tokenize_rows(job_rows(data, job_seed, train_files), tokenizer, data.max_prompt_tokens)
     if skipped:
         log.warning("generator %s: skipped %d prompts longer than data.max_prompt_tokens", generator_id, skipped)
