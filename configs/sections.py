@@ -15,11 +15,20 @@ class JobConfig:
     out_dir: str = "runs"
     """Parent of the job directory (logs, progress, summary, config)."""
     seed: int = 0
-    """Global seed; parts derive theirs from it."""
+    """Global seed: every part seed left unset (learner.seed, generator.seed, sft.seed, data.seed) is this one, so
+    changing it alone changes the whole job (data order, the held-out split, initialisation, sampling)."""
 
     def __post_init__(self):
         if not self.name or "/" in self.name:
             raise ValueError(f"job.name must be a non-empty name without '/', got {self.name!r}")
+
+
+def part_seed(seed: Optional[int], job_seed: int) -> int:
+    """A part's seed: its own when set (an explicit value wins), else job.seed itself. Not an offset of job.seed:
+    the parts draw from different generators anyway (the learner's torch RNG, each generator's sampler, which
+    generator/main.py::sampling_seed already offsets by the generator's id, the dealer's shuffle), and job.seed=0
+    keeps giving the numbers measured when these seeds defaulted to 0."""
+    return job_seed if seed is None else seed
 
 
 @dataclass
@@ -206,7 +215,9 @@ class EvalConfig:
 @dataclass
 class DemoConfig:
     task: str = ""
-    """Built-in demo task whose tokenizer, model, dataset and SFT warm start are built and cached; '' = off."""
+    """Built-in demo task whose tokenizer, model, dataset and SFT warm start are built and cached; '' = off. Off
+    too, whatever it says, in a job that brings its own model or data (model.path, data.train_files or a
+    data.source other than files): such a job never builds or evaluates on the demo's assets (`demo_active`)."""
     cache_dir: str = "~/.cache/asyncrl/demo"
     """Where demo assets are cached; they are rebuilt only when their settings change."""
     num_prompts: int = 4096
@@ -234,3 +245,30 @@ class DemoConfig:
             raise ValueError(f"demo.model_shape must be one of {DEMO_SHAPES}, got {self.model_shape!r}")
         if self.num_prompts < 1 or self.sft_steps < 0 or self.sft_batch_size < 1:
             raise ValueError("demo.num_prompts and demo.sft_batch_size must be >= 1 and demo.sft_steps >= 0")
+
+
+def own_inputs(model, data) -> list:
+    """The keys by which a job brings its own model or data (`model`, `data`: those sections): model.path,
+    data.train_files, a data.source other than files."""
+    keys = ["model.path"] if model.path is not None else []
+    if data.train_files:
+        keys.append("data.train_files")
+    if data.source != "files":
+        keys.append(f"data.source={data.source}")
+    return keys
+
+
+def demo_active(demo, model, data) -> bool:
+    """Whether this job runs the demo (its assets, its prompts, its held-out evaluation): demo.task is set and the
+    job brings neither a model nor data of its own. The one place that answers it, because the default recipe
+    sets demo.task: a user who gives model.path and data.train_files on top of it must not get the demo's prompts
+    or, worse, an evaluation of their model on the demo's held-out split logged as if it were theirs."""
+    return bool(demo.task) and not own_inputs(model, data)
+
+
+def demo_off_note(demo, model, data) -> Optional[str]:
+    """The line said once at start when the recipe's demo.task is ignored (None when it is not)."""
+    keys = own_inputs(model, data)
+    if not demo.task or not keys:
+        return None
+    return f"demo.task={demo.task} is off: this job brings its own model/data ({', '.join(keys)})"

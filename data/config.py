@@ -30,6 +30,10 @@ class DataConfig:
     """data.source=reasoning_gym: the task names (reasoning_gym.create_dataset's), e.g. [basic_arithmetic]."""
     reasoning_gym_size: int = 1000
     """data.source=reasoning_gym: prompts generated per task (from job.seed, the same on every generator)."""
+    val_fraction: float = 0.0
+    """Share of the job's prompts held out for evaluation (seeded by job.seed; at least one row when above 0):
+    they are never dealt for training, and with eval.every_steps / eval.before_train the fleet evaluates on them
+    when eval.files is empty. 0: none held out."""
 
     def __post_init__(self):
         if self.max_prompt_tokens < 1:
@@ -42,5 +46,7 @@ class DataConfig:
             raise ValueError(f"data.epochs must be >= 1 (or null: no limit), got {self.epochs}")
         if self.deal_timeout_s <= 0:
             raise ValueError(f"data.deal_timeout_s must be > 0, got {self.deal_timeout_s}")
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"data.val_fraction must be in [0, 1) (0: nothing held out), got {self.val_fraction}")
         if self.reasoning_gym_size < 1:
             raise ValueError(f"data.reasoning_gym_size must be >= 1, got {self.reasoning_gym_size}")

@@ -45,6 +45,9 @@ class PromptSet:
 
     rows: list
     overlong: int
+    source: str = ""
+    """Which data these are, in words, for every line and metric computed on them: "eval.files: test.parquet",
+    "the 10% held-out split of train.parquet" (what `describe_*` below say)."""
 
 
 REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
@@ -98,39 +101,78 @@ def iterate_prompts(rows: list[PromptRow], shuffle: bool, seed: int) -> Iterator
         yield from epoch
 
 
-def job_rows(data_cfg, seed: int, train_files: list) -> list[dict]:
-    """The job's prompt rows, untokenized: `train_files`, or reasoning-gym's tasks (data.source), generated
-    from `seed` (job.seed, the same in every process)."""
+HELD_OUT_SALT = "data-val"
+"""Salt of data.val_fraction's split (data/split.py), so it is not sft.val_fraction's of the same seed."""
+
+
+def split_job_rows(data_cfg, seed: int, train_files: list) -> tuple[list, list]:
+    """(the rows trained on, the rows held out by data.val_fraction): `train_files`, or reasoning-gym's tasks
+    (data.source), generated and split from `seed` (job.seed, the same in every process, so the learner and a
+    generator walking its own copy hold out the same rows)."""
     from asyncrl.data.reasoning_gym import reasoning_gym_rows
+    from asyncrl.data.split import SplitError, split_held_out
 
     if data_cfg.source == "reasoning_gym":
-        return reasoning_gym_rows(data_cfg.reasoning_gym_tasks, data_cfg.reasoning_gym_size, seed)
-    return read_rows(train_files)
+        rows = reasoning_gym_rows(data_cfg.reasoning_gym_tasks, data_cfg.reasoning_gym_size, seed)
+    else:
+        rows = read_rows(train_files)
+    try:
+        return split_held_out(rows, data_cfg.val_fraction, seed, HELD_OUT_SALT)
+    except SplitError as err:
+        raise DatasetError(f"data.val_fraction={data_cfg.val_fraction}: {err}") from None
+
+
+def job_rows(data_cfg, seed: int, train_files: list) -> list[dict]:
+    """The job's prompt rows that are trained on, untokenized (data.val_fraction's held-out rows left out)."""
+    return split_job_rows(data_cfg, seed, train_files)[0]
+
+
+def describe_files(key: str, files: list) -> str:
+    return f"{key}: {', '.join(os.path.basename(f) for f in files)}"
+
+
+def describe_split(data_cfg, train_files: list) -> str:
+    """The held-out split, named by what it was carved from."""
+    origin = (", ".join(os.path.basename(f) for f in train_files) if data_cfg.source == "files"
+              else f"reasoning-gym's {', '.join(data_cfg.reasoning_gym_tasks)}")
+    return f"the {data_cfg.val_fraction:.0%} held-out split of {origin}"
 
 
 def tokenize_with_model(raw_rows: list, model_path: str, max_prompt_tokens: int,
-                        trust_remote_code: bool = False) -> PromptSet:
+                        trust_remote_code: bool = False, source: str = "") -> PromptSet:
     """`raw_rows` tokenized with the chat template of the model at `model_path`."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    return PromptSet(*tokenize_rows(raw_rows, tokenizer, max_prompt_tokens))
+    return PromptSet(*tokenize_rows(raw_rows, tokenizer, max_prompt_tokens), source=source)
 
 
 def load_train_prompts(data_cfg, train_files: list, model_path: str, seed: int,
                        trust_remote_code: bool = False) -> PromptSet | None:
     """What the learner deals (buffer/dealing.py): the job's prompts (`train_files`, resolved by the CLI, or
-    reasoning-gym's); None for a job without data (its generators are scripted clients that bring their own)."""
+    reasoning-gym's) less data.val_fraction's held-out rows; None for a job without data (its generators are
+    scripted clients that bring their own)."""
     if data_cfg.source != "reasoning_gym" and not train_files:
         return None
     return tokenize_with_model(job_rows(data_cfg, seed, train_files), model_path, data_cfg.max_prompt_tokens,
                                trust_remote_code)
 
 
-def load_eval_prompts(files: list, model_path: str, max_prompt_tokens: int,
-                      trust_remote_code: bool = False) -> PromptSet:
-    """The held-out prompts the learner's evaluation rounds deal to the fleet (buffer/eval_rounds.py)."""
-    return tokenize_with_model(read_rows(files), model_path, max_prompt_tokens, trust_remote_code)
+def load_held_out_prompts(data_cfg, train_files: list, model_path: str, seed: int,
+                          trust_remote_code: bool = False) -> tuple[PromptSet, int]:
+    """(data.val_fraction's held-out rows, tokenized, as the learner's evaluation rounds deal them; how many rows
+    are trained on)."""
+    train, held = split_job_rows(data_cfg, seed, train_files)
+    return tokenize_with_model(held, model_path, data_cfg.max_prompt_tokens, trust_remote_code,
+                               source=describe_split(data_cfg, train_files)), len(train)
+
+
+def load_eval_prompts(files: list, model_path: str, max_prompt_tokens: int, trust_remote_code: bool = False,
+                      source: str = "") -> PromptSet:
+    """The held-out prompts the learner's evaluation rounds deal to the fleet (buffer/eval_rounds.py); `source`
+    names them (default: eval.files and their names)."""
+    return tokenize_with_model(read_rows(files), model_path, max_prompt_tokens, trust_remote_code,
+                               source=source or describe_files("eval.files", files))
 
 
 # --- a row as a deal carries it --------------------------------------------------------------------------------

@@ -118,9 +118,9 @@ class GeneratorConfig:
     """engine=vllm only: placement and compilation of the vLLM engine (generator.vllm.*)."""
     connect_timeout_s: float = 600.0
     """How long a generator waits for the learner to appear, in seconds (it may be started first)."""
-    seed: int = 0
-    """Base seed for sampling and prompt order; each generator offsets it by a stable hash of its generator_id, so
-    generators with fixed ids (as `asyncrl run` names them) sample the same in every run."""
+    seed: Optional[int] = None
+    """Base seed for sampling and prompt order (None: job.seed); each generator offsets it by a stable hash of its
+    generator_id, so generators with fixed ids (as `asyncrl run` names them) sample the same in every run."""
     log_every_s: float = 5.0
     """Interval between this generator's metric reports, in seconds."""
     tool_workers: int = 4

@@ -14,6 +14,7 @@ from asyncrl.buffer.backends import make_generator_buffer
 from asyncrl.buffer.done import BYE_TIMEOUT_S
 from asyncrl.buffer.interface import GeneratorBuffer, GeneratorRefused, HelloReply, LearnerUnavailable, RunInfo
 from asyncrl.configs import describe_difference, shared_hash, shared_sections
+from asyncrl.configs.sections import part_seed
 from asyncrl.generator.agents.build import build_episode_runner, wants_episodes
 from asyncrl.generator.agents.chat_render import TemplateCannotAppend
 from asyncrl.generator.agents.environment import EnvironmentLoadError
@@ -124,7 +125,7 @@ async def build_rollout(cfg, client, hello: HelloReply, generator_id: str, built
                         say) -> RolloutLoop:
     """The rollout loop and what it uses, in the order they start; each is registered in `built` to be closed."""
     info = hello.run_info
-    seed = sampling_seed(cfg.generator.seed, generator_id)
+    seed = sampling_seed(part_seed(cfg.generator.seed, cfg.job.seed), generator_id)
     if cfg.generator.torch_threads:
         import torch
 
@@ -184,7 +185,8 @@ async def start_scorer(reward, gen, data_sources, generator_id: str, built: cont
 
 def local_prompts(data, job_seed: int, train_files: list, tokenizer, seed: int, generator_id: str):
     """This generator's own endless walk over the dataset, when the learner deals no prompts, and the data sources
-    in it. Shuffled with this generator's seed: not exactly once across the fleet."""
+    in it: the rows trained on (job_rows leaves data.val_fraction's held-out rows out, as the learner's dealer
+    does). Shuffled with this generator's seed: not exactly once across the fleet."""
     rows, skipped = tokenize_rows(job_rows(data, job_seed, train_files), tokenizer, data.max_prompt_tokens)
     if skipped:
         log.warning("generator %s: skipped %d prompts longer than data.max_prompt_tokens", generator_id, skipped)

@@ -292,37 +292,64 @@ def _exit_on_sigterm(signum, frame):
 
 def eval_files(cfg) -> list | None:
     """The held-out files evaluated during training (data/prompts.py::load_eval_prompts reads them): eval.files, or
-    the demo's held-out split; None when this job does not evaluate while training."""
+    the demo's held-out split when the demo is active (configs/sections.py::demo_active); None otherwise
+    (data.val_fraction's split or no evaluation: `training_eval_prompts`)."""
+    if cfg.eval.files:
+        return list(cfg.eval.files)
+    from asyncrl.configs.sections import demo_active
+
+    if demo_active(cfg.demo, cfg.model, cfg.data):
+        from asyncrl.launch.demo import heldout_file
+
+        return [heldout_file(cfg.demo, cfg.job.seed)]
+    return None
+
+
+def training_eval_prompts(cfg, model_path: str, files: list):
+    """The prompts the fleet evaluates while training, each set named by its data (PromptSet.source): eval.files;
+    else data.val_fraction's held-out split of the training data; else, for the demo, its held-out split; else
+    none. Whatever the answer, it is said once, at start. Raises DatasetError for eval.files with
+    data.val_fraction (which of them would be the evaluation's is a guess)."""
+    from asyncrl.data.prompts import DatasetError, load_eval_prompts, load_held_out_prompts
+
+    log = logging.getLogger(__name__)
+    if cfg.eval.files and cfg.data.val_fraction:
+        raise DatasetError(f"eval.files and data.val_fraction={cfg.data.val_fraction} are both set: evaluate on "
+                           f"your held-out files (eval.files) or on a split of the training data "
+                           f"(data.val_fraction), not both")
     if not (cfg.eval.every_steps or cfg.eval.before_train):
+        held = f" (data.val_fraction={cfg.data.val_fraction}'s rows are held out all the same)" \
+            if cfg.data.val_fraction else ""
+        log.info("learner: no evaluation while training: eval.every_steps=0 and eval.before_train=false%s", held)
         return None
     from asyncrl.configs import training_eval_blocker
 
     blocker = training_eval_blocker(cfg)
     if blocker is not None:
-        logging.getLogger(__name__).warning("eval.every_steps is set but this job does not evaluate while training: "
-                                            "%s (asyncrl eval evaluates its checkpoints)", blocker)
+        log.warning("no evaluation while training: eval.every_steps is set but this job does not evaluate while "
+                    "training: %s (asyncrl eval evaluates its checkpoints)", blocker)
         return None
-    files = list(cfg.eval.files)
-    if not files and cfg.demo.task:
-        from asyncrl.launch.demo import heldout_file
-
-        files = [heldout_file(cfg.demo, cfg.job.seed)]
-    if not files:
-        logging.getLogger(__name__).warning("eval.every_steps is set but there is nothing to evaluate on (no "
-                                            "eval.files, no demo.task): training goes on without evaluation")
+    trust, max_tokens = cfg.model.trust_remote_code, cfg.data.max_prompt_tokens
+    if cfg.data.val_fraction:
+        prompts, trained = load_held_out_prompts(cfg.data, files, model_path, cfg.job.seed, trust)
+        log.info("learner: eval: %d prompts held out (%s, data.val_fraction=%s, seed %d); training on %d",
+                 len(prompts.rows) + prompts.overlong, prompts.source, cfg.data.val_fraction, cfg.job.seed, trained)
+        return prompts
+    held_out = eval_files(cfg)
+    if held_out is None:
+        log.warning("learner: no evaluation while training: no eval.files and data.val_fraction=0 (set "
+                    "eval.files=[test.parquet], or data.val_fraction=0.1 to hold out a split of the training data)")
         return None
-    return files
+    source = "the demo's held-out split" if not cfg.eval.files else ""
+    return load_eval_prompts(held_out, model_path, max_tokens, trust, source=source)
 
 
 def load_learner_prompts(cfg, model_path: str, files: list) -> tuple:
     """(the prompts rank 0 deals, the held-out prompts its evaluation rounds deal), each None when there are none."""
-    from asyncrl.data.prompts import load_eval_prompts, load_train_prompts
+    from asyncrl.data.prompts import load_train_prompts
 
-    trust = cfg.model.trust_remote_code
-    prompts = load_train_prompts(cfg.data, files, model_path, cfg.job.seed, trust)
-    held_out = eval_files(cfg)
-    eval_prompts = (load_eval_prompts(held_out, model_path, cfg.data.max_prompt_tokens, trust)
-                    if held_out is not None else None)
+    eval_prompts = training_eval_prompts(cfg, model_path, files)
+    prompts = load_train_prompts(cfg.data, files, model_path, cfg.job.seed, cfg.model.trust_remote_code)
     return prompts, eval_prompts
 
 

@@ -22,10 +22,21 @@ def model_dir_for(path: str, workdir: str) -> str:
     return export_checkpoint(path, os.path.join(workdir, "model"), None)
 
 
+def eval_rows(cfg) -> tuple[list, str]:
+    """(the rows evaluated, what they are in words): eval.files; else data.val_fraction's held-out split of
+    data.train_files (the rows the job held out of training, data/prompts.py::split_job_rows)."""
+    from asyncrl.data.prompts import describe_files, describe_split, read_rows, split_job_rows
+
+    if cfg.eval.files:
+        return read_rows(cfg.eval.files), describe_files("eval.files", cfg.eval.files)
+    return (split_job_rows(cfg.data, cfg.job.seed, cfg.data.train_files)[1],
+            describe_split(cfg.data, cfg.data.train_files))
+
+
 async def run_eval(cfg, model_path: str, say=print) -> dict:
     from transformers import AutoTokenizer
 
-    from asyncrl.data.prompts import read_rows, tokenize_rows
+    from asyncrl.data.prompts import tokenize_rows
     from asyncrl.generator.engines.factory import engine_options, make_engine
     from asyncrl.generator.evaluation import evaluate
     from asyncrl.generator.rewards.client import wait_for_server
@@ -33,7 +44,9 @@ async def run_eval(cfg, model_path: str, say=print) -> dict:
     from asyncrl.generator.rewards.scorer import RewardScorer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
-    rows, skipped = tokenize_rows(read_rows(cfg.eval.files), tokenizer, cfg.data.max_prompt_tokens)
+    raw, source = eval_rows(cfg)
+    rows, skipped = tokenize_rows(raw, tokenizer, cfg.data.max_prompt_tokens)
+    say(f"eval: on {source} ({len(rows)} prompts)")
     if skipped:
         say(f"eval: skipped {skipped} prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
     if uses_builtin_rewards(cfg.reward):
@@ -77,8 +90,9 @@ def format_table(metrics: dict) -> str:
 
 
 def cmd_eval(cfg, args) -> int:
-    if not cfg.eval.files:
-        print("asyncrl eval: give the prompts with --files or eval.files=[...]", file=sys.stderr)
+    if not cfg.eval.files and not cfg.data.val_fraction:
+        print("asyncrl eval: give the prompts with --files or eval.files=[...] (or, for the split a job held out "
+              "of its training data, that job's data.train_files and data.val_fraction)", file=sys.stderr)
         return 2
     if not os.path.exists(args.checkpoint):
         print(f"asyncrl eval: {args.checkpoint} does not exist", file=sys.stderr)

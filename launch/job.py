@@ -25,27 +25,65 @@ def job_dir_for(job) -> str:
     return path
 
 
-def resolve_rl_inputs(cfg) -> tuple[str, list]:
+class JobInputsError(ValueError):
+    """The job's model or data is not given (and the demo, which would give them, is off)."""
+
+
+def resolve_rl_inputs(cfg, say=say_stderr, require_data: bool = False) -> tuple[str, list]:
     """The model and prompt files of an RL job: the demo's cached assets (the SFT warm start and its prompts) when
-    demo.task is set and no model is given, else the configured paths."""
-    if cfg.demo.task and cfg.model.path is None:
+    the demo is active (configs/sections.py::demo_active), else the configured ones. Raises JobInputsError naming
+    the missing key: model.path always; data.train_files when the recipe's demo was switched off by a model of the
+    user's (the demo's prompts went with it), or with `require_data` (`asyncrl run`, whose generators need data).
+    A bare learner may go without: its generators are then scripted clients that bring their own groups."""
+    if _demo_applies(cfg, say):
         from asyncrl.launch.demo import prepare_demo
 
-        model_dir, files = prepare_demo(cfg.demo, cfg.job.seed, say_stderr)
-        return model_dir, cfg.data.train_files or files
+        return prepare_demo(cfg.demo, cfg.job.seed, say)
+    _require_model(cfg)
+    if (require_data or cfg.demo.task) and cfg.data.source == "files" and not cfg.data.train_files:
+        raise JobInputsError("data.train_files is empty: give the job's prompts, e.g. "
+                             "data.train_files=[train.parquet] (verl's row format, docs/data.md), or "
+                             "data.source=reasoning_gym")
     return cfg.model.path, cfg.data.train_files
 
 
-def resolve_sft_inputs(cfg) -> tuple[str, list]:
-    """The model and data of an SFT job: the demo's base model and SFT data when demo.task is set and no model is
-    given, else the configured paths."""
-    if cfg.demo.task and cfg.model.path is None:
+def resolve_sft_inputs(cfg, say=say_stderr) -> tuple[str, list]:
+    """The model and data of an SFT job: the demo's base model and SFT data when the demo is active, else the
+    configured ones, which must then be given. Raises JobInputsError naming the missing key."""
+    if _demo_applies(cfg, say):
         from asyncrl.launch.demo import demo_dir, prepare_demo
 
-        prepare_demo(cfg.demo, cfg.job.seed, say_stderr)
+        prepare_demo(cfg.demo, cfg.job.seed, say)
         root = demo_dir(cfg.demo, cfg.job.seed)
-        return os.path.join(root, "base"), cfg.data.train_files or [os.path.join(root, "data", "sft.parquet")]
+        return os.path.join(root, "base"), [os.path.join(root, "data", "sft.parquet")]
+    _require_model(cfg)
+    if not cfg.data.train_files:
+        raise JobInputsError("data.train_files is empty: give the SFT data, e.g. data.train_files=[chat.parquet] "
+                             "(chat `messages` or verl rows, docs/learner.md)")
     return cfg.model.path, cfg.data.train_files
+
+
+def _demo_applies(cfg, say) -> bool:
+    """Whether the demo gives this job its model and data; when the recipe's demo.task is ignored because the job
+    brings its own, says so (once: each command resolves its inputs once)."""
+    from asyncrl.configs.sections import demo_active, demo_off_note
+
+    note = demo_off_note(cfg.demo, cfg.model, cfg.data)
+    if note is not None:
+        say(note)
+    return demo_active(cfg.demo, cfg.model, cfg.data)
+
+
+def _require_model(cfg) -> None:
+    from asyncrl.configs.sections import own_inputs
+
+    if cfg.model.path is not None:
+        return
+    given = own_inputs(cfg.model, cfg.data)
+    why = (f"this job brings its own data ({', '.join(given)}), so the demo's model is not used" if given else
+           "and demo.task is off")
+    raise JobInputsError(f"model.path is not set ({why}): give a local HF model directory, e.g. "
+                         f"model.path=my-model")
 
 
 def join_ranks(learner_cfg, command: str):
@@ -98,10 +136,10 @@ def run_on_ranks(command: str, learner_cfg, job, resolve, body, errors: tuple) -
     if isinstance(parallel, int):
         return parallel
     try:
-        model_path, files, job_dir = locate_job(parallel, resolve, job)
         try:
+            model_path, files, job_dir = locate_job(parallel, resolve, job)
             code = body(model_path, files, job_dir, parallel)
-        except errors as err:
+        except (JobInputsError, *errors) as err:
             print(f"asyncrl {command}: {err}", file=sys.stderr)
             return 2
         if code == 0:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from asyncrl.launch.job import job_dir_for, print_summary, resolve_rl_inputs, say_stderr
+from asyncrl.launch.job import JobInputsError, job_dir_for, print_summary, resolve_rl_inputs, say_stderr
 from asyncrl.telemetry.progress import format_line
 from asyncrl.telemetry.server import TrackingServerError, artifacts_dir_for, start_tracking_server
 
@@ -23,8 +23,12 @@ POLL_S = 0.5
 
 
 def run_job(cfg, recipe, overrides: list, generators: int = 1, learner_args: list = ()) -> int:
+    try:
+        resolve_rl_inputs(cfg, require_data=True)
+    except JobInputsError as err:
+        say_stderr(f"asyncrl run: {err}")
+        return 2
     job_dir = os.path.abspath(job_dir_for(cfg.job))
-    resolve_rl_inputs(cfg)
     say_stderr(f"asyncrl run: job directory {job_dir}")
     os.makedirs(job_dir, exist_ok=True)
     children: dict = {}

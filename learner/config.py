@@ -77,8 +77,8 @@ class LearnerConfig:
     Off by default: on CPU sdpa attends over the whole packed row, which costs more than it saves on short rows."""
     torch_threads: int = 0
     """torch intra-op threads; 0 keeps torch's default."""
-    seed: int = 0
-    """Seed for the learner's RNG."""
+    seed: Optional[int] = None
+    """Seed for the learner's RNG (initialisation, dropout, Clip-Cov's sampling); None: job.seed."""
     attn_implementation: str = "auto"
     """Attention kernel: "auto" (flash_attention_2 on CUDA when flash-attn is installed, else sdpa), "sdpa",
     "flash_attention_2" or "eager". With sp_size > 1 Ulysses wraps it (its inner attention follows the same rule)."""
@@ -234,8 +234,8 @@ class SFTConfig:
     """AdamW learning rate for SFT."""
     batch_size: int = 128
     """Sequences per SFT step."""
-    seed: int = 0
-    """Seed for shuffling and init."""
+    seed: Optional[int] = None
+    """Seed for shuffling, the validation split and init; None: job.seed."""
     max_length: int = 0
     """Longest example in tokens (0 = no limit); what happens to longer ones is `truncation`."""
     truncation: str = "error"

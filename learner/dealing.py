@@ -3,6 +3,7 @@ rank 0, carry on from the checkpoint's cursor, and keep that cursor in the learn
 import logging
 
 from asyncrl.buffer.dealing import DealError, PromptDealer
+from asyncrl.configs.sections import part_seed
 from asyncrl.data.prompts import PromptSet, encode_prompts
 from asyncrl.learner.checkpoint import CheckpointError
 
@@ -21,7 +22,7 @@ def build_dealer(prompts: PromptSet | None, data_cfg, seed: int, cursor: dict) -
         log.warning("learner: %d prompts longer than data.max_prompt_tokens=%d are left out", overlong,
                     data_cfg.max_prompt_tokens)
     dealer = PromptDealer(encode_prompts(prompts.rows), shuffle=data_cfg.shuffle,
-                          seed=seed if data_cfg.seed is None else data_cfg.seed, epochs=data_cfg.epochs,
+                          seed=part_seed(data_cfg.seed, seed), epochs=data_cfg.epochs,
                           timeout_s=data_cfg.deal_timeout_s)
     if cursor:
         try:

@@ -22,18 +22,21 @@ def build_eval_rounds(eval_prompts: PromptSet | None, every_steps: int, timeout_
         return None
     if eval_prompts.overlong:
         log.warning("learner: %d eval prompts longer than data.max_prompt_tokens are left out", eval_prompts.overlong)
-    log.info("learner: evaluating %d held-out prompts every %d steps on the fleet", len(eval_prompts.rows),
-             every_steps)
+    log.info("learner: evaluating on %s (%d prompts) every %d steps on the fleet", eval_prompts.source or
+             "held-out prompts", len(eval_prompts.rows), every_steps)
     return EvalRounds(encode_prompts(eval_prompts.rows), timeout_s)
 
 
 class Evaluations:
     """Opens the due rounds and logs the finished ones into `record` (telemetry/run_record.py). `rounds` is None
     when the job evaluates nothing; then every method is a no-op. `eval_cfg` is the eval section; `max_tokens`
-    the length a round samples up to (eval.max_tokens, else rollout.max_tokens)."""
+    the length a round samples up to (eval.max_tokens, else rollout.max_tokens); `source` names the data (the
+    eval PromptSet's), in every line logged, so a number is never read as another data's."""
 
-    def __init__(self, rounds: EvalRounds | None, eval_cfg, max_tokens: int, start_version: int, record):
+    def __init__(self, rounds: EvalRounds | None, eval_cfg, max_tokens: int, start_version: int, record,
+                 source: str = "held-out prompts"):
         self.rounds = rounds
+        self.source = source or "held-out prompts"
         self.cfg = eval_cfg
         self.max_tokens = max_tokens
         self.record = record
@@ -55,8 +58,8 @@ class Evaluations:
             metrics = eval_metrics(finished.results, list(self.cfg.k_values), self.cfg.pass_threshold)
             metrics["eval/lag_steps"] = float(published - finished.version)
             self.record.log_eval(finished.version, metrics)
-            log.info("learner: evaluation of v%d: mean reward %.4f over %d prompts (landed %d steps later)",
-                     finished.version, metrics["eval/all/mean_reward"], int(metrics["eval/all/prompts"]),
+            log.info("learner: evaluation of v%d on %s: mean reward %.4f over %d prompts (landed %d steps later)",
+                     finished.version, self.source, metrics["eval/all/mean_reward"], int(metrics["eval/all/prompts"]),
                      published - finished.version)
         return len(self.rounds.open_versions())
 

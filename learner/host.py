@@ -80,7 +80,7 @@ class LearnerHost:
             warmup = cfg.critic.warmup_steps if cfg.algo.needs_critic() else -1  # the policy stays as it was
             self.publishing = VersionPublisher(publisher, self.buffer, state.version, unchanged_until=warmup)
             self.evals = Evaluations(rounds, cfg.eval, cfg.eval.max_tokens or cfg.rollout.max_tokens, state.version,
-                                     self.record)
+                                     self.record, source=eval_prompts.source if eval_prompts is not None else "")
             built.pop_all()  # built: close() owns them now
         self.learnable = LearnableWatch(self.buffer.sampled_so_far, cfg.algo.unlearnable_after_groups,
                                         cfg.algo.dynamic_sampling)

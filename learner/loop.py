@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncrl.configs.sections import part_seed
 from asyncrl.data.prompts import PromptSet
 from asyncrl.learner.build import (StepParts, build_optimizer, build_policy, build_step_parts, checkpoint_root,
                                    find_resume_point)
@@ -62,7 +63,8 @@ def loop_settings(cfg, parallel: ParallelState) -> LoopSettings:
     learner = cfg.learner
     step = StepSettings(version=0, max_staleness=cfg.buffer.max_staleness,
                         max_tokens_per_microbatch=learner.max_tokens_per_microbatch,
-                        chunk_tokens=learner.logprob_chunk_tokens, grad_clip=learner.grad_clip, seed=learner.seed,
+                        chunk_tokens=learner.logprob_chunk_tokens, grad_clip=learner.grad_clip,
+                        seed=part_seed(learner.seed, cfg.job.seed),
                         packing=learner.packing, fp32_head=cfg.model.lm_head_fp32, parallel=parallel)
     gather = GatherSettings(learner.lora, cfg.weightsync.dtype, int(learner.gather_bucket_mb * 2**20))
     return LoopSettings(cfg.algo, step, cfg.buffer.groups_per_step, cfg.buffer.max_staleness,
@@ -78,7 +80,7 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
     them, rank 0 deals them to the generators (buffer/dealing.py) and the job also ends when data.epochs are trained;
     `eval_prompts` likewise are the held-out prompts evaluated on the fleet (buffer/eval_rounds.py)."""
     parallel = parallel or ParallelState()
-    torch.manual_seed(cfg.learner.seed)
+    torch.manual_seed(part_seed(cfg.learner.seed, cfg.job.seed))
     if cfg.learner.torch_threads:
         torch.set_num_threads(cfg.learner.torch_threads)
     model = build_policy(cfg.learner, cfg.model.trust_remote_code, model_path, parallel).train()

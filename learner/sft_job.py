@@ -13,13 +13,13 @@ seeded order) or `sft.steps` sampled batches; a learning-rate schedule (`sft.war
 import functools
 import logging
 import os
-import random
 import time
 from dataclasses import dataclass
 
 import torch
 
 from asyncrl.configs import flatten, to_yaml
+from asyncrl.configs.sections import part_seed
 from asyncrl.learner.build import build_policy, checkpoint_root
 from asyncrl.learner.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, read_state,
                                         resolve_checkpoint, save_checkpoint)
@@ -29,6 +29,7 @@ from asyncrl.learner.parallel import ParallelState
 from asyncrl.learner.publish import iter_full_weights
 from asyncrl.learner.sft import batch_for_step, sft_eval_loss, sft_step
 from asyncrl.data.sft import SFTDataError, read_sft_examples
+from asyncrl.data.split import SplitError, split_held_out
 from asyncrl.learner.state import LearnerState
 from asyncrl.learner.train_step import StepSettings
 
@@ -50,16 +51,12 @@ class SFTResult:
 
 
 def split_validation(examples: list, fraction: float, seed: int) -> tuple[list, list]:
-    """(train, validation): a seeded `fraction` of the examples held out (at least one when fraction > 0)."""
-    if fraction <= 0:
-        return examples, []
-    order = list(range(len(examples)))
-    random.Random(f"sft-val:{seed}").shuffle(order)
-    held = max(1, int(round(fraction * len(examples))))
-    if held >= len(examples):
-        raise SFTDataError(f"sft.val_fraction={fraction} leaves no training example out of {len(examples)}")
-    chosen = set(order[:held])
-    return ([e for i, e in enumerate(examples) if i not in chosen], [e for i, e in enumerate(examples) if i in chosen])
+    """(train, validation): a seeded `fraction` of the examples held out (data/split.py, at least one when
+    fraction > 0)."""
+    try:
+        return split_held_out(examples, fraction, seed, salt="sft-val")
+    except SplitError as err:
+        raise SFTDataError(f"sft.val_fraction={fraction}: {err}") from None
 
 
 def total_steps(cfg_sft, examples: int) -> int:
@@ -84,7 +81,8 @@ def run_sft_job(cfg, model_path: str, files: list, job_dir: str, parallel: Paral
     to <job_dir>/model by rank 0. Raises SFTDataError / FileNotFoundError for unusable data, CheckpointError for a
     checkpoint that does not fit."""
     sft = cfg.sft
-    torch.manual_seed(sft.seed)
+    seed = part_seed(sft.seed, cfg.job.seed)
+    torch.manual_seed(seed)
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.model.trust_remote_code)
     if cfg.learner.lora.enabled:
         say("sft: learner.lora is for RL; SFT trains every weight and saves a full model")
@@ -93,7 +91,7 @@ def run_sft_job(cfg, model_path: str, files: list, job_dir: str, parallel: Paral
     if sft.val_files:
         val = read_sft_examples(sft.val_files, tokenizer, sft.max_length or None, sft.truncation)
     else:
-        examples, val = split_validation(examples, sft.val_fraction, sft.seed)
+        examples, val = split_validation(examples, sft.val_fraction, seed)
     if not examples:
         raise SFTDataError("no SFT examples to train on")
     steps = total_steps(sft, len(examples))
@@ -120,7 +118,7 @@ def run_sft_job(cfg, model_path: str, files: list, job_dir: str, parallel: Paral
     root = checkpoint_root(cfg.learner.checkpoint_dir, job_dir)
     started = time.monotonic()
     for step in range(start, steps):
-        _, indexes = batch_for_step(step, len(examples), sft.batch_size, sft.seed, sft.epochs)
+        _, indexes = batch_for_step(step, len(examples), sft.batch_size, seed, sft.epochs)
         loss = sft_step(model, optimizer, [examples[i] for i in indexes], settings)
         lr = optimizer.param_groups[0]["lr"]  # the rate this step used
         scheduler.step()

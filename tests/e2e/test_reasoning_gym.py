@@ -20,7 +20,8 @@ def test_a_job_trains_on_reasoning_gym_tasks_with_named_reward_components(tmp_pa
     pytest.importorskip("reasoning_gym")
     (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
     job_dir = tmp_path / "job"
-    overrides = [*common_overrides(demo_cache, free_port(), steps=3), "generator.engine=hf",
+    model_dir, _ = demo_assets  # data of its own turns the demo off (demo_active): the model is named
+    overrides = [*common_overrides(demo_cache, free_port(), steps=3), "generator.engine=hf", f"model.path={model_dir}",
                  "data.source=reasoning_gym", "data.reasoning_gym_tasks=[basic_arithmetic]",
                  "data.reasoning_gym_size=64", "data.max_prompt_tokens=48",
                  f"reward.functions=[{{name: correct, weight: 1.0}}, {{name: length, weight: 0.5, "

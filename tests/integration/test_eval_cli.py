@@ -25,6 +25,7 @@ def test_asyncrl_eval_prints_a_table_and_the_metrics_of_a_model(tmp_path, demo_a
     assert metrics[f"eval/{source}/mean_at_2"] == metrics[f"eval/{source}/mean_reward"]
     assert lines[-4].split()[0] == "data_source" and "pass_at_2" in lines[-4]  # header, the source, all, the JSON
     assert lines[-3].startswith(source) and lines[-2].startswith("all")
+    assert "eval: on eval.files: held_out.parquet (6 prompts)" in proc.stdout  # the data the numbers are of
 
 
 def test_asyncrl_eval_says_what_is_missing(tmp_path):

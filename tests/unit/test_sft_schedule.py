@@ -33,7 +33,7 @@ def test_the_validation_split_is_seeded_and_never_takes_everything():
     assert len(val) == 5 and sorted(train + val) == examples
     assert split_validation(examples, 0.25, seed=1) == (train, val)
     assert split_validation(examples, 0.0, seed=1) == (examples, [])
-    with pytest.raises(SFTDataError, match="leaves no training example"):
+    with pytest.raises(SFTDataError, match="sft.val_fraction=0.5: .*leaves nothing to train on"):
         split_validation([1], 0.5, seed=1)
 
 
