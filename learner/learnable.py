@@ -17,12 +17,16 @@ correct answers: at N = 256 it would trip 8% of the time), 1e-9 at n = 4. A job 
 groups in about 20 s on the CPU demo (the user's job above dropped 50 a second).
 """
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from asyncrl.buffer.sampled import SampledSoFar
 
 log = logging.getLogger(__name__)
+EARLY_WARNING_S = 60.0
+"""A job whose every group so far scored alike says so this long after its first group, before it has the evidence
+to stop (algo.unlearnable_after_groups)."""
 
 
 class NothingToLearn(RuntimeError):
@@ -64,6 +68,10 @@ class LearnableWatch:
     after_groups: int
     dynamic_sampling: bool
     armed: bool = True
+    early_warning_s: float = EARLY_WARNING_S
+    clock: Callable[[], float] = time.monotonic
+    _first_group_at: float | None = None
+    _warned_early: bool = False
 
     def check(self, may_stop: bool = True, data_ended: bool = False) -> None:
         """Raise NothingToLearn (dynamic sampling, where `may_stop`: rank 0 while it collects a batch, whose errors
@@ -75,9 +83,25 @@ class LearnableWatch:
         seen = self.sampled_so_far()
         if seen.varied_groups:
             self.armed = False
-        elif is_unlearnable(seen, 1 if data_ended else self.after_groups):
+            return
+        self._warn_early(seen)
+        if is_unlearnable(seen, 1 if data_ended else self.after_groups):
             message = unlearnable_message(seen, self.after_groups, self.dynamic_sampling)
             if self.dynamic_sampling and may_stop:
                 raise NothingToLearn(message)
             self.armed = False
             log.warning("learner: %s", message)
+
+    def _warn_early(self, seen: SampledSoFar) -> None:
+        """A slow fleet (a large model, long answers) may take many minutes to sample after_groups groups; the
+        user hears within EARLY_WARNING_S of the first group that every group so far scored alike, once."""
+        if seen.groups and self._first_group_at is None:
+            self._first_group_at = self.clock()
+        if (self._warned_early or self._first_group_at is None or seen.groups >= self.after_groups
+                or self.clock() - self._first_group_at < self.early_warning_s):
+            return
+        self._warned_early = True
+        log.warning("learner: %s so far (%.0f s since the first); the job %s after algo.unlearnable_after_groups=%d "
+                    "such groups. Check the reward function and the warm start now.", describe_rewards(seen),
+                    self.clock() - self._first_group_at, "stops" if self.dynamic_sampling else "warns",
+                    self.after_groups)

@@ -96,6 +96,32 @@ def test_the_watch_stops_with_dynamic_sampling_warns_once_without_and_one_varied
     learning.check()  # a policy that learned and then saturates is not a broken job
 
 
+def test_a_slow_fleet_hears_within_a_minute_that_every_group_so_far_scored_alike(caplog):
+    """1024 groups may take a slow fleet many minutes; the first minute of alike groups is said once, not stopped."""
+    tally, now = SampledRewards(), [0.0]
+    watch = LearnableWatch(tally.seen, 1024, dynamic_sampling=True, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="asyncrl.learner.learnable"):
+        watch.check()  # nothing sampled yet: the minute has not started
+        now[0] = 100.0
+        tally.add([0.0, 0.0])
+        watch.check()
+        now[0] = 159.0
+        tally.add([0.0, 0.0])
+        watch.check()
+        assert not caplog.records
+        now[0] = 161.0
+        watch.check()
+        watch.check()
+    assert len(caplog.records) == 1 and "2 groups sampled, all with equal rewards: 2 at 0.0 so far (61 s" in (
+        caplog.records[0].getMessage()) and "stops after algo.unlearnable_after_groups=1024" in caplog.text
+    varied, now[0] = LearnableWatch(tally.seen, 1024, dynamic_sampling=True, clock=lambda: now[0]), 0.0
+    tally.add([0.0, 1.0])
+    varied.check()
+    now[0] = 1000.0
+    varied.check()  # a group that differs: nothing to say
+    assert len(caplog.records) == 1
+
+
 class TallyingServer(QueueServer):
     """collect_batch's buffer, adding every group it hands out to the sampled tally as both backends do."""
 
