@@ -200,8 +200,11 @@ def to_dict(cfg: RunConfig) -> dict:
 
 
 def shared_sections(cfg: RunConfig) -> dict:
-    """The sections every process of a job must agree on (SHARED_SECTIONS), as JSON-able dicts."""
-    return {name: asdict(getattr(cfg, name)) for name in SHARED_SECTIONS}
+    """The sections every process of a job must agree on (SHARED_SECTIONS), as JSON-able dicts, and job.seed: it
+    seeds the held-out split (data.val_fraction) and every part whose own seed is unset, so a generator started with
+    another one would sample another job's streams. The rest of the job section (its name, its out_dir) may differ
+    between machines."""
+    return {"job": {"seed": cfg.job.seed}, **{name: asdict(getattr(cfg, name)) for name in SHARED_SECTIONS}}
 
 
 def shared_hash(cfg: RunConfig) -> str:

@@ -225,8 +225,8 @@ def test_a_config_mismatch_is_one_line_naming_the_keys_that_differ():
     from asyncrl.configs import load_config, shared_hash, shared_sections
     from asyncrl.generator.main import join_learner
 
-    learner_cfg = load_config(None, ["rollout.n=4", "reward.overlong_buffer_len=2"])
-    generator_cfg = load_config(None, ["rollout.n=8"])
+    learner_cfg = load_config(None, ["rollout.n=4", "reward.overlong_buffer_len=2", "job.seed=3"])
+    generator_cfg = load_config(None, ["rollout.n=8", "job.name=elsewhere"])  # the job's name may differ
     server = make_server(config_hash=shared_hash(learner_cfg), shared_config=shared_sections(learner_cfg))
     client = ZmqBufferClient(server.endpoint, "gen-m", timeout_s=5)
     try:
@@ -239,6 +239,7 @@ def test_a_config_mismatch_is_one_line_naming_the_keys_that_differ():
     assert "\n" not in message and message.startswith(f"config mismatch with the learner at {server.endpoint}")
     assert "rollout.n (this generator 8, the learner 4)" in message
     assert "reward.overlong_buffer_len (this generator 0, the learner 2)" in message
+    assert "job.seed (this generator 0, the learner 3)" in message and "job.name" not in message
 
 
 def test_a_refusal_whose_config_detail_is_garbage_still_reads_as_one_line():
