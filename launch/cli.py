@@ -256,13 +256,15 @@ def main(argv=None) -> int:
 def quiet_third_party() -> None:
     """Silence what libraries print that a user cannot act on, through their documented switches, in the
     environment so that every child (`asyncrl run`'s learner and generators, torchrun's ranks) inherits it; a value
-    the user set wins. transformers draws a progress bar for every model it loads or saves (a tiny model, a few ms).
+    the user set wins. transformers draws a progress bar for every model it loads or saves (a tiny model, a few ms);
+    MLflow logs its store's migrations at INFO (where the run is, asyncrl prints).
     transformers' generation code imports accelerate, which imports DeepSpeed when it is installed (the
     `deepspeed` extra), and DeepSpeed warns "Setting accelerator to CPU" on every machine without a GPU: on such a
     machine CPU is the only accelerator, so naming it (DS_ACCELERATOR) is what the warning asks for. With a GPU
     DeepSpeed's own detection is left alone. Torch is imported only when DeepSpeed is installed, and only by
     commands that import it anyway."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # "Creating initial MLflow database tables..."
     if "DS_ACCELERATOR" not in os.environ and importlib.util.find_spec("deepspeed") is not None:
         import torch
 

@@ -60,6 +60,9 @@ def test_the_readme_own_task_commands_train_and_evaluate_on_the_tasks_own_data(t
         assert out.returncode == 0, f"{line}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
         outputs[argv[3] if argv[1] == "-m" else "python"] = out
     print(f"README own-task commands: {time.monotonic() - started:.0f} s")  # shown with -s
+    for name, out in outputs.items():  # launch/cli.py quiet_third_party: nothing a user cannot act on
+        for noise in ("Setting accelerator", "Loading weights", "Writing model shards", "mlflow.store"):
+            assert noise not in out.stdout + out.stderr, (name, noise, out.stderr[-2000:])
     assert not no_demo.exists(), "asyncrl sft built demo assets for a job that brings its own model and data"
     run = outputs["run"]
     assert re.search(r"^step \d+/4 \| reward [\d.]+ sampled, [\d.]+ trained", run.stderr + run.stdout, re.M), run
