@@ -215,7 +215,9 @@ class ZmqHostile(threading.Thread):
     @staticmethod
     def admitted(peer: RawPeer) -> None:
         deadline = time.monotonic() + 60
-        while not peer.ask("admit", want=1)["granted"]:  # each rejected group's admission comes back
+        # each rejected group's admission comes back; the first admit may wait for the learner's start (the model
+        # load, under CI's load), which a 10 s reply wait did not always cover
+        while not peer.ask("admit", want=1, wait_ms=60_000)["granted"]:
             assert time.monotonic() < deadline, "never admitted"
             time.sleep(0.01)
 
