@@ -115,7 +115,7 @@ class OpenAIEndpoint:
                 **{f"rollout/tool_errors/{reason}": float(count) for reason, count in sorted(self.tool_errors.items())}}
 
     async def _complete(self, session, body: dict) -> dict:
-        if body.get("n", 1) not in (None, 1):
+        if body.get("n") is not None and (isinstance(body["n"], bool) or body["n"] != 1):
             raise SessionRefused(400, f"n must be 1: each episode is one sequence, got {body.get('n')!r}",
                                  "bad_parameter", "n")
         asked = requested_max_tokens(body, session.max_tokens)

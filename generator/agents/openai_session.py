@@ -80,11 +80,15 @@ def history_mismatch(sent: list, history: list, replies: dict) -> tuple[str, str
         return "reply_omitted", (f"the request omits the assistant reply of turn {turn} (expected messages[{at}] to "
                                  f"be it, {describe(history[at])}; got {got}): send each reply back as it was "
                                  f"returned (docs/agents.md)")
+    if at >= len(sent):
+        return "history_edited", (f"the request stops at messages[{at - 1}]: it leaves out messages[{at}], "
+                                  f"expected {describe(history[at])}: an agent must send its history back unchanged "
+                                  f"(docs/agents.md)")
     if turn is not None:
         what = f"the reply this episode's turn {turn} returned"
     else:
         what = "what this episode was sent there"
-    return "history_edited", (f"messages[{at}] ({sent[at][0] if at < len(sent) else 'missing'}) differs from {what}: "
+    return "history_edited", (f"messages[{at}] ({sent[at][0]}) differs from {what}: "
                               f"expected {describe(history[at])}, got {got}: an agent must send its history back "
                               f"unchanged (docs/agents.md)")
 
