@@ -13,11 +13,14 @@ EPISODE_TOTALS = ("rollout/resumed_turns", "generator/skipped_prompts", "generat
 ERROR_REASONS = {
     "rollout/tool_errors/": ("timeout", "error", "output_too_long", "malformed", "unknown_tool", "bad_arguments"),
     "rollout/env_errors/": ("timeout", "error", "bad_result", "bad_messages", "cannot_append", "no_requests",
-                            "bad_reward"),
+                            "bad_reward", "agent_error", "agent_refused", "agent_timeout"),
+    "rollout/http_refusals/": ("unknown_key", "bad_body", "concurrent_request", "bad_parameter", "bad_messages",
+                               "turn_limit", "prompt_too_long", "cannot_render", "tools_changed", "after_cut",
+                               "history_edited", "reply_omitted", "nothing_new", "token_budget"),
     "generator/reward_errors/": ("timeout", "error", "bad_value"),
 }
-"""The reasons the generator counts (generator/agents/, generator/rewards/scorer.py; tests/unit/test_timing.py checks
-they agree): only these are summed, whatever else a report names."""
+"""The reasons the generator counts (generator/agents/, openai_session.REFUSAL_CAUSES, generator/rewards/scorer.py;
+tests/unit/test_timing.py checks they agree): only these are summed, whatever else a report names."""
 MEAN_FAMILIES = ("timing/tool/",)
 MAX_FAMILY_KEYS = 16
 FAMILY_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")

@@ -21,7 +21,7 @@ CUMULATIVE = (
     "generator/skipped_prompts", "generator/reward_errors*", "generator/weight_pushes/*",
     "weightsync/catchup_served", "weightsync/catchup_deltas", "weightsync/catchup_deltas_prepared",
     "weightsync/catchup_prepared_used",
-    "rollout/*_errors*", "rollout/*_failures*", "rollout/*timeouts*",
+    "rollout/*_errors*", "rollout/*_failures*", "rollout/*timeouts*", "rollout/http_refusals/*",
 )
 """Running totals since the job (or the process) started."""
 PER_WINDOW = ("buffer/dropped/*", "buffer/dropped_stale", "learner/skipped", "learner/skipped_minibatches")

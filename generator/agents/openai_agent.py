@@ -4,8 +4,9 @@ generator's endpoint (openai_server.py). What the endpoint recorded becomes the 
 value is its reward (None: the job's reward function scores the last model turn).
 
 Contract of `run(row, sampling)`, the same as `EpisodeRunner.run`: it waits for the user's function, at most
-`agent.timeout_s`; one that raises or times out ends its episode as `env_error` (scored 0, counted in
-`rollout/env_errors/<reason>`), and so does one that never called the endpoint (`no_requests`).
+`agent.timeout_s`. One that fails ends its episode as `env_error` (scored 0), counted in
+`rollout/env_errors/<reason>` under one of AGENT_FAILURES, the exception's type and message in the log: the reasons
+are few and fixed, so the metrics stay bounded however many kinds of exception agents raise.
 """
 import asyncio
 import inspect
@@ -19,6 +20,28 @@ from asyncrl.generator.agents.openai_session import AgentSession
 from asyncrl.generator.user_code.loader import load_from_file
 
 log = logging.getLogger(__name__)
+
+
+AGENT_FAILURES = {
+    "agent_error": "the function raised (its own bug, or a client error other than a refusal)",
+    "agent_refused": "the function let an endpoint refusal (openai.APIStatusError) escape: "
+                     "rollout/http_refusals/<cause> says which",
+    "agent_timeout": "the function ran past agent.timeout_s, or its client timed out",
+    "no_requests": "the function returned without calling the endpoint",
+    "bad_reward": "the function returned something other than a finite number or None",
+}
+"""rollout/env_errors/<reason> of an agent episode: why it ended as env_error."""
+
+
+def failure_reason(err: BaseException) -> str:
+    """The AGENT_FAILURES reason for what the agent's function raised."""
+    import openai
+
+    if isinstance(err, (asyncio.TimeoutError, openai.APITimeoutError)):
+        return "agent_timeout"
+    if isinstance(err, openai.APIStatusError):
+        return "agent_refused"
+    return "agent_error"
 
 
 class AgentLoadError(ValueError):
@@ -49,7 +72,9 @@ class OpenAIAgentRunner:
         await self.endpoint.close()
 
     def metrics(self) -> dict:
-        return {f"rollout/env_errors/{reason}": float(count) for reason, count in sorted(self.env_errors.items())}
+        """Agent failures by reason, and the endpoint's refusals and tool-call errors."""
+        return {**{f"rollout/env_errors/{reason}": float(count) for reason, count in sorted(self.env_errors.items())},
+                **self.endpoint.metrics()}
 
     async def run(self, row, sampling) -> Episode:
         from openai import AsyncOpenAI
@@ -60,20 +85,21 @@ class OpenAIAgentRunner:
         reward, failure = None, None
         try:
             reward = await asyncio.wait_for(self.episode_fn(row_dict(row), client), self.timeout_s)
-        except asyncio.TimeoutError:
-            failure = "timeout"
-        except Exception as err:  # the agent's own bug, or an endpoint refusal it did not handle
-            failure = "error"
-            log.warning("agent episode on %s failed: %s: %s", row.prompt_id, type(err).__name__, err)
+        except Exception as err:  # the agent's own bug, a timeout, or an endpoint refusal it did not handle
+            failure = failure_reason(err)
+            log.warning("agent episode on %s failed (%s): %s: %s", row.prompt_id, failure, type(err).__name__, err)
         finally:
             del self.endpoint.sessions[session.id]
             await client.close()
         episode = session.episode
         if episode is None and failure is None:
             failure = "no_requests"
+            log.warning("agent episode on %s returned without calling the endpoint", row.prompt_id)
         if failure is None and reward is not None:
             if not isinstance(reward, (int, float)) or not math.isfinite(reward):
                 failure = "bad_reward"
+                log.warning("agent episode on %s returned %r: a reward is a finite number or None", row.prompt_id,
+                            reward)
             else:
                 episode.rewards.append(float(reward))
         if failure is not None:

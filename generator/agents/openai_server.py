@@ -8,14 +8,21 @@ that takes a base URL and a key works unchanged. Requests are turned into one to
 
 Sampling is the job's (`rollout.temperature`, `top_p`, `top_k`: the policy being trained); the request's own
 sampling parameters are ignored, `max_tokens` / `max_completion_tokens` can only lower `rollout.max_tokens`, and
-`n` must be 1. Errors come back as OpenAI error objects: 401 for an unknown session, 400 for a request the episode
-cannot take (with the reason), 409 for a second concurrent request in one session.
+`n` must be 1. Errors come back as OpenAI error objects (`{"error": {"message", "type", "param", "code"}}`, the
+`code` one of openai_session.REFUSAL_CAUSES): 401 for an unknown session, 400 for a request the episode cannot take
+(with the reason), 409 for a second concurrent request in one session. Each refusal is counted in
+`rollout/http_refusals/<cause>`, and each tool call the model got wrong in `rollout/tool_errors/<reason>`.
+
+A reply whose only tool calls the model got wrong (tool_calls.py: malformed, unknown tool, bad arguments) ends with
+finish_reason MALFORMED_TOOL_CALL, its text as the content: the agent sees that the model tried and failed, which
+"stop" would hide. The official `openai` client passes the value through (tests/integration/test_openai_endpoint.py).
 """
 import asyncio
 import json
 import logging
 import socket
 import time
+from collections import Counter
 from dataclasses import replace
 
 from asyncrl.generator.agents.openai_session import SessionRefused
@@ -23,8 +30,26 @@ from asyncrl.generator.agents.openai_session import SessionRefused
 log = logging.getLogger(__name__)
 
 
-def error_body(message: str, kind: str) -> dict:
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+MALFORMED_TOOL_CALL = "malformed_tool_call"
+"""The finish_reason of a reply in which the model wrote tool calls and got every one of them wrong."""
+
+
+def error_body(message: str, kind: str, code: str, param: str | None = None) -> dict:
+    """OpenAI's error object; `code` is the refusal's cause (openai_session.REFUSAL_CAUSES)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def requested_max_tokens(body: dict, default: int) -> int:
+    """The request's max_completion_tokens (or the older max_tokens), else `default`; a value that is present
+    must be a positive integer (0 is refused like -5, not read as unset)."""
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = body.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise SessionRefused(400, f"{key} must be a positive integer, got {value!r}", "bad_parameter", key)
+        return value
+    return default
 
 
 class OpenAIEndpoint:
@@ -33,6 +58,8 @@ class OpenAIEndpoint:
     def __init__(self, engine, model_name: str, sampling, port: int = 0):
         self.engine, self.model_name, self.sampling, self.port = engine, model_name, sampling, port
         self.sessions: dict = {}
+        self.refusals: Counter = Counter()  # cause -> requests refused
+        self.tool_errors: Counter = Counter()  # reason -> tool calls the model got wrong
         self._server = None
         self._task = None
         self.url = ""
@@ -51,20 +78,22 @@ class OpenAIEndpoint:
         async def chat_completions(request: Request):
             session = self.sessions.get(request.headers.get("authorization", "").removeprefix("Bearer ").strip())
             if session is None:
-                return JSONResponse(error_body("unknown session: the API key names the episode", "auth_error"), 401)
+                return self.refuse("unknown session: the API key names the episode", "authentication_error",
+                                   "unknown_key", 401)
             try:
                 body = await request.json()
             except (json.JSONDecodeError, UnicodeDecodeError):
-                return JSONResponse(error_body("the body is not JSON", "invalid_request_error"), 400)
+                return self.refuse("the body is not JSON", "invalid_request_error", "bad_body")
             if not isinstance(body, dict):
-                return JSONResponse(error_body("the body must be a JSON object", "invalid_request_error"), 400)
+                return self.refuse("the body must be a JSON object", "invalid_request_error", "bad_body")
             if session.busy:
-                return JSONResponse(error_body("this episode already has a request in flight", "conflict"), 409)
+                return self.refuse("this episode already has a request in flight: an episode's requests are "
+                                   "answered one at a time", "conflict", "concurrent_request", 409)
             session.busy = True
             try:
                 reply = await self._complete(session, body)
             except SessionRefused as err:
-                return JSONResponse(error_body(str(err), "invalid_request_error"), err.status)
+                return self.refuse(str(err), "invalid_request_error", err.cause, err.status, err.param)
             finally:
                 session.busy = False
             if body.get("stream"):
@@ -73,21 +102,37 @@ class OpenAIEndpoint:
 
         return app
 
+    def refuse(self, message: str, kind: str, cause: str, status: int = 400, param: str | None = None):
+        """Count the refusal by cause and answer it as an OpenAI error object."""
+        from fastapi.responses import JSONResponse
+
+        self.refusals[cause] += 1
+        log.info("refused an agent request (%s): %s", cause, message)
+        return JSONResponse(error_body(message, kind, cause, param), status)
+
+    def metrics(self) -> dict:
+        return {**{f"rollout/http_refusals/{cause}": float(count) for cause, count in sorted(self.refusals.items())},
+                **{f"rollout/tool_errors/{reason}": float(count) for reason, count in sorted(self.tool_errors.items())}}
+
     async def _complete(self, session, body: dict) -> dict:
-        if body.get("n", 1) != 1:
-            raise SessionRefused(400, "n must be 1: each episode is one sequence")
+        if body.get("n") is not None and (isinstance(body["n"], bool) or body["n"] != 1):
+            raise SessionRefused(400, f"n must be 1: each episode is one sequence, got {body.get('n')!r}",
+                                 "bad_parameter", "n")
+        asked = requested_max_tokens(body, session.max_tokens)
         prompt = session.sequence_for(body.get("messages"), body.get("tools"))
-        asked = body.get("max_completion_tokens") or body.get("max_tokens") or session.max_tokens
-        if not isinstance(asked, int) or asked < 1:
-            raise SessionRefused(400, f"max_tokens must be a positive integer, got {asked!r}")
         room = min(asked, session.room())
         if room < 1:
-            raise SessionRefused(400, "the episode has no tokens left")
+            raise SessionRefused(400, "the episode has no tokens left", "token_budget")
         sampling = self.sampling if room == self.sampling.max_tokens else replace(self.sampling, max_tokens=room)
         (completion,) = await self.engine.sample(prompt, sampling, 1)
-        message = session.record(completion)
-        finish = "tool_calls" if message.get("tool_calls") else ("stop" if completion.finish_reason == "stop"
-                                                                  else "length")
+        message, errors = session.record(completion)
+        self.tool_errors.update(errors)
+        if message.get("tool_calls"):
+            finish = "tool_calls"
+        elif completion.finish_reason != "stop":
+            finish = "length"
+        else:
+            finish = MALFORMED_TOOL_CALL if errors else "stop"
         return {"id": f"chatcmpl-{session.id}-{session.requests}", "object": "chat.completion",
                 "created": int(time.time()), "model": self.model_name,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],

@@ -8,6 +8,11 @@ after the model's last turn. An agent that edits, drops or reorders earlier mess
 again after a turn that was cut by max_tokens is refused (`SessionRefused`, HTTP 400 with the reason): its
 history would no longer be the tokens the model saw, so training on it would be training on a different
 conversation. Requests of one session are served one at a time (HTTP 409 for a concurrent one).
+
+Every refusal has a cause from REFUSAL_CAUSES: it is the error object's `code` and the endpoint counts it in
+`rollout/http_refusals/<cause>`, so a user sees which rule their harness breaks without reading the log. A
+history that differs is told by index, with what was expected (`history_mismatch`): the common mistakes
+(an agent that drops the reply it got, or rebuilds it differently) read differently from a real edit.
 """
 import json
 
@@ -17,12 +22,21 @@ from asyncrl.generator.agents.episode import Episode
 from asyncrl.generator.agents.tool_calls import HermesToolCallParser, ToolCall
 
 
-class SessionRefused(ValueError):
-    """The request cannot continue this episode; `status` is the HTTP status, the message the reason."""
+REFUSAL_CAUSES = ("unknown_key", "bad_body", "concurrent_request", "bad_parameter", "bad_messages", "turn_limit",
+                  "prompt_too_long", "cannot_render", "tools_changed", "after_cut", "history_edited",
+                  "reply_omitted", "nothing_new", "token_budget")
+"""Why the endpoint refuses a request; a fixed set, so the metrics family stays bounded (buffer/fleet_stats.py)."""
 
-    def __init__(self, status: int, message: str):
+
+class SessionRefused(ValueError):
+    """The request cannot continue this episode; `status` is the HTTP status, `cause` one of REFUSAL_CAUSES,
+    `param` the request field at fault (or None), the message the reason."""
+
+    def __init__(self, status: int, message: str, cause: str, param: str | None = None):
+        if cause not in REFUSAL_CAUSES:
+            raise ValueError(f"refusal cause {cause!r} is not one of {REFUSAL_CAUSES}")
         super().__init__(message)
-        self.status = status
+        self.status, self.cause, self.param = status, cause, param
 
 
 def canonical(message: dict) -> tuple:
@@ -37,6 +51,46 @@ def canonical(message: dict) -> tuple:
             pass
         calls.append((call.get("id"), function.get("name"), json.dumps(arguments, sort_keys=True)))
     return message.get("role"), message.get("content") or "", tuple(calls)
+
+
+def describe(message: tuple, limit: int = 80) -> str:
+    """A canonical message, short enough for an error message: its role, text and tool calls."""
+    role, content, calls = message
+    text = content if len(content) <= limit else content[:limit] + "..."
+    parts = [f"role {role!r}", f"content {text!r}"]
+    if calls:
+        parts.append("tool calls " + ", ".join(f"{name}({arguments})" for _, name, arguments in calls))
+    return "{" + ", ".join(parts) + "}"
+
+
+def history_mismatch(sent: list, history: list, replies: dict) -> tuple[str, str] | None:
+    """Where the canonical messages `sent` stop repeating `history` (what this episode was sent and answered),
+    as (cause, message), or None when they repeat it. `replies`: history index -> the turn (1-based) whose
+    reply the endpoint returned there. An agent that sends something else where a reply belongs has omitted it
+    (the usual bug: appending the next user or tool message without the assistant message); one that sends an
+    assistant message that differs has rebuilt or edited it."""
+    at = next((i for i, (a, b) in enumerate(zip(sent, history)) if a != b), None)
+    if at is None:
+        if len(sent) >= len(history):
+            return None
+        at = len(sent)
+    turn = replies.get(at)
+    got = describe(sent[at]) if at < len(sent) else "nothing"
+    if turn is not None and (at >= len(sent) or sent[at][0] != "assistant"):
+        return "reply_omitted", (f"the request omits the assistant reply of turn {turn} (expected messages[{at}] to "
+                                 f"be it, {describe(history[at])}; got {got}): send each reply back as it was "
+                                 f"returned (docs/agents.md)")
+    if at >= len(sent):
+        return "history_edited", (f"the request stops at messages[{at - 1}]: it leaves out messages[{at}], "
+                                  f"expected {describe(history[at])}: an agent must send its history back unchanged "
+                                  f"(docs/agents.md)")
+    if turn is not None:
+        what = f"the reply this episode's turn {turn} returned"
+    else:
+        what = "what this episode was sent there"
+    return "history_edited", (f"messages[{at}] ({sent[at][0]}) differs from {what}: "
+                              f"expected {describe(history[at])}, got {got}: an agent must send its history back "
+                              f"unchanged (docs/agents.md)")
 
 
 def plain_messages(messages: list) -> list:
@@ -55,6 +109,7 @@ class AgentSession:
         self.id, self.tokenizer, self.budget, self.max_tokens = session_id, tokenizer, budget, max_tokens
         self.episode: Episode | None = None
         self.history: list = []  # canonical messages sent and answered so far
+        self.replies: dict = {}  # history index -> the turn (1-based) whose reply sits there
         self.tools = None
         self.appender = None
         self.busy = False
@@ -64,12 +119,13 @@ class AgentSession:
     def sequence_for(self, messages: list, tools) -> list:
         """The token ids to sample the next model turn from; raises SessionRefused."""
         if not isinstance(messages, list) or not messages:
-            raise SessionRefused(400, "messages must be a non-empty list")
+            raise SessionRefused(400, "messages must be a non-empty list", "bad_messages", "messages")
         problem = messages_problem(plain_messages(messages))
         if problem:
-            raise SessionRefused(400, problem)
+            raise SessionRefused(400, problem, "bad_messages", "messages")
         if self.requests >= self.budget.max_turns:
-            raise SessionRefused(400, f"the episode has used its rollout.max_turns={self.budget.max_turns} turns")
+            raise SessionRefused(400, f"the episode has used its rollout.max_turns={self.budget.max_turns} turns",
+                                 "turn_limit")
         try:
             if self.episode is None:
                 return self._open(messages, tools)
@@ -77,7 +133,8 @@ class AgentSession:
         except SessionRefused:
             raise
         except Exception as err:  # the chat template could not render them (TemplateCannotAppend, a template error)
-            raise SessionRefused(400, f"the messages cannot be rendered: {type(err).__name__}: {err}") from None
+            raise SessionRefused(400, f"the messages cannot be rendered: {type(err).__name__}: {err}",
+                                 "cannot_render", "messages") from None
 
     def _open(self, messages: list, tools) -> list:
         self.tools = tools or None
@@ -85,7 +142,7 @@ class AgentSession:
         prompt = self.appender.prompt_ids(plain_messages(messages))
         if len(prompt) > self.budget.max_prompt_tokens:
             raise SessionRefused(400, f"the prompt is {len(prompt)} tokens > data.max_prompt_tokens="
-                                      f"{self.budget.max_prompt_tokens}")
+                                      f"{self.budget.max_prompt_tokens}", "prompt_too_long", "messages")
         self.episode = Episode(prompt_len=len(prompt), sequence=list(prompt))
         self.history = [canonical(message) for message in messages]
         return list(prompt)
@@ -93,25 +150,25 @@ class AgentSession:
     def _continue(self, messages: list, tools) -> list:
         episode = self.episode
         if (tools or None) != self.tools:
-            raise SessionRefused(400, "the tools changed in the middle of the episode")
+            raise SessionRefused(400, "the tools changed in the middle of the episode: send the first request's "
+                                      "tools with every request", "tools_changed", "tools")
         if episode.finish_reason != "stop":
             raise SessionRefused(400, f"the last turn ended with {episode.finish_reason!r}, so the conversation "
-                                      f"cannot go on from it")
+                                      f"cannot go on from it", "after_cut")
         sent = [canonical(message) for message in messages]
-        if sent[:len(self.history)] != self.history:
-            at = next((i for i, (a, b) in enumerate(zip(sent, self.history)) if a != b), len(sent))
-            raise SessionRefused(400, f"message {at} differs from what this episode sent and was answered: an agent "
-                                      f"must send its history back unchanged (docs/agents.md)")
+        mismatch = history_mismatch(sent, self.history, self.replies)
+        if mismatch is not None:
+            raise SessionRefused(400, mismatch[1], mismatch[0], "messages")
         new = plain_messages(messages[len(self.history):])
         if not new:
-            raise SessionRefused(400, "no new message after the last answer")
+            raise SessionRefused(400, "no new message after the last answer", "nothing_new", "messages")
         appended = self.appender.append_ids(new)
         limit = self.budget.max_episode_tokens or self.budget.max_model_len
         if (episode.after_prompt() + len(appended) >= limit
                 or len(episode.sequence) + len(appended) >= self.budget.max_model_len):
             episode.finish_reason = "max_episode_tokens"
             raise SessionRefused(400, "the episode has used its token budget (rollout.max_episode_tokens or the "
-                                      "model's positions)")
+                                      "model's positions)", "token_budget")
         episode.add_env_turn(appended)
         self.history = sent
         return list(episode.sequence)
@@ -121,15 +178,18 @@ class AgentSession:
         limit = self.budget.max_episode_tokens or self.budget.max_model_len
         return min(self.max_tokens, limit - episode.after_prompt(), self.budget.max_model_len - len(episode.sequence))
 
-    def record(self, completion) -> dict:
-        """Add the sampled turn; returns the assistant message the endpoint answers with (and will expect back)."""
+    def record(self, completion) -> tuple[dict, list]:
+        """Add the sampled turn; returns the assistant message the endpoint answers with (and will expect back),
+        and the reasons (tool_calls.py) of the tool calls the model got wrong in it. Those are not passed on: the
+        agent could not run them, and the OpenAI API has no place for a call that is not one."""
         episode = self.episode
         episode.add_model_turn(completion, self.room(), self.tokenizer)
         self.requests += 1
         text = episode.last_text
-        message = {"role": "assistant", "content": text}
+        message, errors = {"role": "assistant", "content": text}, []
         if self.tools:
             turn = self.parser.parse(text, {tool["function"]["name"]: tool for tool in self.tools})
+            errors = [item.reason for item in turn.errors]
             calls = [item for item in turn.items if isinstance(item, ToolCall)]
             if calls:
                 episode.tool_calls += len(calls)
@@ -137,5 +197,6 @@ class AgentSession:
                     {"id": f"call_{self.id[-8:]}_{episode.turns}_{index}", "type": "function",
                      "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
                     for index, call in enumerate(calls)]}
+        self.replies[len(self.history)] = episode.turns
         self.history.append(canonical(message))
-        return message
+        return message, errors

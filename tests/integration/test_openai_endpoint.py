@@ -108,36 +108,86 @@ def test_streaming_answers_chunks_that_add_up_to_the_answer(tokenizer):
     assert tool_chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_requests_the_episode_cannot_take_are_refused_with_the_reason(tokenizer):
+def test_requests_the_episode_cannot_take_are_refused_with_the_reason_and_counted_by_cause(tokenizer):
+    """Each refusal's error object names its cause (`code`) and the field at fault (`param`), the message says
+    which message differs and what was expected, and the endpoint counts it in rollout/http_refusals/<cause>."""
     async def scenario(endpoint, engine):
         endpoint.sessions["s2"] = AgentSession("s2", tokenizer, BUDGET, max_tokens=128)
         client = openai.AsyncOpenAI(base_url=endpoint.url, api_key="s2", max_retries=0)
         stranger = openai.AsyncOpenAI(base_url=endpoint.url, api_key="nobody", max_retries=0)
         errors = {}
         try:
-            first = await client.chat.completions.create(model="asyncrl", messages=ROW.messages)
-            edited = [*ROW.messages, {"role": "assistant", "content": "something else"},
-                      {"role": "user", "content": "and?"}]
+            first = await client.chat.completions.create(model="asyncrl", messages=ROW.messages, tools=[ADD])
+            reply = first.choices[0].message.model_dump(exclude_none=True)
+            then = {"role": "user", "content": "and?"}
+            edited = [*ROW.messages, {"role": "assistant", "content": "something else"}, then]
+            create = client.chat.completions.create
             for name, request in (
-                    ("edited", client.chat.completions.create(model="asyncrl", messages=edited)),
+                    ("edited", create(model="asyncrl", messages=edited, tools=[ADD])),
+                    ("omitted", create(model="asyncrl", messages=[*ROW.messages, then], tools=[ADD])),
+                    ("tools", create(model="asyncrl", messages=[*ROW.messages, reply, then])),
                     ("stranger", stranger.chat.completions.create(model="asyncrl", messages=ROW.messages)),
-                    ("n", client.chat.completions.create(model="asyncrl", messages=ROW.messages, n=2)),
-                    ("nothing_new", client.chat.completions.create(
-                        model="asyncrl", messages=[*ROW.messages, first.choices[0].message.model_dump()]))):
+                    ("n", create(model="asyncrl", messages=ROW.messages, n=2)),
+                    ("zero", create(model="asyncrl", messages=[*ROW.messages, reply, then], tools=[ADD],
+                                    max_tokens=0)),
+                    ("negative", create(model="asyncrl", messages=[*ROW.messages, reply, then], tools=[ADD],
+                                        max_completion_tokens=-5)),
+                    ("nothing_new", create(model="asyncrl", messages=[*ROW.messages, reply], tools=[ADD]))):
                 try:
                     await request
                 except openai.APIStatusError as err:
-                    errors[name] = (err.status_code, err.message)
+                    errors[name] = (err.status_code, err.code, err.param, err.message)
+            # refused requests left the episode as it was: the right continuation still works
+            second = await create(model="asyncrl", messages=[*ROW.messages, reply, then], tools=[ADD])
         finally:
             await client.close()
             await stranger.close()
-        return errors
+        return errors, second, endpoint.metrics()
 
-    errors, _ = serve(tokenizer, [("4", "stop")], scenario)
-    assert errors["edited"][0] == 400 and "message 1 differs" in errors["edited"][1]
-    assert errors["stranger"][0] == 401 and "unknown session" in errors["stranger"][1]
-    assert errors["n"][0] == 400 and "n must be 1" in errors["n"][1]
-    assert errors["nothing_new"][0] == 400 and "no new message" in errors["nothing_new"][1]
+    (errors, second, metrics), _ = serve(tokenizer, [("4", "stop"), ("5", "stop")], scenario)
+    assert errors["edited"][:3] == (400, "history_edited", "messages")
+    assert ("messages[1] (assistant) differs from the reply this episode's turn 1 returned: expected {role "
+            "'assistant', content '4'}, got {role 'assistant', content 'something else'}") in errors["edited"][3]
+    assert errors["omitted"][:3] == (400, "reply_omitted", "messages")
+    assert "omits the assistant reply of turn 1 (expected messages[1] to be it" in errors["omitted"][3]
+    assert errors["tools"][:3] == (400, "tools_changed", "tools")
+    assert errors["stranger"][:2] == (401, "unknown_key") and "unknown session" in errors["stranger"][3]
+    assert errors["n"][:3] == (400, "bad_parameter", "n") and "n must be 1" in errors["n"][3]
+    assert errors["zero"][:3] == (400, "bad_parameter", "max_tokens")
+    assert "max_tokens must be a positive integer, got 0" in errors["zero"][3]
+    assert errors["negative"][:3] == (400, "bad_parameter", "max_completion_tokens")
+    assert errors["nothing_new"][:3] == (400, "nothing_new", "messages")
+    assert second.choices[0].message.content == "5"
+    assert metrics == {"rollout/http_refusals/bad_parameter": 3.0, "rollout/http_refusals/history_edited": 1.0,
+                       "rollout/http_refusals/nothing_new": 1.0, "rollout/http_refusals/reply_omitted": 1.0,
+                       "rollout/http_refusals/tools_changed": 1.0, "rollout/http_refusals/unknown_key": 1.0}
+
+
+def test_a_reply_whose_tool_calls_are_all_wrong_says_so_and_is_counted(tokenizer):
+    """In agent mode a tool call the model got wrong is counted in rollout/tool_errors/<reason>; when no call in
+    the reply is right, finish_reason is "malformed_tool_call" (plain and streamed), which the official client
+    passes through, and the agent gets the text to send back."""
+    async def scenario(endpoint, engine):
+        endpoint.sessions["s4"] = AgentSession("s4", tokenizer, BUDGET, max_tokens=128)
+        client = openai.AsyncOpenAI(base_url=endpoint.url, api_key="s4", max_retries=0)
+        try:
+            plain = await client.chat.completions.create(model="asyncrl", messages=ROW.messages, tools=[ADD])
+            messages = [*ROW.messages, plain.choices[0].message.model_dump(exclude_none=True),
+                        {"role": "user", "content": "that call was broken, try again"}]
+            stream = await client.chat.completions.create(model="asyncrl", messages=messages, tools=[ADD],
+                                                          stream=True)
+            chunks = [chunk async for chunk in stream]
+        finally:
+            await client.close()
+        return plain, chunks, endpoint.metrics()
+
+    broken = '<tool_call>{"name": "add", "arguments": {"a": 2</tool_call>'
+    mixed = f'{call("add", a=2, b=3)}<tool_call>{{"name": "mul"}}</tool_call>'
+    (plain, chunks, metrics), _ = serve(tokenizer, [(broken, "stop"), (mixed, "stop")], scenario)
+    assert plain.choices[0].finish_reason == "malformed_tool_call"
+    assert plain.choices[0].message.content == broken and not plain.choices[0].message.tool_calls
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"  # one right call: the agent runs it
+    assert metrics == {"rollout/tool_errors/malformed": 1.0, "rollout/tool_errors/unknown_tool": 1.0}
 
 
 def test_agent_failures_end_their_episode_and_are_counted(tokenizer):
@@ -151,18 +201,32 @@ def test_agent_failures_end_their_episode_and_are_counted(tokenizer):
     async def sleepy(row, client):
         await asyncio.sleep(30)
 
+    async def stubborn(row, client):
+        """Does not handle the endpoint's refusal of its edited history."""
+        await client.chat.completions.create(model="asyncrl", messages=row["prompt"])
+        await client.chat.completions.create(model="asyncrl", messages=[
+            *row["prompt"], {"role": "assistant", "content": "five"}, {"role": "user", "content": "sure?"}])
+
+    async def worded(row, client):
+        await client.chat.completions.create(model="asyncrl", messages=row["prompt"])
+        return "five"
+
     async def scenario(endpoint, engine):
         results = {}
-        for fn in (broken, silent, sleepy):
+        for fn in (broken, silent, sleepy, stubborn, worded):
             runner = OpenAIAgentRunner(endpoint, fn, tokenizer, BUDGET, max_tokens=128, timeout_s=1.0)
             episode = await runner.run(ROW, SAMPLING)
             results[fn.__name__] = (episode.finish_reason, episode.env_error, runner.metrics(), episode.turns)
         return results, dict(endpoint.sessions)
 
-    (results, left), _ = serve(tokenizer, [("4", "stop")] * 3, scenario)
-    assert results["broken"][:2] == ("env_error", "error") and results["broken"][3] == 1
+    (results, left), _ = serve(tokenizer, [("4", "stop")] * 4, scenario)
+    assert results["broken"][:3] == ("env_error", "agent_error", {"rollout/env_errors/agent_error": 1.0})
+    assert results["broken"][3] == 1
     assert results["silent"][:3] == ("env_error", "no_requests", {"rollout/env_errors/no_requests": 1.0})
-    assert results["sleepy"][:2] == ("env_error", "timeout")
+    assert results["sleepy"][:2] == ("env_error", "agent_timeout")
+    assert results["stubborn"][:3] == ("env_error", "agent_refused", {
+        "rollout/env_errors/agent_refused": 1.0, "rollout/http_refusals/history_edited": 1.0})
+    assert results["worded"][:2] == ("env_error", "bad_reward")
     assert left == {}  # every session is closed with its episode
 
 
@@ -190,3 +254,5 @@ def test_a_second_concurrent_request_in_one_episode_is_refused(tokenizer):
     answers = asyncio.run(scenario())
     refused = [answer for answer in answers if isinstance(answer, openai.APIStatusError)]
     assert len(refused) == 1 and refused[0].status_code == 409 and len(engine.requests) == 1
+    assert refused[0].code == "concurrent_request"
+    assert endpoint.metrics() == {"rollout/http_refusals/concurrent_request": 1.0}

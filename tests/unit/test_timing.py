@@ -101,7 +101,12 @@ def test_the_fleet_knows_every_error_reason_the_generator_counts():
     tool = set(re.findall(r'self\.failed\("([a-z_]+)"', sources["agents/tools.py"]))
     tool |= {"malformed", "unknown_tool", "bad_arguments"}  # the parser's, through rejected()
     env = set(re.findall(r'_failed\("([a-z_]+)"', sources["agents/episode.py"]))
-    env |= set(re.findall(r'failure = "([a-z_]+)"', sources["agents/openai_agent.py"]))
+    from asyncrl.generator.agents.openai_agent import AGENT_FAILURES
+    from asyncrl.generator.agents.openai_session import REFUSAL_CAUSES
+
+    env |= set(re.findall(r'failure = "([a-z_]+)"', sources["agents/openai_agent.py"])) | set(AGENT_FAILURES)
+    assert set(re.findall(r'return "(agent_[a-z_]+)"', sources["agents/openai_agent.py"])) <= set(AGENT_FAILURES)
+    assert set(REFUSAL_CAUSES) == set(ERROR_REASONS["rollout/http_refusals/"])
     env |= set(re.findall(r'env_errors\["([a-z_]+)"\]', open(os.path.join(root, "generator", "sampling.py")).read()))
     assert tool and env
     assert tool <= set(ERROR_REASONS["rollout/tool_errors/"]), tool
