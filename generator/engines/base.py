@@ -21,6 +21,10 @@ class Completion:
     logprobs: list = field(default_factory=list)  # logprob of each token under the distribution sampled from
     versions: list = field(default_factory=list)  # policy version of the weights that sampled each token
     finish_reason: str = "length"
+    cached_tokens: int = 0
+    """Prompt tokens the engine found in its prefix cache (vLLM's `num_cached_tokens` of the completion's last
+    request; 0 from engines that do not report it): what bench/agent_prefix.py reads to show turn k reusing turn
+    k-1's KV cache."""
 
 
 class WeightLoadError(RuntimeError):

@@ -126,6 +126,7 @@ class VllmEngine:
         version sampled (`finish_weight_update(weight_version=...)`), and that record replaces the tags. A request
         on a LoRA adapter (`adapter_version`) is sampled by that version alone, start to end."""
         delta = output.outputs[0]
+        completion.cached_tokens = output.num_cached_tokens or 0  # set once its prefill is scheduled
         version = self.version if adapter_version is None else adapter_version
         # A greedy request (temperature 0, the ReMax baseline) may come back without logprobs: its tokens
         # are kept with logprob 0, the log-probability of the point mass greedy decoding samples from.

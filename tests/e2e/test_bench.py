@@ -149,3 +149,21 @@ def test_plan_check_bench_runs_both_checks_on_a_tiny_setting(tmp_path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["closed_form"]["points"] == 4 and result["closed_form"]["max_abs_error"] < 0.5
     assert result["runs"]["runs"] == 2 and "closed form" in out.stdout and "staleness run" in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_agent_prefix_bench_sees_turn_k_reuse_turn_k_minus_1s_cache_on_a_tiny_setting(tmp_path):
+    """Prefix caching on only (one vLLM start; `off` is the same engine with caching off and doubles the test's
+    time): turn 1 is cold, turn 4 finds the blocks of the history before its new environment message cached."""
+    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.agent_prefix", "--modes", "on", "--repeats", "1",
+                          "--first", "120", "--reply", "8", "--env", "16", "--hidden", "64", "--layers", "2"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "agent_prefix" and set(result["table"]) == {"on"}
+    turns = result["table"]["on"]
+    assert [turn["turn"] for turn in turns] == [1, 2, 3, 4]
+    assert turns[0]["cached"] == 0 and all(turn["ttft_ms"] > 0 for turn in turns)
+    assert 0 < turns[3]["cached"] < turns[3]["prompt"]  # reused, and the new message was prefilled
+    assert "| on | 4 |" in out.stdout

@@ -170,7 +170,8 @@ class Streams(Controls):
             # vLLM's record on a request's last output: the committed weight version of each span of its tokens
             spans = [WeightVersionSpan("0" if aborted else "5", 0, index + 1)] if last else None
             yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[100 + index], logprobs=logprobs,
-                                                           finish_reason=finish, weight_versions=spans)])
+                                                           finish_reason=finish, weight_versions=spans)],
+                                  num_cached_tokens=0)
             await asyncio.sleep(0)
 
 
