@@ -50,6 +50,24 @@ class LoadAfterTurnOne:
         return StepResult(messages=[{"role": "user", "content": "sort:312="}])
 
 
+class LoadOnTheFirstStep:
+    """Several episodes at once: the first step of any of them loads the newest announced version while the others'
+    turns are being sampled (what a concurrent group's start does); `shared['loaded']` says one did."""
+
+    def __init__(self, follower, shared: dict):
+        self.follower, self.shared, self.turns = follower, shared, 0
+
+    async def reset(self, row):
+        return None
+
+    async def step(self, text):
+        self.turns += 1
+        if not self.shared["loaded"]:
+            self.shared["loaded"] = True
+            await self.follower.ensure_latest()
+        return StepResult(messages=[{"role": "user", "content": "sort:312="}])
+
+
 class InlineScorer:
     seconds, calls = 0.0, 0
 
@@ -95,21 +113,22 @@ def model_turns(mask) -> list:
     return runs
 
 
-def run_until_two_turns(engine, model_dir, tmp_path, run):
-    """Episodes (one per group) until one has two model turns: the load happens in the first one whose first
-    turn ends with the stop token (a turn cut by max_tokens ends its episode before any step). Returns (the
-    group, the old version, the new one, the versions the environment saw after each step)."""
+def run_until_two_turns(engine, model_dir, tmp_path, run, n=1, make_env=None):
+    """Groups of `n` episodes until the new version was loaded: the environment (`make_env(follower)`; by default
+    LoadAfterTurnOne) loads it in a step, which only a first turn that ends with the stop token reaches (a turn cut
+    by max_tokens ends its episode). Returns (the group, the old version, the new one, the versions
+    LoadAfterTurnOne saw after each step)."""
     tokenizer = sorting_tokenizer(model_dir)
     seen: list = []
     holder: dict = {}
-    runner = EpisodeRunner(engine, tokenizer, ChatAppender(tokenizer), lambda: LoadAfterTurnOne(holder["loop"].weights,
-                                                                                                  seen),
+    make_env = make_env or (lambda follower: LoadAfterTurnOne(follower, seen))
+    runner = EpisodeRunner(engine, tokenizer, ChatAppender(tokenizer), lambda: make_env(holder["loop"].weights),
                            EpisodeBudget(max_turns=3, max_episode_tokens=0, max_model_len=64, max_prompt_tokens=16),
                            step_timeout_s=60.0)
     publisher, stage = WeightPublisher(str(tmp_path / "ring"), 3, 1 << 20), WeightStage(str(tmp_path), "turns")
     loop = holder["loop"] = RolloutLoop(
         client=None, engine=engine, prompts=iter([]), scorer=InlineScorer(), tokenizer=tokenizer,
-        rollout_cfg=RolloutConfig(n=1, max_tokens=8, max_turns=3, temperature=TEMPERATURE), max_inflight_groups=1,
+        rollout_cfg=RolloutConfig(n=n, max_tokens=8, max_turns=3, temperature=TEMPERATURE), max_inflight_groups=1,
         generator_id="g", reward_shaping=RewardConfig(), stage=stage, episodes=runner)
     old = engine.version
     new = old + 1
@@ -117,9 +136,9 @@ def run_until_two_turns(engine, model_dir, tmp_path, run):
     try:
         for _ in range(8):
             group = run(loop.sampler.sample(ROW))
-            if len(model_turns(group.samples[0].loss_mask)) >= 2:
+            if engine.version == new:
                 return group, old, new, seen
-        pytest.fail("no episode's first turn of 8 ended with the stop token")
+        pytest.fail("in 8 groups no episode's first turn ended with the stop token (none reached a step)")
     finally:  # the demo model's weights back (as a later version) for the other tests on the shared engine
         loop.weights.hear(publish(publisher, load_model(model_dir).state_dict(), new + 1))
         run(loop.weights.ensure_latest())
@@ -162,6 +181,31 @@ def test_vllm_turns_carry_the_version_that_sampled_them_in_every_update_mode(vll
         vllm_engine.update_mode = "wait"
     assert seen[0] == new  # the load landed in the step between turn 1 and turn 2, in every mode
     check_turn_versions(group, old, new, demo_assets[0])
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("mode", ["wait", "keep", "abort"])
+def test_vllm_a_load_while_other_episodes_turns_run_keeps_every_tokens_version(vllm_engine, demo_assets,
+                                                                              event_loop_runner, tmp_path, mode):
+    """Four episodes at once; the first step of any loads the new version while the others' turns may be running.
+    Every model token is the old or the new version, never going back within an episode; with `wait` no turn spans
+    both (a load waits for running requests), with keep and abort one may; the group is as old as turn 1."""
+    shared = {"loaded": False}
+    vllm_engine.update_mode = mode
+    try:
+        group, old, new, _ = run_until_two_turns(vllm_engine, demo_assets[0], tmp_path,
+                                                 event_loop_runner.run_until_complete, n=4,
+                                                 make_env=lambda follower: LoadOnTheFirstStep(follower, shared))
+    finally:
+        vllm_engine.update_mode = "wait"
+    for sample in group.samples:
+        versions = sample.versions.tolist()
+        model = sample.versions[sample.loss_mask.astype(bool)].tolist()
+        assert set(versions) <= {old, new} and model == sorted(model)
+        for start, end in model_turns(sample.loss_mask):
+            assert mode != "wait" or len(set(versions[start:end])) == 1, versions
+    assert group.min_version() == old
+    assert any(new in sample.versions[sample.loss_mask.astype(bool)] for sample in group.samples)
 
 
 def test_hf_engine_turns_carry_the_version_that_sampled_them(demo_assets, tmp_path):
