@@ -1,4 +1,5 @@
-"""The real vLLM CPU engine, shared by the session: logprob parity with the learner and weight updates."""
+"""The real vLLM CPU engine, shared by the session (tests/integration/conftest.py): logprob parity with the learner
+and weight updates. Every test that loads other weights puts the demo model's back."""
 import asyncio
 import re
 
@@ -9,29 +10,12 @@ import torch
 from asyncrl.buffer.group import Sampling
 from asyncrl.learner.logprobs import compute_logprobs
 from asyncrl.learner.model import load_model
-from asyncrl.generator.engines.base import EngineOptions, WeightLoadError
+from asyncrl.generator.engines.base import WeightLoadError
 from asyncrl.weightsync.publisher import WeightPublisher
 from asyncrl.weightsync.receiver import WeightStage
 
 pytestmark = pytest.mark.vllm
 PROMPTS = [[31 % 19, 5, 7, 9, 3], [4, 6, 8, 2, 10, 11]]
-
-
-@pytest.fixture(scope="session")
-def event_loop_runner():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="session")
-def vllm_engine(demo_assets, event_loop_runner):
-    from asyncrl.generator.engines.vllm_engine import VllmEngine
-
-    engine = VllmEngine(EngineOptions(demo_assets[0], dtype="float32", max_model_len=64, kv_cache_gib=0.25, seed=0))
-    event_loop_runner.run_until_complete(engine.start())
-    yield engine
-    event_loop_runner.run_until_complete(engine.close())
 
 
 def learner_logprobs(model, prompt, completion, temperature, top_k=-1, top_p=1.0):
