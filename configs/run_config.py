@@ -111,8 +111,11 @@ def check_episodes(cfg: "RunConfig") -> None:
     chosen = [name for name, on in (("tools", cfg.tools.offered()), ("env.path", bool(cfg.env.path)),
                                     ("agent.path", bool(cfg.agent.path))) if on]
     if len(chosen) > 1:
+        unset = " ".join(f"tools.{key}=[]" for key in ("functions", "builtins", "mcp_servers")
+                         if getattr(cfg.tools, key))
+        hint = f"; to drop a recipe's tools, add {unset}" if "tools" in chosen else ""
         raise ValueError(f"{' and '.join(chosen)} are both set: episodes come from one of them (the tool "
-                         f"environment is one environment; call tools from your own environment or agent)")
+                         f"environment is one environment; call tools from your own environment or agent){hint}")
     if cfg.tools.offered() and cfg.rollout.max_turns < 2:
         raise ValueError("tools are set but rollout.max_turns < 2: the model could call a tool but never "
                          "read its result; set rollout.max_turns >= 2")

@@ -85,6 +85,8 @@ def test_yaml_round_trips(tmp_path):
     (["reward.timeout_s=0"], "reward.timeout_s"),
     (["tools.builtins=[bash]", "rollout.max_turns=3"], "the built-in tools are"),
     (["agent.path=a.py", "env.path=e.py", "env.name=E"], "env.path and agent.path are both set"),
+    (["tools.builtins=[calculator]", "agent.path=a.py", "rollout.max_turns=3"],
+     r"tools and agent.path are both set.*to drop a recipe's tools, add tools.builtins=\[\]"),
     (["agent.timeout_s=0"], "agent.timeout_s"),
     (["tools.builtins=[python]"], "rollout.max_turns >= 2"),
     (["tools.sandbox.memory_mb=0"], "tools.sandbox"),
