@@ -30,8 +30,13 @@ def tokenizer():
 
 
 def run_episode(tokenizer, example, turns):
+    """One episode of the example's agent function against the endpoint; (episode, metrics, engine)."""
     pytest.importorskip(HARNESSES[example])
-    episode_fn = load_agent_function(os.path.join(ROOT, "examples", example, "agent.py"), "episode")
+    return serve_agent(tokenizer, load_agent_function(os.path.join(ROOT, "examples", example, "agent.py"), "episode"),
+                       turns)
+
+
+def serve_agent(tokenizer, episode_fn, turns):
     engine = ScriptedEngine(tokenizer, turns)
     endpoint = OpenAIEndpoint(engine, "asyncrl", SAMPLING)
 
@@ -71,3 +76,20 @@ def test_a_harness_whose_model_never_answers_scores_zero(tokenizer, example):
     turns = [(call("calculator", expression="1+1"), "stop")] * 3
     episode, metrics, _ = run_episode(tokenizer, example, turns)
     assert not episode.env_error and episode.turns == 3 and episode.rewards == [0.0], metrics
+
+
+def test_an_agents_sdk_handoff_is_refused_as_tools_changed(tokenizer):
+    """docs/agents.md: a handoff switches to an agent with other tools, which one episode cannot take."""
+    pytest.importorskip("agents")
+    from agents import Agent, OpenAIChatCompletionsModel, Runner
+
+    async def handoff_episode(row, client):
+        model = OpenAIChatCompletionsModel(model="asyncrl", openai_client=client)
+        helper = Agent(name="helper", instructions="You add.", model=model)
+        await Runner.run(Agent(name="adder", handoffs=[helper], model=model), list(row["prompt"]), max_turns=3)
+        return 1.0
+
+    episode, metrics, _ = serve_agent(tokenizer, handoff_episode,
+                                      [(call("transfer_to_helper"), "stop"), ("4912", "stop")])
+    assert episode.env_error == "agent_refused" and episode.turns == 1
+    assert metrics == {"rollout/env_errors/agent_refused": 1.0, "rollout/http_refusals/tools_changed": 1.0}
