@@ -12,6 +12,9 @@ PARTS = ["algos", "buffer", "data", "generator", "learner", "weightsync", "confi
 """The top-level parts, each installed as asyncrl.<part> (tests/unit/test_import_rules.py reads this list)."""
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+AGENT_HARNESSES = ["openai-agents==0.24.0", "langgraph==1.2.22", "langchain-openai==1.7.4"]
+"""Pinned: the examples and their tests follow these releases' APIs (Runner, OpenAIChatCompletionsModel; StateGraph,
+ToolNode, ChatOpenAI), which still move between minor releases."""
 
 
 def folders_of(part: str) -> list[str]:
@@ -79,8 +82,12 @@ setup(
         "reasoning": ["reasoning-gym==0.1.25"],
         # bench/time_to_reward.py's peer (bench/trl_grpo.py); nothing outside bench/ imports it
         "bench": ["trl==1.16.0"],
+        # agent harnesses run unmodified as agent.path (examples/openai_agents_sdk, examples/langgraph); nothing
+        # in the package imports them. They add only new packages beside the pinned ones (openai, torch, ...).
+        "agents": AGENT_HARNESSES,
         "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3", "hypothesis>=6",
-                "cryptography>=42"],  # test_redis_tls.py makes its certificates
+                "cryptography>=42",  # test_redis_tls.py makes its certificates
+                *AGENT_HARNESSES],  # tests/integration/test_harnesses.py, tests/e2e/test_harnesses.py
     },
     entry_points={
         "console_scripts": ["asyncrl=asyncrl.launch.cli:main"],
