@@ -200,3 +200,8 @@ class AgentSession:
         self.replies[len(self.history)] = episode.turns
         self.history.append(canonical(message))
         return message, errors
+
+    def returned(self, message: dict) -> None:
+        """The last turn's reply reached the client as `message` (a stream's text, openai_stream.py): that is
+        what the next request must send back. Its tokens are recorded as they were sampled."""
+        self.history[-1] = canonical(message)
