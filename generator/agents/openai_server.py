@@ -4,7 +4,9 @@ It serves `POST /v1/chat/completions` (plain and `stream=true`) and `GET /v1/mod
 generator's own engine, in the generator's event loop (uvicorn, started on a socket bound here). Each episode is
 a session: the API key the agent's client sends (`Authorization: Bearer <session id>`) names it, so any harness
 that takes a base URL and a key works unchanged. Requests are turned into one token sequence per session by
-`AgentSession` (openai_session.py), which records the exact ids, logprobs and versions sampled.
+`AgentSession` (openai_session.py), which records the exact ids, logprobs and versions sampled. A streamed reply
+is sent token by token from an engine that offers it (base.StreamingEngine: vLLM), in one chunk from any other
+(openai_stream.py says how the text is cut and tool calls held back).
 
 Sampling is the job's (`rollout.temperature`, `top_p`, `top_k`: the policy being trained); the request's own
 sampling parameters are ignored, `max_tokens` / `max_completion_tokens` can only lower `rollout.max_tokens`, and
