@@ -103,19 +103,21 @@ class OpenAIEndpoint:
                 return self.refuse("this episode already has a request in flight: an episode's requests are "
                                    "answered one at a time", "conflict", "concurrent_request", 409)
             session.busy = True
-            streaming = False
+            streaming, mark, requests = False, session.mark(), session.requests
             try:
                 if body.get("stream"):
                     include_usage = stream_usage(body)
                     prompt, sampling = self._prepare(session, body)
                     streaming = True  # from here the stream releases the session when it ends
-                    return StreamingResponse(self._stream(session, prompt, sampling, include_usage),
+                    return StreamingResponse(self._stream(session, prompt, sampling, include_usage, mark),
                                              media_type="text/event-stream")
                 return await self._complete(session, body)
             except SessionRefused as err:
                 return self.refuse(str(err), "invalid_request_error", err.cause, err.status, err.param)
             finally:
                 if not streaming:
+                    if session.requests == requests:  # no turn recorded: the request leaves no trace
+                        session.undo(mark)
                     session.busy = False
 
         return app
@@ -166,10 +168,12 @@ class OpenAIEndpoint:
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(completion.token_ids),
                           "total_tokens": len(prompt) + len(completion.token_ids)}}
 
-    async def _stream(self, session, prompt: list, sampling, include_usage: bool):
+    async def _stream(self, session, prompt: list, sampling, include_usage: bool, mark: tuple):
         """The turn as server-sent chunks (openai_stream.py): token by token from a StreamingEngine, in one chunk
         at the end from any other. The session is released when the stream ends, however it ends; a client that
-        goes away mid-turn aborts the engine's request, and the turn is not recorded."""
+        goes away mid-turn aborts the engine's request, and the turn is not recorded (the session is back at
+        `mark`, so the same request can be sent again)."""
+        requests = session.requests
         writer = ChunkWriter(f"chatcmpl-{session.id}-{session.requests + 1}", int(time.time()), self.model_name)
         deltas = TextDeltas(session.tokenizer, hold_tools=bool(session.tools))
         try:
@@ -200,6 +204,8 @@ class OpenAIEndpoint:
             yield ChunkWriter.event(error_body(f"the turn failed: {type(err).__name__}: {err}", "server_error",
                                                "engine_error"))
         finally:
+            if session.requests == requests:
+                session.undo(mark)
             session.busy = False
 
     async def start(self) -> None:

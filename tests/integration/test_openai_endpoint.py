@@ -135,6 +135,10 @@ def test_a_streaming_engine_is_streamed_token_by_token_and_tool_calls_come_as_de
         client = openai.AsyncOpenAI(base_url=endpoint.url, api_key="s5", max_retries=0)
         try:
             messages = list(ROW.messages)
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.chat.completions.create(model="asyncrl", messages=messages, tools=[ADD], stream=True,
+                                                     stream_options={"include_usage": "yes"})
+            assert refused.value.code == "bad_parameter" and "include_usage" in refused.value.message
             stream = await client.chat.completions.create(model="asyncrl", messages=messages, tools=[ADD],
                                                           stream=True, stream_options={"include_usage": True})
             first = [chunk async for chunk in stream]
@@ -166,6 +170,46 @@ def test_a_streaming_engine_is_streamed_token_by_token_and_tool_calls_come_as_de
     assert episode.sequence == engine.requests[2] + engine.sampled[2]
     model_tokens = [token for token, mask in zip(episode.sequence[episode.prompt_len:], episode.loss_mask) if mask]
     assert model_tokens == engine.sampled[0] + engine.sampled[1] + engine.sampled[2]
+
+
+class FailingStreamEngine(StreamingScriptedEngine):
+    """Streams two tokens of its second turn, then fails as a broken engine would."""
+
+    async def sample_stream(self, prompt_ids, sampling):
+        index = 0
+        async for completion in super().sample_stream(prompt_ids, sampling):
+            if index == 2 and len(self.requests) == 2:
+                raise RuntimeError("the engine broke")
+            index += 1
+            yield completion
+
+
+def test_an_engine_failing_mid_stream_ends_it_with_an_error_and_the_request_can_be_sent_again(tokenizer):
+    """The failed turn is not recorded and the messages its request appended are forgotten: the same request
+    sent again is answered (not 409, not "nothing new"), and the episode holds the environment turn once."""
+    async def scenario(endpoint, engine):
+        session = endpoint.sessions["s6"] = AgentSession("s6", tokenizer, BUDGET, max_tokens=128)
+        client = openai.AsyncOpenAI(base_url=endpoint.url, api_key="s6", max_retries=0)
+        try:
+            first = await client.chat.completions.create(model="asyncrl", messages=ROW.messages, stream=True)
+            messages = [*ROW.messages, streamed([chunk async for chunk in first]),
+                        {"role": "user", "content": "again"}]
+            stream = await client.chat.completions.create(model="asyncrl", messages=messages, stream=True)
+            with pytest.raises(openai.APIError, match="the engine broke"):
+                [chunk async for chunk in stream]
+            again = await client.chat.completions.create(model="asyncrl", messages=messages)
+            return session, again
+        finally:
+            await client.close()
+
+    (session, again), engine = serve(tokenizer, [("the sum is", "stop"), ("5", "stop"), ("6", "stop")], scenario,
+                                     FailingStreamEngine)
+    assert again.choices[0].message.content == "6"
+    assert engine.requests[2] == engine.requests[1]  # the retry's prompt is the failed request's
+    assert session.episode.sequence == engine.requests[2] + engine.sampled[2]
+    model = [token for token, mask in zip(session.episode.sequence[session.episode.prompt_len:],
+                                          session.episode.loss_mask) if mask]
+    assert model == engine.sampled[0] + engine.sampled[2]
 
 
 def test_requests_the_episode_cannot_take_are_refused_with_the_reason_and_counted_by_cause(tokenizer):
