@@ -23,15 +23,46 @@ TOOL_CALL_OPEN = "<tool_call>"
 
 
 class TextDeltas:
-    """The new text of a growing token list, never a broken character, and (`hold_tools`) never a tool call."""
+    """The new text of a growing token list, never a broken character, and (`hold_tools`) never a tool call.
 
-    def __init__(self, tokenizer, hold_tools: bool):
-        self.tokenizer, self.hold_tools = tokenizer, hold_tools
+    Decoding the whole list at every delta would cost the event loop O(n^2) on a long reply, so text settles a
+    `window` of tokens at a time once it lies `window` tokens back; only the tokens after it are decoded again,
+    with CONTEXT tokens before them (as vLLM's detokenizer does: some decoders, SentencePiece's, drop a word's
+    leading space at the start of a decode)."""
+
+    CONTEXT = 4
+
+    def __init__(self, tokenizer, hold_tools: bool, window: int = 64):
+        self.tokenizer, self.hold_tools, self.window = tokenizer, hold_tools, window
         self.sent = ""
+        self.settled, self.base = "", 0  # the text of token_ids[:base], which no later token changes
 
     def feed(self, token_ids: list) -> str:
         """The text to send now for `token_ids` (all of the turn's ids so far)."""
-        return self.take(self.safe_text(self.tokenizer.decode(token_ids, skip_special_tokens=True)))
+        return self.take(self.safe_text(self.text_of(token_ids)))
+
+    def text_of(self, token_ids: list) -> str:
+        """The decoded text of `token_ids`, as one decode of them all would give it."""
+        while len(token_ids) - self.base > 2 * self.window:
+            for end in range(self.base + self.window, self.base + self.window + 4):  # UTF-8: at most 4 bytes
+                piece = self.decoded_after(token_ids, self.base, end)
+                if piece is not None and not piece.endswith("\ufffd"):  # not a character cut at the edge
+                    break
+            else:
+                break  # it does not settle (a byte that is no character): decode from here on
+            self.settled, self.base = self.settled + piece, end
+        rest = self.decoded_after(token_ids, self.base, len(token_ids))
+        if rest is None:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.settled + rest
+
+    def decoded_after(self, token_ids: list, start: int, end: int) -> str | None:
+        """The text token_ids[start:end] add after token_ids[:start]; None when the context decodes differently
+        alone than in front of them (then nothing is settled)."""
+        left = max(0, start - self.CONTEXT)
+        before = self.tokenizer.decode(token_ids[left:start], skip_special_tokens=True)
+        whole = self.tokenizer.decode(token_ids[left:end], skip_special_tokens=True)
+        return whole[len(before):] if whole.startswith(before) else None
 
     def safe_text(self, text: str) -> str:
         text = text.rstrip("\ufffd")  # an incomplete multi-byte character decodes to U+FFFD until it completes

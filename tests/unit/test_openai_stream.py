@@ -42,3 +42,20 @@ def test_stream_options_are_read_strictly():
     for bad in ({"stream_options": "yes"}, {"stream_options": {"include_usage": 1}}):
         with pytest.raises(ValueError, match="stream_options"):
             usage_asked(bad)
+
+
+def test_windowed_decoding_gives_the_text_one_decode_of_all_the_tokens_gives():
+    """Text settles a window at a time (so a long reply is not decoded whole at every token), including across
+    multi-byte characters cut at a window's edge, and with a real tokenizer whose decode drops a leading space."""
+    from tests.chat_tokenizer import chat_tokenizer
+
+    text = "é" * 9 + " tri ✓ x" * 7
+    ids = ByteTokenizer.encode(text)
+    deltas = TextDeltas(ByteTokenizer(), hold_tools=False, window=3)
+    assert "".join(deltas.feed(ids[:end]) for end in range(1, len(ids) + 1)) == text and deltas.base > 0
+    tokenizer = chat_tokenizer()
+    words = " the sum is five, or 5 " * 6
+    ids = tokenizer(words, add_special_tokens=False)["input_ids"]
+    deltas = TextDeltas(tokenizer, hold_tools=False, window=5)
+    assert "".join(deltas.feed(ids[:end]) for end in range(1, len(ids) + 1)) == \
+        tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd") and deltas.base > 0
