@@ -79,7 +79,7 @@ class OpenAIEndpoint:
 
     def build_app(self):
         from fastapi import FastAPI, Request
-        from fastapi.responses import JSONResponse, StreamingResponse
+        from fastapi.responses import StreamingResponse
 
         app = FastAPI(title="asyncrl generator", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -175,7 +175,7 @@ class OpenAIEndpoint:
         `mark`, so the same request can be sent again)."""
         requests = session.requests
         writer = ChunkWriter(f"chatcmpl-{session.id}-{session.requests + 1}", int(time.time()), self.model_name)
-        deltas = TextDeltas(session.tokenizer, hold_tools=bool(session.tools))
+        deltas = TextDeltas(session.tokenizer, session.parser.open_tag if session.tools else None)
         try:
             yield writer.choice({"role": "assistant", "content": ""})
             completion = None

@@ -7,23 +7,17 @@ complete. The ids are never re-tokenized; the completion is recorded by AgentSes
 be without streaming.
 
 When the request offers tools, text that may be a tool call is not streamed as content: from the first opening
-marker (tool_calls.HermesToolCallParser.open_tag) on, and a trailing part of it, nothing more is sent until the
+marker (the session's parser's `open_tag`, `<tool_call>` for tool_calls.HermesToolCallParser) on, and a trailing part of it, nothing more is sent until the
 turn ends; trailing whitespace waits too, since a reply with calls has its text stripped. At the end the calls go
 out in OpenAI's tool_calls delta format, then what is left of the content, the finish_reason, and, when
 `stream_options.include_usage` asks, a chunk with empty choices and the usage. The content the client put
 together from the deltas is what the episode expects back in the next request's history.
 """
 import json
-import logging
-
-log = logging.getLogger(__name__)
-
-TOOL_CALL_OPEN = "<tool_call>"
-"""The opening marker of a tool call in the model's text (HermesToolCallParser.open_tag)."""
-
 
 class TextDeltas:
-    """The new text of a growing token list, never a broken character, and (`hold_tools`) never a tool call.
+    """The new text of a growing token list, never a broken character, and never a tool call that opens with
+    `marker` (None: the request offers no tools).
 
     Decoding the whole list at every delta would cost the event loop O(n^2) on a long reply, so text settles a
     `window` of tokens at a time once it lies `window` tokens back; only the tokens after it are decoded again,
@@ -32,8 +26,8 @@ class TextDeltas:
 
     CONTEXT = 4
 
-    def __init__(self, tokenizer, hold_tools: bool, window: int = 64):
-        self.tokenizer, self.hold_tools, self.window = tokenizer, hold_tools, window
+    def __init__(self, tokenizer, marker: str | None, window: int = 64):
+        self.tokenizer, self.marker, self.window = tokenizer, marker, window
         self.sent = ""
         self.settled, self.base = "", 0  # the text of token_ids[:base], which no later token changes
 
@@ -66,14 +60,15 @@ class TextDeltas:
 
     def safe_text(self, text: str) -> str:
         text = text.rstrip("\ufffd")  # an incomplete multi-byte character decodes to U+FFFD until it completes
-        if not self.hold_tools:
+        marker = self.marker
+        if not marker:
             return text
-        at = text.find(TOOL_CALL_OPEN)
+        at = text.find(marker)
         if at >= 0:
             text = text[:at]
         else:
-            for size in range(len(TOOL_CALL_OPEN) - 1, 0, -1):
-                if text.endswith(TOOL_CALL_OPEN[:size]):
+            for size in range(len(marker) - 1, 0, -1):
+                if text.endswith(marker[:size]):
                     text = text[:-size]
                     break
         return text.rstrip()

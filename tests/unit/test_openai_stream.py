@@ -17,24 +17,24 @@ class ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
-def stream(text: str, hold_tools: bool) -> tuple[list, TextDeltas]:
-    ids, deltas = ByteTokenizer.encode(text), TextDeltas(ByteTokenizer(), hold_tools)
+def stream(text: str, marker) -> tuple[list, TextDeltas]:
+    ids, deltas = ByteTokenizer.encode(text), TextDeltas(ByteTokenizer(), marker)
     pieces = [deltas.feed(ids[:end]) for end in range(1, len(ids) + 1)]
     return [piece for piece in pieces if piece], deltas
 
 
 def test_multi_byte_characters_are_sent_whole_once_their_last_byte_is_in():
-    pieces, deltas = stream("café → 5 ✓", hold_tools=False)
+    pieces, deltas = stream("café → 5 ✓", marker=None)
     assert "".join(pieces) == "café → 5 ✓" == deltas.sent
     assert all("\ufffd" not in piece for piece in pieces) and len(pieces) == len("café → 5 ✓")
 
 
 def test_with_tools_the_text_from_a_tool_call_marker_on_is_held_back():
-    pieces, deltas = stream('adding <tool_call>{"name": "add"}</tool_call> done', hold_tools=True)
+    pieces, deltas = stream('adding <tool_call>{"name": "add"}</tool_call> done', marker="<tool_call>")
     assert "".join(pieces) == "adding" == deltas.sent  # trailing space waits: a reply with calls is stripped
-    held = TextDeltas(ByteTokenizer(), hold_tools=True)
+    held = TextDeltas(ByteTokenizer(), marker="<tool_call>")
     assert held.feed(ByteTokenizer.encode("sum <tool")) == "sum" and held.feed(ByteTokenizer.encode("sum <b>")) == " <b>"
-    assert stream("a <tool_call>", hold_tools=False)[1].sent == "a <tool_call>"
+    assert stream("a <tool_call>", marker=None)[1].sent == "a <tool_call>"
 
 
 def test_stream_options_are_read_strictly():
@@ -51,11 +51,11 @@ def test_windowed_decoding_gives_the_text_one_decode_of_all_the_tokens_gives():
 
     text = "é" * 9 + " tri ✓ x" * 7
     ids = ByteTokenizer.encode(text)
-    deltas = TextDeltas(ByteTokenizer(), hold_tools=False, window=3)
+    deltas = TextDeltas(ByteTokenizer(), marker=None, window=3)
     assert "".join(deltas.feed(ids[:end]) for end in range(1, len(ids) + 1)) == text and deltas.base > 0
     tokenizer = chat_tokenizer()
     words = " the sum is five, or 5 " * 6
     ids = tokenizer(words, add_special_tokens=False)["input_ids"]
-    deltas = TextDeltas(tokenizer, hold_tools=False, window=5)
+    deltas = TextDeltas(tokenizer, marker=None, window=5)
     assert "".join(deltas.feed(ids[:end]) for end in range(1, len(ids) + 1)) == \
         tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd") and deltas.base > 0
