@@ -33,7 +33,8 @@ def test_with_tools_the_text_from_a_tool_call_marker_on_is_held_back():
     pieces, deltas = stream('adding <tool_call>{"name": "add"}</tool_call> done', marker="<tool_call>")
     assert "".join(pieces) == "adding" == deltas.sent  # trailing space waits: a reply with calls is stripped
     held = TextDeltas(ByteTokenizer(), marker="<tool_call>")
-    assert held.feed(ByteTokenizer.encode("sum <tool")) == "sum" and held.feed(ByteTokenizer.encode("sum <b>")) == " <b>"
+    assert held.feed(ByteTokenizer.encode("sum <tool")) == "sum"
+    assert held.feed(ByteTokenizer.encode("sum <b>")) == " <b>"  # not a marker after all: sent
     assert stream("a <tool_call>", marker=None)[1].sent == "a <tool_call>"
 
 
