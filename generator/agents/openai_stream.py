@@ -8,9 +8,10 @@ be without streaming.
 
 When the request offers tools, text that may be a tool call is not streamed as content: from the first opening
 marker (the session parser's `open_tag`, `<tool_call>` for tool_calls.HermesToolCallParser) on, and a trailing
-part of it, nothing more is sent until the turn ends; trailing whitespace waits too, since a reply with calls has its text stripped. At the end the calls go
-out in OpenAI's tool_calls delta format, then what is left of the content, the finish_reason, and, when
-`stream_options.include_usage` asks, a chunk with empty choices and the usage. The content the client put
+part of it, nothing more is sent until the turn ends; trailing whitespace waits too, since a reply with calls has
+its text stripped. At the end the calls go out in OpenAI's tool_calls delta format, then what is left of the
+content, the finish_reason, and, when `stream_options.include_usage` asks, a chunk with empty choices and the
+usage. The content the client put
 together from the deltas is what the episode expects back in the next request's history.
 """
 import json
