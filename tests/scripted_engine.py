@@ -29,3 +29,30 @@ class ScriptedEngine:
         self.sampled.append(ids)
         return [Completion(token_ids=ids, logprobs=[-0.25] * len(ids), versions=[self.version] * len(ids),
                            finish_reason=finish)]
+
+
+class StreamingScriptedEngine(ScriptedEngine):
+    """The scripted engine as a base.StreamingEngine: each turn's completion grows one token at a time."""
+
+    async def start(self):
+        pass
+
+    async def load_weights(self, staged, fallback=None):
+        pass
+
+    async def close(self):
+        pass
+
+    async def sample_stream(self, prompt_ids, sampling):
+        import asyncio
+
+        (whole,) = await self.sample(prompt_ids, sampling, 1)
+        growing = Completion(finish_reason="length")
+        for index, token in enumerate(whole.token_ids):
+            growing.token_ids.append(token)
+            growing.logprobs.append(whole.logprobs[index])
+            growing.versions.append(whole.versions[index])
+            await asyncio.sleep(0)
+            yield growing
+        growing.finish_reason = whole.finish_reason
+        yield growing

@@ -4,7 +4,9 @@ It serves `POST /v1/chat/completions` (plain and `stream=true`) and `GET /v1/mod
 generator's own engine, in the generator's event loop (uvicorn, started on a socket bound here). Each episode is
 a session: the API key the agent's client sends (`Authorization: Bearer <session id>`) names it, so any harness
 that takes a base URL and a key works unchanged. Requests are turned into one token sequence per session by
-`AgentSession` (openai_session.py), which records the exact ids, logprobs and versions sampled.
+`AgentSession` (openai_session.py), which records the exact ids, logprobs and versions sampled. A streamed reply
+is sent token by token from an engine that offers it (base.StreamingEngine: vLLM), in one chunk from any other
+(openai_stream.py says how the text is cut and tool calls held back).
 
 Sampling is the job's (`rollout.temperature`, `top_p`, `top_k`: the policy being trained); the request's own
 sampling parameters are ignored, `max_tokens` / `max_completion_tokens` can only lower `rollout.max_tokens`, and
@@ -23,9 +25,12 @@ import logging
 import socket
 import time
 from collections import Counter
+from contextlib import aclosing
 from dataclasses import replace
 
 from asyncrl.generator.agents.openai_session import SessionRefused
+from asyncrl.generator.agents.openai_stream import ChunkWriter, TextDeltas, closing_chunks, usage_asked
+from asyncrl.generator.engines.base import StreamingEngine
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +42,14 @@ MALFORMED_TOOL_CALL = "malformed_tool_call"
 def error_body(message: str, kind: str, code: str, param: str | None = None) -> dict:
     """OpenAI's error object; `code` is the refusal's cause (openai_session.REFUSAL_CAUSES)."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def stream_usage(body: dict) -> bool:
+    """Whether a streamed reply ends with a usage chunk (`stream_options.include_usage`); refuses a bad value."""
+    try:
+        return usage_asked(body)
+    except ValueError as err:
+        raise SessionRefused(400, str(err), "bad_parameter", "stream_options") from None
 
 
 def requested_max_tokens(body: dict, default: int) -> int:
@@ -66,7 +79,7 @@ class OpenAIEndpoint:
 
     def build_app(self):
         from fastapi import FastAPI, Request
-        from fastapi.responses import JSONResponse, StreamingResponse
+        from fastapi.responses import StreamingResponse
 
         app = FastAPI(title="asyncrl generator", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -90,15 +103,22 @@ class OpenAIEndpoint:
                 return self.refuse("this episode already has a request in flight: an episode's requests are "
                                    "answered one at a time", "conflict", "concurrent_request", 409)
             session.busy = True
+            streaming, mark, requests = False, session.mark(), session.requests
             try:
-                reply = await self._complete(session, body)
+                if body.get("stream"):
+                    include_usage = stream_usage(body)
+                    prompt, sampling = self._prepare(session, body)
+                    streaming = True  # from here the stream releases the session when it ends
+                    return StreamingResponse(self._stream(session, prompt, sampling, include_usage, mark),
+                                             media_type="text/event-stream")
+                return await self._complete(session, body)
             except SessionRefused as err:
                 return self.refuse(str(err), "invalid_request_error", err.cause, err.status, err.param)
             finally:
-                session.busy = False
-            if body.get("stream"):
-                return StreamingResponse(stream_chunks(reply), media_type="text/event-stream")
-            return reply
+                if not streaming:
+                    if session.requests == requests:  # no turn recorded: the request leaves no trace
+                        session.undo(mark)
+                    session.busy = False
 
         return app
 
@@ -115,6 +135,12 @@ class OpenAIEndpoint:
                 **{f"rollout/tool_errors/{reason}": float(count) for reason, count in sorted(self.tool_errors.items())}}
 
     async def _complete(self, session, body: dict) -> dict:
+        prompt, sampling = self._prepare(session, body)
+        (completion,) = await self.engine.sample(prompt, sampling, 1)
+        return self._reply(session, prompt, completion)
+
+    def _prepare(self, session, body: dict) -> tuple[list, object]:
+        """The prompt ids and sampling of the request's next turn; raises SessionRefused."""
         if body.get("n") is not None and (isinstance(body["n"], bool) or body["n"] != 1):
             raise SessionRefused(400, f"n must be 1: each episode is one sequence, got {body.get('n')!r}",
                                  "bad_parameter", "n")
@@ -124,7 +150,10 @@ class OpenAIEndpoint:
         if room < 1:
             raise SessionRefused(400, "the episode has no tokens left", "token_budget")
         sampling = self.sampling if room == self.sampling.max_tokens else replace(self.sampling, max_tokens=room)
-        (completion,) = await self.engine.sample(prompt, sampling, 1)
+        return prompt, sampling
+
+    def _reply(self, session, prompt: list, completion) -> dict:
+        """Record the sampled turn in the session and answer it as a chat.completion."""
         message, errors = session.record(completion)
         self.tool_errors.update(errors)
         if message.get("tool_calls"):
@@ -138,6 +167,46 @@ class OpenAIEndpoint:
                 "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(completion.token_ids),
                           "total_tokens": len(prompt) + len(completion.token_ids)}}
+
+    async def _stream(self, session, prompt: list, sampling, include_usage: bool, mark: tuple):
+        """The turn as server-sent chunks (openai_stream.py): token by token from a StreamingEngine, in one chunk
+        at the end from any other. The session is released when the stream ends, however it ends; a client that
+        goes away mid-turn aborts the engine's request, and the turn is not recorded (the session is back at
+        `mark`, so the same request can be sent again)."""
+        requests = session.requests
+        writer = ChunkWriter(f"chatcmpl-{session.id}-{session.requests + 1}", int(time.time()), self.model_name)
+        deltas = TextDeltas(session.tokenizer, session.parser.open_tag if session.tools else None)
+        try:
+            yield writer.choice({"role": "assistant", "content": ""})
+            completion = None
+            if isinstance(self.engine, StreamingEngine):
+                async with aclosing(self.engine.sample_stream(prompt, sampling)) as growing:
+                    async for completion in growing:
+                        text = deltas.feed(completion.token_ids)
+                        if text:
+                            yield writer.choice({"content": text})
+            else:
+                (completion,) = await self.engine.sample(prompt, sampling, 1)
+            if completion is None:
+                raise RuntimeError("the engine's stream ended without a completion")
+            reply = self._reply(session, prompt, completion)
+            message = reply["choices"][0]["message"]
+            if not (message.get("content") or "").startswith(deltas.sent):
+                # streamed text the reply's own differs from (a tool-call reply that began with whitespace): the
+                # client holds what it was sent, so that is the reply the episode expects back
+                message["content"] = deltas.sent or (None if message.get("tool_calls") else "")
+                session.returned(message)
+            for event in closing_chunks(writer, reply, deltas.sent, include_usage):
+                yield event
+            yield "data: [DONE]\n\n"
+        except Exception as err:  # noqa: BLE001 - told to the client as OpenAI's stream error, never a crash
+            log.warning("an agent's streamed turn failed: %s: %s", type(err).__name__, err)
+            yield ChunkWriter.event(error_body(f"the turn failed: {type(err).__name__}: {err}", "server_error",
+                                               "engine_error"))
+        finally:
+            if session.requests == requests:
+                session.undo(mark)
+            session.busy = False
 
     async def start(self) -> None:
         import uvicorn
@@ -159,18 +228,3 @@ class OpenAIEndpoint:
         if self._server is not None:
             self._server.should_exit = True
             await asyncio.gather(self._task, return_exceptions=True)
-
-
-def stream_chunks(reply: dict):
-    """The whole answer as OpenAI's server-sent chunks: the role and content, the tool calls, then the finish."""
-    base = {"id": reply["id"], "object": "chat.completion.chunk", "created": reply["created"], "model": reply["model"]}
-    choice = reply["choices"][0]
-    message = choice["message"]
-    delta = {"role": "assistant", "content": message.get("content")}
-    if message.get("tool_calls"):
-        delta["tool_calls"] = [{"index": index, **call} for index, call in enumerate(message["tool_calls"])]
-    for chunk in ({"index": 0, "delta": delta, "finish_reason": None},
-                  {"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}):
-        yield f"data: {json.dumps({**base, 'choices': [chunk]})}\n\n"
-    yield "data: [DONE]\n\n"
-

@@ -200,3 +200,27 @@ class AgentSession:
         self.replies[len(self.history)] = episode.turns
         self.history.append(canonical(message))
         return message, errors
+
+    def returned(self, message: dict) -> None:
+        """The last turn's reply reached the client as `message` (a stream's text, openai_stream.py): that is
+        what the next request must send back. Its tokens are recorded as they were sampled."""
+        self.history[-1] = canonical(message)
+
+    def mark(self) -> tuple:
+        """Where the episode stands before a request, for `undo`."""
+        episode = self.episode
+        return (None if episode is None else len(episode.sequence), None if episode is None else episode.env_tokens,
+                list(self.history))
+
+    def undo(self, mark: tuple) -> None:
+        """Forget a request whose turn was never recorded (the engine failed, the client left mid-stream): the
+        messages it appended go, so the agent can send the same request again. The model's tokens are untouched:
+        a request that recorded its turn is never undone."""
+        length, env_tokens, history = mark
+        if length is None:
+            self.episode, self.history, self.tools, self.appender = None, [], None, None
+            return
+        episode = self.episode
+        kept = length - episode.prompt_len
+        del episode.sequence[length:], episode.logprobs[kept:], episode.versions[kept:], episode.loss_mask[kept:]
+        episode.env_tokens, self.history = env_tokens, history

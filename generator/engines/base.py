@@ -11,6 +11,7 @@ samples from partly loaded weights.
 Every engine is built from one `EngineOptions` (engines/factory.py::make_engine): the settings all engines read,
 plus a section per engine for the knobs only it reads, so a caller never builds another engine's keywords.
 """
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, runtime_checkable
 
@@ -55,6 +56,18 @@ class Engine(Protocol):
     async def load_weights(self, staged, fallback=None) -> None: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class StreamingEngine(Engine, Protocol):
+    """An engine that hands out a completion while it grows (vLLM): the agent endpoint streams its tokens as they
+    are sampled (generator/agents/openai_stream.py). Others (hf, which batches whole generate calls; SGLang here)
+    are answered in one chunk at the end."""
+
+    def sample_stream(self, prompt_ids: list, sampling) -> AsyncIterator[Completion]:
+        """One completion, yielded (the same object, growing) after each batch of new tokens; complete (finish
+        reason, versions) once the iteration ends. Closing it early aborts the request."""
+        ...
 
 
 @runtime_checkable

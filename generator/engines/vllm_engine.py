@@ -18,6 +18,8 @@ import asyncio
 import json
 import os
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from asyncrl.generator.engines.base import (Completion, EngineBroken, EngineOptions, EngineUnsupported,
                                             WeightLoadError)
@@ -81,24 +83,48 @@ class VllmEngine:
             raise EngineBroken(self.broken)
         return list(await asyncio.gather(*(self._one(prompt_ids, sampling) for _ in range(n))))
 
-    async def _one(self, prompt_ids: list, sampling) -> Completion:
-        """One completion. With update_mode=abort a request aborted by a weight update is resubmitted, everything
-        it sampled so far appended to its prompt, once the new weights are in (AReaL's interruptible rollout): the
-        tokens already sampled keep their versions and logprobs, the rest is sampled by the new weights."""
+    async def sample_stream(self, prompt_ids: list, sampling) -> AsyncIterator[Completion]:
+        """One completion, yielded (the same growing object) each time vLLM delivers tokens, so the agent
+        endpoint can stream them; once the iteration ends it is complete: finish reason and vLLM's version spans
+        in. Closing the iteration early aborts the request."""
+        await self._loaded.wait()
+        if self.broken:
+            raise EngineBroken(self.broken)
         completion = Completion()
+        async with aclosing(self._stream_one(prompt_ids, sampling, completion)) as deltas:
+            async for _ in deltas:
+                yield completion
+
+    async def _one(self, prompt_ids: list, sampling) -> Completion:
+        completion = Completion()
+        async with aclosing(self._stream_one(prompt_ids, sampling, completion)) as deltas:
+            async for _ in deltas:
+                pass
+        return completion
+
+    async def _stream_one(self, prompt_ids: list, sampling, completion: Completion) -> AsyncIterator[None]:
+        """One completion into `completion`, yielding after each delta. With update_mode=abort a request aborted
+        by a weight update is resubmitted, everything it sampled so far appended to its prompt, once the new
+        weights are in (AReaL's interruptible rollout): the tokens already sampled keep their versions and
+        logprobs, the rest is sampled by the new weights."""
         while True:
-            await self._generate(list(prompt_ids) + completion.token_ids, sampling,
-                                 sampling.max_tokens - len(completion.token_ids), completion)
+            async with aclosing(self._generate(list(prompt_ids) + completion.token_ids, sampling,
+                                               sampling.max_tokens - len(completion.token_ids),
+                                               completion)) as deltas:
+                async for _ in deltas:
+                    yield
             if (completion.finish_reason != "abort" or self.update_mode != "abort"
                     or len(completion.token_ids) >= sampling.max_tokens):
-                return completion
+                return
             self.resumed_requests += 1
             await self._loaded.wait()  # the load that aborted it is over (or failed: then the old weights go on)
             if self.broken:
                 raise EngineBroken(self.broken)
             completion.finish_reason = "length"
 
-    async def _generate(self, prompt_ids: list, sampling, max_tokens: int, completion: Completion) -> None:
+    async def _generate(self, prompt_ids: list, sampling, max_tokens: int,
+                        completion: Completion) -> AsyncIterator[None]:
+        """One vLLM request appending into `completion`, yielding after each delta it takes."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -111,10 +137,12 @@ class VllmEngine:
         start = len(completion.token_ids)  # where this request's tokens begin (a resubmission appends)
         adapter = self.adapters.acquire() if self.adapters is not None else None  # kept to the request's end
         try:
-            async for output in self._engine.generate({"prompt_token_ids": prompt_ids}, params,
-                                                      request_id=request_id,
-                                                      **({"lora_request": adapter.request} if adapter else {})):
-                self._take(output, completion, start, adapter.version if adapter else None)
+            outputs = self._engine.generate({"prompt_token_ids": prompt_ids}, params, request_id=request_id,
+                                            **({"lora_request": adapter.request} if adapter else {}))
+            async with aclosing(outputs):  # closed early (a client gone), vLLM aborts the request
+                async for output in outputs:
+                    self._take(output, completion, start, adapter.version if adapter else None)
+                    yield
         finally:
             self.in_flight.pop(request_id, None)
             if self.adapters is not None:

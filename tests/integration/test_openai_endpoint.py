@@ -16,7 +16,7 @@ from asyncrl.generator.agents.openai_server import OpenAIEndpoint
 from asyncrl.generator.agents.openai_session import AgentSession
 from asyncrl.data.prompts import PromptRow
 from tests.chat_tokenizer import chat_tokenizer
-from tests.scripted_engine import ScriptedEngine, call
+from tests.scripted_engine import ScriptedEngine, StreamingScriptedEngine, call
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
@@ -46,9 +46,9 @@ async def add_agent(row, client):
     return 0.0
 
 
-def serve(tokenizer, turns, scenario):
+def serve(tokenizer, turns, scenario, engine_class=ScriptedEngine):
     """Run `scenario(endpoint, engine)` with the endpoint serving a scripted engine."""
-    engine = ScriptedEngine(tokenizer, turns)
+    engine = engine_class(tokenizer, turns)
     endpoint = OpenAIEndpoint(engine, "asyncrl", SAMPLING)
 
     async def run():
@@ -106,6 +106,110 @@ def test_streaming_answers_chunks_that_add_up_to_the_answer(tokenizer):
     calls = [tc for chunk in tool_chunks for tc in (chunk.choices[0].delta.tool_calls or [])]
     assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [("add", {"a": 2, "b": 3})]
     assert tool_chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def streamed(chunks) -> dict:
+    """The assistant message an agent puts together from a stream's deltas, as the OpenAI docs show."""
+    content, calls = "", {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for tc in choice.delta.tool_calls or []:
+                entry = calls.setdefault(tc.index, {"id": "", "type": "function",
+                                                    "function": {"name": "", "arguments": ""}})
+                entry["id"] += tc.id or ""
+                entry["function"]["name"] += tc.function.name or ""
+                entry["function"]["arguments"] += tc.function.arguments or ""
+    message = {"role": "assistant", "content": content or None}
+    if calls:
+        message["tool_calls"] = [calls[index] for index in sorted(calls)]
+    return message
+
+
+def test_a_streaming_engine_is_streamed_token_by_token_and_tool_calls_come_as_deltas(tokenizer):
+    """From an engine that grows its completion, content arrives in many chunks that add up to the reply; a
+    tool call is never streamed as text but as a tool_calls delta; usage comes only when stream_options asks;
+    what the agent put together from the deltas is accepted back, and the episode holds the engine's tokens."""
+    async def scenario(endpoint, engine):
+        session = endpoint.sessions["s5"] = AgentSession("s5", tokenizer, BUDGET, max_tokens=128)
+        client = openai.AsyncOpenAI(base_url=endpoint.url, api_key="s5", max_retries=0)
+        try:
+            messages = list(ROW.messages)
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.chat.completions.create(model="asyncrl", messages=messages, tools=[ADD], stream=True,
+                                                     stream_options={"include_usage": "yes"})
+            assert refused.value.code == "bad_parameter" and "include_usage" in refused.value.message
+            stream = await client.chat.completions.create(model="asyncrl", messages=messages, tools=[ADD],
+                                                          stream=True, stream_options={"include_usage": True})
+            first = [chunk async for chunk in stream]
+            messages += [streamed(first), {"role": "user", "content": "use the tool"}]
+            stream = await client.chat.completions.create(model="asyncrl", messages=messages, tools=[ADD],
+                                                          stream=True)
+            second = [chunk async for chunk in stream]
+            messages.append(streamed(second))
+            messages.append({"role": "tool", "tool_call_id": messages[-1]["tool_calls"][0]["id"], "content": "5"})
+            third = await client.chat.completions.create(model="asyncrl", messages=messages, tools=[ADD])
+        finally:
+            await client.close()
+        return session, first, second, third, messages
+
+    turns = [("the sum is 5", "stop"), (f"adding {call('add', a=2, b=3)}", "stop"), ("5", "stop")]
+    (session, first, second, third, messages), engine = serve(tokenizer, turns, scenario, StreamingScriptedEngine)
+    texts = [choice.delta.content for chunk in first for choice in chunk.choices if choice.delta.content]
+    assert len(texts) > 1 and "".join(texts) == "the sum is 5" == messages[1]["content"]
+    assert first[-1].choices == [] and first[-1].usage.completion_tokens == len(engine.sampled[0])
+    assert first[-2].choices[0].finish_reason == "stop"
+    assert all(chunk.usage is None for chunk in second)
+    assert messages[3]["content"] == "adding" and all("<" not in (choice.delta.content or "")
+                                                      for chunk in second for choice in chunk.choices)
+    assert [(tc["function"]["name"], json.loads(tc["function"]["arguments"])) for tc in messages[3]["tool_calls"]] \
+        == [("add", {"a": 2, "b": 3})]
+    assert second[-1].choices[0].finish_reason == "tool_calls"
+    assert third.choices[0].message.content == "5"  # the history the agent built from the deltas was accepted
+    episode = session.episode
+    assert episode.sequence == engine.requests[2] + engine.sampled[2]
+    model_tokens = [token for token, mask in zip(episode.sequence[episode.prompt_len:], episode.loss_mask) if mask]
+    assert model_tokens == engine.sampled[0] + engine.sampled[1] + engine.sampled[2]
+
+
+class FailingStreamEngine(StreamingScriptedEngine):
+    """Streams two tokens of its second turn, then fails as a broken engine would."""
+
+    async def sample_stream(self, prompt_ids, sampling):
+        index = 0
+        async for completion in super().sample_stream(prompt_ids, sampling):
+            if index == 2 and len(self.requests) == 2:
+                raise RuntimeError("the engine broke")
+            index += 1
+            yield completion
+
+
+def test_an_engine_failing_mid_stream_ends_it_with_an_error_and_the_request_can_be_sent_again(tokenizer):
+    """The failed turn is not recorded and the messages its request appended are forgotten: the same request
+    sent again is answered (not 409, not "nothing new"), and the episode holds the environment turn once."""
+    async def scenario(endpoint, engine):
+        session = endpoint.sessions["s6"] = AgentSession("s6", tokenizer, BUDGET, max_tokens=128)
+        client = openai.AsyncOpenAI(base_url=endpoint.url, api_key="s6", max_retries=0)
+        try:
+            first = await client.chat.completions.create(model="asyncrl", messages=ROW.messages, stream=True)
+            messages = [*ROW.messages, streamed([chunk async for chunk in first]),
+                        {"role": "user", "content": "again"}]
+            stream = await client.chat.completions.create(model="asyncrl", messages=messages, stream=True)
+            with pytest.raises(openai.APIError, match="the engine broke"):
+                [chunk async for chunk in stream]
+            again = await client.chat.completions.create(model="asyncrl", messages=messages)
+            return session, again
+        finally:
+            await client.close()
+
+    (session, again), engine = serve(tokenizer, [("the sum is", "stop"), ("5", "stop"), ("6", "stop")], scenario,
+                                     FailingStreamEngine)
+    assert again.choices[0].message.content == "6"
+    assert engine.requests[2] == engine.requests[1]  # the retry's prompt is the failed request's
+    assert session.episode.sequence == engine.requests[2] + engine.sampled[2]
+    model = [token for token, mask in zip(session.episode.sequence[session.episode.prompt_len:],
+                                          session.episode.loss_mask) if mask]
+    assert model == engine.sampled[0] + engine.sampled[2]
 
 
 def test_requests_the_episode_cannot_take_are_refused_with_the_reason_and_counted_by_cause(tokenizer):

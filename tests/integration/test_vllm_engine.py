@@ -161,6 +161,74 @@ def test_an_openai_client_agent_on_the_endpoint_records_what_vllm_sampled(vllm_e
             assert np.max(np.abs(expected[mask] - np.array(episode.logprobs)[mask])) < 1e-4
 
 
+def test_the_endpoint_streams_vllms_tokens_as_they_are_sampled(vllm_engine, demo_assets, event_loop_runner):
+    """The official openai client with stream=True against the endpoint on vLLM: a multi-token greedy reply
+    arrives in several content chunks that add up to the non-streamed reply, usage comes last only when asked,
+    and the episode records exactly the tokens vLLM samples for that prompt. A client that leaves mid-stream
+    aborts vLLM's request and leaves no trace in its episode."""
+    import openai
+
+    from asyncrl.generator.agents.episode import EpisodeBudget
+    from asyncrl.generator.agents.openai_server import OpenAIEndpoint
+    from asyncrl.generator.agents.openai_session import AgentSession
+    from asyncrl.learner.model import load_tokenizer
+
+    tokenizer = load_tokenizer(demo_assets[0])
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'assistant' %}<eos>" \
+                              "{% endif %}{% endfor %}"
+    greedy = Sampling(temperature=0.0, max_tokens=12)
+    messages = [{"role": "user", "content": "sort:5021="}]
+
+    async def scenario():
+        endpoint = OpenAIEndpoint(vllm_engine, "asyncrl", greedy)
+        await endpoint.start()
+        for key in ("plain", "usage", "bare"):
+            endpoint.sessions[key] = AgentSession(key, tokenizer, EpisodeBudget(4, 0, 64, 16), max_tokens=12)
+        try:
+            replies = {}
+            for key, options in (("plain", None), ("usage", {"include_usage": True}), ("bare", None)):
+                async with openai.AsyncOpenAI(base_url=endpoint.url, api_key=key, max_retries=0) as client:
+                    if key == "plain":
+                        replies[key] = await client.chat.completions.create(model="asyncrl", messages=messages)
+                        continue
+                    stream = await client.chat.completions.create(
+                        model="asyncrl", messages=messages, stream=True,
+                        **({"stream_options": options} if options else {}))
+                    replies[key] = [chunk async for chunk in stream]
+            episode = endpoint.sessions["plain"].episode
+            (direct,) = await vllm_engine.sample(episode.sequence[:episode.prompt_len], greedy, 1)
+            endpoint.sessions["gone"] = AgentSession("gone", tokenizer, EpisodeBudget(4, 0, 64, 16), max_tokens=12)
+            async with openai.AsyncOpenAI(base_url=endpoint.url, api_key="gone", max_retries=0) as client:
+                stream = await client.chat.completions.create(model="asyncrl", messages=messages, stream=True)
+                async for chunk in stream:  # a client that leaves after the first content
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        break
+                await stream.close()
+                for _ in range(200):  # the endpoint aborts the engine's request once it sees the client gone
+                    if not vllm_engine.in_flight and not endpoint.sessions["gone"].busy:
+                        break
+                    await asyncio.sleep(0.05)
+                left = dict(vllm_engine.in_flight), endpoint.sessions["gone"].episode
+                replies["gone"] = await client.chat.completions.create(model="asyncrl", messages=messages)
+            return replies, endpoint.sessions, direct, left
+        finally:
+            await endpoint.close()
+
+    replies, sessions, direct, left = event_loop_runner.run_until_complete(scenario())
+    plain = replies["plain"].choices[0].message.content
+    assert left == ({}, None)  # vLLM's request aborted, the unrecorded turn undone
+    assert replies["gone"].choices[0].message.content == plain  # and the same request answered afterwards
+    texts = [choice.delta.content for chunk in replies["usage"] for choice in chunk.choices if choice.delta.content]
+    assert len(texts) > 1 and "".join(texts) == plain, (texts, plain)
+    assert replies["usage"][-1].choices == [] and replies["usage"][-1].usage.completion_tokens == len(direct.token_ids)
+    assert replies["usage"][-2].choices[0].finish_reason == replies["plain"].choices[0].finish_reason
+    assert all(chunk.usage is None for chunk in replies["bare"])
+    for key in ("usage", "bare"):
+        episode = sessions[key].episode
+        assert episode.sequence[episode.prompt_len:] == direct.token_ids  # never re-tokenized
+        assert len(episode.logprobs) == len(direct.token_ids)
+
+
 def test_weight_update_changes_greedy_outputs_and_never_serves_stale_prefix_cache(vllm_engine, demo_assets,
                                                                                  event_loop_runner, tmp_path):
     run = event_loop_runner.run_until_complete
