@@ -133,8 +133,8 @@ def chat_tools(tools) -> list[dict] | None:
         refuse(f"tools must be a list, got {type(tools).__name__}", "tools", "bad_parameter")
     out = []
     for index, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom" or not isinstance(tool.get("name"), str) \
-                or not isinstance(tool.get("input_schema"), dict):
+        if not isinstance(tool, dict) or tool.get("type", "custom") != "custom" \
+                or not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
             refuse(f"tools[{index}] must be {{name, description, input_schema}} (server tools are not supported)",
                    "tools", "bad_parameter")
         function = {"name": tool["name"]}

@@ -6,7 +6,7 @@ streamed: anthropic_messages.py translates it to a chat request and back, anthro
 and `GET /v1/models` on 127.0.0.1, from the generator's own engine, in the generator's event loop (uvicorn,
 started on a socket bound here). Each episode is a session: the API key the agent's client sends
 (`Authorization: Bearer <session id>`, or Anthropic's `x-api-key`) names it, so any harness that takes a base URL
-and a key works unchanged; both APIs go through the same session, so a turn is recorded the same whichever asked. Requests are turned into one token sequence per session by
+and a key works unchanged. Requests of both APIs are turned into one token sequence per session by the same
 `AgentSession` (openai_session.py), which records the exact ids, logprobs and versions sampled. A streamed reply
 is sent token by token from an engine that offers it (base.StreamingEngine: vLLM), in one chunk from any other
 (openai_stream.py says how the text is cut and tool calls held back).
@@ -14,7 +14,8 @@ is sent token by token from an engine that offers it (base.StreamingEngine: vLLM
 Sampling is the job's (`rollout.temperature`, `top_p`, `top_k`: the policy being trained); the request's own
 sampling parameters are ignored, `max_tokens` / `max_completion_tokens` can only lower `rollout.max_tokens`, and
 `n` must be 1. Errors come back as OpenAI error objects (`{"error": {"message", "type", "param", "code"}}`, the
-`code` one of openai_session.REFUSAL_CAUSES; on /v1/messages Anthropic's `{"type": "error", "error": {...}}`): 401 for an unknown session, 400 for a request the episode cannot take
+`code` one of openai_session.REFUSAL_CAUSES), on /v1/messages as Anthropic's (`{"type": "error", "error":
+{"type", "message", "cause", "param"}}`): 401 for an unknown session, 400 for a request the episode cannot take
 (with the reason), 409 for a second concurrent request in one session. Each refusal is counted in
 `rollout/http_refusals/<cause>`, and each tool call the model got wrong in `rollout/tool_errors/<reason>`.
 
