@@ -1,8 +1,8 @@
 """Agents written against the OpenAI API (or Anthropic's): a user's `async def episode(row, client) -> reward` is
 run `n` times per admitted prompt, each with an official `openai.AsyncOpenAI` client whose API key names its
-session on the generator's endpoint (openai_server.py). What the endpoint recorded becomes the episode; the function's return
-value is its reward (None: the job's reward function scores the last model turn). A function whose second
-parameter is named `anthropic_client`, `async def episode(row, anthropic_client)`, gets an official
+session on the generator's endpoint (openai_server.py). What the endpoint recorded becomes the episode; the
+function's return value is its reward (None: the job's reward function scores the last model turn). A function
+whose second parameter is named `anthropic_client`, `async def episode(row, anthropic_client)`, gets an official
 `anthropic.AsyncAnthropic` client instead, pointed at the same endpoint's `/v1/messages` with the same key: the
 parameter's name says which API the agent was written against, and nothing else changes.
 
