@@ -12,9 +12,10 @@ PARTS = ["algos", "buffer", "data", "generator", "learner", "weightsync", "confi
 """The top-level parts, each installed as asyncrl.<part> (tests/unit/test_import_rules.py reads this list)."""
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-AGENT_HARNESSES = ["openai-agents==0.24.0", "langgraph==1.2.22", "langchain-openai==1.7.4"]
+AGENT_HARNESSES = ["openai-agents==0.24.0", "langgraph==1.2.22", "langchain-openai==1.7.4", "anthropic==2.17.0"]
 """Pinned: the examples and their tests follow these releases' APIs (Runner, OpenAIChatCompletionsModel; StateGraph,
-ToolNode, ChatOpenAI), which still move between minor releases."""
+ToolNode, ChatOpenAI; AsyncAnthropic for agents that take `anthropic_client`), which still move between minor
+releases."""
 
 
 def folders_of(part: str) -> list[str]:

@@ -277,7 +277,8 @@ class EnvConfig:
 class AgentConfig:
     """An agent written against the OpenAI API (generator/agents/openai_agent.py): `async def episode(row, client)`
     is run rollout.n times per prompt with an `openai.AsyncOpenAI` client on the generator's endpoint, and returns
-    the episode's reward (None: the reward function scores the last answer)."""
+    the episode's reward (None: the reward function scores the last answer). One whose second parameter is named
+    `anthropic_client` gets an `anthropic.AsyncAnthropic` client on the same endpoint (/v1/messages) instead."""
 
     path: Optional[str] = None
     """Python file with the episode function; None: no agent."""

@@ -1,7 +1,10 @@
-"""Agents written against the OpenAI API: a user's `async def episode(row, client) -> reward` is run `n` times per
-admitted prompt, each with an official `openai.AsyncOpenAI` client whose API key names its session on the
-generator's endpoint (openai_server.py). What the endpoint recorded becomes the episode; the function's return
-value is its reward (None: the job's reward function scores the last model turn).
+"""Agents written against the OpenAI API (or Anthropic's): a user's `async def episode(row, client) -> reward` is
+run `n` times per admitted prompt, each with an official `openai.AsyncOpenAI` client whose API key names its
+session on the generator's endpoint (openai_server.py). What the endpoint recorded becomes the episode; the
+function's return value is its reward (None: the job's reward function scores the last model turn). A function
+whose second parameter is named `anthropic_client`, `async def episode(row, anthropic_client)`, gets an official
+`anthropic.AsyncAnthropic` client instead, pointed at the same endpoint's `/v1/messages` with the same key: the
+parameter's name says which API the agent was written against, and nothing else changes.
 
 Contract of `run(row, sampling)`, the same as `EpisodeRunner.run`: it waits for the user's function, at most
 `agent.timeout_s`. One that fails ends its episode as `env_error` (scored 0), counted in
@@ -24,7 +27,7 @@ log = logging.getLogger(__name__)
 
 AGENT_FAILURES = {
     "agent_error": "the function raised (its own bug, or a client error other than a refusal)",
-    "agent_refused": "the function let an endpoint refusal (openai.APIStatusError) escape: "
+    "agent_refused": "the function let an endpoint refusal (openai's or anthropic's APIStatusError) escape: "
                      "rollout/http_refusals/<cause> says which",
     "agent_timeout": "the function ran past agent.timeout_s, or its client timed out",
     "no_requests": "the function returned without calling the endpoint",
@@ -33,15 +36,37 @@ AGENT_FAILURES = {
 """rollout/env_errors/<reason> of an agent episode: why it ended as env_error."""
 
 
-def failure_reason(err: BaseException) -> str:
-    """The AGENT_FAILURES reason for what the agent's function raised."""
+ANTHROPIC_PARAMETER = "anthropic_client"
+"""The name of an agent function's second parameter that asks for an `anthropic.AsyncAnthropic` client."""
+
+
+def client_errors() -> tuple[tuple, tuple]:
+    """(timeouts, refusals): the client exception types that say the endpoint timed out or refused, of the
+    `openai` package and, when it is installed, of `anthropic`."""
     import openai
 
-    if isinstance(err, (asyncio.TimeoutError, openai.APITimeoutError)):
+    timeouts, refusals = [asyncio.TimeoutError, openai.APITimeoutError], [openai.APIStatusError]
+    try:
+        import anthropic
+    except ImportError:
+        return tuple(timeouts), tuple(refusals)
+    return (*timeouts, anthropic.APITimeoutError), (*refusals, anthropic.APIStatusError)
+
+
+def failure_reason(err: BaseException) -> str:
+    """The AGENT_FAILURES reason for what the agent's function raised."""
+    timeouts, refusals = client_errors()
+    if isinstance(err, timeouts):
         return "agent_timeout"
-    if isinstance(err, openai.APIStatusError):
+    if isinstance(err, refusals):
         return "agent_refused"
     return "agent_error"
+
+
+def wants_anthropic(fn) -> bool:
+    """Whether the agent function's second parameter is `anthropic_client`."""
+    parameters = list(inspect.signature(fn).parameters)
+    return len(parameters) > 1 and parameters[1] == ANTHROPIC_PARAMETER
 
 
 class AgentLoadError(ValueError):
@@ -54,7 +79,14 @@ def load_agent_function(path: str, name: str):
     except FileNotFoundError as err:
         raise AgentLoadError(str(err)) from None
     if not inspect.iscoroutinefunction(fn):
-        raise AgentLoadError(f"agent.function {name!r} in {path} must be an `async def episode(row, client)`")
+        raise AgentLoadError(f"agent.function {name!r} in {path} must be an `async def episode(row, client)` (or "
+                             f"`(row, {ANTHROPIC_PARAMETER})`)")
+    if wants_anthropic(fn):
+        try:
+            import anthropic  # noqa: F401 - checked before any episode runs
+        except ImportError:
+            raise AgentLoadError(f"agent.function {name!r} in {path} takes `{ANTHROPIC_PARAMETER}`: install the "
+                                 f"`anthropic` package (pip install -e .[agents])") from None
     return fn
 
 
@@ -63,6 +95,7 @@ class OpenAIAgentRunner:
         self.endpoint, self.episode_fn, self.tokenizer = endpoint, episode_fn, tokenizer
         self.budget, self.max_tokens, self.timeout_s = budget, max_tokens, timeout_s
         self.env_errors: Counter = Counter()
+        self.anthropic = wants_anthropic(episode_fn)
 
     async def start(self) -> None:
         """Serve the endpoint (before any episode runs)."""
@@ -76,12 +109,21 @@ class OpenAIAgentRunner:
         return {**{f"rollout/env_errors/{reason}": float(count) for reason, count in sorted(self.env_errors.items())},
                 **self.endpoint.metrics()}
 
-    async def run(self, row, sampling) -> Episode:
+    def client(self, key: str):
+        """The official client the agent function asked for, pointed at the endpoint with the episode's key."""
+        if self.anthropic:
+            from anthropic import AsyncAnthropic
+
+            return AsyncAnthropic(base_url=self.endpoint.url.removesuffix("/v1"), api_key=key, max_retries=0,
+                                  timeout=self.timeout_s)
         from openai import AsyncOpenAI
 
+        return AsyncOpenAI(base_url=self.endpoint.url, api_key=key, max_retries=0, timeout=self.timeout_s)
+
+    async def run(self, row, sampling) -> Episode:
         session = AgentSession(uuid.uuid4().hex, self.tokenizer, self.budget, self.max_tokens)
         self.endpoint.sessions[session.id] = session
-        client = AsyncOpenAI(base_url=self.endpoint.url, api_key=session.id, max_retries=0, timeout=self.timeout_s)
+        client = self.client(session.id)
         reward, failure = None, None
         try:
             reward = await asyncio.wait_for(self.episode_fn(row_dict(row), client), self.timeout_s)

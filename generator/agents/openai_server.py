@@ -1,9 +1,12 @@
-"""The generator's OpenAI-compatible chat-completions endpoint, for agents written against the OpenAI API.
+"""The generator's OpenAI-compatible chat-completions endpoint, for agents written against the OpenAI API, and
+Anthropic's Messages API beside it.
 
-It serves `POST /v1/chat/completions` (plain and `stream=true`) and `GET /v1/models` on 127.0.0.1, from the
-generator's own engine, in the generator's event loop (uvicorn, started on a socket bound here). Each episode is
-a session: the API key the agent's client sends (`Authorization: Bearer <session id>`) names it, so any harness
-that takes a base URL and a key works unchanged. Requests are turned into one token sequence per session by
+It serves `POST /v1/chat/completions` (plain and `stream=true`), `POST /v1/messages` (Anthropic's, plain and
+streamed: anthropic_messages.py translates it to a chat request and back, anthropic_stream.py writes its events)
+and `GET /v1/models` on 127.0.0.1, from the generator's own engine, in the generator's event loop (uvicorn,
+started on a socket bound here). Each episode is a session: the API key the agent's client sends
+(`Authorization: Bearer <session id>`, or Anthropic's `x-api-key`) names it, so any harness that takes a base URL
+and a key works unchanged. Requests of both APIs are turned into one token sequence per session by the same
 `AgentSession` (openai_session.py), which records the exact ids, logprobs and versions sampled. A streamed reply
 is sent token by token from an engine that offers it (base.StreamingEngine: vLLM), in one chunk from any other
 (openai_stream.py says how the text is cut and tool calls held back).
@@ -11,7 +14,8 @@ is sent token by token from an engine that offers it (base.StreamingEngine: vLLM
 Sampling is the job's (`rollout.temperature`, `top_p`, `top_k`: the policy being trained); the request's own
 sampling parameters are ignored, `max_tokens` / `max_completion_tokens` can only lower `rollout.max_tokens`, and
 `n` must be 1. Errors come back as OpenAI error objects (`{"error": {"message", "type", "param", "code"}}`, the
-`code` one of openai_session.REFUSAL_CAUSES): 401 for an unknown session, 400 for a request the episode cannot take
+`code` one of openai_session.REFUSAL_CAUSES), on /v1/messages as Anthropic's (`{"type": "error", "error":
+{"type", "message", "cause", "param"}}`): 401 for an unknown session, 400 for a request the episode cannot take
 (with the reason), 409 for a second concurrent request in one session. Each refusal is counted in
 `rollout/http_refusals/<cause>`, and each tool call the model got wrong in `rollout/tool_errors/<reason>`.
 
@@ -26,10 +30,13 @@ import socket
 import time
 from collections import Counter
 from contextlib import aclosing
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from typing import Callable
 
+from asyncrl.generator.agents.anthropic_messages import anthropic_error, anthropic_message, chat_request
+from asyncrl.generator.agents.anthropic_stream import MessageEvents
 from asyncrl.generator.agents.openai_session import SessionRefused
-from asyncrl.generator.agents.openai_stream import ChunkWriter, TextDeltas, closing_chunks, usage_asked
+from asyncrl.generator.agents.openai_stream import ChunkWriter, CompletionEvents, TextDeltas, usage_asked
 from asyncrl.generator.engines.base import StreamingEngine
 
 log = logging.getLogger(__name__)
@@ -42,6 +49,10 @@ MALFORMED_TOOL_CALL = "malformed_tool_call"
 def error_body(message: str, kind: str, code: str, param: str | None = None) -> dict:
     """OpenAI's error object; `code` is the refusal's cause (openai_session.REFUSAL_CAUSES)."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def openai_error(message: str, kind: str, cause: str, status: int, param: str | None) -> dict:
+    return error_body(message, kind, cause, param)
 
 
 def stream_usage(body: dict) -> bool:
@@ -65,6 +76,34 @@ def requested_max_tokens(body: dict, default: int) -> int:
     return default
 
 
+def session_key(headers) -> str:
+    """The API key of a request: Anthropic's `x-api-key`, else the `Authorization: Bearer` token."""
+    return (headers.get("x-api-key") or headers.get("authorization", "").removeprefix("Bearer ")).strip()
+
+
+def completion_events(body: dict, reply_id: str, model: str) -> CompletionEvents:
+    return CompletionEvents(ChunkWriter(reply_id, int(time.time()), model), stream_usage(body))
+
+
+def message_events(body: dict, reply_id: str, model: str) -> MessageEvents:
+    return MessageEvents(reply_id, model)
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """What differs between the APIs the endpoint speaks; everything else (the session, its history checks, the
+    engine call, the recording, the refusal counts) is shared."""
+
+    request: Callable  # the request body -> the chat-completions body; raises SessionRefused
+    reply: Callable  # the chat.completion -> this API's reply
+    events: Callable  # (body, reply id, model) -> the stream's events; raises SessionRefused
+    error: Callable  # (message, OpenAI error type, cause, status, param) -> this API's error object
+
+
+OPENAI = Dialect(request=lambda body: body, reply=lambda reply: reply, events=completion_events, error=openai_error)
+ANTHROPIC = Dialect(request=chat_request, reply=anthropic_message, events=message_events, error=anthropic_error)
+
+
 class OpenAIEndpoint:
     """`sessions` (id -> AgentSession), served on `url` once `start()` has run."""
 
@@ -79,7 +118,6 @@ class OpenAIEndpoint:
 
     def build_app(self):
         from fastapi import FastAPI, Request
-        from fastapi.responses import StreamingResponse
 
         app = FastAPI(title="asyncrl generator", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -89,46 +127,60 @@ class OpenAIEndpoint:
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):
-            session = self.sessions.get(request.headers.get("authorization", "").removeprefix("Bearer ").strip())
-            if session is None:
-                return self.refuse("unknown session: the API key names the episode", "authentication_error",
-                                   "unknown_key", 401)
-            try:
-                body = await request.json()
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                return self.refuse("the body is not JSON", "invalid_request_error", "bad_body")
-            if not isinstance(body, dict):
-                return self.refuse("the body must be a JSON object", "invalid_request_error", "bad_body")
-            if session.busy:
-                return self.refuse("this episode already has a request in flight: an episode's requests are "
-                                   "answered one at a time", "conflict", "concurrent_request", 409)
-            session.busy = True
-            streaming, mark, requests = False, session.mark(), session.requests
-            try:
-                if body.get("stream"):
-                    include_usage = stream_usage(body)
-                    prompt, sampling = self._prepare(session, body)
-                    streaming = True  # from here the stream releases the session when it ends
-                    return StreamingResponse(self._stream(session, prompt, sampling, include_usage, mark),
-                                             media_type="text/event-stream")
-                return await self._complete(session, body)
-            except SessionRefused as err:
-                return self.refuse(str(err), "invalid_request_error", err.cause, err.status, err.param)
-            finally:
-                if not streaming:
-                    if session.requests == requests:  # no turn recorded: the request leaves no trace
-                        session.undo(mark)
-                    session.busy = False
+            return await self.serve_turn(request, OPENAI)
+
+        @app.post("/v1/messages")
+        async def messages(request: Request):
+            return await self.serve_turn(request, ANTHROPIC)
 
         return app
 
-    def refuse(self, message: str, kind: str, cause: str, status: int = 400, param: str | None = None):
-        """Count the refusal by cause and answer it as an OpenAI error object."""
+    async def serve_turn(self, request, dialect: Dialect):
+        """One request of an episode in `dialect`'s API: a reply, a stream, or a counted refusal. A request
+        whose turn is not recorded leaves no trace in the session (a streamed one: when its stream ends)."""
+        from fastapi.responses import StreamingResponse
+
+        session = self.sessions.get(session_key(request.headers))
+        if session is None:
+            return self.refuse(dialect, "unknown session: the API key names the episode", "authentication_error",
+                               "unknown_key", 401)
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return self.refuse(dialect, "the body is not JSON", "invalid_request_error", "bad_body")
+        if not isinstance(body, dict):
+            return self.refuse(dialect, "the body must be a JSON object", "invalid_request_error", "bad_body")
+        if session.busy:
+            return self.refuse(dialect, "this episode already has a request in flight: an episode's requests are "
+                               "answered one at a time", "conflict", "concurrent_request", 409)
+        session.busy = True
+        streaming, mark, requests = False, session.mark(), session.requests
+        try:
+            chat = dialect.request(body)
+            if body.get("stream"):
+                reply_id = f"chatcmpl-{session.id}-{session.requests + 1}"
+                events = dialect.events(body, reply_id, self.model_name)
+                prompt, sampling = self._prepare(session, chat)
+                streaming = True  # from here the stream releases the session when it ends
+                return StreamingResponse(self._stream(session, prompt, sampling, events, dialect, mark),
+                                         media_type="text/event-stream")
+            return dialect.reply(await self._complete(session, chat))
+        except SessionRefused as err:
+            return self.refuse(dialect, str(err), "invalid_request_error", err.cause, err.status, err.param)
+        finally:
+            if not streaming:
+                if session.requests == requests:  # no turn recorded: the request leaves no trace
+                    session.undo(mark)
+                session.busy = False
+
+    def refuse(self, dialect: Dialect, message: str, kind: str, cause: str, status: int = 400,
+               param: str | None = None):
+        """Count the refusal by cause and answer it as the dialect's error object."""
         from fastapi.responses import JSONResponse
 
         self.refusals[cause] += 1
         log.info("refused an agent request (%s): %s", cause, message)
-        return JSONResponse(error_body(message, kind, cause, param), status)
+        return JSONResponse(dialect.error(message, kind, cause, status, param), status)
 
     def metrics(self) -> dict:
         return {**{f"rollout/http_refusals/{cause}": float(count) for cause, count in sorted(self.refusals.items())},
@@ -168,23 +220,24 @@ class OpenAIEndpoint:
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(completion.token_ids),
                           "total_tokens": len(prompt) + len(completion.token_ids)}}
 
-    async def _stream(self, session, prompt: list, sampling, include_usage: bool, mark: tuple):
-        """The turn as server-sent chunks (openai_stream.py): token by token from a StreamingEngine, in one chunk
-        at the end from any other. The session is released when the stream ends, however it ends; a client that
-        goes away mid-turn aborts the engine's request, and the turn is not recorded (the session is back at
-        `mark`, so the same request can be sent again)."""
+    async def _stream(self, session, prompt: list, sampling, events, dialect: Dialect, mark: tuple):
+        """The turn as server-sent `events` (openai_stream.CompletionEvents, anthropic_stream.MessageEvents):
+        token by token from a StreamingEngine, in one piece at the end from any other. The session is released
+        when the stream ends, however it ends; a client that goes away mid-turn aborts the engine's request, and
+        the turn is not recorded (the session is back at `mark`, so the same request can be sent again)."""
         requests = session.requests
-        writer = ChunkWriter(f"chatcmpl-{session.id}-{session.requests + 1}", int(time.time()), self.model_name)
         deltas = TextDeltas(session.tokenizer, session.parser.open_tag if session.tools else None)
         try:
-            yield writer.choice({"role": "assistant", "content": ""})
+            for item in events.start(len(prompt)):
+                yield item
             completion = None
             if isinstance(self.engine, StreamingEngine):
                 async with aclosing(self.engine.sample_stream(prompt, sampling)) as growing:
                     async for completion in growing:
                         text = deltas.feed(completion.token_ids)
                         if text:
-                            yield writer.choice({"content": text})
+                            for item in events.text(text):
+                                yield item
             else:
                 (completion,) = await self.engine.sample(prompt, sampling, 1)
             if completion is None:
@@ -196,13 +249,12 @@ class OpenAIEndpoint:
                 # client holds what it was sent, so that is the reply the episode expects back
                 message["content"] = deltas.sent or (None if message.get("tool_calls") else "")
                 session.returned(message)
-            for event in closing_chunks(writer, reply, deltas.sent, include_usage):
-                yield event
-            yield "data: [DONE]\n\n"
-        except Exception as err:  # noqa: BLE001 - told to the client as OpenAI's stream error, never a crash
+            for item in events.finish(reply, deltas.sent):
+                yield item
+        except Exception as err:  # noqa: BLE001 - told to the client as the API's stream error, never a crash
             log.warning("an agent's streamed turn failed: %s: %s", type(err).__name__, err)
-            yield ChunkWriter.event(error_body(f"the turn failed: {type(err).__name__}: {err}", "server_error",
-                                               "engine_error"))
+            yield events.error(dialect.error(f"the turn failed: {type(err).__name__}: {err}", "server_error",
+                                             "engine_error", 500, None))
         finally:
             if session.requests == requests:
                 session.undo(mark)

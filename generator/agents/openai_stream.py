@@ -129,3 +129,24 @@ def closing_chunks(writer: ChunkWriter, reply: dict, sent: str, include_usage: b
     if include_usage:
         events.append(writer.usage(reply["usage"]))
     return events
+
+
+class CompletionEvents:
+    """The chunks of one streamed chat completion, as the endpoint's stream loop asks for them (the same calls
+    as anthropic_stream.MessageEvents: start, text, finish, error)."""
+
+    def __init__(self, writer: ChunkWriter, include_usage: bool):
+        self.writer, self.include_usage = writer, include_usage
+
+    def start(self, prompt_tokens: int) -> list[str]:
+        return [self.writer.choice({"role": "assistant", "content": ""})]
+
+    def text(self, delta: str) -> list[str]:
+        return [self.writer.choice({"content": delta})]
+
+    def finish(self, reply: dict, sent: str) -> list[str]:
+        return [*closing_chunks(self.writer, reply, sent, self.include_usage), "data: [DONE]\n\n"]
+
+    @staticmethod
+    def error(body: dict) -> str:
+        return ChunkWriter.event(body)

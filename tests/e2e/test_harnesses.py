@@ -1,10 +1,10 @@
-"""End to end: agent harnesses people already use, unmodified, as `agent.path` (examples/): the OpenAI Agents SDK
-and a LangGraph ReAct graph, each run for a few steps of the tool demo (configs/tools_cpu.yaml, its builtin tool
-swapped for the harness's own tools) against the generator's OpenAI-compatible endpoint: its episodes reach the
-learner, which trains on them, and no request is refused (a history the harness rewrote would be:
-rollout/http_refusals/history_edited) nor does any episode fail. The demo's assets are built once for the module,
-with a few SFT steps only: the model need not call tools well here (tool calls round-tripping through each harness,
-with a scripted model: tests/integration/test_harnesses.py)."""
+"""End to end: agent harnesses people already use, unmodified, as `agent.path` (examples/): the OpenAI Agents SDK,
+a LangGraph ReAct graph and an agent written against the `anthropic` client (through the endpoint's /v1/messages),
+each run for a few steps of the tool demo (configs/tools_cpu.yaml, its builtin tool swapped for the harness's own
+tools) against the generator's endpoint: its episodes reach the learner, which trains on them, and no request is
+refused (a history the harness rewrote would be: rollout/http_refusals/history_edited) nor does any episode fail.
+The demo's assets are built once for the module, with a few SFT steps only: the model need not call tools well
+here (tool calls round-tripping through each harness, with a scripted model: tests/integration/test_harnesses.py)."""
 import json
 import os
 import subprocess
@@ -18,7 +18,7 @@ from tests.e2e.jobs import QUIET_TELEMETRY, job_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = ["demo.sft_steps=5", "demo.sft_batch_size=16", "demo.num_prompts=64"]
-HARNESSES = {"openai_agents_sdk": "agents", "langgraph": "langgraph"}
+HARNESSES = {"openai_agents_sdk": "agents", "langgraph": "langgraph", "anthropic_client": "anthropic"}
 """Example folder -> the module the harness is imported as (skipped where it is not installed)."""
 
 

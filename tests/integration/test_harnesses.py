@@ -1,4 +1,5 @@
-"""Agent harnesses people already use, unmodified (examples/openai_agents_sdk, examples/langgraph), against the
+"""Agent harnesses people already use, unmodified (examples/openai_agents_sdk, examples/langgraph, and an agent
+written against the `anthropic` client, examples/anthropic_client, through /v1/messages), against the
 generator's real OpenAI-compatible endpoint with a scripted model: the model's tool calls reach the harness, the
 harness runs its own tools and sends their results back with the whole history, and the episode is one token
 sequence, nothing re-tokenized, that the endpoint never refused. (A job with each, through to the learner:
@@ -17,7 +18,7 @@ from tests.chat_tokenizer import chat_tokenizer
 from tests.scripted_engine import ScriptedEngine, call
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HARNESSES = {"openai_agents_sdk": "agents", "langgraph": "langgraph"}
+HARNESSES = {"openai_agents_sdk": "agents", "langgraph": "langgraph", "anthropic_client": "anthropic"}
 """Example folder -> the module the harness is imported as (skipped where it is not installed)."""
 SAMPLING = Sampling(1.0, 1.0, -1, 512)
 BUDGET = EpisodeBudget(max_turns=3, max_episode_tokens=0, max_model_len=4096, max_prompt_tokens=2048)
