@@ -13,6 +13,7 @@ are few and fixed, so the metrics stay bounded however many kinds of exception a
 """
 import asyncio
 import inspect
+import importlib.util
 import logging
 import math
 import uuid
@@ -82,11 +83,9 @@ def load_agent_function(path: str, name: str):
         raise AgentLoadError(f"agent.function {name!r} in {path} must be an `async def episode(row, client)` (or "
                              f"`(row, {ANTHROPIC_PARAMETER})`)")
     if wants_anthropic(fn):
-        try:
-            import anthropic  # noqa: F401 - checked before any episode runs
-        except ImportError:
+        if importlib.util.find_spec("anthropic") is None:  # checked before any episode runs
             raise AgentLoadError(f"agent.function {name!r} in {path} takes `{ANTHROPIC_PARAMETER}`: install the "
-                                 f"`anthropic` package (pip install -e .[agents])") from None
+                                 f"`anthropic` package (pip install -e .[agents])")
     return fn
 
 
