@@ -110,7 +110,7 @@ def decode_group(data: bytes, *, vocab_size: int, max_version: int, max_message_
     logprob floor, and last versions above `max_version` (`future_version`).
     Returned arrays are fresh, writable, native-endian copies (int32 / float32 / uint8), not views of `data`.
     """
-    root = _unpack(data, max_message_bytes, limits.max_samples if limits is not None else None)
+    root = _unpack(data, max_message_bytes, limits)
     # structure and types first, so a value check never runs on a half-parsed group
     if type(root) is not dict:
         raise CodecError("malformed", "group", f"expected a map, got {type(root).__name__}")
@@ -181,10 +181,11 @@ def _identifier(value, field: str) -> str:
     return value
 
 
-def _unpack(data, max_message_bytes: int, group_size: int | None = None):
-    """The msgpack structure. The only array a group holds is `samples`, so with the job's group size known, a
-    longer one is refused by msgpack as it reads the header (87k one-token samples otherwise take 0.3 s to unpack
-    only to be rejected)."""
+def _unpack(data, max_message_bytes: int, limits: JobLimits | None = None):
+    """The msgpack structure. The only array a group holds is `samples`, so with the job's limits known, one longer
+    than a group can be (rollout.n, times rollout.max_turns with per-turn samples) is refused by msgpack as it
+    reads the header (87k one-token samples otherwise take 0.3 s to unpack only to be rejected)."""
+    group_size = None if limits is None else limits.max_samples
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CodecError("malformed", "message", f"expected bytes, got {type(data).__name__}")
     size = memoryview(data).nbytes
@@ -204,9 +205,9 @@ def _unpack(data, max_message_bytes: int, group_size: int | None = None):
         )
     except ValueError as e:
         if group_size is not None and "max_array_len" in str(e):
-            raise CodecError("group_size", "message", f"an array longer than {group_size} (a group's only array is its "
-                                                      f"samples: rollout.n, times rollout.max_turns with per-turn "
-                                                      f"samples)") from None
+            turns = f" x rollout.max_turns={limits.max_turns}" if limits.max_turns > 1 else ""
+            raise CodecError("group_size", "message", f"an array longer than rollout.n={limits.group_size}{turns} "
+                                                      f"(a group's only array is its samples)") from None
         raise CodecError("malformed", "message", f"not valid msgpack ({type(e).__name__}: {str(e)[:200]})") from None
     except Exception as e:  # msgpack raises many types (ExtraData, StackError, UnicodeDecodeError, ...)
         raise CodecError("malformed", "message", f"not valid msgpack ({type(e).__name__}: {str(e)[:200]})") from None

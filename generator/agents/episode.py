@@ -10,8 +10,10 @@ With per-turn samples (rollout.turn_samples=per_turn, for templates that rewrite
 its messages instead: each model turn's text joins them as an assistant message, and the next turn's prompt is
 the chat template's render of the whole history (`rebase`), not an append. Each model turn then becomes its own
 sample (`episodes_to_samples`): the ids the engine was given at that turn and the ids it sampled, never decoded
-and re-encoded; only the model's text, as it reads in the next prompt, is the template's business. It waits on the engine and on the environment (each reset and
-step under `step_timeout_s`); it never raises for what the environment does (`env_error` ends the episode).
+and re-encoded; only the model's text, as it reads in the next prompt, is the template's business.
+
+`run` waits on the engine and on the environment (each reset and step under `step_timeout_s`); it never raises
+for what the environment does (`env_error` ends the episode).
 
 Budgets, and the finish reason each gives: a model turn that hits rollout.max_tokens (`length`), the engine's
 abort (`abort`), rollout.max_turns model turns (`max_turns`), rollout.max_episode_tokens or the model's positions

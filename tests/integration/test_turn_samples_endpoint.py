@@ -8,6 +8,10 @@ import asyncio
 import json
 
 import openai
+import pytest
+
+from asyncrl.algos.config import AlgoConfig
+from asyncrl.algos.offpolicy_plan import OffPolicyPlan
 from asyncrl.buffer.codec import decode_group, encode_group
 from asyncrl.buffer.group import Group, Sampling
 from asyncrl.buffer.plausibility import JobLimits
@@ -18,7 +22,7 @@ from asyncrl.generator.agents.openai_agent import OpenAIAgentRunner
 from asyncrl.generator.agents.openai_server import OpenAIEndpoint
 from asyncrl.generator.agents.openai_session import AgentSession
 from asyncrl.learner.batch import build_batch
-from asyncrl.learner.train_step import episode_rows
+from asyncrl.learner.train_step import compute_advantages, episode_rows
 from tests.reasoning_template import reasoning_tokenizer
 from tests.scripted_engine import ScriptedEngine, call
 
@@ -115,6 +119,11 @@ def test_each_turn_of_an_agent_trains_against_the_prompt_the_model_saw():
         assert batch.input_ids[row, :len(seen) + len(sampled)].tolist() == seen + sampled
         assert int(batch.loss_mask[row].sum()) == len(sampled)
     assert episode_rows([group, group]).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 3, 3]
+    # the learner's advantages: every turn its episode's, GRPO over the 2 episodes (not the 5 rows): +-1/sqrt(2)
+    algo = AlgoConfig()
+    advantages, _ = compute_advantages(batch, [group], batch.token_rewards, algo, OffPolicyPlan.from_algo(algo))
+    per_row = [float(advantages[row][batch.loss_mask[row].bool()].unique()) for row in range(5)]
+    assert per_row == pytest.approx([0.7071] * 3 + [-0.7071] * 2, abs=1e-3)
 
 
 def test_history_rules_hold_and_a_failed_stream_leaves_the_per_turn_session_as_it_was():

@@ -89,8 +89,11 @@ def test_per_turn_groups_pass_the_buffer_checks_and_hostile_ones_do_not():
     back = decode(group)
     assert [s.episode for s in back.samples] == [0, 0, 0, 1, 1, 1] and back.episode_rewards() == [1.0, 0.0]
     single = JobLimits(**{**limits.__dict__, "max_turns": 1})
-    with pytest.raises(CodecError, match="per-turn samples"):
+    with pytest.raises(CodecError, match="longer than rollout.n=2"):
         decode(group, single)  # a job that sends whole episodes never sends turns
+    two = Group("g3", "p0", "gen", prompt, samples[:1] + samples[3:4], SAMPLING, 0.0)
+    with pytest.raises(CodecError, match="per-turn samples .* but this job sends one sample per episode"):
+        decode(two, single)
     hostile = {
         "malformed": lambda s: s[0].__setattr__("episode", None),  # mixed
         "malformed ": lambda s: s[3].__setattr__("episode", 5),  # episodes not 0..k-1
