@@ -18,7 +18,7 @@ from asyncrl.generator.agents.episode import EpisodeBudget, EpisodeRunner, episo
 from asyncrl.algos.turn_advantages import compute_turn_advantages
 from tests.chat_tokenizer import chat_tokenizer
 from tests.reasoning_template import reasoning_tokenizer
-from tests.scripted_engine import ScriptedEngine
+from tests.scripted_engine import ScriptedEngine, call
 
 SAMPLING = Sampling(1.0, 1.0, -1, 64)
 ROW = PromptRow(prompt_id="p0", prompt_ids=[1], data_source="t", ground_truth="5", extra_info={},
@@ -141,3 +141,61 @@ def test_the_recipe_refuses_per_turn_with_an_algorithm_that_cannot_train_it():
     assert load_config(None, base).rollout.turn_samples == "auto"
     with pytest.raises(ValueError, match="rollout.turn_samples must be one of"):
         load_config(None, [*base, "rollout.turn_samples=turns"])
+
+
+TOOLS = '''
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: first
+        b: second
+    """
+    return a + b
+'''
+
+
+class CallThenAnswer(ScriptedEngine):
+    """Concurrent episodes: a turn without a tool result yet calls the tool, with reasoning; the next answers."""
+
+    async def sample(self, prompt_ids, sampling, n):
+        first = "<|im_start|>tool" not in self.tokenizer.decode(prompt_ids)
+        self.turns = [("<think>add them</think>" + call("add", a=2, b=3) if first else "5", "stop")]
+        return await super().sample(prompt_ids, sampling, n)
+
+
+def test_auto_builds_per_turn_tool_episodes_and_a_group_of_their_turns(tmp_path, caplog):
+    from asyncrl.configs import load_config
+    from asyncrl.configs.sections import RewardConfig
+    from asyncrl.generator.agents.build import build_episode_runner
+    from asyncrl.generator.rollout import RolloutLoop
+    from tests.unit.test_episodes import InlineScorer
+
+    tools = tmp_path / "tools.py"
+    tools.write_text(TOOLS)
+    cfg = load_config(None, [f"tools.functions=[{tools}:add]", "rollout.max_turns=3", "rollout.n=2"])
+    tokenizer = reasoning_tokenizer()
+    engine = CallThenAnswer(tokenizer, [])
+    with caplog.at_level("INFO", logger="asyncrl.generator.agents.build"):
+        runner = build_episode_runner(cfg.tools, cfg.env, cfg.agent, cfg.rollout, max_model_len=4096,
+                                      max_prompt_tokens=2048, tool_workers=1, engine=engine, tokenizer=tokenizer)
+    assert runner.per_turn and "one sample per model turn: rollout.turn_samples=auto" in caplog.text
+    loop = RolloutLoop(client=None, engine=engine, prompts=iter([]), scorer=InlineScorer(), tokenizer=tokenizer,
+                       rollout_cfg=cfg.rollout, max_inflight_groups=1, generator_id="g",
+                       reward_shaping=RewardConfig(), episodes=runner)
+
+    async def scenario():
+        await runner.start()
+        try:
+            return await loop.sampler.sample(ROW)
+        finally:
+            await runner.close()
+
+    group = asyncio.run(scenario())
+    assert len(group.samples) == 4 and sorted(s.episode for s in group.samples) == [0, 0, 1, 1]
+    assert group.episode_rewards() == [1.0, 1.0]
+    pairs = sorted(zip(map(tuple, engine.requests), map(tuple, engine.sampled)))
+    rows = sorted((tuple(group.prompt_ids.tolist() + s.completion_ids[:int(np.argmax(s.loss_mask))].tolist()),
+                   tuple(s.completion_ids[s.loss_mask == 1].tolist())) for s in group.samples)
+    assert rows == pairs  # every sample: the ids the engine was given, then exactly what it sampled
+    assert loop.stats.tokens == sum(len(ids) for ids in engine.sampled)
