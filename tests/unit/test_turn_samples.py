@@ -199,3 +199,36 @@ def test_auto_builds_per_turn_tool_episodes_and_a_group_of_their_turns(tmp_path,
                    tuple(s.completion_ids[s.loss_mask == 1].tolist())) for s in group.samples)
     assert rows == pairs  # every sample: the ids the engine was given, then exactly what it sampled
     assert loop.stats.tokens == sum(len(ids) for ids in engine.sampled)
+
+
+def per_turn_group(rng, turns: list, rewards: list):
+    """A group of per-turn samples: episode i has turns[i] samples, each with rewards[i]."""
+    from tests.groups import make_group
+
+    group = make_group(rng, n=sum(turns))
+    index = 0
+    for episode, (count, reward) in enumerate(zip(turns, rewards)):
+        for sample in group.samples[index:index + count]:
+            sample.episode, sample.reward = episode, reward
+        index += count
+    return group
+
+
+def test_a_learner_step_trains_per_turn_groups_of_different_sizes():
+    from asyncrl.algos.config import AlgoConfig
+    from asyncrl.learner.model import build_qwen2
+    from asyncrl.learner.train_step import StepSettings, train_step
+
+    rng = np.random.default_rng(5)
+    groups = [per_turn_group(rng, [3, 1], [1.0, 0.0]), per_turn_group(rng, [1, 2], [0.0, 0.0])]
+    model = build_qwen2(vocab_size=32, hidden_size=32, num_layers=1, eos_token_id=1, pad_token_id=0, seed=0).double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    for advantage in ("grpo", "rloo"):
+        result = train_step(model, optimizer, scheduler, groups, AlgoConfig(advantage=advantage),
+                            StepSettings(version=0, max_staleness=2, max_tokens_per_microbatch=4096, chunk_tokens=64,
+                                         grad_clip=1.0))
+        metrics = result.metrics
+        assert result.stepped and np.isfinite(metrics["loss/pg"]), advantage
+        # rewards by episode: [1, 0] and [0, 0], not by row
+        assert metrics["reward/mean"] == 0.25 and metrics["reward/frac_zero_std_groups"] == 0.5
