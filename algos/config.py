@@ -23,6 +23,9 @@ DISCOUNTED = ("reinforce_pp", "gae")
 """Estimators that read algo.gamma."""
 GROUP_ADVANTAGES = ("grpo_passk", "rloo", "reinforce_pp_baseline", "opo", "gpg")
 """Estimators whose baseline is the rest of the group: they need rollout.n >= 2."""
+PER_TURN_ADVANTAGES = ("grpo", "grpo_passk", "rloo")
+"""Estimators that can train per-turn samples (rollout.turn_samples=per_turn): one advantage per episode, from the
+group's episode rewards, given to each of its turns (algos/turn_advantages.py)."""
 LOSS_NAMES = tuple(LOSSES)
 CORRECTION_NAMES = tuple(CORRECTIONS)
 LOSS_AGG_NAMES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -271,6 +274,16 @@ class AlgoConfig:
     def needs_critic(self) -> bool:
         """A value model is built and trained only for estimators that read it (gae, V-trace's critic baseline)."""
         return self.advantage in CRITIC_ADVANTAGES or (self.correction == "vtrace" and self.vtrace_values == "critic")
+
+    def per_turn_problem(self) -> str | None:
+        """Why these settings cannot train per-turn samples (rollout.turn_samples=per_turn), or None when they can."""
+        if CORRECTIONS[self.correction].kind == ADVANTAGES:
+            return (f"algo.correction={self.correction} computes token-level advantages along one sequence, and "
+                    f"per-turn samples split an episode into several")
+        if self.advantage not in PER_TURN_ADVANTAGES:
+            return (f"algo.advantage={self.advantage} is not one of {PER_TURN_ADVANTAGES}, the estimators that give "
+                    f"each turn its episode's advantage")
+        return None
 
     def needs_greedy_baseline(self) -> bool:
         """ReMax's baseline: one greedy completion per prompt, sampled by the generators and read by the learner."""

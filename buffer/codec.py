@@ -33,6 +33,9 @@ _GROUP_KEYS = frozenset(
 )
 _SAMPLE_KEYS = frozenset({"completion_ids", "logprobs", "versions", "loss_mask", "reward", "reward_info",
                           "finish_reason"})
+_TURN_SAMPLE_KEYS = _SAMPLE_KEYS | {"episode"}
+"""A per-turn sample (rollout.turn_samples=per_turn) also names its episode; the key is absent otherwise, so
+whole-episode groups are byte-identical to what they were."""
 _SAMPLING_KEYS = frozenset({"temperature", "top_p", "top_k", "max_tokens"})
 
 
@@ -78,6 +81,7 @@ def _sample_to_wire(sample: Sample) -> dict:
         "reward": float(sample.reward),
         "reward_info": {k: float(v) for k, v in sample.reward_info.items()},
         "finish_reason": sample.finish_reason,
+        **({} if sample.episode is None else {"episode": int(sample.episode)}),
     }
 
 
@@ -106,7 +110,7 @@ def decode_group(data: bytes, *, vocab_size: int, max_version: int, max_message_
     logprob floor, and last versions above `max_version` (`future_version`).
     Returned arrays are fresh, writable, native-endian copies (int32 / float32 / uint8), not views of `data`.
     """
-    root = _unpack(data, max_message_bytes, limits.group_size if limits is not None else None)
+    root = _unpack(data, max_message_bytes, limits)
     # structure and types first, so a value check never runs on a half-parsed group
     if type(root) is not dict:
         raise CodecError("malformed", "group", f"expected a map, got {type(root).__name__}")
@@ -129,6 +133,7 @@ def decode_group(data: bytes, *, vocab_size: int, max_version: int, max_message_
         meta=_meta(root["meta"]),
     )
     _check_tokens(prompt_ids, "prompt_ids", vocab_size)
+    _check_episodes(group.samples)
     newest = -1
     for i, sample in enumerate(group.samples):
         _check_sample_values(sample, f"samples[{i}]", vocab_size, logprob_tolerance)
@@ -140,6 +145,21 @@ def decode_group(data: bytes, *, vocab_size: int, max_version: int, max_message_
         raise CodecError("future_version", "samples[].versions", f"version {newest} is newer than the learner's "
                                                                  f"{max_version}")
     return group
+
+
+def _check_episodes(samples: list) -> None:
+    """Per-turn samples (`episode` set) are all or nothing in a group, and name episodes 0, 1, ... each with at
+    least one turn: the learner gives every turn of an episode that episode's advantage."""
+    named = [s.episode for s in samples if s.episode is not None]
+    if not named:
+        return
+    if len(named) != len(samples):
+        raise CodecError("malformed", "samples[].episode", f"{len(named)} of {len(samples)} samples name an episode: "
+                                                           f"a group's samples are all per-turn or none are")
+    episodes = set(named)
+    if episodes != set(range(len(episodes))):
+        raise CodecError("malformed", "samples[].episode", f"episodes {sorted(episodes)[:8]} are not 0 .. "
+                                                           f"{len(episodes) - 1}, each with a turn")
 
 
 def _plausible(check, value, limits: JobLimits) -> None:
@@ -161,10 +181,11 @@ def _identifier(value, field: str) -> str:
     return value
 
 
-def _unpack(data, max_message_bytes: int, group_size: int | None = None):
-    """The msgpack structure. The only array a group holds is `samples`, so with the job's group size known, a
-    longer one is refused by msgpack as it reads the header (87k one-token samples otherwise take 0.3 s to unpack
-    only to be rejected)."""
+def _unpack(data, max_message_bytes: int, limits: JobLimits | None = None):
+    """The msgpack structure. The only array a group holds is `samples`, so with the job's limits known, one longer
+    than a group can be (rollout.n, times rollout.max_turns with per-turn samples) is refused by msgpack as it
+    reads the header (87k one-token samples otherwise take 0.3 s to unpack only to be rejected)."""
+    group_size = None if limits is None else limits.max_samples
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise CodecError("malformed", "message", f"expected bytes, got {type(data).__name__}")
     size = memoryview(data).nbytes
@@ -184,8 +205,9 @@ def _unpack(data, max_message_bytes: int, group_size: int | None = None):
         )
     except ValueError as e:
         if group_size is not None and "max_array_len" in str(e):
-            raise CodecError("group_size", "message", f"an array longer than rollout.n={group_size} (a group's only "
-                                                      f"array is its samples, one per completion)") from None
+            turns = f" x rollout.max_turns={limits.max_turns}" if limits.max_turns > 1 else ""
+            raise CodecError("group_size", "message", f"an array longer than rollout.n={limits.group_size}{turns} "
+                                                      f"(a group's only array is its samples)") from None
         raise CodecError("malformed", "message", f"not valid msgpack ({type(e).__name__}: {str(e)[:200]})") from None
     except Exception as e:  # msgpack raises many types (ExtraData, StackError, UnicodeDecodeError, ...)
         raise CodecError("malformed", "message", f"not valid msgpack ({type(e).__name__}: {str(e)[:200]})") from None
@@ -217,7 +239,7 @@ def _samples(value) -> list[Sample]:
 
 def _sample(obj, where: str) -> Sample:
     """Types and dtypes only; values are checked by `_check_sample_values` once the whole group parsed."""
-    _check_keys(obj, _SAMPLE_KEYS, where)
+    _check_keys(obj, _TURN_SAMPLE_KEYS if type(obj) is dict and "episode" in obj else _SAMPLE_KEYS, where)
     return Sample(
         completion_ids=_array(obj["completion_ids"], f"{where}.completion_ids", np.int32),
         logprobs=_array(obj["logprobs"], f"{where}.logprobs", np.float32),
@@ -226,6 +248,7 @@ def _sample(obj, where: str) -> Sample:
         finish_reason=_exact(obj["finish_reason"], f"{where}.finish_reason", str),
         loss_mask=None if obj["loss_mask"] is None else _array(obj["loss_mask"], f"{where}.loss_mask", np.uint8),
         reward_info=_reward_info(obj["reward_info"], f"{where}.reward_info"),
+        episode=_exact(obj["episode"], f"{where}.episode", int) if "episode" in obj else None,
     )
 
 

@@ -53,6 +53,10 @@ class Sample:
     """uint8 [T], 1 = train on this token; None means every completion token counts."""
     reward_info: dict[str, float] = field(default_factory=dict)
     """Named reward components (e.g. format, correctness) for logging only."""
+    episode: int | None = None
+    """rollout.turn_samples=per_turn: the index (0 .. n-1) of the episode this sample is one model turn of; its
+    turns share its reward and its advantage (docs/agents.md, "Reasoning templates"). None: the sample is a whole
+    completion or episode, its own."""
 
 
 @dataclass(eq=False)
@@ -95,6 +99,15 @@ class Group:
     def rewards(self) -> list[float]:
         """The scalar reward of each sample, in sample order."""
         return [s.reward for s in self.samples]
+
+    def episode_rewards(self) -> list[float]:
+        """One reward per episode (per sample when the samples are whole episodes): what rollout.n counts."""
+        if all(s.episode is None for s in self.samples):
+            return self.rewards()
+        first: dict[int, float] = {}
+        for s in self.samples:
+            first.setdefault(s.episode, s.reward)
+        return [first[index] for index in sorted(first)]
 
     def zero_variance(self) -> bool:
         """Every sample's reward is the same: a group baseline makes every advantage 0, so the group teaches

@@ -44,6 +44,14 @@ class JobLimits:
     """data.max_prompt_tokens: generators skip longer prompts."""
     max_positions: int
     """The model's positions (max_position_embeddings): prompt + completion must fit."""
+    max_turns: int = 1
+    """rollout.max_turns when the job may send per-turn samples (rollout.turn_samples not `episode`, with
+    episodes), else 1: the most samples one episode of a group becomes."""
+
+    @property
+    def max_samples(self) -> int:
+        """The most samples a group holds: rollout.n, times max_turns with per-turn samples."""
+        return self.group_size * self.max_turns
 
 
 class Implausible(ValueError):
@@ -58,9 +66,16 @@ def check_shape(root: dict, limits: JobLimits) -> None:
     """Counts and lengths from the raw structure (before decoding). Fields of the wrong type are left to the codec,
     which names them."""
     samples = root.get("samples")
-    if isinstance(samples, list) and len(samples) != limits.group_size:
+    per_turn = isinstance(samples, list) and any(isinstance(s, dict) and "episode" in s for s in samples)
+    if per_turn and limits.max_turns == 1:
+        raise Implausible("group_size", "samples", "per-turn samples (an `episode` index), but this job sends one "
+                                                   "sample per episode (rollout.turn_samples, rollout.max_turns)")
+    if isinstance(samples, list) and not per_turn and len(samples) != limits.group_size:
         raise Implausible("group_size", "samples", f"{len(samples)} samples, the job samples rollout.n="
                                                    f"{limits.group_size} per prompt")
+    if per_turn and len(samples) > limits.max_samples:
+        raise Implausible("group_size", "samples", f"{len(samples)} per-turn samples > rollout.n * rollout.max_turns"
+                                                   f" = {limits.max_samples}")
     prompt = root.get("prompt_ids")
     prompt_len = len(prompt) // 4 if isinstance(prompt, bytes) else None
     if prompt_len is not None:
@@ -102,9 +117,31 @@ def check_values(group, limits: JobLimits) -> None:
             index = int(np.flatnonzero(low)[0])
             raise Implausible("bad_logprob", f"samples[{i}].logprobs", f"[{index}]={sample.logprobs[index]} is below "
                                                                        f"{LOGPROB_FLOOR}, which no engine samples")
+    check_turns(group.samples, limits)
     baseline = group.meta.get("baseline_reward")
     if isinstance(baseline, (int, float)) and abs(baseline) > FLOAT32_MAX:
         raise Implausible("bad_reward", "meta['baseline_reward']", f"{baseline} overflows float32")
+
+
+def check_turns(samples: list, limits: JobLimits) -> None:
+    """Per-turn samples (the codec checked they name episodes 0, 1, ...): exactly rollout.n episodes, each of at
+    most rollout.max_turns turns that share one reward (the episode's, which is what the advantage is of)."""
+    if not samples or samples[0].episode is None:
+        return
+    rewards, turns = {}, {}
+    for i, sample in enumerate(samples):
+        turns[sample.episode] = turns.get(sample.episode, 0) + 1
+        if rewards.setdefault(sample.episode, sample.reward) != sample.reward:
+            raise Implausible("bad_reward", f"samples[{i}].reward", f"{sample.reward} != {rewards[sample.episode]}, "
+                                                                   f"the reward of episode {sample.episode}'s other "
+                                                                   f"turns")
+    if len(turns) != limits.group_size:
+        raise Implausible("group_size", "samples[].episode", f"{len(turns)} episodes, the job samples rollout.n="
+                                                             f"{limits.group_size} per prompt")
+    longest = max(turns, key=turns.get)
+    if turns[longest] > limits.max_turns:
+        raise Implausible("group_size", "samples[].episode", f"episode {longest} has {turns[longest]} turns > "
+                                                             f"rollout.max_turns={limits.max_turns}")
 
 
 MAX_STAT_KEYS = 256

@@ -122,6 +122,12 @@ def check_episodes(cfg: "RunConfig") -> None:
     if cfg.rollout.max_turns > 1 and not chosen:
         raise ValueError(f"rollout.max_turns={cfg.rollout.max_turns} but nothing answers the model between turns: "
                          f"set tools.functions, tools.builtins, env.path or agent.path")
+    problem = cfg.algo.per_turn_problem()
+    if chosen and problem and cfg.rollout.turn_samples == "per_turn":
+        raise ValueError(f"rollout.turn_samples=per_turn trains each model turn with its episode's advantage, but "
+                         f"{problem}; use algo.advantage=grpo or rloo, or rollout.turn_samples=episode")
+    if problem and cfg.rollout.turn_samples == "auto":
+        cfg.rollout.turn_samples = "episode"  # auto may only choose what the algorithm can train
     if chosen and cfg.rollout.greedy_baseline:
         raise ValueError("ReMax's greedy baseline (algo.advantage=remax) is single-turn only; use grpo or rloo "
                          "with tools or an environment")

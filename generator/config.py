@@ -5,6 +5,7 @@ from typing import List, Optional
 MODEL_SOURCES = ("auto", "learner", "local")
 ENGINES = ("vllm", "sglang", "hf")
 UPDATE_MODES = ("wait", "keep", "abort")
+TURN_SAMPLES = ("auto", "episode", "per_turn")
 
 
 @dataclass
@@ -27,6 +28,13 @@ class RolloutConfig:
     max_episode_tokens: int = 0
     """Most tokens after the prompt in an episode, model and environment turns together; 0 leaves only the
     model's positions (generator.max_model_len) as the bound. Single-turn samples are bounded by max_tokens."""
+    turn_samples: str = "auto"
+    """What one episode (tools, an environment, an agent) trains as. `episode`: one sample, the whole token
+    sequence, which needs a chat template that renders each turn as an append. `per_turn`: one sample per model
+    turn, its prompt the tokens the model saw at that turn (the template renders the history anew each turn, so
+    templates that rewrite earlier turns, as Qwen3's strips <think> from them, work), every turn with its
+    episode's reward and advantage (grpo, rloo). `auto`: `episode` when the template appends, else `per_turn`
+    (the generator logs which and why). docs/agents.md, "Reasoning templates"."""
     greedy_baseline: bool = False
     """Also decode one greedy completion per prompt and send its reward as the group's `baseline_reward`
     (ReMax). Turned on automatically when algo.advantage=remax."""
@@ -44,6 +52,8 @@ class RolloutConfig:
             raise ValueError(f"rollout.max_tokens must be >= 1, got {self.max_tokens}")
         if self.max_turns < 1:
             raise ValueError(f"rollout.max_turns must be >= 1, got {self.max_turns}")
+        if self.turn_samples not in TURN_SAMPLES:
+            raise ValueError(f"rollout.turn_samples must be one of {TURN_SAMPLES}, got {self.turn_samples!r}")
         if self.max_episode_tokens < 0 or (self.max_episode_tokens and self.max_episode_tokens < self.max_tokens):
             raise ValueError(f"rollout.max_episode_tokens must be 0 (no bound but the model's) or >= rollout."
                              f"max_tokens={self.max_tokens}, got {self.max_episode_tokens}")

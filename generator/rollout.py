@@ -196,7 +196,7 @@ class RolloutLoop:
                 self.stats.filtered_groups += 1  # its rewards are in stats.rewards: reward/mean is the fleet's
                 # and in the release: the learner's reward/sampled_mean counts every group sampled (buffer/sampled.py)
                 self.note_reply(await self.client.release(1, deals=deals, outcome="zero_variance",
-                                                          rewards=group.rewards()))
+                                                          rewards=group.episode_rewards()))
                 continue
             await self._send(group)
 

@@ -91,7 +91,7 @@ class GroupSampler:
             return None
         for episode, (reward, _) in zip(runs, scores):
             self.stats.rewards.append(reward)
-            self.stats.tokens += sum(episode.loss_mask)
+            self.stats.tokens += episode.model_tokens()
             self.stats.episode_counts.append((episode.turns, episode.tool_calls, episode.env_tokens))
         self.stats.groups += 1
         return Group(group_id=new_group_id(), prompt_id=row.prompt_id, generator_id=self.generator_id,

@@ -38,7 +38,8 @@ def collect_step_metrics(batch: Batch, groups: list, plan: OffPolicyPlan, settin
     # `_sum` numerators exist to combine micro-batches; this call already saw the whole batch
     metrics.update({key: float(value) for key, value in (correction_metrics or {}).items()
                     if not key.endswith("_sum")})
-    rewards = torch.tensor([r for group in groups for r in group.rewards()], dtype=torch.float64)
+    # one reward per episode: per-turn samples (rollout.turn_samples) repeat theirs on every turn
+    rewards = torch.tensor([r for group in groups for r in group.episode_rewards()], dtype=torch.float64)
     per_group = rewards.view(len(groups), -1)
     advantages = batch.advantages[valid].double()
     metrics.update({

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncrl.algos.advantages import AdvantageInputs, compute_gae_advantages, compute_token_advantages
+from asyncrl.algos.turn_advantages import compute_turn_advantages
 from asyncrl.algos.corrections import compute_correction, compute_vtrace_advantages, normalize_batch_weight
 from asyncrl.algos.vtrace import compute_vtrace_advantages_and_targets
 from asyncrl.algos.kl import apply_kl_penalty
@@ -136,6 +137,10 @@ def compute_advantages(batch: Batch, groups: list, token_rewards: torch.Tensor, 
         advantages, returns = compute_gae_advantages(token_rewards.double(), batch.values.double(), mask,
                                                      gamma=algo.gamma, lam=algo.lam)
         return advantages.float(), returns.float()
+    row_episodes = episode_rows(groups)
+    if row_episodes is not None:  # per-turn samples: each turn gets its episode's advantage
+        return compute_turn_advantages(plan.estimator, token_rewards.double(), mask, row_episodes,
+                                       len(groups[0].episode_rewards()), norm_by_std=algo.norm_adv_by_std).float(), None
     baseline = None
     if plan.greedy_baseline:
         baseline = torch.tensor([float(group.meta["baseline_reward"]) for group in groups], dtype=torch.float64)
@@ -143,6 +148,19 @@ def compute_advantages(batch: Batch, groups: list, token_rewards: torch.Tensor, 
                              group_size=len(groups[0].samples), baseline_rewards=baseline)
     return compute_token_advantages(plan.estimator, inputs, norm_by_std=algo.norm_adv_by_std,
                                     gamma=algo.gamma).float(), None
+
+
+def episode_rows(groups: list) -> torch.Tensor | None:
+    """[B] the episode of each row (group index * n + its episode in the group) when any group holds per-turn
+    samples (rollout.turn_samples=per_turn), else None. A group of whole episodes counts each sample as one."""
+    if all(sample.episode is None for group in groups for sample in group.samples):
+        return None
+    rows, base = [], 0
+    for group in groups:
+        rows += [base + (index if sample.episode is None else sample.episode)
+                 for index, sample in enumerate(group.samples)]
+        base += len(group.episode_rewards())
+    return torch.tensor(rows, dtype=torch.long)
 
 
 def vtrace_advantages(batch: Batch, num_groups: int, token_rewards: torch.Tensor,

@@ -160,7 +160,7 @@ class RedisBufferServer:
                         self._accept(entry, group)
         entry_id, group = self._ready.popleft()
         self.taken_entries.append((entry_id, group.meta.get("deal", "") if self.dealer is not None else ""))
-        self.sampled.add(group.rewards())
+        self.sampled.add(group.episode_rewards())
         return group
 
     def _drain_sampled(self) -> None:

@@ -166,7 +166,7 @@ class ZmqBufferServer:
             join = self.joins.setdefault(gen, {"hello_version": None})
             if "first_group_min_version" not in join:  # only the first group counts; skip the scan for the rest
                 join["first_group_min_version"] = group.min_version()
-            self.sampled.add(group.rewards())
+            self.sampled.add(group.episode_rewards())
             return group
 
     def take_sampled(self) -> dict:

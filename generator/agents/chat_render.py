@@ -8,8 +8,10 @@ rendering is taken from a probe conversation: with a user message U and an assis
 
     render(U, A, *new, generation prompt)  must start with  render(U, A)
 
-(a template that rewrites earlier turns when more follow, as some strip reasoning from history, cannot append
-and is refused when the episode runner is built, with the reason), and render(U, A) must end A's turn with the
+(a template that rewrites earlier turns when more follow, as Qwen3's strips <think> from history, cannot append:
+with rollout.turn_samples=episode it is refused when the episode runner is built, with the reason; `auto` and
+`per_turn` train each model turn as its own sample instead, its prompt rendered anew by `ChatRenderer` from the
+whole history, episode.py), and render(U, A) must end A's turn with the
 text of the stop token the engine stops on, maybe followed by separator text (Qwen's "<|im_end|>\\n"). The ids
 appended after a model turn are those of that separator plus the new messages' rendering.
 
@@ -19,16 +21,23 @@ what matters (docs/agents.md, "Tokens").
 """
 PROBE_USER = "asyncrl-probe-user"
 PROBE_ANSWER = "asyncrl-probe-answer"
+PROBE_REASONING = "<think>asyncrl-probe-reasoning</think>"
+"""The probe's answer opens with reasoning, so a template that strips it from earlier turns (Qwen3's) shows it."""
 
 
 class TemplateCannotAppend(ValueError):
     """The chat template cannot render a turn as an append to the conversation; the message says why."""
 
 
-class ChatAppender:
-    """Renders an episode's prompt and the ids appended after each model turn. `tools`: OpenAI tool schemas the
-    template shows the model, a list or a name -> schema mapping read at each render (MCP servers' tools join
-    the tool box's mapping when it starts); None: none."""
+TURN_SAMPLES_HINT = ("; set rollout.turn_samples=per_turn (or auto) to train each model turn as its own sample against "
+                     "the prompt the template renders for it (docs/agents.md, \"Reasoning templates\")")
+
+
+class ChatRenderer:
+    """Renders a conversation's prompt ids with the chat template: each model turn's whole prompt, as
+    rollout.turn_samples=per_turn renders it. `tools`: OpenAI tool schemas the template shows the model, a list
+    or a name -> schema mapping read at each render (MCP servers' tools join the tool box's mapping when it
+    starts); None: none."""
 
     def __init__(self, tokenizer, tools=None):
         self.tokenizer, self._tools = tokenizer, tools
@@ -39,7 +48,6 @@ class ChatAppender:
         if not eos:
             raise TemplateCannotAppend("the tokenizer has no eos token: a model turn could not end")
         self.stop_text = eos
-        self.separator = self._probe_separator()
 
     @property
     def tools(self) -> list | None:
@@ -54,8 +62,18 @@ class ChatAppender:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def prompt_ids(self, messages: list) -> list:
-        """The episode's opening messages, rendered with the tools and the generation prompt."""
+        """The messages (an episode's opening, or with per-turn samples its whole history), rendered with the tools
+        and the generation prompt."""
         return self.encode(self.render(messages, generation_prompt=True))
+
+
+class ChatAppender(ChatRenderer):
+    """Renders an episode's prompt and the ids appended after each model turn (refusing, when built, a template
+    that cannot append)."""
+
+    def __init__(self, tokenizer, tools=None):
+        super().__init__(tokenizer, tools)
+        self.separator = self._probe_separator()
 
     def append_ids(self, messages: list) -> list:
         """The ids that follow a model turn ended by the stop token: the template's separator after it, the new
@@ -69,7 +87,8 @@ class ChatAppender:
 
     @staticmethod
     def _probe() -> list:
-        return [{"role": "user", "content": PROBE_USER}, {"role": "assistant", "content": PROBE_ANSWER}]
+        return [{"role": "user", "content": PROBE_USER},
+                {"role": "assistant", "content": PROBE_REASONING + PROBE_ANSWER}]
 
     def _probe_separator(self) -> str:
         """The text the template puts after the stop token that ends an assistant turn (refusing templates that
@@ -82,10 +101,28 @@ class ChatAppender:
         if not tail.startswith(self.stop_text):
             raise TemplateCannotAppend(
                 f"the chat template ends an assistant turn with {tail[:40]!r}, not with the stop token "
-                f"{self.stop_text!r} the engine stops on, so the turn the model ended cannot be continued")
+                f"{self.stop_text!r} the engine stops on, so the turn the model ended cannot be continued"
+                + TURN_SAMPLES_HINT)
         probe_tool = [{"role": "user", "content": PROBE_USER}]
         full = self.render(self._probe() + probe_tool, generation_prompt=True)
         if not full.startswith(base):
             raise TemplateCannotAppend("rendering one more message changes the earlier part of the conversation "
-                                       "(the template rewrites history), so turns cannot be appended")
+                                       "(the template rewrites history, as templates that strip reasoning from "
+                                       "earlier turns do), so turns cannot be appended" + TURN_SAMPLES_HINT)
         return tail[len(self.stop_text):]
+
+
+def resolve_turn_samples(setting: str, tokenizer) -> tuple[str, str]:
+    """(`episode` or `per_turn`, why) for rollout.turn_samples=`setting` with this tokenizer's chat template;
+    raises TemplateCannotAppend when neither can work (`auto` is `episode` already when the algorithm cannot
+    train per-turn samples: configs/run_config.py check_episodes)."""
+    if setting == "per_turn":
+        ChatRenderer(tokenizer)
+        return "per_turn", "rollout.turn_samples=per_turn"
+    try:
+        ChatAppender(tokenizer)
+    except TemplateCannotAppend as err:
+        if setting == "episode" or str(err).startswith("the tokenizer has no"):
+            raise
+        return "per_turn", f"rollout.turn_samples=auto and {str(err).split(TURN_SAMPLES_HINT)[0]}"
+    return "episode", f"rollout.turn_samples={setting} and the chat template renders each turn as an append"

@@ -4,8 +4,16 @@ Contract of `EpisodeRunner.run(row, sampling)`: the environment's reset gives th
 once into the prompt; then, until a budget or the environment ends it, the engine samples a model turn from the
 whole sequence so far, the environment steps on that turn's text, and its messages are appended as ids
 (chat_render.py). The tokens sent to the engine at turn k are exactly turn k-1's, plus what turn k-1 sampled,
-plus the appended ids: nothing is re-tokenized. It waits on the engine and on the environment (each reset and
-step under `step_timeout_s`); it never raises for what the environment does (`env_error` ends the episode).
+plus the appended ids: nothing is re-tokenized.
+
+With per-turn samples (rollout.turn_samples=per_turn, for templates that rewrite earlier turns) the episode keeps
+its messages instead: each model turn's text joins them as an assistant message, and the next turn's prompt is
+the chat template's render of the whole history (`rebase`), not an append. Each model turn then becomes its own
+sample (`episodes_to_samples`): the ids the engine was given at that turn and the ids it sampled, never decoded
+and re-encoded; only the model's text, as it reads in the next prompt, is the template's business.
+
+`run` waits on the engine and on the environment (each reset and step under `step_timeout_s`); it never raises
+for what the environment does (`env_error` ends the episode).
 
 Budgets, and the finish reason each gives: a model turn that hits rollout.max_tokens (`length`), the engine's
 abort (`abort`), rollout.max_turns model turns (`max_turns`), rollout.max_episode_tokens or the model's positions
@@ -57,6 +65,23 @@ class Episode:
     info: dict = field(default_factory=dict)
     last_text: str = ""  # the last model turn, decoded: what the reward function scores
     env_error: str = ""  # why the environment ended it ("" if it did not fail)
+    per_turn: bool = False  # rollout.turn_samples=per_turn: `sequence` is the current turn's prompt and completion
+    turn_samples: list = field(default_factory=list)  # per_turn: a TurnSample per model turn
+
+    def model_tokens(self) -> int:
+        """Tokens the model sampled in the episode (all turns)."""
+        if self.per_turn:
+            return sum(len(turn.ids) for turn in self.turn_samples)
+        return sum(self.loss_mask)
+
+    def rebase(self, prompt: list) -> None:
+        """Per-turn samples: the next model turn reads `prompt` (the template's render of the whole history) in
+        place of the sequence so far; what follows the opening counts against the episode's token budget."""
+        grown = len(prompt) - len(self.sequence)
+        self.sequence = list(prompt)
+        after = max(len(prompt) - self.prompt_len, 0)
+        self.logprobs, self.versions, self.loss_mask = [0.0] * after, [-1] * after, [0] * after
+        self.env_tokens += max(grown, 0)
 
     def after_prompt(self) -> int:
         return len(self.sequence) - self.prompt_len
@@ -65,6 +90,9 @@ class Episode:
         """Append what the engine sampled (loss_mask 1), cut to `room` tokens; the finish reason becomes the
         engine's, or max_episode_tokens when it was cut."""
         ids = list(completion.token_ids)[:room]
+        if self.per_turn:
+            self.turn_samples.append(TurnSample(list(self.sequence), ids, list(completion.logprobs)[:room],
+                                                list(completion.versions)[:room]))
         self.sequence += ids
         self.logprobs += list(completion.logprobs)[:room]
         self.versions += list(completion.versions)[:room]
@@ -83,12 +111,22 @@ class Episode:
         self.env_tokens += len(ids)
 
 
+@dataclass
+class TurnSample:
+    """One model turn of a per-turn episode: the ids the engine was given, and what it sampled from them."""
+    prompt: list
+    ids: list
+    logprobs: list
+    versions: list
+
+
 class EpisodeRunner:
-    """Runs episodes against `make_env()` (a fresh environment per episode) on `engine`."""
+    """Runs episodes against `make_env()` (a fresh environment per episode) on `engine`. `appender`: a
+    chat_render.ChatAppender, or with per-turn samples a ChatRenderer (`per_turn`)."""
 
     def __init__(self, engine, tokenizer, appender, make_env: Callable, budget: EpisodeBudget, step_timeout_s: float,
-                 toolbox=None):
-        self.engine, self.tokenizer, self.appender = engine, tokenizer, appender
+                 toolbox=None, per_turn: bool = False):
+        self.engine, self.tokenizer, self.appender, self.per_turn = engine, tokenizer, appender, per_turn
         self.make_env, self.budget, self.step_timeout_s = make_env, budget, step_timeout_s
         self.toolbox = toolbox  # tools.py ToolBox when the environment is the tool environment: its metrics
         self.env_errors: Counter = Counter()
@@ -113,11 +151,12 @@ class EpisodeRunner:
 
     async def run(self, row, sampling) -> Episode:
         env = self.make_env()
-        prompt = await self._open(env, row)
-        if isinstance(prompt, Failure):
+        opened = await self._open(env, row)
+        if isinstance(opened, Failure):
             return Episode(prompt_len=len(row.prompt_ids), sequence=list(row.prompt_ids), finish_reason="env_error",
-                           env_error=prompt.reason)
-        episode = Episode(prompt_len=len(prompt), sequence=list(prompt))
+                           env_error=opened.reason, per_turn=self.per_turn)
+        prompt, history = opened  # history: per_turn, the conversation so far as messages
+        episode = Episode(prompt_len=len(prompt), sequence=list(prompt), per_turn=self.per_turn)
         while episode.turns < self.budget.max_turns:
             room = min(self.token_limit() - episode.after_prompt(), self.budget.max_model_len - len(episode.sequence))
             if room <= 0:
@@ -141,13 +180,14 @@ class EpisodeRunner:
                 return episode
             if episode.turns == self.budget.max_turns:
                 break  # no model turn would read the observation
-            if not self._add_env_turn(episode, result.messages):
+            if not self._add_env_turn(episode, result.messages, history):
                 return episode
         episode.finish_reason = "max_turns"
         return episode
 
     async def _open(self, env, row):
-        """The episode's prompt ids from the environment's opening (or the row's prompt), or a Failure."""
+        """(the episode's prompt ids, its opening messages) from the environment's opening (or the row's prompt),
+        or a Failure."""
         opening = await self._env_call(env.reset(row_dict(row)), "reset")
         if isinstance(opening, Failure):
             return opening
@@ -159,7 +199,7 @@ class EpisodeRunner:
         if not isinstance(prompt, Failure) and len(prompt) > self.budget.max_prompt_tokens:
             raise PromptTooLong(f"{row.prompt_id}: the episode's opening is {len(prompt)} tokens > "
                                 f"data.max_prompt_tokens={self.budget.max_prompt_tokens}")
-        return prompt
+        return prompt if isinstance(prompt, Failure) else (prompt, list(opening))
 
     def _add_model_turn(self, episode: Episode, completion, room: int) -> bool:
         """Append what the engine sampled; False when the episode ends with it (cut by the budget, by max_tokens,
@@ -167,20 +207,30 @@ class EpisodeRunner:
         episode.add_model_turn(completion, room, self.tokenizer)
         return episode.finish_reason == "stop"
 
-    def _add_env_turn(self, episode: Episode, messages: list) -> bool:
-        """Append the environment's messages as ids (loss_mask 0); False when they cannot be, or leave the model
-        no room to answer."""
+    def _add_env_turn(self, episode: Episode, messages: list, history: list) -> bool:
+        """Append the environment's messages as ids (loss_mask 0), or with per-turn samples render the next
+        prompt from the whole `history` (which gets the model's turn and the messages); False when they cannot
+        be, or leave the model no room to answer."""
         problem = messages_problem(messages)
-        appended = self._failed("bad_messages", f"step: {problem}") if problem else \
-            self._render(lambda: self.appender.append_ids(messages))
+        if problem:
+            appended = self._failed("bad_messages", f"step: {problem}")
+        elif self.per_turn:
+            history += [{"role": "assistant", "content": episode.last_text}, *messages]
+            appended = self._render(lambda: self.appender.prompt_ids(history))
+        else:
+            appended = self._render(lambda: self.appender.append_ids(messages))
         if isinstance(appended, Failure):
             episode.finish_reason, episode.env_error = "env_error", appended.reason
             return False
-        if (episode.after_prompt() + len(appended) >= self.token_limit()
-                or len(episode.sequence) + len(appended) >= self.budget.max_model_len):
+        grown = len(appended) - len(episode.sequence) if self.per_turn else len(appended)
+        if (episode.after_prompt() + grown >= self.token_limit()
+                or len(episode.sequence) + grown >= self.budget.max_model_len):
             episode.finish_reason = "max_episode_tokens"
             return False
-        episode.add_env_turn(appended)
+        if self.per_turn:
+            episode.rebase(appended)
+        else:
+            episode.add_env_turn(appended)
         return True
 
     def _render(self, render):
@@ -220,25 +270,58 @@ def row_dict(row) -> dict:
 
 
 def episodes_to_samples(episodes: list, rewards: list, infos: list) -> tuple[np.ndarray, list]:
-    """(the group's prompt ids, one Sample per episode). The prompt is the longest prefix every episode's opening
-    shares (an environment may open each episode differently); the rest of an opening is part of its sample, with
-    loss_mask 0. Environment tokens get the version of the episode's first model token, so the group's staleness
-    is that of its oldest model token either way."""
+    """(the group's prompt ids, its samples): one Sample per episode, or with per-turn episodes one per model turn
+    (`turn_samples_of`). The prompt is the longest prefix every sample's prompt shares (an environment may open
+    each episode differently, and each turn's prompt differs); the rest of a prompt is part of its sample, with
+    loss_mask 0. Environment tokens get the version of the sample's first model token, so the group's staleness is
+    that of its oldest model token either way."""
+    if any(episode.per_turn for episode in episodes):
+        return turn_samples_of(episodes, rewards, infos)
     openings = [episode.sequence[:episode.prompt_len] for episode in episodes]
     shared = common_prefix_len(openings)
     samples = []
     for episode, reward, info in zip(episodes, rewards, infos):
         extra = episode.prompt_len - shared
-        model_versions = [v for v, m in zip(episode.versions, episode.loss_mask) if m]
-        first = model_versions[0] if model_versions else 0
-        versions = [first] * extra + [v if m else first for v, m in zip(episode.versions, episode.loss_mask)]
-        samples.append(Sample(
-            completion_ids=np.asarray(episode.sequence[shared:], dtype=np.int32),
-            logprobs=np.asarray([0.0] * extra + episode.logprobs, dtype=np.float32),
-            versions=np.asarray(versions, dtype=np.int32),
-            loss_mask=np.asarray([0] * extra + episode.loss_mask, dtype=np.uint8),
-            reward=reward, finish_reason=episode.finish_reason, reward_info=info))
+        samples.append(sample_of(episode.sequence[shared:], [0.0] * extra + episode.logprobs,
+                                 [-1] * extra + episode.versions, [0] * extra + episode.loss_mask,
+                                 reward, episode.finish_reason, info))
     return np.asarray(openings[0][:shared], dtype=np.int32), samples
+
+
+def turn_samples_of(episodes: list, rewards: list, infos: list) -> tuple[np.ndarray, list]:
+    """Per-turn samples: each model turn of episode i is a Sample with `episode` i, whose ids are the prompt the
+    engine was given at that turn (loss_mask 0 after the group's prompt) and what it sampled (loss_mask 1), with
+    the episode's reward. Earlier turns end with `stop` (the model ended them), the last with the episode's finish
+    reason. An episode with no model turn (its environment failed at reset) is one sample without model tokens."""
+    turns = []  # (episode index, prompt, TurnSample or None)
+    for index, episode in enumerate(episodes):
+        if not episode.turn_samples:
+            turns.append((index, episode.sequence, None))
+        turns += [(index, turn.prompt, turn) for turn in episode.turn_samples]
+    shared = common_prefix_len([prompt for _, prompt, _ in turns])
+    samples = []
+    for index, prompt, turn in turns:
+        episode = episodes[index]
+        extra = len(prompt) - shared
+        ids, logprobs, versions = (turn.ids, turn.logprobs, turn.versions) if turn else ([], [], [])
+        last = turn is None or turn is episode.turn_samples[-1]
+        sample = sample_of(prompt[shared:] + ids, [0.0] * extra + logprobs, [-1] * extra + versions,
+                           [0] * extra + [1] * len(ids), rewards[index],
+                           episode.finish_reason if last else "stop", infos[index])
+        sample.episode = index
+        samples.append(sample)
+    return np.asarray(turns[0][1][:shared], dtype=np.int32), samples
+
+
+def sample_of(ids: list, logprobs: list, versions: list, loss_mask: list, reward: float, finish_reason: str,
+              info: dict) -> Sample:
+    """A Sample; versions -1 (tokens no policy sampled) become the sample's first model token's version."""
+    model = [v for v, m in zip(versions, loss_mask) if m]
+    first = model[0] if model else 0
+    return Sample(completion_ids=np.asarray(ids, dtype=np.int32), logprobs=np.asarray(logprobs, dtype=np.float32),
+                  versions=np.asarray([v if m else first for v, m in zip(versions, loss_mask)], dtype=np.int32),
+                  loss_mask=np.asarray(loss_mask, dtype=np.uint8), reward=reward, finish_reason=finish_reason,
+                  reward_info=info)
 
 
 def common_prefix_len(sequences: list) -> int:

@@ -90,8 +90,9 @@ def load_agent_function(path: str, name: str):
 
 
 class OpenAIAgentRunner:
-    def __init__(self, endpoint, episode_fn, tokenizer, budget, max_tokens: int, timeout_s: float):
-        self.endpoint, self.episode_fn, self.tokenizer = endpoint, episode_fn, tokenizer
+    def __init__(self, endpoint, episode_fn, tokenizer, budget, max_tokens: int, timeout_s: float,
+                 per_turn: bool = False):
+        self.endpoint, self.episode_fn, self.tokenizer, self.per_turn = endpoint, episode_fn, tokenizer, per_turn
         self.budget, self.max_tokens, self.timeout_s = budget, max_tokens, timeout_s
         self.env_errors: Counter = Counter()
         self.anthropic = wants_anthropic(episode_fn)
@@ -120,7 +121,7 @@ class OpenAIAgentRunner:
         return AsyncOpenAI(base_url=self.endpoint.url, api_key=key, max_retries=0, timeout=self.timeout_s)
 
     async def run(self, row, sampling) -> Episode:
-        session = AgentSession(uuid.uuid4().hex, self.tokenizer, self.budget, self.max_tokens)
+        session = AgentSession(uuid.uuid4().hex, self.tokenizer, self.budget, self.max_tokens, per_turn=self.per_turn)
         self.endpoint.sessions[session.id] = session
         client = self.client(session.id)
         reward, failure = None, None
@@ -145,7 +146,8 @@ class OpenAIAgentRunner:
                 episode.rewards.append(float(reward))
         if failure is not None:
             self.env_errors[failure] += 1
-            episode = episode or Episode(prompt_len=len(row.prompt_ids), sequence=list(row.prompt_ids))
+            episode = episode or Episode(prompt_len=len(row.prompt_ids), sequence=list(row.prompt_ids),
+                                         per_turn=self.per_turn)
             episode.finish_reason, episode.env_error = "env_error", failure
         elif episode.finish_reason == "stop" and episode.turns >= self.budget.max_turns:
             episode.finish_reason = "max_turns"

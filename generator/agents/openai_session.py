@@ -9,6 +9,12 @@ again after a turn that was cut by max_tokens is refused (`SessionRefused`, HTTP
 history would no longer be the tokens the model saw, so training on it would be training on a different
 conversation. Requests of one session are served one at a time (HTTP 409 for a concurrent one).
 
+With per-turn samples (rollout.turn_samples=per_turn, for a template that rewrites earlier turns, as Qwen3's
+strips <think> from them) the rule on the history is the same: the request's messages must repeat what was sent
+and answered. What changes is the prompt of the new turn: the chat template's render of the whole request, not an
+append, so earlier assistant turns read as the template rewrites them; each turn trains as its own sample against
+exactly those ids (episode.py).
+
 Every refusal has a cause from REFUSAL_CAUSES: it is the error object's `code` and the endpoint counts it in
 `rollout/http_refusals/<cause>`, so a user sees which rule their harness breaks without reading the log. A
 history that differs is told by index, with what was expected (`history_mismatch`): the common mistakes
@@ -16,7 +22,7 @@ history that differs is told by index, with what was expected (`history_mismatch
 """
 import json
 
-from asyncrl.generator.agents.chat_render import ChatAppender
+from asyncrl.generator.agents.chat_render import ChatAppender, ChatRenderer
 from asyncrl.generator.agents.environment import messages_problem
 from asyncrl.generator.agents.episode import Episode
 from asyncrl.generator.agents.tool_calls import HermesToolCallParser, ToolCall
@@ -105,8 +111,9 @@ def plain_messages(messages: list) -> list:
 
 
 class AgentSession:
-    def __init__(self, session_id: str, tokenizer, budget, max_tokens: int):
+    def __init__(self, session_id: str, tokenizer, budget, max_tokens: int, per_turn: bool = False):
         self.id, self.tokenizer, self.budget, self.max_tokens = session_id, tokenizer, budget, max_tokens
+        self.per_turn = per_turn  # rollout.turn_samples resolved to per_turn: each turn's prompt is rendered anew
         self.episode: Episode | None = None
         self.history: list = []  # canonical messages sent and answered so far
         self.replies: dict = {}  # history index -> the turn (1-based) whose reply sits there
@@ -138,12 +145,12 @@ class AgentSession:
 
     def _open(self, messages: list, tools) -> list:
         self.tools = tools or None
-        self.appender = ChatAppender(self.tokenizer, tools=list(tools or []))
+        self.appender = (ChatRenderer if self.per_turn else ChatAppender)(self.tokenizer, tools=list(tools or []))
         prompt = self.appender.prompt_ids(plain_messages(messages))
         if len(prompt) > self.budget.max_prompt_tokens:
             raise SessionRefused(400, f"the prompt is {len(prompt)} tokens > data.max_prompt_tokens="
                                       f"{self.budget.max_prompt_tokens}", "prompt_too_long", "messages")
-        self.episode = Episode(prompt_len=len(prompt), sequence=list(prompt))
+        self.episode = Episode(prompt_len=len(prompt), sequence=list(prompt), per_turn=self.per_turn)
         self.history = [canonical(message) for message in messages]
         return list(prompt)
 
@@ -162,14 +169,22 @@ class AgentSession:
         new = plain_messages(messages[len(self.history):])
         if not new:
             raise SessionRefused(400, "no new message after the last answer", "nothing_new", "messages")
-        appended = self.appender.append_ids(new)
+        if self.per_turn:  # the next turn's prompt: the template's render of the whole conversation
+            appended = self.appender.prompt_ids(plain_messages(messages))
+            grown = len(appended) - len(episode.sequence)
+        else:
+            appended = self.appender.append_ids(new)
+            grown = len(appended)
         limit = self.budget.max_episode_tokens or self.budget.max_model_len
-        if (episode.after_prompt() + len(appended) >= limit
-                or len(episode.sequence) + len(appended) >= self.budget.max_model_len):
+        if (episode.after_prompt() + grown >= limit
+                or len(episode.sequence) + grown >= self.budget.max_model_len):
             episode.finish_reason = "max_episode_tokens"
             raise SessionRefused(400, "the episode has used its token budget (rollout.max_episode_tokens or the "
                                       "model's positions)", "token_budget")
-        episode.add_env_turn(appended)
+        if self.per_turn:
+            episode.rebase(appended)
+        else:
+            episode.add_env_turn(appended)
         self.history = sent
         return list(episode.sequence)
 
@@ -209,6 +224,9 @@ class AgentSession:
     def mark(self) -> tuple:
         """Where the episode stands before a request, for `undo`."""
         episode = self.episode
+        if episode is not None and self.per_turn:  # a rebase replaces the sequence: keep the whole of it
+            return ((list(episode.sequence), list(episode.logprobs), list(episode.versions), list(episode.loss_mask)),
+                    episode.env_tokens, list(self.history))
         return (None if episode is None else len(episode.sequence), None if episode is None else episode.env_tokens,
                 list(self.history))
 
@@ -221,6 +239,10 @@ class AgentSession:
             self.episode, self.history, self.tools, self.appender = None, [], None, None
             return
         episode = self.episode
+        if isinstance(length, tuple):  # per-turn: the sequence as it was
+            episode.sequence, episode.logprobs, episode.versions, episode.loss_mask = length
+            episode.env_tokens, self.history = env_tokens, history
+            return
         kept = length - episode.prompt_len
         del episode.sequence[length:], episode.logprobs[kept:], episode.versions[kept:], episode.loss_mask[kept:]
         episode.env_tokens, self.history = env_tokens, history
