@@ -183,3 +183,38 @@ def test_episode_mode_refuses_a_template_that_strips_reasoning_naming_the_option
     (status, code, message), engine = serve(tokenizer, [], scenario)
     assert (status, code) == (400, "cannot_render") and "rollout.turn_samples=per_turn" in message
     assert engine.requests == []
+
+
+async def anthropic_reasoning_agent(row, anthropic_client):
+    """The tool-use loop of Anthropic's docs over the same task: reply content sent back as it came."""
+    tools = [{"name": "add", "description": "Add two integers.", "input_schema": ADD["function"]["parameters"]}]
+    messages = list(row["prompt"])
+    for _ in range(3):
+        reply = await anthropic_client.messages.create(model="asyncrl", max_tokens=128, messages=messages,
+                                                       tools=tools)
+        messages.append({"role": "assistant", "content": reply.content})
+        if reply.stop_reason != "tool_use":
+            text = "".join(block.text for block in reply.content if block.type == "text")
+            return float(text.split("</think>")[-1].strip() == row["ground_truth"])
+        messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": block.id, "content": str(block.input["a"] + block.input["b"])}
+            for block in reply.content if block.type == "tool_use"]})
+    return 0.0
+
+
+def test_an_anthropic_client_agent_trains_per_turn_against_the_prompts_the_model_saw():
+    tokenizer = reasoning_tokenizer()
+
+    async def scenario(endpoint, engine):
+        runner = OpenAIAgentRunner(endpoint, anthropic_reasoning_agent, tokenizer, BUDGET, max_tokens=128,
+                                   timeout_s=30, per_turn=True)
+        return await runner.run(ROW, SAMPLING)
+
+    episode, engine = serve(tokenizer, TURNS[:2], scenario)
+    assert episode.rewards == [1.0] and episode.turns == 2
+    assert [turn.prompt for turn in episode.turn_samples] == engine.requests
+    assert [turn.ids for turn in episode.turn_samples] == engine.sampled
+    # the second prompt is the template's render of the translated history: the tool_result is a tool message
+    history = [*ROW.messages, {"role": "assistant", "content": "<think>I should add</think>"},
+               {"role": "tool", "content": "5"}]
+    assert engine.requests[1] == ChatRenderer(tokenizer, tools=[ADD]).prompt_ids(history)
