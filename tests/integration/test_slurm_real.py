@@ -147,8 +147,9 @@ def test_the_sbatch_scripts_train_a_job_under_real_slurm(slurm_cluster, redis_se
     slurm_cluster.run("scancel", f"{array}_0")  # no generator left: the learner waits
     # COMPLETING until its processes are gone: a generator that ignored scancel's SIGTERM lasts KillWait (30 s)
     wait(f"array task {array}_0 cancelled and gone", lambda: slurm_cluster.state(f"{array}_0") == "CANCELLED", 20)
-    assert slurm_cluster.state(f"{array}_1") == "CANCELLED" and slurm_cluster.state(learner) == "RUNNING"
     cancelled_at = steps_done(job_dir)
+    assert slurm_cluster.state(f"{array}_1") == "CANCELLED"
+    assert slurm_cluster.state(learner) == "RUNNING", f"gen-0 trained on after its scancel: {cancelled_at} steps"
     assert cancelled_at < STEPS // 2, f"gen-0 trained {cancelled_at} of {STEPS} steps before its cancel: slow it"
     late = re.search(r"(\d+)", slurm_cluster.run("sbatch", "--parsable", "--array=2",
                                                  f"--export=ALL,LEARNER_JOB_ID={learner}", "generators.sbatch",
