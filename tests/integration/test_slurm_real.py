@@ -3,10 +3,11 @@ slurmctld, slurmd and munged on 127.0.0.1 in a temp dir, stopped by PID), the sc
 written (submit.sh, the learner job and the generator array), on CPUs with the demo recipe and a few steps.
 
 The job runs through what a cluster does to it: a generator task cancelled with scancel (the job trains on), the
-last generator cancelled too (the learner waits), and a generator array submitted later, which must join and train
-the job to its last step: by then it is the only generator, so the job can only end through it. `sacct` reads the
-job completion log (jobcomp/filetxt: there is no slurmdbd here, and sacct without one says "accounting storage is
-disabled"), so it is `sacct --completion`."""
+last generator cancelled too (it must be gone within 20 s, not at SIGKILL after KillWait's 30 s: a generator that
+swallowed scancel's SIGTERM trained on, generator/event_loop.py; the learner waits), and a generator array
+submitted later, which must join and train the job to its last step: by then it is the only generator, so the job
+can only end through it. `sacct` reads the job completion log (jobcomp/filetxt: there is no slurmdbd here, and
+sacct without one says "accounting storage is disabled"), so it is `sacct --completion`."""
 import json
 import os
 import re
@@ -99,8 +100,9 @@ def wait_for(what: str, check, timeout_s: float, cluster: SlurmCluster, job_dir:
         if value:
             return value
         if time.monotonic() > deadline:
+            names = sorted(os.listdir(job_dir)) if os.path.isdir(job_dir) else []
             logs = "\n".join(f"--- {name}\n{open(os.path.join(job_dir, name)).read()[-3000:]}"
-                             for name in sorted(os.listdir(job_dir)) if name.endswith(".log"))
+                             for name in names if name.endswith(".log"))
             raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{logs}\n{cluster.logs()}")
         time.sleep(0.5)
 
