@@ -26,6 +26,9 @@ class Cluster:
     gpus_per_node: int = 8
     generators: int = 4
     gpus_per_generator: int = 1
+    cpus_per_generator: int = 0
+    """CPU cores of each generator task (--cpus-per-task); 0: the cluster's default, often one core, which a
+    cgroup-confined engine (tokenizing, sampling, the HTTP server) then shares with everything else."""
     nproc: int = 0
     """Learner ranks per node; 0: one per GPU (--gpus-per-node), or 1 on a node without GPUs."""
     exclusive: bool = True
@@ -111,8 +114,9 @@ def generator_sbatch(cluster: Cluster) -> str:
             'LEARNER_HOST=$(scontrol show hostnames "$(squeue -j "$LEARNER_JOB_ID" -h -o %N)" | sed -n 1p)',
             f"exec {command}", ""]
     gpus = [f"#SBATCH --gpus={cluster.gpus_per_generator}"] if cluster.gpus_per_generator else []
+    cpus = [f"#SBATCH --cpus-per-task={cluster.cpus_per_generator}"] if cluster.cpus_per_generator else []
     return _header(cluster, "generators", "gen-%a-%A.log", [
-        f"#SBATCH --array=0-{cluster.generators - 1}", "#SBATCH --ntasks=1", *gpus]) + "\n".join(body)
+        f"#SBATCH --array=0-{cluster.generators - 1}", "#SBATCH --ntasks=1", *gpus, *cpus]) + "\n".join(body)
 
 
 def submit_script(cluster: Cluster) -> str:
@@ -146,6 +150,8 @@ def add_slurm_arguments(cmd) -> None:
                      help="learner ranks per node (default: one per GPU; 1 with --gpus-per-node 0)")
     cmd.add_argument("--generators", type=int, default=4, help="generator array size")
     cmd.add_argument("--gpus-per-generator", type=int, default=1, help="0: generators on CPUs, no GPU request")
+    cmd.add_argument("--cpus-per-generator", type=int, default=0,
+                     help="CPU cores per generator task (--cpus-per-task; default: the cluster's default)")
     cmd.add_argument("--exclusive", action=argparse.BooleanOptionalAction, default=True,
                      help="the learner's nodes to itself (default); --no-exclusive lets generator tasks share them")
     cmd.add_argument("--master-port", type=int, default=29500, help="the learner's rendezvous port on its first node")
@@ -155,13 +161,14 @@ def add_slurm_arguments(cmd) -> None:
 
 def cmd_slurm(cfg, args) -> int:
     if min(args.learner_nodes, args.generators) < 1 or min(args.gpus_per_node, args.gpus_per_generator,
-                                                           args.nproc) < 0:
-        print("asyncrl slurm: --learner-nodes and --generators must be >= 1; --gpus-per-node, --gpus-per-generator "
-              "and --nproc >= 0", file=sys.stderr)
+                                                           args.cpus_per_generator, args.nproc) < 0:
+        print("asyncrl slurm: --learner-nodes and --generators must be >= 1; --gpus-per-node, --gpus-per-generator, "
+              "--cpus-per-generator and --nproc >= 0", file=sys.stderr)
         return 2
     cluster = Cluster(recipe=args.config, overrides=list(args.overrides), redis_url=args.redis_url,
                       learner_nodes=args.learner_nodes, gpus_per_node=args.gpus_per_node, generators=args.generators,
-                      gpus_per_generator=args.gpus_per_generator, nproc=args.nproc, exclusive=args.exclusive,
+                      gpus_per_generator=args.gpus_per_generator, cpus_per_generator=args.cpus_per_generator,
+                      nproc=args.nproc, exclusive=args.exclusive,
                       master_port=args.master_port, time=args.time,
                       partition=args.partition, job_name=cfg.job.name,
                       job_dir=os.path.abspath(os.path.join(cfg.job.out_dir, cfg.job.name)))

@@ -133,7 +133,8 @@ def test_the_sbatch_scripts_train_a_job_under_real_slurm(slurm_cluster, redis_se
            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}  # sbatch exports the submitter's environment
     slurm_cluster.run(os.path.join(bin_dir, "asyncrl"), "slurm", "--out", str(scripts), "--redis-url",
                       redis_server.url, "--gpus-per-node", "0", "--gpus-per-generator", "0", "--generators", "2",
-                      "--no-exclusive", "--master-port", str(free_port()), "--time", "00:15:00", *overrides, env=env)
+                      "--cpus-per-generator", "2", "--no-exclusive", "--master-port", str(free_port()), "--time",
+                      "00:15:00", *overrides, env=env)
     job_dir = str(tmp_path / "slurmjob")
     started = time.monotonic()
     submitted = slurm_cluster.run("bash", str(scripts / "submit.sh"), env=env)
@@ -142,6 +143,7 @@ def test_the_sbatch_scripts_train_a_job_under_real_slurm(slurm_cluster, redis_se
     wait = lambda what, check, timeout_s=300: wait_for(what, check, timeout_s, slurm_cluster, job_dir)  # noqa: E731
 
     wait(f"array task {array}_1 running", lambda: slurm_cluster.state(f"{array}_1") == "RUNNING")
+    assert "NumCPUs=2 " in slurm_cluster.run("scontrol", "show", "job", "-o", f"{array}_1")  # --cpus-per-generator
     slurm_cluster.run("scancel", f"{array}_1")
     wait("the first trained step", lambda: steps_done(job_dir) >= 1)  # gen-0 trains the job on
     first_step_s = time.monotonic() - started

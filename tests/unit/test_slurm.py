@@ -91,13 +91,15 @@ def test_a_cpu_cluster_gets_no_gpu_request_and_may_share_the_learner_node(tmp_pa
     tasks run beside the learner, as on a one-node cluster."""
     out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "slurm", "--out", str(tmp_path / "s"),
                           "--redis-url", "redis://r:6379/0", "--gpus-per-node", "0", "--gpus-per-generator", "0",
-                          "--no-exclusive", "buffer.redis.namespace=mine"], capture_output=True, text=True,
+                          "--no-exclusive", "--cpus-per-generator", "3", "buffer.redis.namespace=mine"],
+                         capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr  # a Redis override is checked as the jobs run it: on buffer.backend=redis
     learner = (tmp_path / "s" / "learner.sbatch").read_text()
     generators = (tmp_path / "s" / "generators.sbatch").read_text()
     assert "--gpus" not in learner + generators and "--exclusive" not in learner
     assert "--nproc 1 " in learner and "buffer.redis.namespace=mine" in generators
+    assert "#SBATCH --cpus-per-task=3" in generators and "--cpus-per-task" not in learner
     cluster = Cluster(recipe=None, gpus_per_node=4, nproc=2)
     command = learner_command(cluster, 0, "node-a")
     assert command[command.index("--nproc") + 1] == "2"
