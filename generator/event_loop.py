@@ -46,6 +46,7 @@ async def _until_sigterm(main):
     task = asyncio.current_task()
     running = asyncio.get_running_loop()
     terminated = []
+    previous = signal.getsignal(signal.SIGTERM)
 
     def on_sigterm():
         terminated.append(True)
@@ -63,3 +64,4 @@ async def _until_sigterm(main):
         raise
     finally:
         running.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, previous)  # the loop put back SIG_DFL: the command's own handler again

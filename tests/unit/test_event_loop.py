@@ -81,3 +81,17 @@ def test_sigterm_stops_the_loop_while_a_pipe_keeps_it_busy(loop):
         if child.poll() is None:
             child.kill()  # by PID; its `yes` child dies of the SIGTERM above or of the closed pipe
             child.wait()
+
+
+def test_the_commands_sigterm_handler_is_back_after_the_loop():
+    import signal
+
+    def handler(signum, frame):
+        raise SystemExit(143)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        assert run(loop_module(), "asyncio").startswith("asyncio")
+        assert signal.getsignal(signal.SIGTERM) is handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
