@@ -6,6 +6,7 @@ The generator's loop carries every in-flight request, the buffer client's replie
 """
 import asyncio
 import logging
+import signal
 
 log = logging.getLogger(__name__)
 LOOPS = ("uvloop", "asyncio")
@@ -27,9 +28,40 @@ def loop_factory(name: str):
 
 
 def run(main, loop: str = "uvloop"):
-    """asyncio.run(main) on the chosen loop."""
+    """asyncio.run(main) on the chosen loop, SIGTERM cancelling `main` (`_until_sigterm`)."""
     if loop_factory(loop) is None:
-        return asyncio.run(main)
+        return asyncio.run(_until_sigterm(main))
     import uvloop
 
-    return uvloop.run(main)
+    return uvloop.run(_until_sigterm(main))
+
+
+async def _until_sigterm(main):
+    """Run `main`; SIGTERM cancels it at its next await, its `finally` blocks run, then SystemExit(143).
+
+    A Python signal handler raises wherever the main thread happens to be. SLURM's scancel signals every process
+    of the job at once, the reward scorer's subprocess included; its pipe's end-of-file callback then ran the
+    handler, and uvloop logged the SystemExit as a transport error and went on: the cancelled generator kept
+    generating until SIGKILL, KillWait seconds later. A handler on the loop runs between callbacks instead."""
+    task = asyncio.current_task()
+    running = asyncio.get_running_loop()
+    terminated = []
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm():
+        terminated.append(True)
+        task.cancel()
+
+    try:
+        running.add_signal_handler(signal.SIGTERM, on_sigterm)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread (a test's loop): as before
+        return await main
+    try:
+        return await main
+    except asyncio.CancelledError:
+        if terminated:
+            raise SystemExit(143) from None
+        raise
+    finally:
+        running.remove_signal_handler(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, previous)  # the loop put back SIG_DFL: the command's own handler again

@@ -285,6 +285,8 @@ def overrides_of(args) -> list:
         if "=" in args.resume and not os.path.exists(args.resume):  # `--resume a.b=c`: an override, not a path
             args.overrides, args.resume = [args.resume, *args.overrides], "auto"
         args.overrides = [*args.overrides, f"learner.resume={args.resume}"]
+    if args.command == "slurm":  # checked as the jobs run it: in Redis (not stored back: the scripts add it)
+        return [*args.overrides, "buffer.backend=redis", f"buffer.redis.url={args.redis_url}"]
     return args.overrides
 
 

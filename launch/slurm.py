@@ -10,6 +10,7 @@ starts once the learner job has.
 `learner_command` and `generator_command` are the commands themselves; the scripts embed them, the plain
 multi-host launch in docs/multinode.md is them with hosts filled in, and the loopback test runs them.
 """
+import argparse
 import os
 import shlex
 import sys
@@ -25,6 +26,13 @@ class Cluster:
     gpus_per_node: int = 8
     generators: int = 4
     gpus_per_generator: int = 1
+    cpus_per_generator: int = 0
+    """CPU cores of each generator task (--cpus-per-task); 0: the cluster's default, often one core, which a
+    cgroup-confined engine (tokenizing, sampling, the HTTP server) then shares with everything else."""
+    nproc: int = 0
+    """Learner ranks per node; 0: one per GPU (--gpus-per-node), or 1 on a node without GPUs."""
+    exclusive: bool = True
+    """The learner's nodes to itself (--exclusive); False lets generators share its nodes (a one-node cluster)."""
     master_port: int = 29500
     time: str = "24:00:00"
     partition: str = ""
@@ -40,10 +48,14 @@ def shared_overrides(cluster: Cluster, learner_host: str) -> list:
             "weightsync.host=0.0.0.0", f"weightsync.advertise={learner_host}"]
 
 
+def ranks_per_node(cluster: Cluster) -> int:
+    return cluster.nproc or cluster.gpus_per_node or 1
+
+
 def learner_command(cluster: Cluster, node_rank: int, learner_host: str) -> list:
     recipe = ["--config", cluster.recipe] if cluster.recipe else []
     return [*cluster.program, "learner", "--nnodes", str(cluster.learner_nodes), "--node-rank", str(node_rank),
-            "--nproc", str(cluster.gpus_per_node), "--master-addr", learner_host, "--master-port",
+            "--nproc", str(ranks_per_node(cluster)), "--master-addr", learner_host, "--master-port",
             str(cluster.master_port), *recipe, *shared_overrides(cluster, learner_host)]
 
 
@@ -87,9 +99,12 @@ def learner_sbatch(cluster: Cluster) -> str:
             "export LEARNER_HOST",
             "# one learner per node; each starts --nproc ranks under torchrun and meets the others on the first node",
             f"srun --kill-on-bad-exit=1 --ntasks-per-node=1 bash -c {shlex.quote('exec ' + command)}", ""]
+    # no --gpus line on a node without GPUs: SLURM refuses a GPU request where no gpu GRES is configured
+    gpus = [f"#SBATCH --gpus-per-node={cluster.gpus_per_node}"] if cluster.gpus_per_node else []
+    exclusive = ["#SBATCH --exclusive"] if cluster.exclusive else []
     return _header(cluster, "learner", "learner-%j.log", [
-        f"#SBATCH --nodes={cluster.learner_nodes}", "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --gpus-per-node={cluster.gpus_per_node}", "#SBATCH --exclusive"]) + "\n".join(body)
+        f"#SBATCH --nodes={cluster.learner_nodes}", "#SBATCH --ntasks-per-node=1", *gpus, *exclusive]) \
+        + "\n".join(body)
 
 
 def generator_sbatch(cluster: Cluster) -> str:
@@ -98,9 +113,10 @@ def generator_sbatch(cluster: Cluster) -> str:
             "# the learner's first node runs its catch-up server",
             'LEARNER_HOST=$(scontrol show hostnames "$(squeue -j "$LEARNER_JOB_ID" -h -o %N)" | sed -n 1p)',
             f"exec {command}", ""]
+    gpus = [f"#SBATCH --gpus={cluster.gpus_per_generator}"] if cluster.gpus_per_generator else []
+    cpus = [f"#SBATCH --cpus-per-task={cluster.cpus_per_generator}"] if cluster.cpus_per_generator else []
     return _header(cluster, "generators", "gen-%a-%A.log", [
-        f"#SBATCH --array=0-{cluster.generators - 1}", "#SBATCH --ntasks=1",
-        f"#SBATCH --gpus={cluster.gpus_per_generator}"]) + "\n".join(body)
+        f"#SBATCH --array=0-{cluster.generators - 1}", "#SBATCH --ntasks=1", *gpus, *cpus]) + "\n".join(body)
 
 
 def submit_script(cluster: Cluster) -> str:
@@ -128,22 +144,32 @@ def add_slurm_arguments(cmd) -> None:
     cmd.add_argument("--out", required=True, help="directory to write learner.sbatch, generators.sbatch, submit.sh")
     cmd.add_argument("--redis-url", required=True, help="the Redis every host reaches (buffer.redis.url)")
     cmd.add_argument("--learner-nodes", type=int, default=1)
-    cmd.add_argument("--gpus-per-node", type=int, default=8, help="learner ranks per node")
+    cmd.add_argument("--gpus-per-node", type=int, default=8,
+                     help="GPUs of each learner node (0: a node without GPUs, no GPU request)")
+    cmd.add_argument("--nproc", type=int, default=0,
+                     help="learner ranks per node (default: one per GPU; 1 with --gpus-per-node 0)")
     cmd.add_argument("--generators", type=int, default=4, help="generator array size")
-    cmd.add_argument("--gpus-per-generator", type=int, default=1)
+    cmd.add_argument("--gpus-per-generator", type=int, default=1, help="0: generators on CPUs, no GPU request")
+    cmd.add_argument("--cpus-per-generator", type=int, default=0,
+                     help="CPU cores per generator task (--cpus-per-task; default: the cluster's default)")
+    cmd.add_argument("--exclusive", action=argparse.BooleanOptionalAction, default=True,
+                     help="the learner's nodes to itself (default); --no-exclusive lets generator tasks share them")
     cmd.add_argument("--master-port", type=int, default=29500, help="the learner's rendezvous port on its first node")
     cmd.add_argument("--time", default="24:00:00")
     cmd.add_argument("--partition", default="")
 
 
 def cmd_slurm(cfg, args) -> int:
-    if min(args.learner_nodes, args.gpus_per_node, args.generators, args.gpus_per_generator) < 1:
-        print("asyncrl slurm: --learner-nodes, --gpus-per-node, --generators and --gpus-per-generator must be >= 1",
-              file=sys.stderr)
+    if min(args.learner_nodes, args.generators) < 1 or min(args.gpus_per_node, args.gpus_per_generator,
+                                                           args.cpus_per_generator, args.nproc) < 0:
+        print("asyncrl slurm: --learner-nodes and --generators must be >= 1; --gpus-per-node, --gpus-per-generator, "
+              "--cpus-per-generator and --nproc >= 0", file=sys.stderr)
         return 2
     cluster = Cluster(recipe=args.config, overrides=list(args.overrides), redis_url=args.redis_url,
                       learner_nodes=args.learner_nodes, gpus_per_node=args.gpus_per_node, generators=args.generators,
-                      gpus_per_generator=args.gpus_per_generator, master_port=args.master_port, time=args.time,
+                      gpus_per_generator=args.gpus_per_generator, cpus_per_generator=args.cpus_per_generator,
+                      nproc=args.nproc, exclusive=args.exclusive,
+                      master_port=args.master_port, time=args.time,
                       partition=args.partition, job_name=cfg.job.name,
                       job_dir=os.path.abspath(os.path.join(cfg.job.out_dir, cfg.job.name)))
     for path in write_scripts(cluster, args.out):

@@ -32,3 +32,66 @@ def test_an_unknown_loop_is_refused_by_the_config_and_the_runner():
     with pytest.raises(ValueError, match="event loop must be one of"):
         run(coroutine, "trio")
     coroutine.close()
+
+
+SIGTERM_CHILD = """
+import asyncio, signal, sys
+from asyncrl.generator.event_loop import run
+from asyncrl.launch.cli import _exit_on_sigterm
+
+async def main():
+    proc = await asyncio.create_subprocess_exec("yes", stdout=asyncio.subprocess.PIPE)  # a pipe always readable
+    print("ready", flush=True)
+    try:
+        while await proc.stdout.read(65536):
+            pass
+        await asyncio.sleep(60)  # `yes` was signalled too: the pipe ended; the generator would carry on
+    finally:
+        try:
+            proc.kill()
+        except ProcessLookupError:  # `yes` died of the SIGTERM and was reaped
+            pass
+        await proc.wait()
+        print("closed", flush=True)
+
+signal.signal(signal.SIGTERM, _exit_on_sigterm)  # as `asyncrl generator` runs: SIGTERM is SystemExit(143)
+run(main(), sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_sigterm_stops_the_loop_while_a_pipe_keeps_it_busy(loop):
+    """scancel (SIGTERM to every process of the job) landed in a subprocess pipe's callback under uvloop: the
+    SystemExit was logged as a transport error and the generator carried on until SIGKILL (found under real SLURM,
+    tests/integration/test_slurm_real.py). SIGTERM now cancels the main coroutine: its `finally` runs, exit 143."""
+    import os
+    import signal
+    import subprocess
+
+    if loop == "uvloop":
+        pytest.importorskip("uvloop")
+    child = subprocess.Popen([sys.executable, "-c", SIGTERM_CHILD, loop], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        os.killpg(child.pid, signal.SIGTERM)  # as slurmstepd signals a job step: `yes` too, so its pipe ends
+        assert child.wait(timeout=10) == 143
+        assert "closed" in child.stdout.read()
+    finally:
+        if child.poll() is None:
+            child.kill()  # by PID; its `yes` child dies of the SIGTERM above or of the closed pipe
+            child.wait()
+
+
+def test_the_commands_sigterm_handler_is_back_after_the_loop():
+    import signal
+
+    def handler(signum, frame):
+        raise SystemExit(143)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        assert run(loop_module(), "asyncio").startswith("asyncio")
+        assert signal.getsignal(signal.SIGTERM) is handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)

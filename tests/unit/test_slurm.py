@@ -1,14 +1,15 @@
 """`asyncrl slurm`: the sbatch scripts run under bash with stand-ins for SLURM's commands (sbatch, srun, scontrol,
 squeue: there is no cluster here) and for `asyncrl`, each recording its arguments; the commands the scripts
 produce must be exactly `learner_command` and `generator_command` with the hosts filled in, which the loopback
-multi-node test runs for real (tests/e2e/test_multinode.py)."""
+multi-node test runs for real (tests/e2e/test_multinode.py). tests/integration/test_slurm_real.py submits the
+scripts to a real one-node SLURM."""
 import json
 import os
 import stat
 import subprocess
 import sys
 
-from asyncrl.launch.slurm import Cluster, generator_command, learner_command, write_scripts
+from asyncrl.launch.slurm import Cluster, generator_command, learner_command, learner_sbatch, write_scripts
 
 SHIMS = {
     # srun: run the task once per node, as SLURM does with --ntasks-per-node=1, with that node's SLURM_NODEID
@@ -78,3 +79,28 @@ def test_asyncrl_slurm_writes_the_scripts_and_refuses_bad_sizes(tmp_path):
                           "--redis-url", "redis://r:6379/0", "--generators", "0"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and ">= 1" in bad.stderr
+    negative = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "slurm", "--out", str(tmp_path / "u"),
+                               "--redis-url", "redis://r:6379/0", "--gpus-per-node", "-1"], capture_output=True,
+                              text=True, timeout=120)
+    assert negative.returncode == 2 and ">= 0" in negative.stderr
+
+
+def test_a_cpu_cluster_gets_no_gpu_request_and_may_share_the_learner_node(tmp_path):
+    """Without GPUs (SLURM refuses --gpus where no gpu GRES is configured: tests/integration/test_slurm_real.py
+    runs such a cluster), one learner rank per node unless --nproc says otherwise; --no-exclusive lets generator
+    tasks run beside the learner, as on a one-node cluster."""
+    out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "slurm", "--out", str(tmp_path / "s"),
+                          "--redis-url", "redis://r:6379/0", "--gpus-per-node", "0", "--gpus-per-generator", "0",
+                          "--no-exclusive", "--cpus-per-generator", "3", "buffer.redis.namespace=mine"],
+                         capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr  # a Redis override is checked as the jobs run it: on buffer.backend=redis
+    learner = (tmp_path / "s" / "learner.sbatch").read_text()
+    generators = (tmp_path / "s" / "generators.sbatch").read_text()
+    assert "--gpus" not in learner + generators and "--exclusive" not in learner
+    assert "--nproc 1 " in learner and "buffer.redis.namespace=mine" in generators
+    assert "#SBATCH --cpus-per-task=3" in generators and "--cpus-per-task" not in learner
+    cluster = Cluster(recipe=None, gpus_per_node=4, nproc=2)
+    command = learner_command(cluster, 0, "node-a")
+    assert command[command.index("--nproc") + 1] == "2"
+    assert "#SBATCH --exclusive" in learner_sbatch(cluster) and "#SBATCH --gpus-per-node=4" in learner_sbatch(cluster)
