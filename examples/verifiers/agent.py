@@ -29,7 +29,7 @@ import verifiers.v1 as vf  # noqa: E402  (after the path above)
 from adder_v1 import AdderData, AdderTask  # noqa: E402
 
 MAX_TURNS = 3
-"""Model turns per episode (verifiers' agent.max_turns); the recipe's rollout.max_turns should be at least this."""
+"""Model turns per episode (`max_turns` in verifiers' agent config); the recipe's rollout.max_turns should be at least this."""
 
 ENV_CONFIG = {"taskset": {"id": "adder_v1"},
               "agent": {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}, "max_turns": MAX_TURNS}}
