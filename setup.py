@@ -12,10 +12,12 @@ PARTS = ["algos", "buffer", "data", "generator", "learner", "weightsync", "confi
 """The top-level parts, each installed as asyncrl.<part> (tests/unit/test_import_rules.py reads this list)."""
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-AGENT_HARNESSES = ["openai-agents==0.24.0", "langgraph==1.2.22", "langchain-openai==1.7.4", "anthropic==2.17.0"]
+AGENT_HARNESSES = ["openai-agents==0.20.0", "langgraph==1.2.22", "langchain-openai==1.7.4", "anthropic==2.17.0",
+                   "verifiers==0.4.0"]
 """Pinned: the examples and their tests follow these releases' APIs (Runner, OpenAIChatCompletionsModel; StateGraph,
-ToolNode, ChatOpenAI; AsyncAnthropic for agents that take `anthropic_client`), which still move between minor
-releases."""
+ToolNode, ChatOpenAI; AsyncAnthropic for agents that take `anthropic_client`; verifiers.v1's Taskset, Toolset,
+SingleAgentEnv), which still move between minor releases. verifiers 0.4.0 (prime-rl's) pins openai<3 and
+mcp==2.0.0, so openai-agents stays at 0.20.0, the last release that takes openai 2.x (0.21 and later need openai>=3)."""
 
 
 def folders_of(part: str) -> list[str]:
@@ -83,8 +85,10 @@ setup(
         "reasoning": ["reasoning-gym==0.1.25"],
         # bench/time_to_reward.py's peer (bench/trl_grpo.py); nothing outside bench/ imports it
         "bench": ["trl==1.16.0"],
-        # agent harnesses run unmodified as agent.path (examples/openai_agents_sdk, examples/langgraph); nothing
-        # in the package imports them. They add only new packages beside the pinned ones (openai, torch, ...).
+        # agent harnesses run unmodified as agent.path (examples/openai_agents_sdk, examples/langgraph,
+        # examples/verifiers); nothing in the package imports them. verifiers holds openai below 3 and mcp at 2.0.0
+        # (the endpoint and mcp_tools.py are tested with both); its renderers[multimodal] drags in the CUDA torch
+        # extras that scripts/ensure_venv removes after installing.
         "agents": AGENT_HARNESSES,
         "dev": ["pytest>=8", "pytest-timeout", "pytest-xdist>=3", "hypothesis>=6",
                 "cryptography>=42",  # test_redis_tls.py makes its certificates

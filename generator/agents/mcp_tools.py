@@ -29,12 +29,14 @@ class McpToolSource:
 
     async def start(self) -> None:
         from mcp import Client, StdioServerParameters
+        from mcp.client.stdio import stdio_client
 
         for command in self.commands:
             argv = shlex.split(command)
             try:
-                client = await self._stack.enter_async_context(
-                    Client(StdioServerParameters(command=argv[0], args=argv[1:]), read_timeout_seconds=self.timeout_s))
+                # stdio_client, not the bare parameters: mcp 2.0 (what verifiers pins) takes only a transport
+                transport = stdio_client(StdioServerParameters(command=argv[0], args=argv[1:]))
+                client = await self._stack.enter_async_context(Client(transport, read_timeout_seconds=self.timeout_s))
                 listing = await client.list_tools()
             except Exception as err:
                 await self.close()

@@ -1,10 +1,11 @@
 """End to end: agent harnesses people already use, unmodified, as `agent.path` (examples/): the OpenAI Agents SDK,
-a LangGraph ReAct graph and an agent written against the `anthropic` client (through the endpoint's /v1/messages),
-each run for a few steps of the tool demo (configs/tools_cpu.yaml, its builtin tool swapped for the harness's own
-tools) against the generator's endpoint: its episodes reach the learner, which trains on them, and no request is
-refused (a history the harness rewrote would be: rollout/http_refusals/history_edited) nor does any episode fail.
-The demo's assets are built once for the module, with a few SFT steps only: the model need not call tools well
-here (tool calls round-tripping through each harness, with a scripted model: tests/integration/test_harnesses.py)."""
+a LangGraph ReAct graph, an agent written against the `anthropic` client (through the endpoint's /v1/messages) and
+a verifiers environment, each run for a few steps of the tool demo (configs/tools_cpu.yaml, its builtin tool swapped
+for the harness's own tools) against the generator's endpoint: its episodes reach the learner, which trains on them,
+and no request is refused (a history the harness rewrote would be: rollout/http_refusals/history_edited) nor does
+any episode fail. The demo's assets are built once for the module, with a few SFT steps only: the model need not
+call tools well here (tool calls round-tripping through each harness, with a scripted model:
+tests/integration/test_harnesses.py)."""
 import json
 import os
 import subprocess
@@ -18,9 +19,29 @@ from tests.e2e.jobs import QUIET_TELEMETRY, job_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEMO = ["demo.sft_steps=5", "demo.sft_batch_size=16", "demo.num_prompts=64"]
-HARNESSES = {"openai_agents_sdk": "agents", "langgraph": "langgraph", "anthropic_client": "anthropic"}
+HARNESSES = {"openai_agents_sdk": "agents", "langgraph": "langgraph", "anthropic_client": "anthropic",
+             "verifiers": "verifiers.v1"}
 """Example folder -> the module the harness is imported as (skipped where it is not installed)."""
+SMALLER = {"verifiers": ["learner.total_steps=1", "buffer.groups_per_step=1", "rollout.n=2",
+                         "generator.max_inflight_groups=1", "agent.timeout_s=120"]}
+"""Per-example overrides after the common ones: a verifiers episode starts its tool server and its harness's chat
+program anew (seconds each), so its job trains one step on one group of 2 episodes."""
+KNOWN_FAILURES = {"verifiers": {"rollout/http_refusals/reply_omitted", "rollout/env_errors/agent_error"}}
+"""Example -> the refusal and failure metrics it may count, each for the cause known_failures_explained checks.
+verifiers' interception checks each reply against OpenAI's five finish reasons: the endpoint's `malformed_tool_call`
+(a reply whose tool calls the model all got wrong) becomes a 502 there, which verifiers' chat program retries
+without the reply (reply_omitted), and the episode fails (docs/agents.md). The few-step warm start here writes such
+calls often; any other refusal or failure, or these for another reason, fails the test."""
 
+
+def known_failures_explained(log: str) -> bool:
+    """Every failed episode was refused as reply_omitted, and every such refusal followed a malformed_tool_call
+    reply that verifiers' interception rejected."""
+    lines = log.splitlines()
+    failed = [line for line in lines if "failed (agent_error)" in line]
+    refused = [line for line in lines if "refused an agent request (reply_omitted)" in line]
+    rejected = [line for line in lines if "input_value='malformed_tool_call'" in line]
+    return all("reply_omitted" in line for line in failed) and len(refused) <= len(rejected)
 
 @pytest.fixture(scope="module")
 def tool_demo_cache(tmp_path_factory):
@@ -52,16 +73,20 @@ def test_an_unmodified_harness_trains_through_the_endpoint(example, tool_demo_ca
     overrides = [f"demo.cache_dir={tool_demo_cache}", *DEMO, f"buffer.port={free_port()}", "tools.builtins=[]",
                  f"agent.path={ROOT}/examples/{example}/agent.py", "agent.timeout_s=60", "learner.total_steps=2",
                  "buffer.groups_per_step=2", "rollout.n=4", "generator.max_inflight_groups=2",
-                 "generator.log_every_s=1", "algo.dynamic_sampling=false", *QUIET_TELEMETRY]
+                 "generator.log_every_s=1", "algo.dynamic_sampling=false", *QUIET_TELEMETRY, *SMALLER.get(example, [])]
     started = time.monotonic()
     out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "run", "--config", "tools_cpu.yaml", *overrides],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     print(f"{example}: job ran {time.monotonic() - started:.1f} s")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads((job_dir / "summary.json").read_text())
-    assert summary["steps"] == 2  # the episodes reached the learner, which trained on them
+    steps = 1 if "learner.total_steps=1" in SMALLER.get(example, []) else 2
+    assert summary["steps"] == steps  # the episodes reached the learner, which trained on them
     run_id = summary["mlflow_run_id"]
     assert metric_history(tmp_path, run_id, "gen-0/rollout/turns/mean")  # the episodes' metrics reached MLflow
 
     keys = set(mlflow_client(tmp_path).get_run(run_id).data.metrics)
-    assert not [key for key in keys if "http_refusals" in key or "env_errors" in key], sorted(keys)
+    failures = {key.removeprefix("gen-0/") for key in keys if "http_refusals" in key or "env_errors" in key}
+    assert failures <= KNOWN_FAILURES.get(example, set()), sorted(failures)
+    if failures:  # the known incompatibility, and only it
+        assert known_failures_explained((job_dir / "gen-0.log").read_text()), sorted(failures)

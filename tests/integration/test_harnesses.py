@@ -1,8 +1,9 @@
-"""Agent harnesses people already use, unmodified (examples/openai_agents_sdk, examples/langgraph, and an agent
-written against the `anthropic` client, examples/anthropic_client, through /v1/messages), against the
-generator's real OpenAI-compatible endpoint with a scripted model: the model's tool calls reach the harness, the
-harness runs its own tools and sends their results back with the whole history, and the episode is one token
-sequence, nothing re-tokenized, that the endpoint never refused. (A job with each, through to the learner:
+"""Agent harnesses people already use, unmodified (examples/openai_agents_sdk, examples/langgraph, an agent written
+against the `anthropic` client, examples/anthropic_client, through /v1/messages, and examples/verifiers: a verifiers
+environment played by its built-in `null` harness), against the generator's real endpoint with a scripted model:
+the model's tool calls reach the harness, the harness runs its own tools and sends their results back with the whole
+history, and the episode is one token sequence, nothing re-tokenized, that the endpoint never refused. (A job with
+each, through to the learner:
 tests/e2e/test_harnesses.py.)"""
 import asyncio
 import os
@@ -18,7 +19,8 @@ from tests.chat_tokenizer import chat_tokenizer
 from tests.scripted_engine import ScriptedEngine, call
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HARNESSES = {"openai_agents_sdk": "agents", "langgraph": "langgraph", "anthropic_client": "anthropic"}
+HARNESSES = {"openai_agents_sdk": "agents", "langgraph": "langgraph", "anthropic_client": "anthropic",
+             "verifiers": "verifiers.v1"}
 """Example folder -> the module the harness is imported as (skipped where it is not installed)."""
 SAMPLING = Sampling(1.0, 1.0, -1, 512)
 BUDGET = EpisodeBudget(max_turns=3, max_episode_tokens=0, max_model_len=4096, max_prompt_tokens=2048)
@@ -37,14 +39,14 @@ def run_episode(tokenizer, example, turns):
                        turns)
 
 
-def serve_agent(tokenizer, episode_fn, turns):
+def serve_agent(tokenizer, episode_fn, turns, budget=BUDGET):
     engine = ScriptedEngine(tokenizer, turns)
     endpoint = OpenAIEndpoint(engine, "asyncrl", SAMPLING)
 
     async def run():
         await endpoint.start()
         try:
-            runner = OpenAIAgentRunner(endpoint, episode_fn, tokenizer, BUDGET, max_tokens=512, timeout_s=30)
+            runner = OpenAIAgentRunner(endpoint, episode_fn, tokenizer, budget, max_tokens=512, timeout_s=30)
             return await runner.run(ROW, SAMPLING), runner.metrics()
         finally:
             await endpoint.close()
@@ -94,3 +96,14 @@ def test_an_agents_sdk_handoff_is_refused_as_tools_changed(tokenizer):
                                       [(call("transfer_to_helper"), "stop"), ("4912", "stop")])
     assert episode.env_error == "agent_refused" and episode.turns == 1
     assert metrics == {"rollout/env_errors/agent_refused": 1.0, "rollout/http_refusals/tools_changed": 1.0}
+
+
+def test_a_verifiers_episode_the_endpoint_refused_is_counted_not_scored(tokenizer):
+    """verifiers keeps a failed run as data on its trace (reward 0); the example raises it, so asyncrl counts it."""
+    pytest.importorskip("verifiers.v1")
+    fn = load_agent_function(os.path.join(ROOT, "examples", "verifiers", "agent.py"), "episode")
+    one_turn = EpisodeBudget(max_turns=1, max_episode_tokens=0, max_model_len=4096, max_prompt_tokens=2048)
+    episode, metrics, _ = serve_agent(tokenizer, fn, [(call("calculator", expression="1+1"), "stop"), ("2", "stop")],
+                                      budget=one_turn)
+    assert episode.env_error == "agent_error" and episode.turns == 1 and episode.rewards == []
+    assert metrics == {"rollout/env_errors/agent_error": 1.0, "rollout/http_refusals/turn_limit": 1.0}
