@@ -13,10 +13,11 @@ PARTS = ["algos", "buffer", "data", "generator", "learner", "weightsync", "confi
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 AGENT_HARNESSES = ["openai-agents==0.20.0", "langgraph==1.2.22", "langchain-openai==1.7.4", "anthropic==2.17.0",
-                   "verifiers==0.4.0"]
+                   "verifiers==0.4.0", "uv==0.13.9"]
 """Pinned: the examples and their tests follow these releases' APIs (Runner, OpenAIChatCompletionsModel; StateGraph,
 ToolNode, ChatOpenAI; AsyncAnthropic for agents that take `anthropic_client`; verifiers.v1's Taskset, Toolset,
-SingleAgentEnv), which still move between minor releases. verifiers 0.4.0 (prime-rl's) pins openai<3 and
+SingleAgentEnv; uv, with which verifiers' `null` harness runs its chat program), which still move between minor
+releases. verifiers 0.4.0 (prime-rl's) pins openai<3 and
 mcp==2.0.0, so openai-agents stays at 0.20.0, the last release that takes openai 2.x (0.21 and later need openai>=3)."""
 
 

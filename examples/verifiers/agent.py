@@ -10,8 +10,8 @@ interception server to the provider its client config names: here the episode's 
     asyncrl run --config tools_cpu.yaml tools.builtins=[] agent.path=examples/verifiers/agent.py
 
 What verifiers needs beside its package (docs/agents.md "Harnesses"): the `null` harness runs its chat program with
-`uv` in an environment of its own, which it builds on first use from PyPI (it installs `uv` with `pip --user` when
-none is on PATH); the toolset runs as `python -m adder_tools` in a process of its own, so this folder goes on
+`uv` (the agents extra installs it beside this interpreter) in an environment of its own, which it builds on
+first use from PyPI; the toolset runs as `python -m adder_tools` in a process of its own, so this folder goes on
 PYTHONPATH. Each episode starts the tool server and the chat program anew: seconds, not milliseconds.
 """
 import os
@@ -24,12 +24,21 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 if HERE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
+# the `null` harness runs its chat program with `uv`, found on PATH: the one the agents extra installs beside this
+# interpreter (else verifiers installs one with `pip install --user`)
+BIN = os.path.dirname(sys.executable)
+if BIN not in os.environ.get("PATH", "").split(os.pathsep):
+    os.environ["PATH"] = os.pathsep.join(p for p in (BIN, os.environ.get("PATH")) if p)
 
 import verifiers.v1 as vf  # noqa: E402  (after the path above)
 from adder_v1 import AdderData, AdderTask  # noqa: E402
 
 MAX_TURNS = 3
 """Model turns per episode (`max_turns` in verifiers' agent config); the recipe's rollout.max_turns should be at least this."""
+
+STANDARD_FINISH_REASONS = {"X-Asyncrl-Finish-Reason": "standard"}
+"""verifiers checks each reply's finish_reason against OpenAI's own values: the endpoint answers a reply whose tool
+calls the model all got wrong with "stop" instead of "malformed_tool_call" (still counted in rollout/tool_errors)."""
 
 ENV_CONFIG = {"taskset": {"id": "adder_v1"},
               "agent": {"harness": {"id": "null"}, "runtime": {"type": "subprocess"}, "max_turns": MAX_TURNS}}
@@ -48,8 +57,8 @@ async def episode(row, client):
         env = vf.SingleAgentEnv(vf.SingleAgentEnvConfig.model_validate(ENV_CONFIG))
         task = AdderTask(AdderData(idx=0, prompt=list(row["prompt"]), answer=row["ground_truth"]),
                          env.taskset.config.task)
-        ctx = vf.ModelContext(model="asyncrl",
-                              client=vf.EvalClientConfig(base_url=str(client.base_url), api_key_var=key_var))
+        ctx = vf.ModelContext(model="asyncrl", client=vf.EvalClientConfig(
+            base_url=str(client.base_url), api_key_var=key_var, headers=STANDARD_FINISH_REASONS))
         async with env.serving():
             result = await env.run_episode(task, ctx)
     finally:

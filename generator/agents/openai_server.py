@@ -22,6 +22,8 @@ sampling parameters are ignored, `max_tokens` / `max_completion_tokens` can only
 A reply whose only tool calls the model got wrong (tool_calls.py: malformed, unknown tool, bad arguments) ends with
 finish_reason MALFORMED_TOOL_CALL, its text as the content: the agent sees that the model tried and failed, which
 "stop" would hide. The official `openai` client passes the value through (tests/integration/test_openai_endpoint.py).
+A client that validates finish_reason against OpenAI's own values (verifiers' interception does) sends the header
+`X-Asyncrl-Finish-Reason: standard` and gets "stop" there instead; the tool errors are counted all the same.
 """
 import asyncio
 import json
@@ -44,6 +46,20 @@ log = logging.getLogger(__name__)
 
 MALFORMED_TOOL_CALL = "malformed_tool_call"
 """The finish_reason of a reply in which the model wrote tool calls and got every one of them wrong."""
+
+FINISH_REASON_HEADER = "x-asyncrl-finish-reason"
+"""A request with this header set to `standard` gets only OpenAI's finish reasons ("stop" for MALFORMED_TOOL_CALL)."""
+
+
+def standard_finish_reasons(headers) -> bool:
+    """Whether the client asked for OpenAI's finish reasons only; any other value of the header is refused."""
+    value = headers.get(FINISH_REASON_HEADER)
+    if value is None:
+        return False
+    if value.strip().lower() != "standard":
+        raise SessionRefused(400, f"the {FINISH_REASON_HEADER} header may only be 'standard', got {value!r}",
+                             "bad_parameter", FINISH_REASON_HEADER)
+    return True
 
 
 def error_body(message: str, kind: str, code: str, param: str | None = None) -> dict:
@@ -156,15 +172,16 @@ class OpenAIEndpoint:
         session.busy = True
         streaming, mark, requests = False, session.mark(), session.requests
         try:
+            standard = standard_finish_reasons(request.headers)
             chat = dialect.request(body)
             if body.get("stream"):
                 reply_id = f"chatcmpl-{session.id}-{session.requests + 1}"
                 events = dialect.events(body, reply_id, self.model_name)
                 prompt, sampling = self._prepare(session, chat)
                 streaming = True  # from here the stream releases the session when it ends
-                return StreamingResponse(self._stream(session, prompt, sampling, events, dialect, mark),
+                return StreamingResponse(self._stream(session, prompt, sampling, events, dialect, mark, standard),
                                          media_type="text/event-stream")
-            return dialect.reply(await self._complete(session, chat))
+            return dialect.reply(await self._complete(session, chat, standard))
         except SessionRefused as err:
             return self.refuse(dialect, str(err), "invalid_request_error", err.cause, err.status, err.param)
         finally:
@@ -186,10 +203,10 @@ class OpenAIEndpoint:
         return {**{f"rollout/http_refusals/{cause}": float(count) for cause, count in sorted(self.refusals.items())},
                 **{f"rollout/tool_errors/{reason}": float(count) for reason, count in sorted(self.tool_errors.items())}}
 
-    async def _complete(self, session, body: dict) -> dict:
+    async def _complete(self, session, body: dict, standard: bool = False) -> dict:
         prompt, sampling = self._prepare(session, body)
         (completion,) = await self.engine.sample(prompt, sampling, 1)
-        return self._reply(session, prompt, completion)
+        return self._reply(session, prompt, completion, standard)
 
     def _prepare(self, session, body: dict) -> tuple[list, object]:
         """The prompt ids and sampling of the request's next turn; raises SessionRefused."""
@@ -204,8 +221,9 @@ class OpenAIEndpoint:
         sampling = self.sampling if room == self.sampling.max_tokens else replace(self.sampling, max_tokens=room)
         return prompt, sampling
 
-    def _reply(self, session, prompt: list, completion) -> dict:
-        """Record the sampled turn in the session and answer it as a chat.completion."""
+    def _reply(self, session, prompt: list, completion, standard: bool = False) -> dict:
+        """Record the sampled turn in the session and answer it as a chat.completion (with OpenAI's finish
+        reasons only when `standard`)."""
         message, errors = session.record(completion)
         self.tool_errors.update(errors)
         if message.get("tool_calls"):
@@ -213,14 +231,15 @@ class OpenAIEndpoint:
         elif completion.finish_reason != "stop":
             finish = "length"
         else:
-            finish = MALFORMED_TOOL_CALL if errors else "stop"
+            finish = MALFORMED_TOOL_CALL if errors and not standard else "stop"
         return {"id": f"chatcmpl-{session.id}-{session.requests}", "object": "chat.completion",
                 "created": int(time.time()), "model": self.model_name,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(completion.token_ids),
                           "total_tokens": len(prompt) + len(completion.token_ids)}}
 
-    async def _stream(self, session, prompt: list, sampling, events, dialect: Dialect, mark: tuple):
+    async def _stream(self, session, prompt: list, sampling, events, dialect: Dialect, mark: tuple,
+                      standard: bool = False):
         """The turn as server-sent `events` (openai_stream.CompletionEvents, anthropic_stream.MessageEvents):
         token by token from a StreamingEngine, in one piece at the end from any other. The session is released
         when the stream ends, however it ends; a client that goes away mid-turn aborts the engine's request, and
@@ -242,7 +261,7 @@ class OpenAIEndpoint:
                 (completion,) = await self.engine.sample(prompt, sampling, 1)
             if completion is None:
                 raise RuntimeError("the engine's stream ended without a completion")
-            reply = self._reply(session, prompt, completion)
+            reply = self._reply(session, prompt, completion, standard)
             message = reply["choices"][0]["message"]
             if not (message.get("content") or "").startswith(deltas.sent):
                 # streamed text the reply's own differs from (a tool-call reply that began with whitespace): the

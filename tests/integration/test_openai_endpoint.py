@@ -294,6 +294,39 @@ def test_a_reply_whose_tool_calls_are_all_wrong_says_so_and_is_counted(tokenizer
     assert metrics == {"rollout/tool_errors/malformed": 1.0, "rollout/tool_errors/unknown_tool": 1.0}
 
 
+def test_a_client_that_asks_for_standard_finish_reasons_gets_stop_for_a_malformed_call(tokenizer):
+    """`X-Asyncrl-Finish-Reason: standard` (for clients that validate finish_reason against OpenAI's values, as
+    verifiers does) turns malformed_tool_call into "stop", plain and streamed; the error is still counted. Any
+    other value of the header is refused as a bad parameter."""
+    header = {"X-Asyncrl-Finish-Reason": "standard"}
+
+    async def scenario(endpoint, engine):
+        endpoint.sessions["s5"] = AgentSession("s5", tokenizer, BUDGET, max_tokens=128)
+        client = openai.AsyncOpenAI(base_url=endpoint.url, api_key="s5", max_retries=0, default_headers=header)
+        try:
+            try:
+                await client.chat.completions.create(model="asyncrl", messages=ROW.messages, tools=[ADD],
+                                                     extra_headers={"X-Asyncrl-Finish-Reason": "mine"})
+            except openai.BadRequestError as err:
+                refused = (err.code, err.param)
+            plain = await client.chat.completions.create(model="asyncrl", messages=ROW.messages, tools=[ADD])
+            messages = [*ROW.messages, plain.choices[0].message.model_dump(exclude_none=True),
+                        {"role": "user", "content": "that call was broken, try again"}]
+            stream = await client.chat.completions.create(model="asyncrl", messages=messages, tools=[ADD],
+                                                          stream=True)
+            chunks = [chunk async for chunk in stream]
+        finally:
+            await client.close()
+        return refused, plain, chunks, endpoint.metrics()
+
+    broken = '<tool_call>{"name": "add", "arguments": {"a": 2</tool_call>'
+    (refused, plain, chunks, metrics), _ = serve(tokenizer, [(broken, "stop"), (broken, "stop")], scenario)
+    assert refused == ("bad_parameter", "x-asyncrl-finish-reason")
+    assert plain.choices[0].finish_reason == "stop" and plain.choices[0].message.content == broken
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert metrics["rollout/tool_errors/malformed"] == 2.0
+
+
 def test_agent_failures_end_their_episode_and_are_counted(tokenizer):
     async def broken(row, client):
         await client.chat.completions.create(model="asyncrl", messages=row["prompt"])
