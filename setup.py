@@ -17,8 +17,8 @@ AGENT_HARNESSES = ["openai-agents==0.20.0", "langgraph==1.2.22", "langchain-open
 """Pinned: the examples and their tests follow these releases' APIs (Runner, OpenAIChatCompletionsModel; StateGraph,
 ToolNode, ChatOpenAI; AsyncAnthropic for agents that take `anthropic_client`; verifiers.v1's Taskset, Toolset,
 SingleAgentEnv; uv, with which verifiers' `null` harness runs its chat program), which still move between minor
-releases. verifiers 0.4.0 (prime-rl's) pins openai<3 and
-mcp==2.0.0, so openai-agents stays at 0.20.0, the last release that takes openai 2.x (0.21 and later need openai>=3)."""
+releases. verifiers 0.4.0 (prime-rl's) pins openai<3 and mcp==2.0.0, so openai-agents stays at 0.20.0, the last
+release that takes openai 2.x (0.21 and later need openai>=3)."""
 
 
 def folders_of(part: str) -> list[str]:
