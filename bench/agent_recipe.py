@@ -11,7 +11,8 @@ training_eval_blocker), so this is where the agent's held-out reward is measured
 the mean reward of everything sampled, first and last 10% of the steps.
 
 The table shows each seed and the median; the last line is JSON with every run. Usage:
-    python -m asyncrl.bench.agent_recipe [--seeds 0 1 2] [--episodes 2] [--config agent_cpu.yaml] [overrides...]
+    python -m asyncrl.bench.agent_recipe [--seeds 0 1 2] [--episodes 2] [--warm-start-seed K]
+        [--config agent_cpu.yaml] [--work-dir DIR] [overrides...]
 (run it from the repository root: the recipe's agent.path is relative to it).
 """
 import argparse
@@ -88,17 +89,25 @@ def heldout_rows(path: str) -> list:
             for index, row in enumerate(pq.read_table(path).to_pylist())]
 
 
-def run_seed(recipe: str, overrides: list, seed: int, work: str, episodes_per_prompt: int) -> dict:
+def run_seed(recipe: str, overrides: list, seed: int, work: str, episodes_per_prompt: int,
+             warm_start_seed: int | None) -> dict:
+    """One seed: build (or find) the warm start, train, export, play the held-out prompts on both models. With
+    `warm_start_seed`, every seed starts from that seed's warm start and prompts (model.path, data.train_files):
+    the seed then moves RL only, as in bench/time_to_reward.py."""
     from asyncrl.configs import load_config
     from asyncrl.launch.demo import demo_paths, heldout_file, prepare_demo
     from asyncrl.learner.export import export_checkpoint
 
-    overrides = [*overrides, f"job.seed={seed}"]
-    cfg = load_config(recipe, overrides)
+    asset_seed = seed if warm_start_seed is None else warm_start_seed
+    cfg = load_config(recipe, [*overrides, f"job.seed={asset_seed}"])
     started = time.monotonic()
-    cached = os.path.isfile(os.path.join(demo_paths(cfg.demo, seed)[0], "DONE"))
-    sft_dir, _ = prepare_demo(cfg.demo, seed, say=lambda message: None)
+    cached = os.path.isfile(os.path.join(demo_paths(cfg.demo, asset_seed)[0], "DONE"))
+    sft_dir, train_files = prepare_demo(cfg.demo, asset_seed, say=lambda message: None)
     sft_s = time.monotonic() - started
+    heldout = heldout_file(cfg.demo, asset_seed)
+    overrides = [*overrides, f"job.seed={seed}"]
+    if warm_start_seed is not None:
+        overrides += [f"model.path={sft_dir}", f"data.train_files=[{train_files[0]}]"]
     job_dir = os.path.join(work, f"job-{seed}")
     env = {**os.environ, "ASYNCRL_JOB_DIR": job_dir, "HF_HUB_OFFLINE": "1",
            "MLFLOW_TRACKING_URI": os.environ.get("MLFLOW_TRACKING_URI", f"sqlite:///{work}/mlflow.db")}
@@ -109,12 +118,13 @@ def run_seed(recipe: str, overrides: list, seed: int, work: str, episodes_per_pr
     if out.returncode != 0:
         raise SystemExit(f"seed {seed}: asyncrl run exited {out.returncode}\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
     rl_dir = export_checkpoint(os.path.join(job_dir, "checkpoints"), os.path.join(work, f"rl-{seed}"))
-    rows = heldout_rows(heldout_file(cfg.demo, seed))
+    rows = heldout_rows(heldout)
     before = asyncio.run(play_heldout(cfg, sft_dir, rows, episodes_per_prompt, seed))
     after = asyncio.run(play_heldout(cfg, rl_dir, rows, episodes_per_prompt, seed))
     first, last = first_last(progress_rewards(job_dir))
-    return {"seed": seed, "sft_s": round(sft_s, 1), "sft_cached": cached, "rl_s": round(rl_s, 1),
-            "sampled_reward_first": first, "sampled_reward_last": last, "heldout_sft": before, "heldout_rl": after}
+    return {"seed": seed, "warm_start_seed": asset_seed, "sft_s": round(sft_s, 1), "sft_cached": cached,
+            "rl_s": round(rl_s, 1), "sampled_reward_first": first, "sampled_reward_last": last,
+            "heldout_sft": before, "heldout_rl": after}
 
 
 def fmt(value) -> str:
@@ -141,13 +151,15 @@ def main(argv=None) -> int:
     parser.add_argument("--episodes", type=int, default=2, help="episodes per held-out prompt (128 prompts)")
     parser.add_argument("--config", default="agent_cpu.yaml")
     parser.add_argument("--work-dir", default=None, help="job directories and exported models (default: a temp dir)")
+    parser.add_argument("--warm-start-seed", type=int, default=None,
+                        help="start every seed from this seed's warm start (default: each seed builds its own)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     work = args.work_dir or tempfile.mkdtemp(prefix="asyncrl-agent-bench-")
     os.makedirs(work, exist_ok=True)
     runs = []
     for seed in args.seeds:
-        runs.append(run_seed(args.config, args.overrides, seed, work, args.episodes))
+        runs.append(run_seed(args.config, args.overrides, seed, work, args.episodes, args.warm_start_seed))
         print(f"seed {seed}: {json.dumps(runs[-1])}", flush=True)
     print(table(runs))
     print(json.dumps({"bench": "agent_recipe", "config": args.config, "overrides": args.overrides, "runs": runs}))
