@@ -9,10 +9,10 @@ import logging
 import os
 from dataclasses import asdict
 
-from asyncrl.generator.tasks import add_numbers, sort_digits
+from asyncrl.generator.tasks import add_numbers, add_subtract, sort_digits
 
 log = logging.getLogger(__name__)
-TASKS = {"sort_digits": sort_digits, "add_numbers": add_numbers}
+TASKS = {"sort_digits": sort_digits, "add_numbers": add_numbers, "add_subtract": add_subtract}
 """Each task module gives make_rows, sft_rows, tokenizer_corpus, its tokenizer's EOS, SPECIAL_TOKENS,
 ADDED_TOKENS and CHAT_TEMPLATE, and the model's MAX_POSITIONS."""
 SFT_MICROBATCH_TOKENS = 4096

@@ -226,10 +226,10 @@ class OpenAIEndpoint:
         reasons only when `standard`)."""
         message, errors = session.record(completion)
         self.tool_errors.update(errors)
-        if message.get("tool_calls"):
-            finish = "tool_calls"
-        elif completion.finish_reason != "stop":
+        if completion.finish_reason != "stop":  # cut: no turn may follow (after_cut), calls or not
             finish = "length"
+        elif message.get("tool_calls"):
+            finish = "tool_calls"
         else:
             finish = MALFORMED_TOOL_CALL if errors and not standard else "stop"
         return {"id": f"chatcmpl-{session.id}-{session.requests}", "object": "chat.completion",
