@@ -261,15 +261,25 @@ def quiet_third_party() -> None:
     transformers' generation code imports accelerate, which imports DeepSpeed when it is installed (the
     `deepspeed` extra), and DeepSpeed warns "Setting accelerator to CPU" on every machine without a GPU: on such a
     machine CPU is the only accelerator, so naming it (DS_ACCELERATOR) is what the warning asks for. With a GPU
-    DeepSpeed's own detection is left alone. Torch is imported only when DeepSpeed is installed, and only by
-    commands that import it anyway."""
+    DeepSpeed's own detection is left alone. Whether there is a GPU is read from the device files the drivers
+    create, not from torch: importing torch takes a second, and `init-model --help` or a mistyped corpus path must
+    answer at once."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # "Creating initial MLflow database tables..."
-    if "DS_ACCELERATOR" not in os.environ and importlib.util.find_spec("deepspeed") is not None:
-        import torch
+    if ("DS_ACCELERATOR" not in os.environ and not has_gpu_devices()
+            and importlib.util.find_spec("deepspeed") is not None):
+        os.environ["DS_ACCELERATOR"] = "cpu"
 
-        if not torch.cuda.is_available():
-            os.environ["DS_ACCELERATOR"] = "cpu"
+
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd")
+"""What the NVIDIA and AMD (ROCm) kernel drivers create; a machine without either has no GPU torch could use."""
+
+
+def has_gpu_devices() -> bool:
+    """A GPU driver is loaded and CUDA_VISIBLE_DEVICES does not hide every device."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return any(os.path.exists(path) for path in GPU_DEVICE_FILES)
 
 
 def overrides_of(args) -> list:
