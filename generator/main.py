@@ -95,7 +95,8 @@ async def run_generator_async(cfg, say=print) -> int:
             rollout = await build_rollout(cfg, client, hello, generator_id, built, say)
             # starting the engine takes a while, and the learner may have finished the job (and stopped serving
             # its weights) meanwhile: ask again before loading, so a generator that came too late stops cleanly
-            hello = await client.hello(shared_hash(cfg), timeout_s=HELLO_TIMEOUT_S)
+            # (with the same patience as the first: a learner that is resuming may take seconds to answer)
+            hello = await wait_for_learner(client, shared_hash(cfg), cfg.generator.connect_timeout_s, say)
             rollout.note_reply(hello)
         if hello.done:
             say(f"generator {generator_id}: the learner at {client.endpoint} has finished the job; nothing to do")

@@ -4,10 +4,13 @@ the resumed learner trained the last prompts waited 60 s for the closed catch-up
 import asyncio
 import threading
 
+import pytest
+
+from asyncrl.buffer.interface import LearnerUnavailable
 from asyncrl.buffer.staleness import Coordinator
 from asyncrl.buffer.zmq.server import ZmqBufferServer
 from asyncrl.configs import load_config, shared_hash
-from asyncrl.generator.main import run_generator_async
+from asyncrl.generator.main import run_generator_async, wait_for_learner
 from tests.conftest import free_port
 from tests.messages import run_info
 
@@ -32,3 +35,30 @@ def test_a_generator_that_joins_a_finished_job_exits_zero_without_loading_anythi
     assert code == 0
     assert any("has finished the job" in line for line in said), said
     assert "late" in told and not finishing.is_alive()
+
+
+class SlowLearner:
+    """A client whose learner misses `misses` hellos (as a resuming learner busy restoring its state does), then
+    answers."""
+    endpoint = "tcp://127.0.0.1:1"
+    generator_id = "slow"
+
+    def __init__(self, misses: int):
+        self.misses, self.calls = misses, 0
+
+    async def hello(self, config_hash, timeout_s):
+        self.calls += 1
+        if self.calls <= self.misses:
+            raise LearnerUnavailable(f"learner at {self.endpoint} did not answer 'hello' within {timeout_s:.0f} s")
+        return "reply"
+
+
+def test_wait_for_learner_says_hello_again_until_the_learner_answers_and_gives_up_at_its_deadline():
+    said = []
+    slow = SlowLearner(misses=2)
+    assert asyncio.run(wait_for_learner(slow, "hash", timeout_s=30, say=said.append)) == "reply"
+    assert slow.calls == 3 and len(said) == 1 and "waiting for the learner" in said[0]
+    gone = SlowLearner(misses=10**6)
+    with pytest.raises(LearnerUnavailable, match="no learner answered at tcp://127.0.0.1:1 within 1 s"):
+        asyncio.run(wait_for_learner(gone, "hash", timeout_s=1, say=said.append))
+    assert gone.calls >= 2
