@@ -14,6 +14,7 @@ with a drain; a drain stops at EAGAIN, so a spurious one costs a single failed r
 import asyncio
 import itertools
 import logging
+import uuid
 from collections import deque
 
 import zmq
@@ -57,10 +58,13 @@ class ZmqBufferClient:
         self._flush_scheduled = False
         self.weights: WeightsAnnouncement | None = None  # the newest announcement heard of, and its id (wire.py)
         self.weights_id = ""
+        self.life = uuid.uuid4().hex[:16]
+        """This client's process life, sent with every hello: a generator restarted under the same id (by Ray, by
+        SLURM's requeue, by hand) says hello with a new one, and the learner gives back what the dead life held."""
 
     # --- interface.GeneratorBuffer ------------------------------------------------------------------------------
     async def hello(self, config_hash: str, timeout_s: float | None = None) -> HelloReply:
-        reply = await self._request("hello", timeout_s=timeout_s, config_hash=config_hash)
+        reply = await self._request("hello", timeout_s=timeout_s, config_hash=config_hash, life=self.life)
         if not reply.get("ok"):
             raise GeneratorRefused(str(reply.get("error", "refused")), reply.get("shared_config"))
         return HelloReply(**status_fields(reply), run_info=RunInfo.from_wire(reply.get("run_info"), self.endpoint))

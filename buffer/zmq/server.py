@@ -39,6 +39,8 @@ DRAIN_MAX_REQUESTS = 64
 """Requests answered per wake-up before the server polls again."""
 EXPIRE_EVERY_S = 0.1
 """How often silent peers are looked for (their admissions reclaimed, their stats dropped)."""
+MAX_LIFE_CHARS = 64
+"""A hello's `life` (a process's random id) longer than this is ignored, as a hostile one would be."""
 RELEASE_EVERY = 4
 """Requests answered, or groups accepted, between releases of replies and groups (see `_answer_waiting`)."""
 RECENT_TAKES = 4096
@@ -82,6 +84,7 @@ class ZmqBufferServer:
         self._rejections_lock = threading.Lock()
         self.generator_stats: dict[str, dict] = {}
         self.last_seen: dict[str, float] = {}
+        self.lives: dict[str, str] = {}  # generator -> the life of its newest hello (buffer/zmq/client.py)
         self.joins: dict[str, dict] = {}  # generator -> version at hello, min token version of its first group
         # (id, announcement) of the newest weights, replaced whole so the server thread never reads a new
         # message under an old id; the id names one set_weights call, and a generator holding it is not sent it again
@@ -400,7 +403,14 @@ class ZmqBufferServer:
                 f"the learner has {self.config_hash!r}; start both with the same recipe and shared overrides"))
             return reply
         reply["run_info"] = self.run_info
-        self.joins.setdefault(request["gen"], {"hello_version": self.coordinator.version})
+        gen, life = request["gen"], request.get("life")
+        if isinstance(life, str) and 0 < len(life) <= MAX_LIFE_CHARS:
+            previous = self.lives.get(gen)
+            self.lives[gen] = life
+            if previous is not None and previous != life:  # the old process died without a bye
+                self._forget(gen, "restarted (a new process said hello)")
+                self.last_seen[gen] = time.monotonic()
+        self.joins.setdefault(gen, {"hello_version": self.coordinator.version})
         return reply
 
     def _receive_groups(self, gen: str, request: dict, bodies: list, reply: dict, accepted: list) -> None:

@@ -201,3 +201,39 @@ def test_the_zmq_buffer_deals_with_admissions_and_refuses_groups_outside_their_d
     # the valid group was delivered before gen-a left: it is still taken; its undelivered third prompt went back
     assert metrics["data/filtered/zero_variance"] == 1 and metrics["data/returned/generator_gone"] == 1
     assert metrics["data/consumed"] == 2 and metrics["buffer/rejected/unknown_deal"] == 2
+
+
+def test_a_generator_restarted_under_its_id_gets_back_what_its_dead_life_held_and_a_second_hello_keeps_it():
+    """Ray restarts a killed generator under the same id, so it is never silent long enough to be forgotten: its
+    new process's hello (a new `life`) gives back the dead life's deals and admissions; the same process saying
+    hello again (generator/main.py does, before loading its engine) keeps them."""
+    d = dealer(4, epochs=1)
+    coordinator = Coordinator(4, 2)
+    server = ZmqBufferServer("127.0.0.1", free_port(), coordinator, vocab_size=16, config_hash="h",
+                             max_message_bytes=4096, queue_groups=8, run_info=run_info(), dealer=d)
+    server.start()
+    first_life = ZmqBufferClient(server.endpoint, "gen-0", timeout_s=5)
+    second_life = ZmqBufferClient(server.endpoint, "gen-0", timeout_s=5)
+
+    async def scenario():
+        await first_life.hello("h")
+        held = decoded(await first_life.admit(3))
+        await first_life.hello("h")  # the same process again: nothing goes back
+        kept = server.metrics().get("data/returned/generator_gone", 0.0)
+        await second_life.hello("h")  # the restarted process
+        again = decoded(await second_life.admit(4))
+        return held, kept, again
+
+    try:
+        held, kept, again = asyncio.run(scenario())
+        metrics = server.metrics()
+    finally:
+        first_life.close()
+        second_life.close()
+        server.close()
+    assert held.granted == 3 and kept == 0.0
+    assert metrics["data/returned/generator_gone"] == 3
+    # the dead life's three prompts are dealt again, with the one never dealt: the whole epoch
+    assert sorted(deal.prompt_id for deal in again.deals) == [row.prompt_id for row in rows(4)]
+    assert again.granted == 4
+
