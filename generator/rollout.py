@@ -123,6 +123,8 @@ class RolloutLoop:
         self.max_inflight_groups = max_inflight_groups
         self.on_stats = on_stats
         self.stats_every_s = stats_every_s
+        self.delivered = False
+        """A group of this process was accepted (logged once)."""
         self.drop_zero_variance = drop_zero_variance
         """algo.dynamic_sampling: a group whose rewards are all equal is dropped here and its admission released,
         so a replacement starts at once. Dropped by the learner instead (learner/collect.py), it would hold its
@@ -219,6 +221,11 @@ class RolloutLoop:
         while True:
             reply = await self.client.send(group.group_id, payload, deal=str(group.meta.get("deal", "")))
             self.note_reply(reply)
+            if reply.accepted and not self.delivered:
+                # one line a person (or a launcher) reads to know this generator delivers, e.g. after a restart
+                self.delivered = True
+                log.info("generator %s: its first group was accepted (v%d)", self.client.generator_id,
+                         self.engine.version)
             if reply.accepted or not reply.retry:
                 if not reply.accepted:
                     self.stats.rejected_groups += 1
