@@ -86,13 +86,29 @@ def _require_model(cfg) -> None:
                          f"model.path=my-model")
 
 
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies: a rank under torchrun's agent (torchrun starts each
+    rank in a session of its own, so a `kill -9` of the agent would otherwise leave orphaned ranks holding the
+    buffer's port and waiting in collectives), or any process under a Ray actor (launch/ray_actors.py: Ray restarts
+    a generator's actor, which must not find the old generator still running)."""
+    import ctypes
+    import signal
+
+    if not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before the request took effect
+        os._exit(1)
+
+
 def join_ranks(learner_cfg, command: str):
     """This process's ParallelState (one plain process, or a rank under torchrun, which then dies with its
     launcher); an exit code instead when the launch does not fit learner.sp_size."""
-    from asyncrl.learner.parallel import ParallelConfigError, die_with_launcher, init_parallel
+    from asyncrl.learner.parallel import ParallelConfigError, init_parallel
 
     if "LOCAL_RANK" in os.environ:
-        die_with_launcher()
+        die_with_parent()
     try:
         return init_parallel(learner_cfg.sp_size, learner_cfg.dist_timeout_s)
     except ParallelConfigError as err:

@@ -76,22 +76,6 @@ def init_parallel(sp_size: int, timeout_s: float = 600.0) -> ParallelState:
     return build_parallel_state(sp_size, device)
 
 
-def die_with_launcher() -> None:
-    """Ask Linux to SIGKILL this rank when its parent (torchrun's agent) dies. torchrun starts each rank in a
-    session of its own, so a `kill -9` of the agent would otherwise leave orphaned ranks holding the buffer's port
-    and waiting in collectives."""
-    import ctypes
-    import signal
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() == 1:  # the agent died before the request took effect
-        os._exit(1)
-
-
 def build_parallel_state(sp_size: int, device: str = "cpu") -> ParallelState:
     """The meshes for an initialised process group."""
     from torch.distributed.device_mesh import init_device_mesh
