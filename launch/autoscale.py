@@ -76,7 +76,9 @@ class AutoscalePolicy:
         if self.max_generators < self.min_generators:
             raise ValueError(f"autoscale max_generators must be >= min_generators ({self.min_generators}), got "
                              f"{self.max_generators}")
-        for name in ("interval_s", "cooldown_s", "headroom"):
+        if not self.interval_s > 0:
+            raise ValueError(f"autoscale interval_s must be > 0, got {self.interval_s}")
+        for name in ("cooldown_s", "headroom"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"autoscale {name} must be >= 0, got {getattr(self, name)}")
         for name in ("window_steps", "max_step"):

@@ -8,12 +8,21 @@ It writes progress.jsonl rows with the learner's real field names (telemetry/run
 learner/step_metrics.py). New generators deliver `start_s` after they are asked for.
 """
 import math
+import os
 import random
 
 import pytest
 
+from asyncrl.buffer.fleet_stats import fleet_metrics
+from asyncrl.launch import autoscale
 from asyncrl.launch.autoscale import (AutoscalePolicy, Autoscaler, FleetSignal, balanced_generators, fresh_rows,
                                       measure_window, parse_autoscale, size_fleet)
+from asyncrl.launch.plan import enough_generators
+from asyncrl.planner.from_run import lognormal_lengths
+from asyncrl.planner.simulate import Fleet, Learner, Queue, simulate
+from asyncrl.telemetry.run_record import batch_metrics
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class ScriptedJob:
@@ -39,25 +48,49 @@ class ScriptedJob:
                 if when <= self.clock:
                     self.generators = count
                     self.pending.remove((when, count))
-            wall = self.B / min(self.generators * self.r, self.c)
+            wall = self.step_s()
             if self.clock + wall > until:
                 return
             self.clock += wall
             self.records.append(self.row(len(self.records) + 1, wall))
 
-    def row(self, step: int, wall: float) -> dict:
+    def step_s(self) -> float:
+        return self.B / min(self.generators * self.r, self.c)
+
+    def measured(self) -> tuple:
+        """(learner idle, generator idle, fleet tokens/s, staleness mean, staleness max) of the fleet now."""
         supply = self.generators * self.r
         jitter = self.rng.uniform(-self.noise, self.noise)
         learner_idle = min(max(1 - supply / self.c + jitter, 0.0), 1.0)
         generator_idle = min(max(1 - self.c / supply + jitter, 0.0), 1.0)
-        ahead = supply > self.c
-        staleness = float(self.eta if ahead else max(self.eta - 1, 0))
+        staleness = float(self.eta if supply > self.c else max(self.eta - 1, 0))
+        return learner_idle, generator_idle, min(supply, self.c) * self.tokens_per_group, staleness, staleness
+
+    def row(self, step: int, wall: float) -> dict:
+        learner_idle, generator_idle, tokens_per_s, staleness_mean, staleness_max = self.measured()
         return {"step": step, "total": 10_000, "elapsed_s": self.clock, "reward/mean": 0.5,
                 "timing/learner/wait_for_batch_s": learner_idle * wall, "timing/learner/idle_frac": learner_idle,
-                "timing/generator/idle_frac": generator_idle,
-                "perf/generator/tokens_per_s": min(supply, self.c) * self.tokens_per_group,
-                "buffer/staleness/mean": staleness, "buffer/staleness/max": staleness, "buffer/dropped/stale": 0.0,
-                **{f"offpolicy/staleness/hist/{k}": float(k == staleness) for k in range(self.eta + 1)}}
+                "timing/generator/idle_frac": generator_idle, "perf/generator/tokens_per_s": tokens_per_s,
+                "buffer/staleness/mean": staleness_mean, "buffer/staleness/max": staleness_max,
+                "buffer/dropped/stale": 0.0,
+                **{f"offpolicy/staleness/hist/{k}": float(k == round(staleness_mean)) for k in range(self.eta + 1)}}
+
+
+class PlannedJob(ScriptedJob):
+    """A job whose every fleet size behaves as `asyncrl plan`'s simulation of it (planner/simulate.py: generators
+    sharing their engine among their groups, asyncrl's admission rule, the learner's fixed step time)."""
+
+    def __init__(self, generators: int, plans: dict, max_staleness: int):
+        super().__init__(r=1.0, c=1.0, generators=generators, groups_per_step=8, max_staleness=max_staleness)
+        self.plans = plans
+
+    def step_s(self) -> float:
+        return 1.0 / self.plans[self.generators].steps_per_s
+
+    def measured(self) -> tuple:
+        plan = self.plans[self.generators]  # its generator idle can read -1e-16
+        return (plan.learner_idle_frac, min(max(plan.generator_idle_frac, 0.0), 1.0), plan.tokens_per_s,
+                plan.staleness_mean, float(max(plan.staleness)))
 
 
 def drive(job: ScriptedJob, scaler: Autoscaler, seconds: float) -> list:
@@ -111,6 +144,28 @@ def test_the_fleet_settles_without_oscillating_where_neither_side_waits_much(sta
     model = math.ceil(c_over_r * (1 + policy.headroom))
     assert settled == model or (settled < model and 1 - settled / c_over_r <= policy.learner_idle_high)
     assert 1 - c_over_r / settled <= policy.generator_idle_high or settled == policy.min_generators
+
+
+@pytest.mark.parametrize("train_s, max_staleness", [(1.0, 2), (1.5, 2), (2.0, 1), (0.5, 2)])
+def test_on_the_planners_simulated_job_it_settles_where_asyncrl_plan_does(train_s, max_staleness):
+    """`asyncrl plan` is the reference: on a job that behaves as the planner simulates it at each size (here the
+    idle fractions are not the scripted job's formulas: admission holds generators back, a shared engine slows a
+    generator's groups), the autoscaler ends, from 1 and from 8 generators, within one generator of the fewest
+    that reach 95% of the best planned throughput (launch/plan.py::enough_generators), at 90% of it or better."""
+    plans = {size: simulate(Fleet(generators=size, slots=4, n=4, gen_tokens_per_s=200),
+                            Learner(groups_per_step=8, max_staleness=max_staleness, train_s_per_step=train_s),
+                            Queue(), lognormal_lengths(20, 0.5), steps=80, warmup_steps=8) for size in range(1, 9)}
+    rows = [{"generators": size, "eta": max_staleness, "steps_per_s": plan.steps_per_s}
+            for size, plan in plans.items()]
+    enough = enough_generators(rows)[max_staleness]
+    best = max(row["steps_per_s"] for row in rows)
+    for start in (1, 8):
+        job = PlannedJob(start, plans, max_staleness)
+        scaler = Autoscaler(AutoscalePolicy(min_generators=1, max_generators=8))
+        drive(job, scaler, seconds=1800)
+        settled = job.generators
+        assert drive(job, scaler, seconds=3600) == []
+        assert abs(settled - enough) <= 1 and plans[settled].steps_per_s >= 0.9 * best, (start, settled, enough)
 
 
 def test_never_below_min_nor_above_max():
@@ -268,8 +323,21 @@ def test_parse_autoscale_refuses_with_a_clear_message(text, message):
     ({"min_generators": 0}, "min_generators"), ({"min_generators": 3, "max_generators": 2}, "max_generators"),
     ({"window_steps": 0}, "window_steps"), ({"max_step": 0}, "max_step"), ({"cooldown_s": -1}, "cooldown_s"),
     ({"learner_idle_high": 1.0}, "learner_idle_high"), ({"generator_idle_high": 0}, "generator_idle_high"),
-    ({"warmup_steps": -1}, "warmup_steps"), ({"headroom": float("nan")}, "headroom"),
+    ({"warmup_steps": -1}, "warmup_steps"), ({"interval_s": 0}, "interval_s"), ({"headroom": float("nan")}, "headroom"),
 ])
 def test_policy_refuses_bad_fields_by_name(fields, key):
     with pytest.raises(ValueError, match=key):
         AutoscalePolicy(**fields)
+
+
+def test_the_fields_it_reads_are_the_ones_the_learner_writes():
+    """A renamed metric would leave the autoscaler holding forever on 'no steps': each key it reads is one that
+    progress.jsonl carries."""
+    fleet = fleet_metrics([{"perf/generator/tokens_per_s": 10.0, "timing/generator/idle_frac": 0.5}])
+    assert {autoscale.FLEET_TOKENS, autoscale.GENERATOR_IDLE} <= set(fleet)
+    batch = batch_metrics([1, 2], {}, {})
+    assert {autoscale.STALENESS_MEAN, autoscale.STALENESS_MAX, autoscale.DROPPED_STALE} <= set(batch)
+    with open(os.path.join(REPO, "telemetry", "run_record.py")) as handle:
+        assert f'metrics["{autoscale.LEARNER_IDLE}"]' in handle.read()
+    with open(os.path.join(REPO, "algos", "metrics.py")) as handle:
+        assert f'f"{autoscale.STALENESS_HIST}{{k}}"' in handle.read()
