@@ -140,6 +140,10 @@ class Decision:
     current: int = 0
     """The count the decision was made at."""
 
+    def metrics(self) -> dict:
+        """autoscale/generators (the target) and the signal's numbers, for MLflow at the step it was made."""
+        return {"autoscale/generators": float(self.target), **(self.signal.metrics() if self.signal else {})}
+
 
 def step_of(row) -> int | None:
     """A row's step: a whole number >= 0 (a float like 12.0 too), else None."""

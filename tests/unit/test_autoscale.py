@@ -15,8 +15,8 @@ import pytest
 
 from asyncrl.buffer.fleet_stats import fleet_metrics
 from asyncrl.launch import autoscale
-from asyncrl.launch.autoscale import (AutoscalePolicy, Autoscaler, FleetSignal, balanced_generators, fresh_rows,
-                                      measure_window, parse_autoscale, size_fleet)
+from asyncrl.launch.autoscale import (AutoscalePolicy, Autoscaler, Decision, FleetSignal, balanced_generators,
+                                      fresh_rows, measure_window, parse_autoscale, size_fleet)
 from asyncrl.launch.plan import enough_generators
 from asyncrl.planner.from_run import lognormal_lengths
 from asyncrl.planner.simulate import Fleet, Learner, Queue, simulate
@@ -301,6 +301,8 @@ def test_a_resumed_learner_s_repeated_steps_count_once():
 def test_signal_metrics_are_named_for_mlflow():
     signal = FleetSignal(1, 5, 5, learner_idle_frac=0.2, generator_idle_frac=None, dropped_stale=3.0)
     assert signal.metrics() == {"autoscale/learner_idle_frac": 0.2, "autoscale/dropped_stale": 3.0}
+    assert Decision(3, "grow", signal, 1).metrics() == {"autoscale/generators": 3.0, **signal.metrics()}
+    assert Decision(4, "outside", None, 7).metrics() == {"autoscale/generators": 4.0}
 
 
 @pytest.mark.parametrize("text, expected", [("1:8", (1, 8)), (" 2 : 2 ", (2, 2)), ("3:16", (3, 16))])
