@@ -80,6 +80,8 @@ setup(
         # flashinfer-python 0.6.x and xgrammar 0.2.1/0.2.7, and older releases older torches)
         "sglang": ["sglang==0.5.23", "flash-attn==2.8.3.post2"],
         "redis": ["redis>=5", "hiredis"],
+        # `asyncrl ray` (launch/ray_job.py, the only importer); `ray job submit` from a laptop needs ray[default]
+        "ray": ["ray==2.60.0"],
         # learner.sp_impl=deepspeed: DeepSpeed's DistributedAttention carries Ulysses (learner/ulysses_deepspeed.py)
         "deepspeed": ["deepspeed==0.19.8"],
         # data.source=reasoning_gym: procedurally generated tasks with their own verifiers

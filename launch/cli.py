@@ -22,6 +22,7 @@ COMMANDS = {
     "reward-server": "serve a reward model (reward_server.kind=classifier) or an LLM judge (judge) to the generators",
     "plan": "simulate the job to size the fleet: throughput, staleness and idle time per generator count and eta",
     "slurm": "write sbatch scripts for the job on a SLURM cluster: a learner job and a generator array",
+    "ray": "run the job on a Ray cluster (`asyncrl ray scale JOB --generators N` resizes its fleet)",
 }
 
 
@@ -50,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
             from asyncrl.launch.slurm import add_slurm_arguments
 
             add_slurm_arguments(cmd)
+        if name == "ray":
+            from asyncrl.launch.ray_job import add_ray_arguments
+
+            add_ray_arguments(cmd)
         if name == "run":
             cmd.add_argument("--nproc", type=int, default=1, help="learner ranks (torchrun; default 1)")
             cmd.add_argument("--generators", type=int, default=1,
@@ -224,6 +229,15 @@ def cmd_data(args) -> int:
 
 def main(argv=None) -> int:
     """Parse, then dispatch: the commands that read no recipe first, then load the recipe and run the command."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if os.environ.pop("ASYNCRL_DIE_WITH_PARENT", "") == "1":  # a child of a Ray actor (launch/ray_actors.py)
+        from asyncrl.launch.job import die_with_parent
+
+        die_with_parent()
+    if argv[:2] == ["ray", "scale"]:  # reads no recipe: it reaches a running job's fleet by the job's name
+        from asyncrl.launch.ray_job import cmd_ray_scale
+
+        return cmd_ray_scale(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command in RECIPELESS_FUNCS:
         if args.command in ("export", "data", "init-model"):
@@ -476,6 +490,12 @@ def cmd_plan(cfg, args) -> int:
     return plan_command(cfg, args)
 
 
+def cmd_ray(cfg, args) -> int:
+    from asyncrl.launch.ray_job import cmd_ray as ray_command
+
+    return ray_command(cfg, args)
+
+
 def cmd_slurm(cfg, args) -> int:
     from asyncrl.launch.slurm import cmd_slurm as slurm_command
 
@@ -486,7 +506,8 @@ RECIPELESS_FUNCS = {"export": cmd_export, "data": cmd_data, "keys": cmd_keys, "c
                     "init-model": cmd_init_model}
 """Commands that read no recipe (no --config, no overrides)."""
 COMMAND_FUNCS = {"run": cmd_run, "learner": cmd_learner, "generator": cmd_generator, "sft": cmd_sft,
-                 "eval": cmd_eval, "reward-server": cmd_reward_server, "plan": cmd_plan, "slurm": cmd_slurm}
+                 "eval": cmd_eval, "reward-server": cmd_reward_server, "plan": cmd_plan, "slurm": cmd_slurm,
+                 "ray": cmd_ray}
 
 if __name__ == "__main__":
     sys.exit(main())

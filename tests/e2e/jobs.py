@@ -110,3 +110,17 @@ def wait_until_gone(pids, timeout_s=30):
         while alive(pid):
             assert time.monotonic() < deadline, f"rank {pid} outlived its killed launcher"
             time.sleep(0.05)
+
+
+def effective_prompts(path) -> dict:
+    """step -> prompts, as the final model saw them: a line whose step does not follow the previous one starts a
+    resumed life, which replaces what the previous life recorded from that step on."""
+    timeline, last = {}, 0
+    with open(path) as handle:
+        for line in handle:
+            row = json.loads(line)
+            if row["step"] <= last:
+                timeline = {step: prompts for step, prompts in timeline.items() if step < row["step"]}
+            timeline[row["step"]] = row["prompts"]
+            last = row["step"]
+    return timeline

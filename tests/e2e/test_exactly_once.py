@@ -16,26 +16,12 @@ import pytest
 from asyncrl.security.curve import make_keys
 
 from tests.conftest import free_port
-from tests.e2e.jobs import QUIET_TELEMETRY, job_env, read_progress, subset_parquet
+from tests.e2e.jobs import QUIET_TELEMETRY, effective_prompts, job_env, read_progress, subset_parquet
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = 24
 GROUPS_PER_STEP = 4
-
-
-def effective_prompts(path) -> dict:
-    """step -> prompts, as the final model saw them: a line whose step does not follow the previous one starts a
-    resumed life, which replaces what the previous life recorded from that step on."""
-    timeline, last = {}, 0
-    with open(path) as handle:
-        for line in handle:
-            row = json.loads(line)
-            if row["step"] <= last:
-                timeline = {step: prompts for step, prompts in timeline.items() if step < row["step"]}
-            timeline[row["step"]] = row["prompts"]
-            last = row["step"]
-    return timeline
 
 
 @contextlib.contextmanager

@@ -123,6 +123,20 @@ def test_generator_and_learner_never_import_each_other():
             assert not [m for m in imports_of(path) if m.startswith(f"asyncrl.{other}")], path
 
 
+def test_only_the_ray_launcher_imports_ray():
+    """Ray is an optional extra (`asyncrl[ray]`): launch/ray_job.py, ray_actors.py and ray_fleet.py are the only
+    modules that import it, each inside the functions that need it, so every other command runs without it."""
+    allowed = {"launch/ray_job.py", "launch/ray_actors.py", "launch/ray_fleet.py"}
+    importers = {path for part in installed_parts() for path in modules_of(part)
+                 if any(m == "ray" or m.startswith("ray.") for m in imports_of(path))}
+    assert importers and importers <= allowed, importers - allowed
+    for path in allowed:  # never at module level
+        tree = ast.parse(open(os.path.join(REPO, path)).read(), path)
+        top = [alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names]
+        top += [node.module for node in tree.body if isinstance(node, ast.ImportFrom)]
+        assert not [m for m in top if m == "ray" or m.startswith("ray.")], path
+
+
 def test_the_checker_sees_a_violation():
     """A rule that cannot fail checks nothing: a weightsync module importing the learner is caught."""
     rules = read_rules()
