@@ -184,3 +184,14 @@ def test_the_autoscaler_grows_a_fleet_whose_learner_waits_and_ctrl_c_stops_the_j
     assert "learner waited" in decision.group(1)
     assert all(pid and not alive(pid) for pid in children), children
     print(f"autoscale decision: {decision.group(1)}")
+
+
+def test_the_launchers_bench_times_run_and_ray_on_a_tiny_setting(ray_cluster, demo_cache, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.launchers", "--ray-address", ray_cluster.address,
+                          "--steps", "2", "--demo-cache", demo_cache, "--out", str(tmp_path / "jobs")],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(result["medians"]) == {"run", "ray"}
+    assert all(0 < m["first_step_s"] <= m["end_s"] for m in result["medians"].values())
+    assert "| asyncrl ray |" in out.stdout
