@@ -57,6 +57,7 @@ class RoleProcess:
         self.job_dir, self.driver_cwd = job_dir, driver_cwd
         self.restart_on_death = restart_on_death
         self.proc = None
+        self.tracking = None  # telemetry.serve's MLflow server, on rank 0's node
         self.stopping = False
         self.lock = threading.Lock()
         os.makedirs(job_dir, exist_ok=True)
@@ -91,6 +92,28 @@ class RoleProcess:
                                                  cwd=child_cwd(self.driver_cwd), start_new_session=True)
             return self.proc.pid
 
+    def serve_tracking(self, tracking_uri: str, host: str, port: int) -> str:
+        """telemetry.serve: the MLflow tracking server on this node (rank 0's), on the job's store as this node
+        resolves it; its URL. A loopback `host` (the default) binds this node's address instead: the generators
+        are on other nodes."""
+        import ray
+
+        from asyncrl.telemetry.mlflow_logger import resolve_tracking_uri
+        from asyncrl.telemetry.server import LOOPBACK, start_tracking_server
+
+        if host in LOOPBACK:
+            host = ray.util.get_node_ip_address()
+        cwd = os.getcwd()
+        # a relative sqlite store resolves where the learner runs (called before the learner starts, while nothing
+        # else runs on this actor)
+        os.chdir(child_cwd(self.driver_cwd))
+        try:
+            store = resolve_tracking_uri(tracking_uri)
+        finally:
+            os.chdir(cwd)
+        self.tracking, url = start_tracking_server(store, self.job_dir, host, port, say=lambda line: None)
+        return url
+
     def child_pid(self) -> int:
         return self.proc.pid if self.proc is not None else 0
 
@@ -108,10 +131,11 @@ class RoleProcess:
 
     def stop(self, timeout_s: float = CHILD_STOP_S):
         """SIGTERM (a generator finishes its step and says bye), then SIGKILL; the exit code, None if never
-        started."""
+        started. An MLflow server this actor runs stops after its child: the learner ends the run first."""
         self.stopping = True
         proc = self.proc
         if proc is None:
+            self._stop_tracking()
             return None
         for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
             if proc.poll() is not None:
@@ -124,7 +148,19 @@ class RoleProcess:
                 proc.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
                 continue
+        self._stop_tracking()
         return proc.poll()
+
+    def _stop_tracking(self) -> None:
+        server = self.tracking
+        if server is None or server.poll() is not None:
+            return
+        try:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=15)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
 
     def log_tail(self, lines: int = 25) -> str:
         try:

@@ -156,6 +156,12 @@ def run_ray_job(ray, cfg, launch: RayLaunch, policy, argv: list) -> int:
         node = ray.get(ranks[0].node.remote())
         port = ray.get(ranks[0].free_port.remote())
         shared = job_overrides(cfg, node["ip"])
+        if cfg.telemetry.serve:  # the MLflow server on rank 0's node, where the generators reach it
+            url = ray.get(ranks[0].serve_tracking.remote(cfg.telemetry.tracking_uri, cfg.telemetry.serve_host,
+                                                         cfg.telemetry.serve_port))
+            shared += [f"telemetry.tracking_uri={url}", "telemetry.serve=false"]
+            say_stderr(f"asyncrl ray: MLflow tracking server at {url} (its log: mlflow-server.log in the job "
+                       f"directory)")
         waits = [rank.wait.remote() for rank in ranks]
         for index, rank in enumerate(ranks):
             rank.start.remote(rank_env(index, len(ranks), node["ip"], port), shared)
@@ -168,6 +174,9 @@ def run_ray_job(ray, cfg, launch: RayLaunch, policy, argv: list) -> int:
     except RayLaunchError as err:
         say_stderr(f"asyncrl ray: {err}")
         return 2
+    except ray.exceptions.RayTaskError as err:  # an actor's method failed starting the job (the MLflow server)
+        say_stderr(f"asyncrl ray: {str(err.cause if err.cause is not None else err).splitlines()[-1]}")
+        return 1
     finally:
         stop_everything(ray, fleet, ranks, placement)
 

@@ -1,8 +1,10 @@
 """`asyncrl ray` on a real two-node Ray cluster on this machine (tests/ray_cluster.py): the learner's two ranks (gloo,
 their rendezvous from rank 0's actor) are placed together on the head (learner_host), the generators on the other
-node (generator_host); a generator's process killed with
-SIGKILL is restarted by Ray and delivers again (while `asyncrl ray scale` takes the fleet from 1 to 2 generators:
-both start together, which keeps the test short), and the fleet goes back to 1 while it trains; with data.epochs=1 every prompt is trained exactly once across all of that."""
+node (generator_host); a generator's process killed with SIGKILL is restarted by Ray and delivers again (while
+`asyncrl ray scale` takes the fleet from 1 to 2 generators: both start together, which keeps the test short), and
+the fleet goes back to 1 while it trains; with data.epochs=1 every prompt is trained exactly once across all of
+that; telemetry.serve's MLflow server runs on rank 0's node. Also: the autoscaler and Ctrl-C, and the launchers'
+bench on a tiny setting."""
 import json
 import os
 import re
@@ -14,7 +16,7 @@ import time
 import pytest
 
 from tests.conftest import free_port
-from tests.e2e.jobs import QUIET_TELEMETRY, alive, effective_prompts, job_env, read_progress, subset_parquet
+from tests.e2e.jobs import QUIET_TELEMETRY, alive, mlflow_metric_keys, effective_prompts, job_env, read_progress, subset_parquet
 from tests.ray_cluster import start_cluster, stop_cluster
 
 pytest.importorskip("ray", reason="the ray extra (pip install 'asyncrl[ray]') is not installed")
@@ -113,7 +115,7 @@ def test_a_ray_job_places_restarts_scales_and_trains_each_prompt_once(ray_cluste
     job_dir = tmp_path / "job"
     began = time.monotonic()
     driver, log_path, env = start_driver(ray_cluster, tmp_path, job_dir, ["--generators", "1", "--nproc", "2"],
-                                         job_overrides(model_dir, tmp_path, JOB))
+                                         [*job_overrides(model_dir, tmp_path, JOB), "telemetry.serve=true"])
     timings = {}
     try:
         steps = lambda: len(read_progress(job_dir)) if (job_dir / "progress.jsonl").exists() else 0  # noqa: E731
@@ -153,6 +155,10 @@ def test_a_ray_job_places_restarts_scales_and_trains_each_prompt_once(ray_cluste
     assert last["data/epoch"] == pytest.approx(1.0) and last["data/consumed"] == PROMPTS
     summary = json.loads((job_dir / "summary.json").read_text())
     assert {"gen-0", "gen-1"} <= set(summary["generators"])
+    # telemetry.serve: an MLflow server on rank 0's node served the job's store to every process, and is gone
+    assert summary["mlflow_tracking_uri"].startswith("http://"), summary["mlflow_tracking_uri"]
+    assert any(key.startswith("gen-0/") for key in mlflow_metric_keys(tmp_path, summary["mlflow_run_id"]))
+    assert "MLflow tracking server at http://" in log
     print(f"ray job: {len(trained)} prompts over {len(timeline)} steps; "
           + ", ".join(f"{what} {seconds:.1f} s" for what, seconds in timings.items())
           + f"; returned {({k: v for k, v in last.items() if k.startswith('data/returned/')})}")
