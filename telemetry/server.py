@@ -48,6 +48,14 @@ def server_command(backend_uri: str, artifacts_dir: str, host: str, port: int, a
     return command
 
 
+def server_env() -> dict:
+    """The server's environment: MLflow's job execution off unless the user turned it on. It runs a job runner
+    and Huey consumers (worker pools for GenAI evaluation and trace jobs) beside the server, on the cores the
+    learner and the generators share, for features a training job's run never uses."""
+    return {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION",
+                                                                              "false")}
+
+
 def artifacts_dir_for(backend_uri: str, job_dir: str) -> str:
     """Where the server keeps the artifacts it proxies: beside a sqlite store, where a later `mlflow ui` run from
     the store's directory looks by default (./mlartifacts), so the plots stay viewable after the job; else in the
@@ -69,7 +77,7 @@ def start_tracking_server(backend_uri: str, job_dir: str, host: str, port: int, 
             f"who reaches that address can read and write the run (telemetry.serve_host=127.0.0.1 keeps it local)")
     with open(log_path, "ab") as log_file:
         proc = subprocess.Popen(server_command(backend_uri, artifacts_dir, host, port, advertised),
-                                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, env=server_env())
     url = f"http://{advertised}:{port}"
     health = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}/health"
     deadline = time.monotonic() + timeout_s

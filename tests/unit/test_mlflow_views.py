@@ -1,6 +1,7 @@
 """What a person sees of a run in MLflow: counters only when they change, the overview section that sorts first,
 the dashboards drawn from a real sqlite store, and the tracking server's command and start-up errors."""
 import os
+import signal
 import time
 
 import pytest
@@ -143,6 +144,35 @@ def test_the_tracking_server_is_single_worker_and_allows_the_name_it_publishes()
     public = server_command("sqlite:////j/mlflow.db", "/j/mlartifacts", "0.0.0.0", 5123, "learner.example")
     allowed = public[public.index("--allowed-hosts") + 1].split(",")
     assert "learner.example:5123" in allowed and "127.0.0.1:5123" in allowed and "10.*" in allowed
+
+
+def process_tree(pid: int) -> list:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as handle:
+            children = [int(child) for child in handle.read().split()]
+    except OSError:
+        return [pid]
+    return [pid, *(grandchild for child in children for grandchild in process_tree(child))]
+
+
+def test_the_tracking_server_runs_no_job_runner_beside_it(tmp_path):
+    """MLflow's job execution (a job runner and Huey worker pools) is off: it would take the job's cores."""
+    proc, url = start_tracking_server(f"sqlite:///{tmp_path}/mlflow.db", str(tmp_path), "127.0.0.1", 0,
+                                      timeout_s=120, say=lambda _: None)
+    try:
+        time.sleep(2)  # MLflow starts its job runner right after the server answers
+        commands = []
+        for pid in process_tree(proc.pid):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as handle:
+                    commands.append(handle.read().replace(b"\0", b" ").decode())
+            except OSError:
+                pass
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    assert any("mlflow server" in command for command in commands), commands
+    assert not [command for command in commands if "mlflow.server.jobs" in command or "huey" in command], commands
 
 
 def test_a_tracking_server_that_cannot_start_is_reported_with_its_log(tmp_path):
