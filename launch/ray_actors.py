@@ -177,6 +177,12 @@ class RoleProcess:
         except OSError:
             return ""
 
+    def append_record(self, name: str, record: dict) -> None:
+        """One JSON line into a file of the job directory on this node (the fleet's autoscale.jsonl, on rank 0's
+        node beside progress.jsonl)."""
+        with open(os.path.join(self.job_dir, name), "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
     def progress_since(self, step: int) -> list:
         """The progress records (job_dir/progress.jsonl, rank 0) after `step`; a torn last line is left for later."""
         records = []

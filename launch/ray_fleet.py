@@ -12,6 +12,9 @@ import time
 from asyncrl.launch.ray_actors import RoleProcess
 
 POLL_TIMEOUT_S = 2.0
+AUTOSCALE_RECORDS = "autoscale.jsonl"
+"""Each autoscale decision, a JSON line in the job directory (rank 0's node): the step it read up to, the fleet's
+size before and after, the reason, and what it measured (autoscale/* numbers)."""
 PROGRESS_KEEP = 200
 """Progress records the autoscale thread keeps (its decision reads the newest few)."""
 
@@ -167,6 +170,10 @@ class Fleet:
             with self.lock:
                 if self.closing:
                     return
-                decision = autoscaler.observe(records, current=len(self.live), now=time.monotonic())
-                if decision is not None and decision.target != len(self.live):
+                current = len(self.live)
+                decision = autoscaler.observe(records, current=current, now=time.monotonic())
+                if decision is not None and decision.target != current:
                     self.scale(decision.target, f"autoscale: {decision.reason}")
+                    self.learner.append_record.remote(AUTOSCALE_RECORDS, {
+                        "step": last_step, "time": time.time(), "from": current, "to": decision.target,
+                        "reason": decision.reason, **decision.metrics()})

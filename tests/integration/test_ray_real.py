@@ -189,6 +189,8 @@ def test_the_autoscaler_grows_a_fleet_whose_learner_waits_and_ctrl_c_stops_the_j
     assert decision, log[-4000:]
     assert "learner waited" in decision.group(1)
     assert all(pid and not alive(pid) for pid in children), children
+    recorded = [json.loads(line) for line in open(job_dir / "autoscale.jsonl")]
+    assert recorded[0]["from"] == 1 and recorded[0]["to"] == 2 and recorded[0]["autoscale/learner_idle_frac"] > 0.1
     print(f"autoscale decision: {decision.group(1)}")
 
 
