@@ -3,20 +3,25 @@ does not assert).
 
 The batch is one step's worth of the recipe: `buffer.groups_per_step` prompts from the demo's dataset × `rollout.n`
 samples, at most `rollout.max_tokens` new tokens, the recipe's temperature. Each contender runs in its own process
-(so thread pools and vLLM's engine-core process never overlap), warms up once, then decodes the batch `--rounds`
-times; tokens/s is completion tokens over wall time.
+(so thread pools and vLLM's engine-core process never overlap), warms up, then decodes the batch `--rounds` times;
+tokens/s is completion tokens over wall time. That is one repeat: `--repeats` runs every contender again, in a
+rotated order each time (contenders interleaved, so a machine that slows down mid-run slows them all alike), and the
+table reports each contender's median tokens/s with its range over the repeats, and the ratio to the faster raw
+path computed within each repeat (median and range): one number from one run each moved by 30% between two runs
+on an idle 2-core machine.
 
 - `hf_generate`: transformers' `model.generate` on the whole batch at once (left-padded, `num_return_sequences=n`).
 - `vllm_generate`: vLLM's offline `LLM.generate` with `SamplingParams(n=...)` on all prompts at once.
 - `asyncrl_hf`, `asyncrl_vllm`: asyncrl's engines as the rollout loop drives them, one concurrent `sample` call per
   group. The target is at least 0.95 of the faster raw path (`ratio` in the JSON line).
 Usage:
-    python -m asyncrl.bench.generator_speed [--rounds N] [--threads T] [--contenders A,B,...] [overrides...]
+    python -m asyncrl.bench.generator_speed [--rounds N] [--repeats R] [--threads T] [--contenders A,B,...] [overrides...]
 """
 import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -151,7 +156,8 @@ def in_subprocess(name: str, rounds: int, threads: int, overrides: list) -> dict
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=20, help="timed batches per contender and repeat")
+    parser.add_argument("--repeats", type=int, default=3, help="times every contender runs, interleaved")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each contender (0: torch's default)")
     parser.add_argument("--only", choices=CONTENDERS, help="run one contender here and print its JSON (internal)")
     parser.add_argument("--contenders", default=",".join(CONTENDERS),
@@ -169,18 +175,33 @@ def main(argv=None) -> dict:
     if unknown or not raw or not engines:
         parser.error(f"--contenders must name at least one raw path and one asyncrl engine of {CONTENDERS}"
                      f"{f' (unknown: {sorted(unknown)})' if unknown else ''}")
-    rows = {name: in_subprocess(name, args.rounds, args.threads, args.overrides) for name in chosen}
-    faster_raw = max(raw, key=lambda name: rows[name]["tokens_per_s"])
-    best = max(engines, key=lambda name: rows[name]["tokens_per_s"])
-    print(f"{'contender':<16}{'tokens/s':>10}{'batch s':>10}{'vs ' + faster_raw:>22}")
+    repeats = [{} for _ in range(args.repeats)]
+    for index, repeat in enumerate(repeats):
+        order = chosen[index % len(chosen):] + chosen[:index % len(chosen)]
+        for name in order:
+            repeat[name] = in_subprocess(name, args.rounds, args.threads, args.overrides)
+    rate_of = {name: [repeat[name]["tokens_per_s"] for repeat in repeats] for name in chosen}
+    faster_raw = max(raw, key=lambda name: statistics.median(rate_of[name]))
+    best = max(engines, key=lambda name: statistics.median(rate_of[name]))
+    rows = {}
+    for name in chosen:  # the ratio within each repeat, against the same repeat's raw path
+        ratios = [repeat[name]["tokens_per_s"] / repeat[faster_raw]["tokens_per_s"] for repeat in repeats]
+        rows[name] = {"tokens": repeats[0][name]["tokens"], "tokens_per_s": statistics.median(rate_of[name]),
+                      "tokens_per_s_range": [min(rate_of[name]), max(rate_of[name])],
+                      "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
+                      "batch_s": statistics.median(repeat[name]["batch_s"] for repeat in repeats)}
+    print(f"{args.repeats} repeats of {args.rounds} rounds each, contenders interleaved; median (min-max)")
+    print(f"{'contender':<16}{'tokens/s':>22}{'batch s':>10}{'vs ' + faster_raw:>26}")
     for name, row in rows.items():
-        print(f"{name:<16}{row['tokens_per_s']:>10.0f}{row['batch_s']:>10.3f}"
-              f"{row['tokens_per_s'] / rows[faster_raw]['tokens_per_s']:>22.2f}")
-    result = {"bench": "generator_speed", "faster_raw": faster_raw, "best_engine": best,
-              "ratio": rows[best]["tokens_per_s"] / rows[faster_raw]["tokens_per_s"], "rows": rows}
+        low, high = row["tokens_per_s_range"]
+        ratio_low, ratio_high = row["ratio_range"]
+        rate = f"{row['tokens_per_s']:.0f} ({low:.0f}-{high:.0f})"
+        print(f"{name:<16}{rate:>22}{row['batch_s']:>10.3f}{row['ratio']:>14.2f} ({ratio_low:.2f}-{ratio_high:.2f})")
+    result = {"bench": "generator_speed", "repeats": args.repeats, "rounds": args.rounds, "faster_raw": faster_raw,
+              "best_engine": best, "ratio": rows[best]["ratio"], "ratio_range": rows[best]["ratio_range"],
+              "rows": rows}
     print(json.dumps(result))
     return result
-
 
 if __name__ == "__main__":
     main()

@@ -58,7 +58,7 @@ def test_tool_latency_bench_runs_episodes_at_two_etas_on_a_tiny_setting(tmp_path
 def test_generator_speed_bench_runs_its_contenders_on_a_tiny_setting(tmp_path, demo_assets, demo_cache):
     """Raw HF generate and both asyncrl engines; raw vLLM generate is left out (each contender is its own process,
     and one more vLLM start costs CI about a minute; vLLM's own offline API is not asyncrl's code)."""
-    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.generator_speed", "--rounds", "1",
+    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.generator_speed", "--rounds", "1", "--repeats", "1",
                           "--contenders", "hf_generate,asyncrl_hf,asyncrl_vllm",
                           f"demo.cache_dir={demo_cache}", *TINY_DEMO, "generator.kv_cache_gib=0.25"],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
