@@ -12,6 +12,8 @@ import time
 from asyncrl.launch.ray_actors import RoleProcess
 
 POLL_TIMEOUT_S = 2.0
+UNPLACED_WARN_S = 120.0
+"""A generator whose process has not started this long after it was asked for is named in the driver's output."""
 AUTOSCALE_RECORDS = "autoscale.jsonl"
 """Each autoscale decision, a JSON line in the job directory (rank 0's node): the step it read up to, the fleet's
 size before and after, the reason, and what it measured (autoscale/* numbers)."""
@@ -72,6 +74,11 @@ class Fleet:
                     self._say(f"fleet: {name} restarted by Ray (process {entry['pid']} died; now {pid})")
                 if pid:
                     entry["pid"] = pid
+                elif not entry["warned"] and time.monotonic() - entry["since"] > UNPLACED_WARN_S:
+                    entry["warned"] = True
+                    self._say(f"fleet: {name} is not running after {UNPLACED_WARN_S:.0f} s: the cluster may have no "
+                              f"room for {self.actor_options} (`ray status` shows what it has; it starts when room "
+                              f"appears)")
             failed = [name for name, code in self.exited.items() if code not in (0, 143)]
             return {"live": sorted(self.live, key=self._index), "exited": dict(self.exited), "failed": failed}
 
@@ -108,7 +115,8 @@ class Fleet:
         actor = ray.remote(RoleProcess).options(**options).remote(
             name, "generator", [*self.argv, f"generator.generator_id={name}"], self.job_dir, self.driver_cwd,
             True, True)
-        self.live[name] = {"actor": actor, "wait": actor.wait.remote(), "pid": 0}
+        self.live[name] = {"actor": actor, "wait": actor.wait.remote(), "pid": 0, "since": time.monotonic(),
+                           "warned": False}
         return name
 
     def _remove(self, name: str) -> None:
