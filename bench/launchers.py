@@ -109,16 +109,25 @@ def time_slurm(args, overrides: list, job_dir: str, env: dict) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ray-address", required=True, help="the running Ray cluster (ray start's address)")
+    parser.add_argument("--ray-address", default="", help="the running Ray cluster (ray start's address)")
     parser.add_argument("--learner-resources", default="", help="passed to asyncrl ray, e.g. '{\"learner\": 1}'")
     parser.add_argument("--generator-resources", default="", help="passed to asyncrl ray")
     parser.add_argument("--slurm-redis-url", default="", help="also time asyncrl slurm's scripts (their Redis)")
+    parser.add_argument("--launchers", default="run,ray", help="which to time, of run, ray and slurm (the "
+                        "ratios need run; --slurm-redis-url adds slurm)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--generators", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--demo-cache", default=os.path.expanduser("~/.cache/asyncrl/demo"))
     parser.add_argument("--out", default="", help="where the job directories go (default: a temp dir)")
     args = parser.parse_args(argv)
+    launchers = [name for name in ("run", "ray", "slurm") if name in args.launchers.split(",")]
+    if args.slurm_redis_url and "slurm" not in launchers:
+        launchers.append("slurm")
+    if not launchers or ("slurm" in launchers and not args.slurm_redis_url) or (
+            "ray" in launchers and not args.ray_address):
+        parser.error(f"--launchers {args.launchers!r}: name some of run, ray, slurm; ray needs --ray-address and "
+                     f"slurm --slurm-redis-url")
     from asyncrl.configs import load_config
     from asyncrl.launch.demo import prepare_demo
 
@@ -128,7 +137,6 @@ def main(argv=None) -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0",
            "MLFLOW_TRACKING_URI": f"sqlite:///{out}/mlflow.db"}
     rows = []
-    launchers = ["run", "ray", *(["slurm"] if args.slurm_redis_url else [])]
     for repeat in range(args.repeats):
         overrides = job_overrides(args.demo_cache, args.steps, free_port())
         for name in launchers:
@@ -146,7 +154,8 @@ def main(argv=None) -> int:
         print(f"| asyncrl {name} | {median['first_step_s']:.1f} | {median['end_s']:.1f} |")
     print(json.dumps({"steps": args.steps, "repeats": args.repeats, "medians": medians,
                       "over_run": {name: {key: medians[name][key] / medians["run"][key]
-                                          for key in ("first_step_s", "end_s")} for name in launchers}}))
+                                          for key in ("first_step_s", "end_s")} for name in launchers}
+                      if "run" in medians else {}}))
     return 0
 
 
