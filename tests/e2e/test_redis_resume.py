@@ -258,7 +258,11 @@ def test_two_rank_learner_and_a_generator_ride_out_a_kill_9_of_redis(tiny_model_
     assert sorted(timeline) == list(range(1, steps + 1))
     trained = [group for step in sorted(timeline) for group in timeline[step]]
     assert len(trained) == len(set(trained)) == steps * GROUPS_PER_STEP, "a group was trained twice"
-    assert set(generator.produced) - set(trained) <= owed  # none lost: each one trained or still in the stream
+    # none lost: each one trained, still in the stream, or dropped and counted (a group whose lease ran out during
+    # the outage may reach the learner too stale to train: it is dropped as such, seen once in CI)
+    missing = set(generator.produced) - set(trained) - owed
+    dropped = json.loads((job_dir / "summary.json").read_text())["dropped"]
+    assert len(missing) <= sum(dropped.values()), (missing, dropped)
     assert set(trained) <= set(generator.produced) | {generator.in_flight}  # the last send may outlive the join
     with open(job_dir / "progress.jsonl") as handle:
         rows = [json.loads(line) for line in handle]
