@@ -26,6 +26,7 @@ from asyncrl.telemetry.progress import format_line
 
 POLL_S = 1.0
 PLACEMENT_TIMEOUT_S = 120.0
+GCS_DIAL_S = 10.0
 DEFAULT_MAX_RESTARTS = 20
 """Restarts Ray gives one generator's actor: enough for preemptions and the odd OOM kill, not a crash loop."""
 
@@ -139,8 +140,31 @@ def parse_policy(launch: RayLaunch):
     return policy
 
 
+def join_cluster(ray, address: str, command: str) -> bool:
+    """ray.init on an existing cluster; False (after saying why) when there is none at `address`. A host:port is
+    dialled first: ray.init retries an address nobody answers for minutes."""
+    host, _, port = address.rpartition(":")
+    if host and port.isdigit():
+        import socket
+
+        try:
+            socket.create_connection((host, int(port)), timeout=GCS_DIAL_S).close()
+        except OSError as err:
+            say_stderr(f"asyncrl {command}: no Ray cluster answers at --address {address} ({err}); start one with "
+                       f"`ray start --head`, or pass its address")
+            return False
+    try:
+        ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as err:
+        say_stderr(f"asyncrl {command}: no Ray cluster at --address {address}: {str(err).splitlines()[0]} (start "
+                   f"one with `ray start --head`, or pass its address)")
+        return False
+    return True
+
+
 def run_ray_job(ray, cfg, launch: RayLaunch, policy, argv: list) -> int:
-    ray.init(address=launch.address, namespace=RAY_NAMESPACE, log_to_driver=False)
+    if not join_cluster(ray, launch.address, "ray"):
+        return 2
     name = fleet_name(cfg.job.name)
     if name in ray.util.list_named_actors():
         say_stderr(f"asyncrl ray: a job named {cfg.job.name!r} is already running on this cluster; give this one "
@@ -300,7 +324,8 @@ def cmd_ray_scale(argv: list) -> int:
     except ImportError:
         say_stderr("asyncrl ray scale: Ray is not installed; pip install 'asyncrl[ray]'")
         return 2
-    ray.init(address=args.address, namespace=RAY_NAMESPACE, log_to_driver=False)
+    if not join_cluster(ray, args.address, "ray scale"):
+        return 2
     try:
         fleet = ray.get_actor(fleet_name(args.job), namespace=RAY_NAMESPACE)
     except ValueError:

@@ -45,3 +45,12 @@ def test_ray_scale_refuses_an_empty_fleet_before_reaching_the_cluster(capsys):
 
     assert cmd_ray_scale(["scale", "job", "--generators", "0"]) == 2
     assert "--generators must be >= 1" in capsys.readouterr().err
+
+
+def test_an_address_nobody_answers_is_a_clear_error_at_once_not_rays_minutes_of_retries(capsys):
+    from asyncrl.launch.ray_job import cmd_ray_scale
+    from tests.conftest import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    assert cmd_ray_scale(["scale", "job", "--generators", "2", "--address", address]) == 2
+    assert f"no Ray cluster answers at --address {address}" in capsys.readouterr().err
