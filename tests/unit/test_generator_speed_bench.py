@@ -23,4 +23,6 @@ def test_repeats_interleave_the_contenders_and_the_ratio_is_paired_within_each_r
     assert result["faster_raw"] == "vllm_generate" and result["best_engine"] == "asyncrl_vllm"
     assert result["ratio"] == 0.9 and result["ratio_range"] == [0.9, 0.9]
     assert result["rows"]["asyncrl_vllm"]["tokens_per_s_range"] == [90.0, 180.0]
+    assert result["rows"]["asyncrl_vllm"]["vs_own_raw"] == 0.9  # against vllm_generate, paired
+    assert "vs_own_raw" not in result["rows"]["hf_generate"]
     assert "median (min-max)" in capsys.readouterr().out
