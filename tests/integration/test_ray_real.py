@@ -171,8 +171,9 @@ def test_the_autoscaler_grows_a_fleet_whose_learner_waits_and_ctrl_c_stops_the_j
     model_dir, files = demo_assets
     subset_parquet(files[0], str(tmp_path / "epoch.parquet"), 200)
     job_dir = tmp_path / "job"
-    overrides = [*job_overrides(model_dir, tmp_path, "autoscaled"), "data.epochs=5",
-                 "learner.total_steps=1000"]  # the job would end long after the test
+    # an hour's job at this speed: it cannot end before the test stops it (CI's loaded cores took a minute to
+    # start the second generator, while the learner trained 5 epochs)
+    overrides = [*job_overrides(model_dir, tmp_path, "autoscaled"), "data.epochs=50", "learner.total_steps=10000"]
     driver, log_path, _ = start_driver(ray_cluster, tmp_path, job_dir,
                                        ["--generators", "1", "--autoscale", "1:2", "--autoscale-interval-s", "1",
                                         "--autoscale-cooldown-s", "5"], overrides)
