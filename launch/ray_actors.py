@@ -20,7 +20,6 @@ the driver only after `ray` is known to be installed.
 """
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -130,37 +129,17 @@ class RoleProcess:
         return code
 
     def stop(self, timeout_s: float = CHILD_STOP_S):
-        """SIGTERM (a generator finishes its step and says bye), then SIGKILL; the exit code, None if never
-        started. An MLflow server this actor runs stops after its child: the learner ends the run first."""
-        self.stopping = True
-        proc = self.proc
-        if proc is None:
-            self._stop_tracking()
-            return None
-        for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
-            if proc.poll() is not None:
-                break
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(timeout=wait_s)
-            except subprocess.TimeoutExpired:
-                continue
-        self._stop_tracking()
-        return proc.poll()
+        """SIGTERM (a generator finishes its step and says bye), then SIGKILL, as `asyncrl run` stops its children
+        (launch/supervisor.py); the exit code, None if never started. An MLflow server this actor runs stops after
+        its child: the learner ends the run first."""
+        from asyncrl.launch.supervisor import stop as stop_child
 
-    def _stop_tracking(self) -> None:
-        server = self.tracking
-        if server is None or server.poll() is not None:
-            return
-        try:
-            os.killpg(server.pid, signal.SIGTERM)
-            server.wait(timeout=15)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        self.stopping = True
+        if self.proc is not None:
+            stop_child({"proc": self.proc}, timeout_s)
+        if self.tracking is not None:
+            stop_child({"proc": self.tracking})
+        return self.proc.poll() if self.proc is not None else None
 
     def log_tail(self, lines: int = 25) -> str:
         try:
@@ -183,18 +162,23 @@ class RoleProcess:
         with open(os.path.join(self.job_dir, name), "a") as handle:
             handle.write(json.dumps(record) + "\n")
 
-    def progress_since(self, step: int) -> list:
-        """The progress records (job_dir/progress.jsonl, rank 0) after `step`; a torn last line is left for later."""
-        records = []
+    def progress_since(self, offset: int) -> tuple:
+        """(the records appended to job_dir/progress.jsonl, rank 0's, after byte `offset`; the offset to ask from
+        next). Each call reads only what is new (the driver asks every second, on the learner's node); a line still
+        being written is left for the next call."""
         try:
-            with open(os.path.join(self.job_dir, "progress.jsonl"), errors="replace") as handle:
-                for line in handle:
-                    try:
-                        record = json.loads(line)
-                    except ValueError:
-                        continue
-                    if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step:
-                        records.append(record)
-        except OSError:
-            pass
-        return records
+            with open(os.path.join(self.job_dir, "progress.jsonl"), "rb") as handle:
+                handle.seek(offset)
+                data = handle.read()
+        except OSError:  # no progress.jsonl yet: no step has finished
+            return [], offset
+        complete = data[:data.rfind(b"\n") + 1]
+        records = []
+        for line in complete.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                records.append(record)
+        return records, offset + len(complete)

@@ -164,11 +164,11 @@ class Fleet:
         from asyncrl.launch.autoscale import Autoscaler
 
         autoscaler = Autoscaler(policy)
-        records, last_step = [], 0
+        records, last_step, offset = [], 0, 0
         while not self.closing:
             time.sleep(policy.interval_s)
             try:
-                fresh = ray.get(self.learner.progress_since.remote(last_step), timeout=30)
+                fresh, offset = ray.get(self.learner.progress_since.remote(offset), timeout=30)
             except Exception as err:  # the learner is busy or finishing: decide next time
                 self._say(f"autoscale: no progress records this round ({type(err).__name__})")
                 continue

@@ -247,12 +247,11 @@ def start_fleet(ray, cfg, launch: RayLaunch, policy, argv: list, job_dir: str, l
 def supervise(ray, cfg, ranks: list, waits: list, fleet) -> int:
     """Until the learner's ranks end: the progress line, the fleet's events; then the end of the job."""
     tty = sys.stderr.isatty()
-    last_line, last_print, seen_events, last_step = "", 0.0, 0, 0
+    last_line, last_print, seen_events, offset = "", 0.0, 0, 0
     while True:
         done, _ = ray.wait(waits, num_returns=len(waits), timeout=POLL_S)
-        fresh = ray.get(ranks[0].progress_since.remote(last_step))
+        fresh, offset = ray.get(ranks[0].progress_since.remote(offset))
         if fresh:
-            last_step = fresh[-1]["step"]
             record = fresh[-1]
             line = format_line(record["step"], record["total"], record, record["elapsed_s"])
             if line != last_line and (tty or time.monotonic() - last_print > 10):
@@ -295,7 +294,7 @@ def stop_everything(ray, fleet, ranks: list, placement) -> None:
     for rank in ranks:
         try:
             ray.get(rank.stop.remote(), timeout=60)
-        except Exception:
+        except Exception:  # the rank's actor is gone, and its child with it (ASYNCRL_DIE_WITH_PARENT)
             pass
         ray.kill(rank, no_restart=True)
     if placement is not None:
