@@ -1,8 +1,8 @@
 """A real two-node Ray cluster on this machine: a head (`ray start --head`) and a second node (`ray start
 --address`), each a raylet of its own with its own custom resource (learner_host on the head, generator_host on
 the other), so a job's placement can be checked. Each `ray start --block` is our child: SIGTERM to its PID stops
-the processes it started (ray's own `ray stop` finds processes by name, which would stop any other Ray on the
-machine). Every port is a free one; the session files live in a short /tmp directory (Ray's unix sockets must fit
+the processes it started (Ray's own stop command finds processes by name, which would stop any other Ray on
+the machine). Every port is a free one; the session files live in a short /tmp directory (Ray's unix sockets must fit
 108 bytes)."""
 import os
 import shutil
@@ -80,14 +80,19 @@ def start_cluster(cpus_head: int = 2, cpus_worker: int = 4) -> RayCluster:
     return RayCluster(address, temp_dir, nodes)
 
 
+def stop_process(proc: subprocess.Popen, sig: int, timeout_s: float = 60) -> None:
+    """`sig` to a process we started, then SIGKILL if it is still there after `timeout_s`."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def stop_cluster(cluster: RayCluster) -> None:
     """The second node first, then the head; each `ray start --block` stops what it started on SIGTERM."""
     for proc in reversed(cluster.nodes):
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc, signal.SIGTERM)
     shutil.rmtree(cluster.temp_dir, ignore_errors=True)

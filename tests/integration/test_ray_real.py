@@ -17,7 +17,7 @@ import pytest
 
 from tests.conftest import free_port
 from tests.e2e.jobs import QUIET_TELEMETRY, alive, mlflow_metric_keys, effective_prompts, job_env, read_progress, subset_parquet
-from tests.ray_cluster import start_cluster, stop_cluster
+from tests.ray_cluster import start_cluster, stop_cluster, stop_process
 
 pytest.importorskip("ray", reason="the ray extra (pip install 'asyncrl[ray]') is not installed")
 pytestmark = pytest.mark.slow
@@ -101,12 +101,7 @@ def start_driver(cluster, tmp_path, job_dir, extra: list, overrides: list):
 
 
 def stop_driver(driver) -> None:
-    if driver.poll() is None:
-        driver.send_signal(signal.SIGINT)
-        try:
-            driver.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            driver.kill()
+    stop_process(driver, signal.SIGINT)
 
 
 def test_a_ray_job_places_restarts_scales_and_trains_each_prompt_once(ray_cluster, demo_assets, tmp_path):
