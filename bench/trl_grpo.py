@@ -1,15 +1,24 @@
-"""TRL's `GRPOTrainer` on asyncrl's demo, with the recipe's settings, for bench/time_to_reward.py (TRL is the
-`bench` extra, never a runtime dependency of asyncrl).
+"""TRL's `GRPOTrainer` on any task of bench/time_to_reward.py's suite, with the task's recipe and overrides (TRL is
+the `bench` extra, never a runtime dependency of asyncrl).
 
-Same warm-started model, tokenizer, prompts and reward function as `asyncrl run`; the same batch (groups_per_step
-prompts × rollout.n samples, at most rollout.max_tokens new tokens, the recipe's temperature), lr with a linear
-warmup then constant, AdamW, grad clip, PPO clip ε = 0.2 / 0.28 with one update per batch, token-mean loss
-(`loss_type="dapo"`), no KL (`beta=0`), generation with HF `generate`. Not dynamic sampling: GRPOTrainer has no
-zero-variance filter, so its batches keep the groups that teach nothing (its reward is over everything it sampled,
-like asyncrl's `reward/sampled_mean`). Each step is appended to
-`<job dir>/progress.jsonl` in asyncrl's format (step, elapsed_s, reward/sampled_mean and reward/mean, the same
-number: every group is trained), so both sides are read alike. Usage:
-    python -m asyncrl.bench.trl_grpo --job-dir DIR --seed S --steps N [overrides...]
+Same warm-started model, tokenizer, prompts (the rows `asyncrl run` trains on: data.train_files or reasoning-gym's,
+less data.val_fraction's held-out split) and reward function (reward.path / reward.function) as `asyncrl run`; the
+same batch (groups_per_step prompts × rollout.n samples, at most rollout.max_tokens new tokens, the recipe's
+temperature), lr with a linear warmup then constant, AdamW, grad clip, PPO clip ε = 0.2 / 0.28 with one update per
+batch, token-mean loss (`loss_type="dapo"`), no KL (`beta=0`), generation with HF `generate`. Not dynamic sampling:
+GRPOTrainer has no zero-variance filter, so its batches keep the groups that teach nothing (its reward is over
+everything it sampled, like asyncrl's `reward/sampled_mean`). Each step is appended to `<job dir>/progress.jsonl` in
+asyncrl's format (step, elapsed_s, reward/sampled_mean and reward/mean, the same number: every group is trained), so
+both sides are read alike. The final model and its tokenizer are saved to `<job dir>/final` for the judge
+(bench/judge.py).
+
+Multi-turn tool tasks are not run (`unsupported_reason`): TRL 1.16's GRPOTrainer takes `tools=[...]`, but refuses a
+chat template that renders tool calls as plain content (`supports_tool_calling`), as the tool demo's does (its
+model learnt `<tool_call>{...}</tool_call>` in its text), and parses calls only for the chat templates it knows
+(`add_response_schema`: "Unrecognized chat template"). Running it would need another template, so other prompts
+than asyncrl's, and its `max_completion_length` caps a whole episode where asyncrl's rollout.max_tokens caps each
+turn: not identical settings. Usage:
+    python -m asyncrl.bench.trl_grpo --job-dir DIR [--config RECIPE] --seed S --steps N [overrides...]
 """
 import argparse
 import json
@@ -23,11 +32,11 @@ def reward_function(cfg):
 
     compute_score = load_reward_fn(cfg.reward.path, cfg.reward.function)
 
-    def reward(prompts, completions, data_source, ground_truth, **kwargs):
+    def reward(prompts, completions, data_source, ground_truth, extra_info, **kwargs):
         rewards = []
-        for completion, source, truth in zip(completions, data_source, ground_truth):
+        for completion, source, truth, extra in zip(completions, data_source, ground_truth, extra_info):
             text = completion[0]["content"] if isinstance(completion, list) else completion
-            rewards.append(score(compute_score, source, text, truth, None)[0])
+            rewards.append(score(compute_score, source, text, truth, json.loads(extra))[0])
         return rewards
 
     return reward
@@ -61,23 +70,42 @@ class ProgressWriter:
             handle.write(json.dumps(row) + "\n")
 
 
-def run_trl(job_dir: str, seed: int, steps: int, overrides: list, threads: int) -> None:
+def unsupported_reason(cfg) -> str | None:
+    """Why this bench cannot run TRL with settings identical to this config's (see the module docstring), or None."""
+    tools = cfg.tools.builtins or cfg.tools.functions or cfg.tools.mcp_servers
+    if tools or cfg.rollout.max_turns > 1:
+        return (f"multi-turn tools ({', '.join(tools) or 'rollout.max_turns > 1'}): TRL 1.16 GRPOTrainer refuses a "
+                f"chat template that renders tool calls as content and parses no unknown template's calls")
+    return None
+
+
+def training_rows(cfg, files: list) -> list:
+    """The rows `asyncrl run` trains on: the files (or reasoning-gym's rows), less data.val_fraction's split."""
+    from asyncrl.data.prompts import split_job_rows
+
+    return split_job_rows(cfg.data, cfg.job.seed, files)[0]
+
+
+def run_trl(job_dir: str, recipe: str, seed: int, steps: int, overrides: list, threads: int) -> None:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from asyncrl.configs import load_config
-    from asyncrl.data.prompts import read_rows
     from asyncrl.launch.job import resolve_rl_inputs
 
     if threads:
         torch.set_num_threads(threads)
-    cfg = load_config("demo_cpu.yaml", overrides)
+    cfg = load_config(recipe, overrides)
+    reason = unsupported_reason(cfg)
+    if reason:
+        raise SystemExit(f"bench.trl_grpo: not run: {reason}")
     model_dir, files = resolve_rl_inputs(cfg)
-    rows = read_rows(files)
     dataset = Dataset.from_list([{"prompt": row["prompt"], "data_source": row["data_source"],
-                                  "ground_truth": row["reward_model"]["ground_truth"]} for row in rows])
+                                  "ground_truth": row["reward_model"]["ground_truth"],
+                                  "extra_info": json.dumps(row.get("extra_info"))}
+                                 for row in training_rows(cfg, files)])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     batch = cfg.buffer.groups_per_step * cfg.rollout.n
@@ -95,18 +123,22 @@ def run_trl(job_dir: str, seed: int, steps: int, overrides: list, threads: int) 
     trainer = GRPOTrainer(model=model, reward_funcs=[reward_function(cfg)], args=args, train_dataset=dataset,
                           processing_class=tokenizer, callbacks=[progress.callback])
     trainer.train()
+    final = os.path.join(job_dir, "final")
+    trainer.save_model(final)
+    tokenizer.save_pretrained(final)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--job-dir", required=True)
+    parser.add_argument("--config", default="demo_cpu.yaml", help="the task's recipe (asyncrl run --config)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     os.makedirs(args.job_dir, exist_ok=True)
-    run_trl(args.job_dir, args.seed, args.steps, args.overrides, args.threads)
+    run_trl(args.job_dir, args.config, args.seed, args.steps, args.overrides, args.threads)
 
 
 if __name__ == "__main__":
