@@ -1,22 +1,42 @@
-"""Time to reward on the demo: what asynchrony is for. It reports; it does not assert.
+"""Time to reward on the suite (bench/suite/tasks.py::SUITE): asyncrl's defaults against asyncrl at η = 0 and TRL,
+on tasks nobody tuned them for, and every run's final model scored by one neutral judge. It reports; it does not
+assert.
 
-For every seed, one after another in this job: `asyncrl run` with the demo recipe at each η in `--etas` (η = 0 is
-asyncrl's own synchronous mode), each `--variant` (a name and overrides, e.g. another correction), and TRL's
-`GRPOTrainer` with the same settings (bench/trl_grpo.py; `--no-trl` leaves it out). The seed moves the learner's
-and the generators' seeds and TRL's, never the warm start: every run starts from the same cached demo model.
+For every seed (outermost: a drift in the machine's speed hits every configuration alike), every task of `--tasks`
+(built once, through the public path, under `--root`) and every configuration of `--configs`, one run after another
+in this job, each with the task's recipe and overrides, then the command line's:
+- `default`: `asyncrl run` with the task's recipe as it is;
+- `eta0`: the same at η = 0 (buffer.max_staleness=0), asyncrl's synchronous mode, with learner.torch_threads and
+  generator.torch_threads each set to their sum in the recipe: its phases never overlap, so each gets every core
+  the asynchronous run splits between them (`sync_threads`);
+- `trl`: TRL's `GRPOTrainer` with identical settings (bench/trl_grpo.py), on the same total of threads; "n/a" with
+  the reason on a task it cannot run identically (multi-turn tools);
+and one asyncrl run per `--etas` value and per `--variant` (a name and overrides, e.g. another correction). The
+seed moves the learner's and the generators' seeds and TRL's, never the warm start: every run of a task starts from
+its one cached model. asyncrl checkpoints only after its last step (learner.checkpoint_every = the steps), as TRL
+saves only at its end, so neither pays for saves inside the timed span.
 
-Per run, from its own progress.jsonl (one line per step; the reward is that of everything the policy sampled,
-`row_reward`):
+Per run, from its own progress.jsonl (one line per step):
 - time to target: wall time from the first step until the mean reward of the last `--window` steps first reaches
-  `--target` (None if it never does);
-- reward at budget: that rolling mean at the last step within `--budget-s` of the first step;
+  the target (the task's `target` unless `--target`; None if it never does). Comparable because both sides log the
+  same quantity: the mean reward of everything the policy sampled for that step, before any filter (asyncrl's
+  `reward/sampled_mean`, every group the generators sampled since the previous step, dynamic sampling's dropped
+  groups included; TRL's logged `reward`, the mean over the step's whole batch, which it never filters), with the
+  clock started at each framework's first step (so neither's start-up counts);
+- reward at budget: that rolling mean at the last step within `--budget-s` of the first step (default: the shortest
+  span of any run of the task, so every run is read at a time all of them reached);
 - final reward: the mean of the last `--final-steps` steps;
 - samples/s between the first and the last step; the learner's idle fraction (waiting for batches) and the
   generators' (neither sampling nor loading weights); staleness; IS-weight mean and max where the correction has
-  IS weights.
-The table shows the median and the range over seeds; the JSON line has every run. Usage:
-    python -m asyncrl.bench.time_to_reward [--seeds 0 1 2] [--etas 0 2 (none: variants only)] [--steps 500] [--target 0.6]
-        [--variant NAME=key=value,key=value ...] [--no-trl] [overrides...]
+  IS weights;
+- the judge (bench/judge.py) on the final model (asyncrl's checkpoint after its last step, TRL's `<job dir>/final`):
+  held-out greedy mean reward and exact rate, and at T = 1 the mean reward and pass@k (`--judge-n` samples).
+Per task one table (median [min, max] over seeds), then a summary table (per task: time to target of the default
+over TRL's and over η = 0's, held-out greedy of each; the median of each ratio over the tasks), then one JSON line
+with every run. Usage:
+    python -m asyncrl.bench.time_to_reward [--tasks sort ...] [--root DIR] [--seeds 0 1 2]
+        [--configs default eta0 trl] [--etas 2 ...] [--variant NAME=key=value,key=value ...] [--steps N]
+        [--target R] [--judge-n 8] [--judge-prompts N] [--keep DIR] [overrides...]
 """
 import argparse
 import json
@@ -93,22 +113,29 @@ def summarize(progress: list, samples_per_step: int, target: float, window: int,
     }
 
 
-def run_asyncrl(job_dir: str, seed: int, steps: int, overrides: list) -> None:
+def run_asyncrl(job_dir: str, recipe: str, seed: int, steps: int, overrides: list) -> None:
     env = {**os.environ, "ASYNCRL_JOB_DIR": job_dir, "HF_HUB_OFFLINE": "1",
            "MLFLOW_TRACKING_URI": os.environ.get("MLFLOW_TRACKING_URI",
                                                  f"sqlite:///{os.path.dirname(job_dir)}/mlflow.db")}
     # generator reports (idle fraction, the sampled reward) reach the learner's rows every second, unless overridden;
-    # no evaluation rounds (TRL's runs evaluate nothing either), unless overridden
-    command = [sys.executable, "-m", "asyncrl.launch.cli", "run", "generator.log_every_s=1", "eval.every_steps=0",
-               "eval.before_train=false", *overrides,
+    # no evaluation rounds (TRL's runs evaluate nothing either; the judge evaluates both), unless overridden; one
+    # checkpoint, after the last step, in this run's own directory (never resumed from another run's)
+    command = [sys.executable, "-m", "asyncrl.launch.cli", "run", "--config", recipe, "generator.log_every_s=1",
+               "eval.every_steps=0", "eval.before_train=false", *overrides,
                f"learner.total_steps={steps}", f"learner.seed={seed}", f"generator.seed={seed}",
+               f"learner.checkpoint_every={steps}", f"learner.checkpoint_dir={final_checkpoints(job_dir)}",
                "telemetry.progress=false"]
     check(subprocess.run(command, env=env, capture_output=True, text=True), job_dir)
 
 
-def run_trl(job_dir: str, seed: int, steps: int, overrides: list) -> None:
-    command = [sys.executable, "-m", "asyncrl.bench.trl_grpo", "--job-dir", job_dir, "--seed", str(seed),
-               "--steps", str(steps), *overrides]
+def final_checkpoints(job_dir: str) -> str:
+    """Where an asyncrl run of this bench checkpoints (the root: `asyncrl eval` takes its newest)."""
+    return os.path.join(job_dir, "checkpoints")
+
+
+def run_trl(job_dir: str, recipe: str, seed: int, steps: int, threads: int, overrides: list) -> None:
+    command = [sys.executable, "-m", "asyncrl.bench.trl_grpo", "--job-dir", job_dir, "--config", recipe, "--seed",
+               str(seed), "--steps", str(steps), "--threads", str(threads), *overrides]
     check(subprocess.run(command, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True),
           job_dir)
 
@@ -147,62 +174,218 @@ def median_or_none(values: list):
 
 
 COLUMNS = (("time_to_target_s", "time to target s"), ("reward_at_budget", "reward at budget"),
-           ("reward_final", "final reward"), ("samples_per_s", "samples/s"), ("learner_idle_frac", "learner idle"),
-           ("generator_idle_frac", "gen idle"), ("staleness_mean", "staleness"), ("is_weight_mean", "IS mean"),
-           ("is_weight_max", "IS max"))
+           ("reward_final", "final reward"), ("heldout_greedy_reward", "held-out greedy"),
+           ("heldout_greedy_pass", "held-out greedy exact"), ("heldout_t1_reward", "T=1 reward"),
+           ("heldout_pass_at_1", "pass@1"), ("heldout_pass_at_k", "pass@k"), ("samples_per_s", "samples/s"),
+           ("learner_idle_frac", "learner idle"), ("generator_idle_frac", "gen idle"),
+           ("staleness_mean", "staleness"), ("is_weight_mean", "IS mean"), ("is_weight_max", "IS max"))
+"""Every run's numbers (the JSON line has them all); a task's table shows those some run of it has."""
+TRL = "TRL GRPOTrainer"
+DEFAULT = "asyncrl default"
+ETA0 = "asyncrl eta=0"
 
 
-def print_table(configs: dict) -> None:
-    print("| run | " + " | ".join(label for _, label in COLUMNS) + " |")
-    print("|---|" + "---|" * len(COLUMNS))
+def print_table(configs: dict, skipped: dict) -> None:
+    """One row per configuration (median [min, max] over seeds), one column per number some run has."""
+    shown = [(key, label) for key, label in COLUMNS
+             if any(run.get(key) is not None for runs in configs.values() for run in runs)]
+    print("| run | " + " | ".join(label for _, label in shown) + " |")
+    print("|---|" + "---|" * len(shown))
     for name, runs in configs.items():
-        cells = [spread([run[key] for run in runs]) for key, _ in COLUMNS]
+        if name in skipped:
+            print(f"| {name} | n/a: {skipped[name]} |" + " |" * (len(shown) - 1))
+            continue
+        cells = [spread([run.get(key) for run in runs]) for key, _ in shown]
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--etas", type=int, nargs="*", default=[0, 2])
-    parser.add_argument("--variant", type=parse_variant, action="append", default=[],
-                        help="NAME=key=value,... : one more asyncrl run per seed with these overrides")
-    parser.add_argument("--steps", type=int, default=500)
-    parser.add_argument("--target", type=float, default=0.6)
-    parser.add_argument("--window", type=int, default=20)
-    parser.add_argument("--budget-s", type=float, default=150.0)
-    parser.add_argument("--final-steps", type=int, default=50)
-    parser.add_argument("--no-trl", action="store_true", help="leave TRL out (it is the `bench` extra)")
-    parser.add_argument("--keep", help="keep every run's job directory under this path")
-    parser.add_argument("overrides", nargs="*", help="overrides for every run, asyncrl and TRL alike")
-    args = parser.parse_args(argv)
+def ratio(numerator, denominator) -> float | None:
+    """numerator / denominator, None where either is missing (a target not reached) or the denominator is 0."""
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+SUMMARY_LABELS = {"task": "task", "ttt_default_over_trl": "time to target, default / TRL",
+                  "ttt_default_over_eta0": "time to target, default / η = 0",
+                  "heldout_default": "held-out greedy, default", "heldout_trl": "held-out greedy, TRL",
+                  "heldout_eta0": "held-out greedy, η = 0"}
+
+
+def summary_rows(medians: dict) -> list:
+    """Per task (`medians`: task -> configuration -> key -> median over seeds): time to target of the default over
+    TRL's and over η = 0's, and the held-out greedy reward of each; then the median of each over the tasks that
+    have it (a task where one side never reached its target has no ratio: its table says which)."""
+    rows = []
+    for task, configs in medians.items():
+        default, trl, eta0 = (configs.get(name, {}) for name in (DEFAULT, TRL, ETA0))
+        rows.append({"task": task,
+                     "ttt_default_over_trl": ratio(default.get("time_to_target_s"), trl.get("time_to_target_s")),
+                     "ttt_default_over_eta0": ratio(default.get("time_to_target_s"), eta0.get("time_to_target_s")),
+                     "heldout_default": default.get("heldout_greedy_reward"),
+                     "heldout_trl": trl.get("heldout_greedy_reward"),
+                     "heldout_eta0": eta0.get("heldout_greedy_reward")})
+    keys = [key for key in SUMMARY_LABELS if key != "task"]
+    overall = {key: median_or_none([row[key] for row in rows if row[key] is not None]) for key in keys}
+    return rows + [{"task": f"median over {len(rows)} tasks", **overall}]
+
+
+def print_summary(rows: list) -> None:
+    print("| " + " | ".join(SUMMARY_LABELS.values()) + " |")
+    print("|---|" + "---|" * (len(SUMMARY_LABELS) - 1))
+    for row in rows:
+        cells = [row["task"], *("-" if row[key] is None else f"{row[key]:.3g}" for key in list(SUMMARY_LABELS)[1:])]
+        print("| " + " | ".join(cells) + " |")
+
+
+def sync_threads(learner_threads: int, generator_threads: int) -> list:
+    """η = 0's thread overrides: each phase gets the threads both get in the asynchronous recipe (their phases
+    never overlap); none where a side already takes every core (0)."""
+    if not learner_threads or not generator_threads:
+        return []
+    total = learner_threads + generator_threads
+    return [f"learner.torch_threads={total}", f"generator.torch_threads={total}"]
+
+
+def heldout_columns(scores: dict, ks: tuple) -> dict:
+    """The judge's scores under the run's keys (pass@k: the largest k judged), or nothing for a skipped judge."""
+    if "skipped" in scores:
+        return {"heldout_skipped": scores["skipped"]}
+    top = max(ks)
+    return {"heldout_greedy_reward": scores["greedy_reward"], "heldout_greedy_pass": scores["greedy_pass"],
+            "heldout_t1_reward": scores["t1_reward"], "heldout_pass_at_1": scores.get("pass_at_1"),
+            "heldout_pass_at_k": scores.get(f"pass_at_{top}"), "heldout_k": top,
+            **{f"heldout_pass_at_{k}": scores[f"pass_at_{k}"] for k in ks}}
+
+
+def plan_runs(cfg, configs: list, etas: list, variants: list) -> list:
+    """(label, overrides; None for TRL) of each run of a task, in the order they run."""
+    plan = []
+    if "default" in configs:
+        plan.append((DEFAULT, []))
+    if "eta0" in configs:
+        plan.append((ETA0, ["buffer.max_staleness=0",
+                            *sync_threads(cfg.learner.torch_threads, cfg.generator.torch_threads)]))
+    plan += [(f"asyncrl eta={eta}", [f"buffer.max_staleness={eta}"]) for eta in etas]
+    plan += [(f"asyncrl {name}", overrides) for name, overrides in variants]
+    if "trl" in configs:
+        plan.append((TRL, None))
+    return plan
+
+
+def set_up_task(task, args) -> dict:
+    """A task's runs and their settings: its config (recipe, task overrides, the command line's), the plan, steps,
+    target, samples per step, threads for TRL, and the configurations it cannot run (label -> why)."""
+    from asyncrl.bench.trl_grpo import unsupported_reason
     from asyncrl.configs import load_config
 
-    cfg = load_config("demo_cpu.yaml", args.overrides)
-    samples_per_step = cfg.buffer.groups_per_step * cfg.rollout.n
-    plan = [(f"asyncrl eta={eta}", [f"buffer.max_staleness={eta}"]) for eta in args.etas]
-    plan += [(f"asyncrl {name}", overrides) for name, overrides in args.variant]
-    if not args.no_trl:
-        plan.append(("TRL GRPOTrainer", None))
+    overrides = [*task.overrides, *args.overrides]
+    cfg = load_config(task.recipe, overrides)
+    plan = plan_runs(cfg, args.configs, args.etas, args.variant)
+    reason = unsupported_reason(cfg)
+    return {"task": task, "overrides": overrides, "plan": plan, "skipped": {TRL: reason} if reason else {},
+            "steps": args.steps or task.steps, "target": task.target if args.target is None else args.target,
+            "samples_per_step": cfg.buffer.groups_per_step * cfg.rollout.n,
+            "threads": (cfg.learner.torch_threads + cfg.generator.torch_threads) if cfg.learner.torch_threads and
+            cfg.generator.torch_threads else 0}
+
+
+def one_run(setup: dict, label: str, extra, seed: int, job_dir: str, args) -> tuple[dict, tuple]:
+    """Train one configuration, read its progress, judge its final model: (its numbers, (elapsed, rewards))."""
+    from asyncrl.bench.judge import judge
+
+    task, steps = setup["task"], setup["steps"]
+    if extra is None:
+        run_trl(job_dir, task.recipe, seed, steps, setup["threads"], args.overrides)
+        final = os.path.join(job_dir, "final")
+    else:
+        run_asyncrl(job_dir, task.recipe, seed, steps, [*setup["overrides"], *extra])
+        final = final_checkpoints(job_dir)
+    progress = read_progress(job_dir)
+    run = summarize(progress, setup["samples_per_step"], setup["target"], args.window, float("inf"),
+                    args.final_steps)
+    # the judge reads the task's overrides and the command line's, never a configuration's (η, threads, variant
+    # settings): every model of the task is scored alike
+    scores = judge(final, task, args.judge_n, tuple(args.judge_ks), tuple(args.overrides), args.judge_prompts)
+    curve = ([row["elapsed_s"] for row in progress], [row_reward(row) for row in progress])
+    return {"seed": seed, **run, **heldout_columns(scores, tuple(k for k in args.judge_ks if k <= args.judge_n))}, curve
+
+
+def fill_budget(runs: list, curves: list, budget_s: float | None, window: int) -> float:
+    """Each run's reward at the budget: `budget_s`, else the shortest span of these runs (a time all reached)."""
+    budget = budget_s or min(elapsed[-1] - elapsed[0] for elapsed, _ in curves)
+    for run, (elapsed, rewards) in zip(runs, curves):
+        run["reward_at_budget"] = reward_at_budget(elapsed, rewards, budget, window)
+    return budget
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", nargs="+", default=None, help="tasks of bench/suite/tasks.py::SUITE (all)")
+    parser.add_argument("--root", default=os.path.expanduser("~/.cache/asyncrl/suite"),
+                        help="where the suite's tasks are built and cached")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--configs", nargs="*", default=["default", "eta0", "trl"],
+                        choices=["default", "eta0", "trl"])
+    parser.add_argument("--no-trl", action="store_true", help="leave TRL out (it is the `bench` extra)")
+    parser.add_argument("--etas", type=int, nargs="*", default=[], help="one more asyncrl run per η")
+    parser.add_argument("--variant", type=parse_variant, action="append", default=[],
+                        help="NAME=key=value,... : one more asyncrl run per seed with these overrides")
+    parser.add_argument("--steps", type=int, default=0, help="RL steps of every run (0: each task's own)")
+    parser.add_argument("--target", type=float, default=None, help="the target reward (default: each task's)")
+    parser.add_argument("--window", type=int, default=20)
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="reward at this many seconds (default: each task's shortest run)")
+    parser.add_argument("--final-steps", type=int, default=50)
+    parser.add_argument("--judge-n", type=int, default=8, help="the judge's samples per prompt at T = 1")
+    parser.add_argument("--judge-ks", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--judge-prompts", type=int, default=0, help="judge the first N held-out prompts (0: all)")
+    parser.add_argument("--keep", help="keep every run's job directory under this path")
+    parser.add_argument("overrides", nargs="*", help="overrides for every run, asyncrl and TRL alike, after the "
+                                                     "task's")
+    args = parser.parse_args(argv)
+    if args.no_trl:
+        args.configs = [name for name in args.configs if name != "trl"]
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    from asyncrl.bench.suite.tasks import SUITE, build_task
+
+    setups = {name: set_up_task(build_task(name, args.root), args) for name in args.tasks or list(SUITE)}
     workdir = args.keep or tempfile.mkdtemp(prefix="asyncrl-ttr-")
-    configs: dict = {name: [] for name, _ in plan}
-    for seed in args.seeds:  # seeds outermost: a drift in the machine's speed hits every config alike
-        for index, (name, extra) in enumerate(plan):
-            job_dir = os.path.join(workdir, f"seed{seed}-{index}")
-            if extra is None:
-                run_trl(job_dir, seed, args.steps, args.overrides)
-            else:
-                run_asyncrl(job_dir, seed, args.steps, [*args.overrides, *extra])
-            run = summarize(read_progress(job_dir), samples_per_step, args.target, args.window, args.budget_s,
-                            args.final_steps)
-            configs[name].append({"seed": seed, **run})
-            print(f"{name} seed {seed}: {json.dumps(run)}", file=sys.stderr, flush=True)
-    print(f"target {args.target} (mean of {args.window} steps), budget {args.budget_s:.0f} s, final = last "
-          f"{args.final_steps} of {args.steps} steps; median [min, max] over seeds {args.seeds}")
-    print_table(configs)
-    medians = {name: {key: median_or_none([run[key] for run in runs]) for key, _ in COLUMNS}
-               for name, runs in configs.items()}
-    result = {"bench": "time_to_reward", "target": args.target, "steps": args.steps, "seeds": args.seeds,
-              "medians": medians, "runs": configs}
+    results = {name: {label: [] for label, _ in setup["plan"]} for name, setup in setups.items()}
+    curves = {name: {label: [] for label, _ in setup["plan"]} for name, setup in setups.items()}
+    for seed in args.seeds:  # seeds outermost: a drift in the machine's speed hits every task and config alike
+        for name, setup in setups.items():
+            for index, (label, extra) in enumerate(setup["plan"]):
+                if label in setup["skipped"]:
+                    continue
+                job_dir = os.path.join(workdir, name, f"seed{seed}-{index}")
+                run, curve = one_run(setup, label, extra, seed, job_dir, args)
+                results[name][label].append(run)
+                curves[name][label].append(curve)
+                print(f"{name} {label} seed {seed}: {json.dumps(run)}", file=sys.stderr, flush=True)
+    medians, budgets = {}, {}
+    for name, setup in setups.items():
+        ran = [label for label, runs in results[name].items() if runs]
+        budgets[name] = fill_budget([run for label in ran for run in results[name][label]],
+                                    [curve for label in ran for curve in curves[name][label]], args.budget_s,
+                                    args.window) if ran else None
+        medians[name] = {label: {key: median_or_none([run.get(key) for run in runs]) for key, _ in COLUMNS}
+                         for label, runs in results[name].items() if runs}
+        print(f"\n{name}: target {setup['target']} (mean of {args.window} steps), budget {budgets[name] or 0:.0f} s, "
+              f"final = last {args.final_steps} of {setup['steps']} steps; median [min, max] over seeds {args.seeds}")
+        print_table(results[name], setup["skipped"])
+    summary = summary_rows(medians)
+    print("\nsummary (ratios of the medians over seeds; < 1: the default is faster)")
+    print_summary(summary)
+    result = {"bench": "time_to_reward", "tasks": list(setups), "seeds": args.seeds,
+              "steps": {name: setup["steps"] for name, setup in setups.items()},
+              "targets": {name: setup["target"] for name, setup in setups.items()}, "budgets_s": budgets,
+              "skipped": {name: setup["skipped"] for name, setup in setups.items()}, "summary": summary,
+              "medians": medians, "runs": results}
     print(json.dumps(result))
     return result
 

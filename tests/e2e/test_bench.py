@@ -1,11 +1,13 @@
 """Benchmarks are not tests; this only checks that each one runs on a tiny setting and ends with a JSON line."""
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
 from tests.conftest import free_port
+from tests.e2e.jobs import QUIET_TELEMETRY
 
 
 TINY_DEMO = ["demo.sft_steps=20", "demo.num_prompts=256", "buffer.groups_per_step=2", "rollout.n=2",
@@ -13,23 +15,32 @@ TINY_DEMO = ["demo.sft_steps=20", "demo.num_prompts=256", "buffer.groups_per_ste
 
 
 @pytest.mark.slow
-def test_time_to_reward_bench_runs_asyncrl_and_trl_on_a_tiny_setting(tmp_path, demo_assets, demo_cache):
-    """One asyncrl run (η = 1; η = 0, the synchronous mode, runs in the resume tests) and TRL's, each 4 steps."""
-    overrides = [f"demo.cache_dir={demo_cache}", *TINY_DEMO, f"buffer.port={free_port()}"]
-    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.time_to_reward", "--seeds", "0", "--etas", "1",
-                          "--steps", "4", "--window", "2", "--final-steps", "2", "--target", "0.0", *overrides],
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+def test_time_to_reward_bench_runs_the_suites_sort_task_through_the_judge(tmp_path, demo_assets, demo_cache):
+    """The suite's `sort` task, asyncrl's default and TRL's, 3 steps each, and the judge on both final models (4
+    held-out prompts, 2 samples at T = 1). Dynamic sampling is off: the 20-step warm start is almost never right,
+    so it would sample for long to find a group worth training on. HOME is the test's: the sort task's held-out
+    split is written under the demo's default cache."""
+    overrides = [f"demo.cache_dir={demo_cache}", *TINY_DEMO, f"buffer.port={free_port()}",
+                 "algo.dynamic_sampling=false", *QUIET_TELEMETRY]
+    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.time_to_reward", "--tasks", "sort", "--root",
+                          str(tmp_path / "suite"), "--seeds", "0", "--configs", "default", "trl", "--steps", "3",
+                          "--window", "2", "--final-steps", "2", "--target", "0.0", "--judge-n", "2", "--judge-ks",
+                          "1", "2", "--judge-prompts", "4", *overrides],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env={**os.environ, "HOME": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["bench"] == "time_to_reward" and result["seeds"] == [0]
-    runs = result["runs"]
-    assert set(runs) == {"asyncrl eta=1", "TRL GRPOTrainer"}
+    assert result["bench"] == "time_to_reward" and result["seeds"] == [0] and result["tasks"] == ["sort"]
+    runs = result["runs"]["sort"]
+    assert set(runs) == {"asyncrl default", "TRL GRPOTrainer"}
     for name, (run,) in runs.items():
-        assert run["steps"] == 4 and run["samples_per_s"] > 0, (name, run)
+        assert run["steps"] == 3 and run["samples_per_s"] > 0, (name, run)
         assert run["time_to_target_s"] is not None and 0 <= run["reward_final"] <= 1  # a target of 0 is reached
-    (async_,) = runs["asyncrl eta=1"]
+        assert 0 <= run["heldout_greedy_reward"] <= 1 and 0 <= run["heldout_pass_at_1"] <= run["heldout_pass_at_2"]
+    (async_,) = runs["asyncrl default"]
     assert async_["staleness_mean"] <= 1 and 0 <= async_["learner_idle_frac"] <= 1
-    assert "| asyncrl eta=1 |" in out.stdout  # the table
+    assert [row["task"] for row in result["summary"]] == ["sort", "median over 1 tasks"]
+    assert "| asyncrl default |" in out.stdout and "| TRL GRPOTrainer |" in out.stdout  # the task's table
 
 
 @pytest.mark.slow

@@ -1,0 +1,97 @@
+"""The suite runner's maths (bench/time_to_reward.py) and the judge's reading of `asyncrl eval` (bench/judge.py):
+pure functions, no runs."""
+import json
+
+import pytest
+
+from asyncrl.bench.judge import JUDGE_ENGINE, eval_command, multi_turn_reason, parse_eval_output, scores_from
+from asyncrl.bench.suite.task import SuiteTask
+from asyncrl.bench.time_to_reward import (DEFAULT, ETA0, TRL, fill_budget, heldout_columns, plan_runs, ratio,
+                                          summary_rows, sync_threads)
+from asyncrl.bench.trl_grpo import unsupported_reason
+from asyncrl.configs import load_config
+
+TASK = SuiteTask(name="t", recipe="demo_cpu.yaml", overrides=("rollout.max_tokens=12",), test_files=("t.parquet",),
+                 target=0.5, steps=10)
+
+
+def test_parse_eval_output_reads_the_last_json_line_after_the_table():
+    metrics = {"eval/all/mean_reward": 0.5, "eval/all/pass_at_1": 0.25, "eval/all/prompts": 4.0}
+    stdout = "eval: on eval.files (4 prompts)\neval: 4/4 prompts\ndata_source  mean_reward\nall  0.5\n" + \
+        json.dumps(metrics) + "\n"
+    assert parse_eval_output(stdout) == metrics
+
+
+def test_parse_eval_output_names_what_it_got_when_there_is_no_metrics_line():
+    with pytest.raises(ValueError, match="no JSON line.*crashed"):
+        parse_eval_output("eval: on eval.files\ncrashed\n")
+    with pytest.raises(ValueError, match="does not parse"):
+        parse_eval_output('table\n{"eval/all/mean_reward": 0.5\n')
+
+
+def test_scores_come_from_the_greedy_and_the_sampled_runs():
+    greedy = {"eval/all/prompts": 4.0, "eval/all/mean_reward": 0.75, "eval/all/pass_at_1": 0.5}
+    sampled = {"eval/all/prompts": 4.0, "eval/all/mean_reward": 0.4, "eval/all/pass_at_1": 0.3,
+               "eval/all/pass_at_4": 0.7}
+    assert scores_from(greedy, sampled, (1, 4)) == {"prompts": 4, "greedy_reward": 0.75, "greedy_pass": 0.5,
+                                                    "t1_reward": 0.4, "pass_at_1": 0.3, "pass_at_4": 0.7}
+
+
+def test_the_judges_engine_comes_after_every_override_and_the_files_last():
+    command = eval_command("model", TASK, ["a.parquet"], ["eval.n=2"], ("generator.engine=vllm",))
+    engine = command.index(JUDGE_ENGINE[0])
+    assert command.index("rollout.max_tokens=12") < command.index("generator.engine=vllm") < engine
+    assert command[-4:] == ["--checkpoint", "model", "--files", "a.parquet"]
+
+
+def test_multi_turn_tasks_are_neither_judged_nor_run_on_trl():
+    tools = load_config("tools_cpu.yaml", [])
+    assert "one model turn" in multi_turn_reason(tools) and "calculator" in unsupported_reason(tools)
+    sort = load_config("demo_cpu.yaml", [])
+    assert multi_turn_reason(sort) is None and unsupported_reason(sort) is None
+
+
+def test_ratio_and_the_summary_over_tasks():
+    assert ratio(50.0, 100.0) == 0.5 and ratio(None, 100.0) is None and ratio(50.0, None) is None
+    assert ratio(50.0, 0.0) is None
+    medians = {"a": {DEFAULT: {"time_to_target_s": 30.0, "heldout_greedy_reward": 0.8},
+                     TRL: {"time_to_target_s": 60.0, "heldout_greedy_reward": 0.7},
+                     ETA0: {"time_to_target_s": 100.0, "heldout_greedy_reward": 0.79}},
+               "b": {DEFAULT: {"time_to_target_s": 40.0, "heldout_greedy_reward": 0.5},
+                     TRL: {"time_to_target_s": 50.0, "heldout_greedy_reward": 0.6},
+                     ETA0: {"time_to_target_s": None, "heldout_greedy_reward": 0.4}},
+               "c": {DEFAULT: {"time_to_target_s": 10.0}, TRL: {"time_to_target_s": 40.0}}}
+    a, b, c, overall = summary_rows(medians)
+    assert (a["ttt_default_over_trl"], a["ttt_default_over_eta0"]) == (0.5, 0.3)
+    assert b["ttt_default_over_eta0"] is None and b["heldout_trl"] == 0.6 and c["heldout_eta0"] is None
+    assert overall["task"] == "median over 3 tasks"
+    assert overall["ttt_default_over_trl"] == 0.5  # of 0.5, 0.8 and 0.25
+    assert overall["ttt_default_over_eta0"] == 0.3  # the one task that has it
+    assert overall["heldout_default"] == pytest.approx(0.65)
+
+
+def test_eta0_gets_both_sides_threads_and_the_plan_keeps_its_order():
+    assert sync_threads(1, 1) == ["learner.torch_threads=2", "generator.torch_threads=2"]
+    assert sync_threads(0, 1) == []
+    cfg = load_config("demo_cpu.yaml", [])
+    plan = plan_runs(cfg, ["default", "eta0", "trl"], [2], [("ppo", ["algo.prox_logprobs=recompute"])])
+    assert plan == [(DEFAULT, []), (ETA0, ["buffer.max_staleness=0", "learner.torch_threads=2",
+                                           "generator.torch_threads=2"]),
+                    ("asyncrl eta=2", ["buffer.max_staleness=2"]), ("asyncrl ppo", ["algo.prox_logprobs=recompute"]),
+                    (TRL, None)]
+
+
+def test_the_default_budget_is_the_shortest_run_so_every_run_is_read_at_a_time_it_reached():
+    runs = [{}, {}]
+    curves = [([10.0, 11.0, 12.0, 13.0], [0.0, 0.2, 0.4, 0.6]), ([5.0, 7.0, 9.0], [0.1, 0.3, 0.5])]
+    assert fill_budget(runs, curves, None, 1) == 3.0
+    assert runs[0]["reward_at_budget"] == pytest.approx(0.6) and runs[1]["reward_at_budget"] == pytest.approx(0.3)
+    assert fill_budget(runs, curves, 1.5, 2) == 1.5 and runs[0]["reward_at_budget"] == pytest.approx(0.1)
+
+
+def test_heldout_columns_take_the_largest_k_and_say_why_a_judge_was_skipped():
+    scores = {"prompts": 4, "greedy_reward": 0.75, "greedy_pass": 0.5, "t1_reward": 0.4, "pass_at_1": 0.3,
+              "pass_at_4": 0.7}
+    columns = heldout_columns(scores, (1, 4))
+    assert columns["heldout_pass_at_k"] == 0.7 and columns["heldout_k"] == 4 and columns["heldout_pass_at_1"] == 0.3
+    assert heldout_columns({"skipped": "multi-turn"}, (1,)) == {"heldout_skipped": "multi-turn"}
