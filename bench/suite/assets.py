@@ -129,6 +129,9 @@ def run_cli(args: list, cwd: str) -> str:
     with the command and the end of its output."""
     env = {key: value for key, value in os.environ.items() if not key.startswith(("MLFLOW_", "ASYNCRL_"))}
     env.setdefault("HF_HUB_OFFLINE", "1")
+    # one thread: `asyncrl sft` does not apply learner.torch_threads, and torch's default of one thread per core
+    # spins in OpenMP barriers when the cores are shared (an SFT step took ~40x the demo's on a loaded machine)
+    env.setdefault("OMP_NUM_THREADS", "1")
     out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", *args], cwd=cwd, env=env,
                          capture_output=True, text=True)
     if out.returncode != 0:
