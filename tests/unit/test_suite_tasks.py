@@ -69,3 +69,11 @@ def test_spell_backward_is_scored_by_reasoning_gyms_verifier_on_the_rows_entry()
     assert 0.0 < partial < 1.0
     assert all(score("spell_backward", bad, truth, row["extra_info"]) < 0.5 for bad in GARBAGE)
     assert score("spell_backward", truth, truth, None) == 1.0  # no entry: the verifier still has the answer
+
+
+def test_the_suite_holds_the_two_demos_first_and_three_untuned_tasks():
+    from asyncrl.bench.suite.tasks import SUITE, build_task
+
+    assert list(SUITE) == ["sort", "tools", "digit_words", "sort_letters", "spell_backward"]
+    with pytest.raises(ValueError, match="no suite task 'nope'"):
+        build_task("nope", "/nonexistent")
