@@ -243,6 +243,10 @@ class SFTConfig:
     save_dir: Optional[str] = None
     """Where the fine-tuned model is saved (an HF model directory, what `model.path` of the next job names); None:
     `model/` in the job directory."""
+    torch_threads: int = 0
+    """torch intra-op threads of `asyncrl sft`; 0 keeps torch's default (one per core: SFT runs alone). Set it
+    when other work shares the cores: torch's threads then spin in OpenMP barriers, and a step can take tens of
+    times longer. (learner.torch_threads is the RL learner's, which shares its cores with generators.)"""
 
     def __post_init__(self):
         if self.max_length < 0:
@@ -257,6 +261,8 @@ class SFTConfig:
             raise ValueError(f"sft.batch_size must be >= 1, got {self.batch_size}")
         if self.epochs < 0 or self.warmup_steps < 0 or self.val_every < 0 or self.checkpoint_every < 0:
             raise ValueError("sft.epochs, sft.warmup_steps, sft.val_every and sft.checkpoint_every must be >= 0")
+        if self.torch_threads < 0:
+            raise ValueError(f"sft.torch_threads must be >= 0 (0: torch's default), got {self.torch_threads}")
         if self.lr_schedule not in SCHEDULES:
             raise ValueError(f"sft.lr_schedule must be one of {SCHEDULES}, got {self.lr_schedule!r}")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -83,6 +83,8 @@ def run_sft_job(cfg, model_path: str, files: list, job_dir: str, parallel: Paral
     sft = cfg.sft
     seed = part_seed(sft.seed, cfg.job.seed)
     torch.manual_seed(seed)
+    if sft.torch_threads:
+        torch.set_num_threads(sft.torch_threads)
     tokenizer = load_tokenizer(model_path, trust_remote_code=cfg.model.trust_remote_code)
     if cfg.learner.lora.enabled:
         say("sft: learner.lora is for RL; SFT trains every weight and saves a full model")

@@ -129,9 +129,6 @@ def run_cli(args: list, cwd: str) -> str:
     with the command and the end of its output."""
     env = {key: value for key, value in os.environ.items() if not key.startswith(("MLFLOW_", "ASYNCRL_"))}
     env.setdefault("HF_HUB_OFFLINE", "1")
-    # one thread: `asyncrl sft` does not apply learner.torch_threads, and torch's default of one thread per core
-    # spins in OpenMP barriers when the cores are shared (an SFT step took ~40x the demo's on a loaded machine)
-    env.setdefault("OMP_NUM_THREADS", "1")
     out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", *args], cwd=cwd, env=env,
                          capture_output=True, text=True)
     if out.returncode != 0:
@@ -152,7 +149,9 @@ def warm_start(paths: TaskPaths, settings: BuildSettings) -> None:
     run_cli(["sft", f"model.path={os.path.join(paths.folder, 'models', 'base')}",
              f"data.train_files=[{paths.sft}]", f"sft.steps={settings.sft_steps}",
              f"sft.batch_size={settings.sft_batch_size}", f"sft.save_dir={paths.model}", f"job.seed={settings.seed}",
-             "telemetry.plots=false", "telemetry.system_metrics_every_s=0"], cwd=paths.folder)
+             # one thread, the same on every machine (a warm start is reproducible only at a fixed thread count);
+             # torch's default of one per core spins in OpenMP barriers when the cores are shared
+             "sft.torch_threads=1", "telemetry.plots=false", "telemetry.system_metrics_every_s=0"], cwd=paths.folder)
 
 
 def write_recipe(paths: TaskPaths, settings: BuildSettings) -> None:

@@ -28,7 +28,7 @@ def eval_reward(task, model: str, temperature: float, n: int) -> float:
             *task.test_files, *task.overrides, f"eval.temperature={temperature}", f"eval.n={n}",
             "telemetry.plots=false"]
     env = {key: value for key, value in os.environ.items() if not key.startswith(("MLFLOW_", "ASYNCRL_"))}
-    env = {"OMP_NUM_THREADS": "1", **env, "HF_HUB_OFFLINE": "1"}  # one thread: see assets.py::run_cli
+    env = {"OMP_NUM_THREADS": "1", **env, "HF_HUB_OFFLINE": "1"}  # one thread, as the warm start was built
     out = subprocess.run(argv, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")

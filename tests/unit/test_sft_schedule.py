@@ -41,7 +41,8 @@ def test_the_validation_split_is_seeded_and_never_takes_everything():
                                            ({"min_lr_ratio": 0.5}, "does not decay"),
                                            ({"val_fraction": 1.0}, "val_fraction"),
                                            ({"val_files": ["v.parquet"], "val_fraction": 0.1}, "keep one"),
-                                           ({"epochs": -1}, "must be >= 0")])
+                                           ({"epochs": -1}, "must be >= 0"),
+                                           ({"torch_threads": -1}, "sft.torch_threads must be >= 0")])
 def test_sft_settings_that_do_not_combine_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SFTConfig(**kwargs)
