@@ -116,17 +116,22 @@ def free_port() -> int:
 
 def measure(steps: dict, rounds: int, tokens: int) -> dict:
     """Alternate the named step functions for `rounds` rounds (after one warm-up each): per name, tokens/s over
-    its median round and over its slowest and fastest; `ratio` of the last name to the first is over medians."""
+    its median round and over its slowest and fastest, and tokens per CPU-second of this process over its median
+    round (`cpu_tokens_per_s`: on a machine shared with other jobs, wall time counts their load too; CPU time
+    mostly does not)."""
     for step in steps.values():
         step()
     seconds = {name: [] for name in steps}
+    cpu_seconds = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             step()
             seconds[name].append(time.perf_counter() - started)
+            cpu_seconds[name].append(time.process_time() - cpu_started)
     return {name: {"tokens_per_s": tokens / statistics.median(times), "min": tokens / max(times),
-                   "max": tokens / min(times)} for name, times in seconds.items()}
+                   "max": tokens / min(times), "cpu_tokens_per_s": tokens / statistics.median(cpu_seconds[name])}
+            for name, times in seconds.items()}
 
 
 def default_setup(args) -> tuple:
@@ -162,7 +167,7 @@ def measure_overhead(args) -> dict:
                                     settings.max_tokens_per_microbatch, settings.grad_clip),
         "asyncrl": lambda: asyncrl_step(model, optimizer, scheduler, groups, settings, algo)}, args.rounds, tokens)
     return {**result, "ratio": result["asyncrl"]["tokens_per_s"] / result["plain"]["tokens_per_s"],
-            "tokens": tokens, "rows": sum(len(group.samples) for group in groups)}
+            "cpu_ratio": result["asyncrl"]["cpu_tokens_per_s"] / result["plain"]["cpu_tokens_per_s"], "tokens": tokens, "rows": sum(len(group.samples) for group in groups)}
 
 
 def measure_packing(args) -> dict:
@@ -216,7 +221,8 @@ def main(argv=None) -> dict:
         result["threads"] = torch.get_num_threads()
         print_speed("overhead", overhead, "plain", "asyncrl", overhead["ratio"],
                     f"plain loop of the same math / train_step, {args.shape} shape, {overhead['rows']} rows, "
-                    f"{overhead['tokens']} tokens, {torch.get_num_threads()} threads")
+                    f"{overhead['tokens']} tokens, {torch.get_num_threads()} threads; per CPU-second: "
+                    f"{overhead['cpu_ratio']:.3f}")
     if "packing" in parts:
         packing = result["packing"] = measure_packing(args)
         print_speed("packing", packing, "padded", "packed", packing["speedup"],
