@@ -6,7 +6,8 @@ The batch is what the demo's learner trains on: the demo's cached warm-start mod
 task's reward, with half the groups one version stale (the demo runs at `buffer.max_staleness` 1, so A-3PO's
 interpolation has something to do). The step runs with the recipe's algo section, `learner.torch_threads`,
 `learner.max_tokens_per_microbatch` and `learner.logprob_chunk_tokens`, on the same batch every time.
-Prints the top ops by self CPU time and one JSON line with the step's median time. Usage:
+Prints the top ops by self CPU time and one JSON line with the step's median time (unprofiled) and the ops a step
+dispatches. Usage:
     python -m asyncrl.bench.learner_profile [--recipe demo_cpu] [--steps N] [--top K] [overrides ...]
 """
 import argparse
@@ -119,12 +120,17 @@ def main(argv=None) -> dict:
     unprofiled = time_steps(step, args.steps)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         time_steps(step, args.steps)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    events = prof.key_averages()
+    print(events.table(sort_by="self_cpu_time_total", row_limit=args.top))
+    aten = [event for event in events if event.key.startswith("aten::")]
     tokens = sum(len(g.prompt_ids) + len(s.completion_ids) for g in groups for s in g.samples)
     result = {"bench": "learner_profile", "recipe": args.recipe, "overrides": args.overrides,
               "threads": torch.get_num_threads(), "rows": sum(len(g.samples) for g in groups), "tokens": tokens,
               "step_s_median": statistics.median(unprofiled), "step_s_min": min(unprofiled),
-              "step_s_max": max(unprofiled), "tokens_per_s": tokens / statistics.median(unprofiled)}
+              "step_s_max": max(unprofiled), "tokens_per_s": tokens / statistics.median(unprofiled),
+              # the load-independent part of the profile: how many ops a step dispatches, and their CPU time
+              "aten_calls_per_step": sum(event.count for event in aten) / args.steps,
+              "self_cpu_s_per_step": sum(event.self_cpu_time_total for event in events) / 1e6 / args.steps}
     print(json.dumps(result))
     return result
 
