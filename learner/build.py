@@ -47,13 +47,23 @@ def shard_model(model, learner, parallel: ParallelState):
 def build_optimizer(model, learner_cfg):
     """AdamW over the parameters that train (with LoRA, the adapters alone) with a linear warmup over
     learner.warmup_steps, then learner.lr_schedule (learner/lr_schedule.py)."""
-    optimizer = torch.optim.AdamW(trainable_parameters(model), lr=learner_cfg.lr,
-                                  betas=(learner_cfg.adam_beta1, learner_cfg.adam_beta2),
-                                  weight_decay=learner_cfg.weight_decay)
+    params = trainable_parameters(model)
+    optimizer = torch.optim.AdamW(params, lr=learner_cfg.lr, betas=(learner_cfg.adam_beta1, learner_cfg.adam_beta2),
+                                  weight_decay=learner_cfg.weight_decay, fused=fused_adamw(params) or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
         lr_multiplier, warmup_steps=max(learner_cfg.warmup_steps, 0), total_steps=learner_cfg.total_steps,
         schedule=learner_cfg.lr_schedule, min_ratio=learner_cfg.min_lr_ratio))
     return optimizer, scheduler
+
+
+def fused_adamw(params: list) -> bool:
+    """Whether AdamW takes its fused kernel: for plain (unsharded) CPU tensors. There torch's default is the
+    one-tensor-at-a-time loop (its multi-tensor path is for accelerators), a dozen small ops per parameter that
+    took 3-7 ms of the demo's step against 1.1-1.4 ms fused; the update is AdamW's, equal to about 1 ulp. Sharded
+    (DTensor) and accelerator parameters keep torch's default."""
+    from torch.distributed.tensor import DTensor
+
+    return bool(params) and all(param.device.type == "cpu" and not isinstance(param, DTensor) for param in params)
 
 
 @dataclass

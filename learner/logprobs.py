@@ -215,18 +215,13 @@ def head_logprobs(model, hidden, targets, temps, chunk_tokens: int, with_entropy
         args = (head, flat_hidden[start:stop], flat_targets[start:stop], flat_temps[start:stop], *nucleus)
         if with_entropy == "grad" and torch.is_grad_enabled():
             logprobs_chunk, entropy_chunk = checkpoint(_chunk_logprobs_entropy, *args, use_reentrant=False)
-            logprob_chunks.append(logprobs_chunk)
-            entropy_chunks.append(entropy_chunk)
-            continue
-        if torch.is_grad_enabled():
+        elif torch.is_grad_enabled():
             # Recompute the chunk's logits in backward instead of keeping [chunk, V] fp32 alive for every chunk.
-            logprob_chunks.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False))
+            logprobs_chunk, entropy_chunk = checkpoint(_chunk_logprobs, *args, bool(with_entropy), use_reentrant=False)
         else:
-            logprob_chunks.append(_chunk_logprobs(*args))
-        if with_entropy:
-            with torch.no_grad():
-                entropy_chunks.append(_chunk_entropy(head, flat_hidden[start:stop].detach(), flat_targets[start:stop],
-                                                     flat_temps[start:stop], *nucleus))
+            logprobs_chunk, entropy_chunk = _chunk_logprobs(*args, bool(with_entropy))
+        logprob_chunks.append(logprobs_chunk)
+        entropy_chunks.append(entropy_chunk)
     logprobs = torch.cat(logprob_chunks).view(rows, length)
     entropy = torch.cat(entropy_chunks).view(rows, length) if with_entropy else None
     return logprobs, entropy
@@ -286,13 +281,17 @@ def _chunk_logits(head, hidden, targets, temps, top_ks, top_ps):
     return logits
 
 
-def _chunk_logprobs(head, hidden, targets, temps, top_ks=None, top_ps=None):
-    logits = _chunk_logits(head, hidden, targets, temps, top_ks, top_ps)
-    return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
-
-
-def _chunk_entropy(head, hidden, targets, temps, top_ks=None, top_ps=None):
-    return _entropy(_chunk_logits(head, hidden, targets, temps, top_ks, top_ps).log_softmax(-1))
+def _chunk_logprobs(head, hidden, targets, temps, top_ks=None, top_ps=None, with_entropy: bool = False):
+    """The chunk's logprobs [chunk] and, `with_entropy`, its entropy [chunk] as a detached metric (else None).
+    Both come from ONE head matmul and softmax: a separate entropy pass would cost a second head matmul per chunk
+    (the vocabulary-wide one, the largest of a small model's step). Under `checkpoint` the no-grad entropy is
+    recomputed with the logits in backward: a few elementwise passes, not a matmul."""
+    log_probs = _chunk_logits(head, hidden, targets, temps, top_ks, top_ps).log_softmax(-1)
+    logprobs = log_probs.gather(-1, targets[:, None]).squeeze(-1)
+    if not with_entropy:
+        return logprobs, None
+    with torch.no_grad():
+        return logprobs, _entropy(log_probs)
 
 
 def _chunk_logprobs_entropy(head, hidden, targets, temps, top_ks=None, top_ps=None):

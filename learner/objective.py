@@ -77,7 +77,9 @@ def compute_micro_loss(plan: OffPolicyPlan, algo, logprobs: torch.Tensor, prox: 
                        counts: StepCounts, kl_loss_coef: float, generator: torch.Generator | None = None,
                        entropy: torch.Tensor | None = None):
     """This micro-batch's share of the step loss (a scalar with grad), its policy-loss, KL-loss and entropy-bonus
-    shares (detached floats; summing them over micro-batches gives the step's values) and its token metrics.
+    shares (detached fp64 0-d tensors, so they sum as the floats they become, or 0.0 for a term that is off;
+    summed over micro-batches they give the step's values; the caller turns them into floats once, since float()
+    waits for the device) and its token metrics.
     ``algo`` supplies the aggregation, the KL estimator and ``entropy_coef``: with it > 0, ``entropy`` [b, l] (with
     grad) is aggregated like the policy loss and ``entropy_coef`` times it is subtracted (verl's entropy_coeff)."""
     inputs = policy_loss_inputs(plan, logprobs, prox, micro, generator)
@@ -89,7 +91,7 @@ def compute_micro_loss(plan: OffPolicyPlan, algo, logprobs: torch.Tensor, prox: 
         kl = compute_kl(logprobs, micro.logprobs_ref, algo.kl_loss_type, loss_mask=micro.loss_mask)  # [b, l]
         kl_term = aggregate_loss(kl, micro.loss_mask, algo.loss_agg, **agg)
         loss = pg_loss + kl_loss_coef * kl_term
-        kl_share = float(kl_term.detach())
+        kl_share = kl_term.detach().double()
         with torch.no_grad():  # k3 per token whatever the loss's estimator, so runs stay comparable
             k3 = compute_kl(logprobs.detach(), micro.logprobs_ref, "k3", loss_mask=micro.loss_mask)
             metrics["kl/ref_k3_sum"] = k3.sum()
@@ -102,5 +104,5 @@ def compute_micro_loss(plan: OffPolicyPlan, algo, logprobs: torch.Tensor, prox: 
         entropy_term = aggregate_loss(torch.where(micro.loss_mask.bool(), entropy, 0.0), micro.loss_mask,
                                       algo.loss_agg, **agg)
         loss = loss - algo.entropy_coef * entropy_term
-        entropy_share = float(entropy_term.detach())
-    return loss, float(pg_loss.detach()), kl_share, entropy_share, metrics
+        entropy_share = entropy_term.detach().double()
+    return loss, pg_loss.detach().double(), kl_share, entropy_share, metrics

@@ -227,6 +227,15 @@ def gather_over_dp(parallel: ParallelState, losses: tuple, token_metrics, *row_p
             *([p for g in gathered for p in g[index]] for index in range(2, 2 + len(row_parts))))
 
 
+def to_host(losses: tuple, token_metrics: list, *row_parts) -> tuple:
+    """The step's loss shares as floats, its token metrics as dicts of floats and its per-row parts on the CPU,
+    converted once after the micro-batch loop: float() and .cpu() wait for the device, and doing so inside the
+    loop would stall it after every micro-batch (on the CPU this changes nothing)."""
+    return (tuple(float(value) for value in losses),
+            [{key: float(value) for key, value in metrics.items()} for metrics in token_metrics],
+            *([(rows, values.cpu()) for rows, values in parts] for parts in row_parts))
+
+
 def step_start_logprobs(batch: Batch, plan: OffPolicyPlan, shape: tuple, start_parts: list):
     """The learner's logprobs with the step-start weights and the rows they cover: the recomputed π_prox (every
     row) when the plan made one, else the current pass of the first mini-batch (before any update)."""
@@ -279,24 +288,26 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
                 continue
             pg_share, kl_share, entropy_share, metrics, prox, entropy, current = forward_backward(
                 model, micro.to(settings.parallel.device), plan, algo, counts, settings, generator)
-            entropy_loss += entropy_share
+            entropy_loss = entropy_loss + entropy_share
             if not grad_norms and plan.prox_source != PROX_RECOMPUTE:  # else the recomputed π_prox is the start
-                start_parts.append((micro.rows, current.cpu()))
+                start_parts.append((micro.rows, current))
             pg_loss, kl_loss = pg_loss + pg_share, kl_loss + kl_share
-            mini_loss += pg_share + algo.kl_loss_coef * kl_share - algo.entropy_coef * entropy_share
-            token_metrics.append({key: float(value) for key, value in metrics.items()})
-            prox_parts.append((micro.rows, prox.cpu()))
-            entropy_parts.append((micro.rows, entropy.cpu()))
+            mini_loss = mini_loss + pg_share + algo.kl_loss_coef * kl_share - algo.entropy_coef * entropy_share
+            token_metrics.append(metrics)
+            prox_parts.append((micro.rows, prox))
+            entropy_parts.append((micro.rows, entropy))
         if warmup:  # the critic learns the returns first; the policy stays where it is
             optimizer.zero_grad(set_to_none=True)
             continue
         grad_norm, took = optimizer_step(model, optimizer, scheduler, settings.grad_clip,
-                                         losses_finite(mini_loss, settings.parallel))
+                                         losses_finite(float(mini_loss), settings.parallel))
         grad_norms.append(grad_norm)
         stepped += took
         moved = moved or bool(took and grad_norm > 0)
+    losses, token_metrics, prox_parts, entropy_parts, start_parts = to_host(
+        (pg_loss, kl_loss, entropy_loss), token_metrics, prox_parts, entropy_parts, start_parts)
     (pg_loss, kl_loss, entropy_loss), token_metrics, prox_parts, entropy_parts, start_parts = gather_over_dp(
-        settings.parallel, (pg_loss, kl_loss, entropy_loss), token_metrics, prox_parts, entropy_parts, start_parts)
+        settings.parallel, losses, token_metrics, prox_parts, entropy_parts, start_parts)
     shape = tuple(batch.loss_mask.shape)
     metrics = collect_step_metrics(
         batch, groups, plan, settings, prox=scatter_rows(shape, prox_parts),

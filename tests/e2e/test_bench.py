@@ -93,6 +93,18 @@ def test_learner_bench_runs_on_a_tiny_setting(tmp_path):
 
 
 @pytest.mark.slow
+def test_learner_profile_runs_the_demos_step_on_a_tiny_setting(tmp_path, demo_assets, demo_cache):
+    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.learner_profile", "--steps", "1", "--top", "3",
+                          f"demo.cache_dir={demo_cache}", *TINY_DEMO], capture_output=True, text=True, timeout=600,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "learner_profile" and result["rows"] == 4  # 2 groups x 2 samples
+    assert result["aten_calls_per_step"] > 0 and result["step_s_median"] > 0
+    assert "aten::mm" in out.stdout  # the ops table
+
+
+@pytest.mark.slow
 @pytest.mark.redis
 def test_buffer_bench_runs_on_a_tiny_setting(tmp_path):
     out = subprocess.run([sys.executable, "-m", "asyncrl.bench.buffer", "--count", "40", "--repeats", "1",
