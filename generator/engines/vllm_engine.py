@@ -3,7 +3,8 @@
 At a small model's speed vLLM's frontend, not the model, sets the pace, so a group is one request with
 `SamplingParams(n)` (not n requests), and a request asks only for what a Completion holds (`request_params`: no
 detokenization, flat logprobs, a delta every SAMPLE_STREAM_INTERVAL tokens): on the demo's batch that took asyncrl's
-engine from about 0.8x raw `LLM.generate`'s tokens/s to at least raw's (docs/platform.md, bench/generator_speed.py).
+engine from about 0.8x raw `LLM.generate`'s tokens/s to 1.04-1.19x (medians of three interleaved measurements on a
+loaded 2-core machine; docs/platform.md, bench/generator_speed.py).
 
 Weights go in through vLLM's public weight-transfer API, the one its RL integrations use: pause
 (generator.update_mode: wait, keep or abort, whose aborted requests are resubmitted with what they sampled as their
