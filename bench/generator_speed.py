@@ -13,7 +13,10 @@ on an idle 2-core machine.
 - `hf_generate`: transformers' `model.generate` on the whole batch at once (left-padded, `num_return_sequences=n`).
 - `vllm_generate`: vLLM's offline `LLM.generate` with `SamplingParams(n=...)` on all prompts at once.
 - `asyncrl_hf`, `asyncrl_vllm`: asyncrl's engines as the rollout loop drives them, one concurrent `sample` call per
-  group. The target is at least 0.95 of the faster raw path (`ratio` in the JSON line).
+  group. The target is at least 0.95 of the faster raw path (`ratio` in the JSON line). After their timed
+  rounds they also time what the rollout loop does with a batch besides sampling it (`group work s`: decode, the
+  job's reward in its worker processes, building and encoding each group; `time_group_work`), to compare with the
+  batch's sampling time.
 Usage:
     python -m asyncrl.bench.generator_speed [--rounds N] [--repeats R] [--threads T] [--contenders A,B,...] [overrides...]
 """
@@ -32,7 +35,7 @@ RAW_OF = {"asyncrl_hf": "hf_generate", "asyncrl_vllm": "vllm_generate"}
 
 
 def demo_batch(overrides: list) -> tuple:
-    """(cfg, model dir, [prompt ids] of one step's groups), from the demo's cached assets."""
+    """(cfg, model dir, [PromptRow] of one step's groups), from the demo's cached assets."""
     from transformers import AutoTokenizer
 
     from asyncrl.configs import load_config
@@ -43,7 +46,7 @@ def demo_batch(overrides: list) -> tuple:
     model_dir, files = resolve_rl_inputs(cfg)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rows, _ = tokenize_rows(read_rows(files), tokenizer, cfg.data.max_prompt_tokens)
-    return cfg, model_dir, [row.prompt_ids for row in rows[:cfg.buffer.groups_per_step]]
+    return cfg, model_dir, rows[:cfg.buffer.groups_per_step]
 
 
 WARMUP_ROUNDS = 3
@@ -108,7 +111,7 @@ def bench_vllm_generate(cfg, model_dir: str, prompts: list, rounds: int) -> dict
     return time_rounds(run_once, rounds)
 
 
-def bench_asyncrl_engine(engine_name: str, cfg, model_dir: str, prompts: list, rounds: int) -> dict:
+def bench_asyncrl_engine(engine_name: str, cfg, model_dir: str, rows: list, rounds: int) -> dict:
     from asyncrl.buffer.group import Sampling
     from asyncrl.generator.engines.base import EngineOptions
     from asyncrl.generator.engines.factory import make_engine
@@ -123,14 +126,55 @@ def bench_asyncrl_engine(engine_name: str, cfg, model_dir: str, prompts: list, r
             for round_index in range(WARMUP_ROUNDS + rounds):
                 if round_index == WARMUP_ROUNDS:
                     tokens, started = 0, time.perf_counter()
-                groups = await asyncio.gather(*(engine.sample(prompt, sampling, cfg.rollout.n) for prompt in prompts))
+                groups = await asyncio.gather(*(engine.sample(row.prompt_ids, sampling, cfg.rollout.n)
+                                                for row in rows))
                 if round_index >= WARMUP_ROUNDS:
                     tokens += sum(len(completion.token_ids) for group in groups for completion in group)
-            return rate(tokens, time.perf_counter() - started, rounds)
+            result = rate(tokens, time.perf_counter() - started, rounds)
         finally:
             await engine.close()
+        return {**result, "group_work_s": await time_group_work(cfg, model_dir, rows, groups)}
 
     return asyncio.run(main())
+
+
+async def time_group_work(cfg, model_dir: str, rows: list, groups: list, rounds: int = 5) -> float:
+    """Median seconds, per batch, of what the rollout loop does with a step's groups besides sampling them
+    (generator/sampling.py, generator/rollout.py::_send): decode and score every completion with the job's reward
+    (its worker processes), build each Group, encode it for the buffer; all groups at once, as the rollout's
+    workers do, on the completions the engine sampled last, handed back by an engine that does nothing."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.buffer.codec import encode_group
+    from asyncrl.generator.rewards.scorer import RewardScorer
+    from asyncrl.generator.rollout import RolloutStats
+    from asyncrl.generator.sampling import GroupSampler
+
+    sampled = {tuple(row.prompt_ids): group for row, group in zip(rows, groups)}
+
+    class Replay:
+        async def sample(self, prompt_ids: list, sampling, n: int) -> list:
+            return sampled[tuple(prompt_ids)]
+
+    reward = cfg.reward
+    scorer = RewardScorer(reward.path, reward.function, cfg.generator.reward_workers, reward.timeout_s,
+                          functions=reward.functions)
+    await scorer.start()
+    try:
+        sampler = GroupSampler(Replay(), scorer, AutoTokenizer.from_pretrained(model_dir),
+                               cfg.rollout, "bench", RolloutStats(), reward_shaping=reward)
+
+        async def one(row) -> bytes:
+            return encode_group(await sampler.sample(row))
+
+        seconds = []
+        for _ in range(WARMUP_ROUNDS + rounds):
+            started = time.perf_counter()
+            await asyncio.gather(*(one(row) for row in rows))
+            seconds.append(time.perf_counter() - started)
+        return statistics.median(seconds[WARMUP_ROUNDS:])
+    finally:
+        await scorer.close()
 
 
 def run_contender(name: str, rounds: int, threads: int, overrides: list) -> dict:
@@ -138,12 +182,13 @@ def run_contender(name: str, rounds: int, threads: int, overrides: list) -> dict
 
     if threads:
         torch.set_num_threads(threads)
-    cfg, model_dir, prompts = demo_batch(overrides)
+    cfg, model_dir, rows = demo_batch(overrides)
+    prompts = [row.prompt_ids for row in rows]
     if name == "hf_generate":
         return bench_hf_generate(cfg, model_dir, prompts, rounds)
     if name == "vllm_generate":
         return bench_vllm_generate(cfg, model_dir, prompts, rounds)
-    return bench_asyncrl_engine(name.split("_", 1)[1], cfg, model_dir, prompts, rounds)
+    return bench_asyncrl_engine(name.split("_", 1)[1], cfg, model_dir, rows, rounds)
 
 
 def in_subprocess(name: str, rounds: int, threads: int, overrides: list) -> dict:
@@ -197,16 +242,20 @@ def main(argv=None) -> dict:
             own = [repeat[name]["tokens_per_s"] / repeat[own_raw]["tokens_per_s"] for repeat in repeats]
             rows[name]["vs_own_raw"] = statistics.median(own)
             rows[name]["vs_own_raw_range"] = [min(own), max(own)]
+        if "group_work_s" in repeats[0][name]:  # asyncrl's engines: the rollout's own work on the batch
+            rows[name]["group_work_s"] = statistics.median(repeat[name]["group_work_s"] for repeat in repeats)
     print(f"{args.repeats} repeats of {args.rounds} rounds each, contenders interleaved; median (min-max)")
-    print(f"{'contender':<16}{'tokens/s':>22}{'batch s':>10}{'vs ' + faster_raw:>26}{'vs its raw library':>26}")
+    print(f"{'contender':<16}{'tokens/s':>22}{'batch s':>10}{'vs ' + faster_raw:>26}{'vs its raw library':>26}"
+          f"{'group work s':>14}")
     for name, row in rows.items():
         low, high = row["tokens_per_s_range"]
         ratio_low, ratio_high = row["ratio_range"]
         rate = f"{row['tokens_per_s']:.0f} ({low:.0f}-{high:.0f})"
         own = (f"{row['vs_own_raw']:.2f} ({row['vs_own_raw_range'][0]:.2f}-{row['vs_own_raw_range'][1]:.2f})"
                if "vs_own_raw" in row else "")
+        work = f"{row['group_work_s']:.3f}" if "group_work_s" in row else ""
         print(f"{name:<16}{rate:>22}{row['batch_s']:>10.3f}{row['ratio']:>14.2f} ({ratio_low:.2f}-{ratio_high:.2f})"
-              f"{own:>26}")
+              f"{own:>26}{work:>14}")
     result = {"bench": "generator_speed", "repeats": args.repeats, "rounds": args.rounds, "faster_raw": faster_raw,
               "best_engine": best, "ratio": rows[best]["ratio"], "ratio_range": rows[best]["ratio_range"],
               "rows": rows}

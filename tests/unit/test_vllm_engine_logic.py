@@ -16,7 +16,7 @@ from asyncrl.generator.engines.base import (EngineBroken, EngineOptions, EngineU
                                             WeightLoadError)
 from asyncrl.generator.engines.factory import engine_options
 from asyncrl.generator.engines.vllm_engine import (VllmEngine, apply_version_spans, check_transfer_plugin,
-                                                   check_vllm_version)
+                                                   check_vllm_version, sampled_logprobs)
 from tests.messages import announcement
 
 
@@ -143,8 +143,9 @@ def test_an_untested_vllm_version_is_refused_with_the_known_versions_and_what_to
 
 
 class Streams(Controls):
-    """AsyncLLM.generate as well: the first request is aborted after 2 tokens by a weight update that lands v5 a
-    moment later; the others run to max_tokens. Records each request's prompt and max_tokens."""
+    """AsyncLLM.generate as well: the first request (all its `n` samples) is aborted after 2 tokens by a weight
+    update that lands v5 a moment later; the others run to max_tokens. Sample i of a request samples 100 + 10 i,
+    101 + 10 i, ... Records each request's prompt, max_tokens and n."""
 
     def __init__(self):
         super().__init__()
@@ -158,21 +159,26 @@ class Streams(Controls):
         self.engine._loaded.set()
 
     async def generate(self, prompt, params, request_id):
-        self.requests.append((list(prompt["prompt_token_ids"]), params.max_tokens))
+        self.requests.append((list(prompt["prompt_token_ids"]), params.max_tokens, params.n))
         aborted = len(self.requests) == 1
-        for index in range(2 if aborted else params.max_tokens):
-            last = index == (1 if aborted else params.max_tokens - 1)
+        for step in range(2 if aborted else params.max_tokens):
+            last = step == (1 if aborted else params.max_tokens - 1)
             if aborted and last:  # the update pauses the engine: the request ends aborted
                 self.engine._loaded.clear()
                 self.loading = asyncio.ensure_future(self.land_v5())
             finish = ("abort" if aborted else "length") if last else None
-            logprobs = [{100 + index: SimpleNamespace(logprob=-0.5)}]
             # vLLM's record on a request's last output: the committed weight version of each span of its tokens
-            spans = [WeightVersionSpan("0" if aborted else "5", 0, index + 1)] if last else None
-            yield SimpleNamespace(outputs=[SimpleNamespace(token_ids=[100 + index], logprobs=logprobs,
-                                                           finish_reason=finish, weight_versions=spans)],
-                                  num_cached_tokens=0)
+            spans = [WeightVersionSpan("0" if aborted else "5", 0, step + 1)] if last else None
+            yield SimpleNamespace(outputs=[SimpleNamespace(index=index, token_ids=[100 + 10 * index + step],
+                                                           logprobs=flat_logprobs([-0.5 - index]),
+                                                           finish_reason=finish, weight_versions=spans)
+                                           for index in range(params.n)], num_cached_tokens=0)
             await asyncio.sleep(0)
+
+
+def flat_logprobs(values: list):
+    """vllm.logprobs.FlatLogprobs of logprobs=0: one entry per position, the sampled token's."""
+    return SimpleNamespace(start_indices=list(range(len(values))), logprobs=list(values))
 
 
 def test_abort_mode_resubmits_an_aborted_request_with_its_prefix_on_the_new_weights():
@@ -181,11 +187,36 @@ def test_abort_mode_resubmits_an_aborted_request_with_its_prefix_on_the_new_weig
     engine = engine_with(streams)
     streams.engine, engine.update_mode = engine, "abort"
     completion = sample_with(engine, Sampling(temperature=1.0, max_tokens=6))
-    assert streams.requests[0] == ([1, 2], 6)
-    assert streams.requests[1] == ([1, 2, 100, 101], 4)  # the prefix sampled so far, and what is left of the budget
+    assert streams.requests[0] == ([1, 2], 6, 1)
+    assert streams.requests[1] == ([1, 2, 100, 101], 4, 1)  # the prefix sampled so far, and what is left of the budget
     assert completion.token_ids == [100, 101, 100, 101, 102, 103] and completion.finish_reason == "length"
     assert completion.versions == [0, 0, 5, 5, 5, 5]  # sampled tokens keep their version; the rest is v5's
     assert completion.logprobs == [-0.5] * 6 and engine.resumed_requests == 1
+
+
+def test_a_group_is_one_request_of_n_samples_and_each_aborted_sample_is_resubmitted_on_its_own():
+    pytest.importorskip("vllm")
+    streams = Streams()
+    engine = engine_with(streams)
+    streams.engine, engine.update_mode = engine, "abort"
+    first, second = asyncio.run(engine.sample([1, 2], Sampling(temperature=1.0, max_tokens=4), 2))
+    assert streams.requests[0] == ([1, 2], 4, 2)  # one request for the group
+    assert sorted(streams.requests[1:]) == [([1, 2, 100, 101], 2, 1), ([1, 2, 110, 111], 2, 1)]
+    assert first.token_ids[:2] == [100, 101] and second.token_ids[:2] == [110, 111]  # each delta to its sample
+    assert second.logprobs[:2] == [-1.5, -1.5] and first.versions == second.versions == [0, 0, 5, 5]
+    assert engine.resumed_requests == 2 and not engine.in_flight
+
+
+def test_sampled_logprobs_read_vllms_flat_logprobs_and_refuse_a_count_that_does_not_match():
+    vllm_logprobs = pytest.importorskip("vllm.logprobs")
+    flat = vllm_logprobs.FlatLogprobs()
+    for token, value in ((7, -0.25), (9, -1.5)):
+        vllm_logprobs.append_logprobs_for_next_position(flat, [token], [value], [None], 3, 0)
+    assert sampled_logprobs(flat, 2) == [-0.25, -1.5]
+    assert sampled_logprobs(flat[1:], 1) == [-1.5]  # a delta's slice
+    assert sampled_logprobs(None, 3) == [0.0, 0.0, 0.0]  # greedy: no logprobs
+    with pytest.raises(EngineBroken, match="logprobs for 2 positions with 3 sampled tokens"):
+        sampled_logprobs(flat, 3)
 
 
 def test_wait_and_keep_never_resubmit():
