@@ -118,7 +118,8 @@ def main(argv=None) -> dict:
     for seed in args.seeds:
         for eta in args.etas:
             job_dir = os.path.join(workdir, f"seed{seed}-eta{eta}")
-            run_asyncrl(job_dir, seed, args.steps, [*args.overrides, *episode, f"buffer.max_staleness={eta}"])
+            run_asyncrl(job_dir, "demo_cpu.yaml", seed, args.steps,
+                        [*args.overrides, *episode, f"buffer.max_staleness={eta}"])
             run = summarize(read_progress(job_dir), samples_per_step)
             runs[eta].append({"seed": seed, **run})
             print(f"eta={eta} seed {seed}: {json.dumps(run)}", file=sys.stderr, flush=True)
