@@ -13,10 +13,13 @@ learner finishes, the generators get buffer.done_grace_s to hear "done"; when a 
 stopped and its log's tail printed. Ray is an optional extra (`asyncrl[ray]`): nothing outside launch/ray_*.py
 imports it.
 """
+import contextlib
 import dataclasses
 import json
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -191,7 +194,8 @@ def run_ray_job(ray, cfg, launch: RayLaunch, policy, argv: list) -> int:
             rank.start.remote(rank_env(index, len(ranks), node["ip"], port), shared)
         say_stderr(f"asyncrl ray: learner ({len(ranks)} rank{'s' * (len(ranks) > 1)}) on {node['ip']}")
         fleet = start_fleet(ray, cfg, launch, policy, [*argv, *shared], job_dir, ranks[0], has_gpus)
-        return supervise(ray, cfg, ranks, waits, fleet)
+        with ctrl_c_flag() as interrupted:
+            return supervise(ray, cfg, ranks, waits, fleet, interrupted)
     except KeyboardInterrupt:
         say_stderr("\nasyncrl ray: interrupted; stopping the learner and the generators")
         return 130
@@ -244,11 +248,36 @@ def start_fleet(ray, cfg, launch: RayLaunch, policy, argv: list, job_dir: str, l
     return fleet
 
 
-def supervise(ray, cfg, ranks: list, waits: list, fleet) -> int:
-    """Until the learner's ranks end: the progress line, the fleet's events; then the end of the job."""
+@contextlib.contextmanager
+def ctrl_c_flag():
+    """While supervising, Ctrl-C (SIGINT) only sets a flag that the loop reads every POLL_S, and the loop raises
+    KeyboardInterrupt itself. Left to Python's default handler, a SIGINT that lands while the main thread is inside
+    Ray's ray.wait/ray.get goes through Ray's own signal check, and the driver once ran on through two Ctrl-Cs (a CI
+    rehearsal: no "interrupted" line, progress printed for two more minutes). A second Ctrl-C before the loop reads
+    the flag (a call to an actor that hangs) raises at once, as Python's handler would; that handler is back once
+    the flag is read, so a Ctrl-C during the stop interrupts the stop."""
+    event = threading.Event()
+
+    def on_sigint(signum, frame):
+        if event.is_set():
+            raise KeyboardInterrupt
+        event.set()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield event
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def supervise(ray, cfg, ranks: list, waits: list, fleet, interrupted: threading.Event) -> int:
+    """Until the learner's ranks end: the progress line, the fleet's events; then the end of the job. `interrupted`
+    set (Ctrl-C) raises KeyboardInterrupt here."""
     tty = sys.stderr.isatty()
     last_line, last_print, seen_events, offset = "", 0.0, 0, 0
     while True:
+        if interrupted.is_set():
+            raise KeyboardInterrupt
         done, _ = ray.wait(waits, num_returns=len(waits), timeout=POLL_S)
         fresh, offset = ray.get(ranks[0].progress_since.remote(offset))
         if fresh:

@@ -54,3 +54,22 @@ def test_an_address_nobody_answers_is_a_clear_error_at_once_not_rays_minutes_of_
     address = f"127.0.0.1:{free_port()}"
     assert cmd_ray_scale(["scale", "job", "--generators", "2", "--address", address]) == 2
     assert f"no Ray cluster answers at --address {address}" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_supervising_sets_a_flag_and_a_second_one_raises():
+    """The driver's supervise loop reads Ctrl-C from a flag (a SIGINT inside Ray's wait can be lost, launch/ray_job.py
+    ::ctrl_c_flag); a second Ctrl-C raises at once; Python's handler is back after."""
+    import os
+    import signal
+    import time
+
+    from asyncrl.launch.ray_job import ctrl_c_flag
+
+    before = signal.getsignal(signal.SIGINT)
+    with ctrl_c_flag() as interrupted:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert interrupted.wait(5)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler runs (and raises) as soon as the signal arrives
+    assert signal.getsignal(signal.SIGINT) is before
