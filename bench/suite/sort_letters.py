@@ -24,7 +24,7 @@ def make_splits(num_train: int, num_sft: int, num_test: int, seed: int) -> dict:
 
 
 def build(root: str, seed: int = 0, num_train: int = 4096, num_sft: int = 2048, num_test: int = 128,
-          sft_steps: int = 80, sft_batch_size: int = 128, hidden: int = 128, layers: int = 4) -> SuiteTask:
+          sft_steps: int = 65, sft_batch_size: int = 128, hidden: int = 128, layers: int = 4) -> SuiteTask:
     settings = BuildSettings(name=NAME, seed=seed, num_train=num_train, num_sft=num_sft, num_test=num_test,
                              hidden=hidden, layers=layers, sft_steps=sft_steps, sft_batch_size=sft_batch_size,
                              recipe={"rollout": {"max_tokens": 12}})
