@@ -33,9 +33,11 @@ JUDGE_ENGINE = ("generator.engine=hf", "generator.torch_threads=2")
 
 def multi_turn_reason(cfg) -> str | None:
     """Why `asyncrl eval` cannot judge this config (it scores one turn), or None when it can."""
-    tools = cfg.tools.builtins or cfg.tools.functions or cfg.tools.mcp_servers
-    if tools or cfg.rollout.max_turns > 1:
-        return (f"multi-turn (tools {list(tools)}, rollout.max_turns={cfg.rollout.max_turns}): asyncrl eval scores "
+    from asyncrl.bench.suite.task import multi_turn_tools
+
+    tools = multi_turn_tools(cfg)
+    if tools is not None:
+        return (f"multi-turn (tools {tools}, rollout.max_turns={cfg.rollout.max_turns}): asyncrl eval scores "
                 f"one model turn, not an episode")
     return None
 

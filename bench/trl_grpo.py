@@ -72,8 +72,10 @@ class ProgressWriter:
 
 def unsupported_reason(cfg) -> str | None:
     """Why this bench cannot run TRL with settings identical to this config's (see the module docstring), or None."""
-    tools = cfg.tools.builtins or cfg.tools.functions or cfg.tools.mcp_servers
-    if tools or cfg.rollout.max_turns > 1:
+    from asyncrl.bench.suite.task import multi_turn_tools
+
+    tools = multi_turn_tools(cfg)
+    if tools is not None:
         return (f"multi-turn tools ({', '.join(tools) or 'rollout.max_turns > 1'}): TRL 1.16 GRPOTrainer refuses a "
                 f"chat template that renders tool calls as content and parses no unknown template's calls")
     return None

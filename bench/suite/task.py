@@ -45,3 +45,10 @@ def tools_task(root: str, seed: int = 0) -> SuiteTask:
     cfg = load_config("tools_cpu.yaml", [])
     return SuiteTask(name="tools", recipe="tools_cpu.yaml", overrides=(), test_files=(heldout_file(cfg.demo, seed),),
                      target=0.5, steps=120)
+
+
+def multi_turn_tools(cfg) -> list | None:
+    """A config's tools when its episodes are multi-turn ([] for rollout.max_turns > 1 without tools), None when each
+    episode is one model turn: the judge (`asyncrl eval` scores one turn) and TRL's runner both refuse the former."""
+    tools = list(cfg.tools.builtins or cfg.tools.functions or cfg.tools.mcp_servers)
+    return tools if tools or cfg.rollout.max_turns > 1 else None

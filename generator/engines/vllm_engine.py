@@ -97,10 +97,8 @@ class VllmEngine:
         if self.broken:
             raise EngineBroken(self.broken)
         completions = [Completion() for _ in range(n)]
-        async with aclosing(self._generate(prompt_ids, sampling, sampling.max_tokens, completions,
-                                           SAMPLE_STREAM_INTERVAL)) as deltas:
-            async for _ in deltas:
-                pass
+        await self._drain(self._generate(prompt_ids, sampling, sampling.max_tokens, completions,
+                                         SAMPLE_STREAM_INTERVAL))
         await asyncio.gather(*(self._drain(self._resubmit(prompt_ids, sampling, completion))
                                for completion in completions))
         return completions
