@@ -41,6 +41,7 @@ with every run. Usage:
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -83,7 +84,7 @@ def row_reward(row: dict) -> float:
     """The reward of what the policy sampled: `reward/sampled_mean` where the row has it (every group sampled since
     the previous step, buffer/sampled.py; the learner's `reward/mean` covers only the groups it trained on, and
     dynamic sampling drops the all-0 and all-1 ones), else `reward/mean` (rows written before asyncrl logged it)."""
-    return row.get("reward/sampled_mean", row["reward/mean"])
+    return row["reward/sampled_mean"] if "reward/sampled_mean" in row else row["reward/mean"]
 
 
 def summarize(progress: list, samples_per_step: int, target: float, window: int, budget_s: float,
@@ -291,24 +292,70 @@ def set_up_task(task, args) -> dict:
 
 
 def one_run(setup: dict, label: str, extra, seed: int, job_dir: str, args) -> tuple[dict, tuple]:
-    """Train one configuration, read its progress, judge its final model: (its numbers, (elapsed, rewards))."""
+    """Train one configuration, read its progress, judge its final model: (its numbers, (elapsed, rewards)).
+
+    With --keep, what a run finished is kept in its job directory, so a suite cut short (hours on 2 cores) goes on
+    where it stopped when the same command is run again: TRAINED (the run's numbers and curve, written once its
+    training ended) and JUDGED (the judge's scores). A job directory without TRAINED is a run cut short: it is
+    emptied and run again. A model the judge skipped is asked again (a newer judge may score it)."""
     from asyncrl.bench.judge import judge
 
     task, steps = setup["task"], setup["steps"]
-    if extra is None:
-        run_trl(job_dir, task.recipe, seed, steps, setup["threads"], args.overrides)
-        final = os.path.join(job_dir, "final")
-    else:
-        run_asyncrl(job_dir, task.recipe, seed, steps, [*setup["overrides"], *extra])
-        final = final_checkpoints(job_dir)
-    progress = read_progress(job_dir)
-    run = summarize(progress, setup["samples_per_step"], setup["target"], args.window, float("inf"),
-                    args.final_steps)
-    # the judge reads the task's overrides and the command line's, never a configuration's (η, threads, variant
-    # settings): every model of the task is scored alike
-    scores = judge(final, task, args.judge_n, tuple(args.judge_ks), tuple(args.overrides), args.judge_prompts)
-    curve = ([row["elapsed_s"] for row in progress], [row_reward(row) for row in progress])
-    return {"seed": seed, **run, **heldout_columns(scores, tuple(k for k in args.judge_ks if k <= args.judge_n))}, curve
+    settings = {"recipe": task.recipe, "steps": steps, "seed": seed, "target": setup["target"],
+                "window": args.window, "final_steps": args.final_steps,
+                "overrides": list(args.overrides) if extra is None else [*setup["overrides"], *extra]}
+    trained = read_json(os.path.join(job_dir, TRAINED))
+    if trained is not None and trained["settings"] != settings:
+        raise SystemExit(f"{job_dir} holds a run with other settings ({trained['settings']}, not {settings}): "
+                         f"give another --keep, or remove that directory")
+    if trained is None:
+        shutil.rmtree(job_dir, ignore_errors=True)
+        if extra is None:
+            run_trl(job_dir, task.recipe, seed, steps, setup["threads"], args.overrides)
+        else:
+            run_asyncrl(job_dir, task.recipe, seed, steps, [*setup["overrides"], *extra])
+        progress = read_progress(job_dir)
+        run = summarize(progress, setup["samples_per_step"], setup["target"], args.window, float("inf"),
+                        args.final_steps)
+        trained = {"settings": settings, "run": run, "curve": [[row["elapsed_s"] for row in progress], [row_reward(row) for row in progress]]}
+        write_json(os.path.join(job_dir, TRAINED), trained)
+    judge_settings = {"n": args.judge_n, "ks": list(args.judge_ks), "prompts": args.judge_prompts,
+                      "overrides": list(args.overrides)}
+    judged = read_json(os.path.join(job_dir, JUDGED)) or {}
+    scores = judged.get("scores") if judged.get("settings") == judge_settings else None
+    if scores is None or "skipped" in scores:
+        final = os.path.join(job_dir, "final") if extra is None else final_checkpoints(job_dir)
+        # the judge reads the task's overrides and the command line's, never a configuration's (η, threads, variant
+        # settings): every model of the task is scored alike
+        scores = judge(final, task, args.judge_n, tuple(args.judge_ks), tuple(args.overrides), args.judge_prompts)
+        write_json(os.path.join(job_dir, JUDGED), {"settings": judge_settings, "scores": scores})
+    ks = tuple(k for k in args.judge_ks if k <= args.judge_n)
+    return {"seed": seed, **trained["run"], **heldout_columns(scores, ks)}, tuple(trained["curve"])
+
+
+def slug(label: str) -> str:
+    """A configuration's label as a folder name ("asyncrl eta=0" -> "asyncrl-eta-0"): a run's directory is named by
+    what it runs, not by its place in the plan, so a resumed suite with other --configs finds each run's own."""
+    return "-".join("".join(c if c.isascii() and c.isalnum() else " " for c in label).split()) or "run"
+
+
+TRAINED, JUDGED = "trained.json", "judged.json"
+"""What a finished run leaves in its job directory (one_run): its numbers and curve, then the judge's scores."""
+
+
+def read_json(path: str):
+    """The JSON in `path`, or None where there is none (a run not yet finished)."""
+    if not os.path.isfile(path):
+        return None
+    with open(path) as handle:
+        return json.load(handle)
+
+
+def write_json(path: str, value) -> None:
+    """Written whole or not at all (a rename), so a run killed while writing leaves no half file to resume from."""
+    with open(path + ".tmp", "w") as handle:
+        json.dump(value, handle)
+    os.replace(path + ".tmp", path)
 
 
 def fill_budget(runs: list, curves: list, budget_s: float | None, window: int) -> float:
@@ -340,7 +387,8 @@ def parse_args(argv):
     parser.add_argument("--judge-n", type=int, default=8, help="the judge's samples per prompt at T = 1")
     parser.add_argument("--judge-ks", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--judge-prompts", type=int, default=0, help="judge the first N held-out prompts (0: all)")
-    parser.add_argument("--keep", help="keep every run's job directory under this path")
+    parser.add_argument("--keep", help="keep every run's job directory under this path; run again with the same "
+                                       "--keep, the suite goes on where it stopped (finished runs are read back)")
     parser.add_argument("overrides", nargs="*", help="overrides for every run, asyncrl and TRL alike, after the "
                                                      "task's")
     args = parser.parse_args(argv)
@@ -359,10 +407,10 @@ def main(argv=None) -> dict:
     curves = {name: {label: [] for label, _ in setup["plan"]} for name, setup in setups.items()}
     for seed in args.seeds:  # seeds outermost: a drift in the machine's speed hits every task and config alike
         for name, setup in setups.items():
-            for index, (label, extra) in enumerate(setup["plan"]):
+            for label, extra in setup["plan"]:
                 if label in setup["skipped"]:
                     continue
-                job_dir = os.path.join(workdir, name, f"seed{seed}-{index}")
+                job_dir = os.path.join(workdir, name, f"seed{seed}-{slug(label)}")
                 run, curve = one_run(setup, label, extra, seed, job_dir, args)
                 results[name][label].append(run)
                 curves[name][label].append(curve)

@@ -1,6 +1,7 @@
 """The suite runner's maths (bench/time_to_reward.py) and the judge's reading of `asyncrl eval` (bench/judge.py):
 pure functions, no runs."""
 import json
+import os
 
 import pytest
 
@@ -95,3 +96,49 @@ def test_heldout_columns_take_the_largest_k_and_say_why_a_judge_was_skipped():
     columns = heldout_columns(scores, (1, 4))
     assert columns["heldout_pass_at_k"] == 0.7 and columns["heldout_k"] == 4 and columns["heldout_pass_at_1"] == 0.3
     assert heldout_columns({"skipped": "multi-turn"}, (1,)) == {"heldout_skipped": "multi-turn"}
+
+
+def test_a_suite_cut_short_goes_on_where_it_stopped(tmp_path, monkeypatch):
+    """one_run keeps a finished run's numbers and the judge's scores in its job dir: run again, nothing finished
+    is trained or judged twice; a run cut short (no trained.json) is emptied and trained again; a judge that
+    skipped is asked again; a run with other settings is refused rather than read as this one."""
+    import argparse
+
+    import asyncrl.bench.judge as judge_module
+    import asyncrl.bench.time_to_reward as ttr
+
+    calls = {"train": 0, "judge": 0}
+
+    def fake_train(job_dir, recipe, seed, steps, overrides):
+        calls["train"] += 1
+        assert not os.path.exists(os.path.join(job_dir, "leftover"))  # a cut-short run's files are gone
+        os.makedirs(job_dir, exist_ok=True)
+        with open(os.path.join(job_dir, "progress.jsonl"), "w") as handle:
+            for step in range(3):
+                handle.write(json.dumps({"elapsed_s": 10.0 + step, "reward/sampled_mean": 0.2 * step}) + "\n")
+
+    answers = [{"skipped": "not yet"}, {"prompts": 4, "greedy_reward": 0.5, "greedy_pass": 0.25, "t1_reward": 0.4,
+                                        "pass_at_1": 0.4}]
+
+    def fake_judge(*args):
+        calls["judge"] += 1
+        return answers[min(calls["judge"] - 1, 1)]
+
+    monkeypatch.setattr(ttr, "run_asyncrl", fake_train)
+    monkeypatch.setattr(judge_module, "judge", fake_judge)
+    setup = {"task": TASK, "steps": 3, "target": 0.3, "overrides": list(TASK.overrides), "samples_per_step": 8,
+             "threads": 2}
+    args = argparse.Namespace(window=1, final_steps=2, judge_n=1, judge_ks=[1], judge_prompts=0, overrides=[])
+    job_dir = str(tmp_path / "sort" / "seed0-asyncrl-default")
+    os.makedirs(job_dir)
+    open(os.path.join(job_dir, "leftover"), "w").close()
+
+    first, curve = ttr.one_run(setup, DEFAULT, [], 0, job_dir, args)
+    assert calls == {"train": 1, "judge": 1} and first["heldout_skipped"] == "not yet"
+    assert first["time_to_target_s"] == 2.0 and curve == ([10.0, 11.0, 12.0], [0.0, 0.2, 0.4])
+    second, _ = ttr.one_run(setup, DEFAULT, [], 0, job_dir, args)  # trained: read back; skipped judge: asked again
+    assert calls == {"train": 1, "judge": 2} and second["heldout_greedy_reward"] == 0.5
+    third, _ = ttr.one_run(setup, DEFAULT, [], 0, job_dir, args)
+    assert calls == {"train": 1, "judge": 2} and third == second
+    with pytest.raises(SystemExit, match="other settings"):
+        ttr.one_run({**setup, "steps": 4}, DEFAULT, [], 0, job_dir, args)
