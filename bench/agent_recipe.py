@@ -1,14 +1,15 @@
 """The agent recipe's reward on held-out episodes, before and after RL, over seeds. It reports; it does not assert.
 
-For every seed, one after another: the demo's assets are built (the SFT warm start, timed on its own: a cached
-warm start costs nothing), then `asyncrl run --config agent_cpu.yaml job.seed=S` trains, timed. Then the agent
-itself (agent.path, unchanged) plays the demo's held-out prompts (launch/demo.py::heldout_file, none of them
-trained on) through the generator's own OpenAI-compatible endpoint on the hf engine, with the recipe's sampling
-(rollout.temperature, the policy as trained), once on the SFT model and once on the job's last checkpoint
-(exported). An episode's reward is what the agent returned; "tool use" is the fraction of episodes with at least
-one well-formed call. Training evaluation rounds sample single turns (configs/run_config.py::
-training_eval_blocker), so this is where the agent's held-out reward is measured. Also from the job's progress log:
-the mean reward of everything sampled, first and last 10% of the steps.
+For every seed, one after another: the demo's assets are built (the SFT warm start, timed on its own: a cached warm
+start costs nothing), then `asyncrl run --config agent_cpu.yaml job.seed=S` trains, timed. Then the agent itself
+(agent.path, unchanged) plays the demo's held-out prompts (launch/demo.py::heldout_file, none of them trained on)
+through the generator's own OpenAI-compatible endpoint on the recipe's engine, at the recipe's temperature (the policy
+as trained), once on the SFT model and once on the job's last checkpoint (exported): the path of `asyncrl eval` with
+the recipe (launch/evaluate.py), which plays episodes for a job with an agent. An episode's reward is what the agent
+returned; "tool use" is the fraction of episodes with at least one well-formed call. Evaluation rounds during training
+sample single turns (configs/run_config.py::training_eval_blocker turns them off for an agent job), so the held-out
+reward is measured here, after it. Also from the job's progress log: the mean reward of everything sampled, first and
+last 10% of the steps.
 
 The table shows each seed and the median; the last line is JSON with every run. Usage:
     python -m asyncrl.bench.agent_recipe [--seeds 0 1 2] [--episodes 2] [--warm-start-seed K]
@@ -43,50 +44,21 @@ def first_last(values: list, frac: float = 0.1) -> tuple:
     return sum(values[:k]) / k, sum(values[-k:]) / k
 
 
-async def play_heldout(cfg, model_dir: str, rows: list, episodes_per_prompt: int, seed: int) -> dict:
-    """The agent's episodes on `rows` against `model_dir` served by the generator's endpoint: mean reward and the
-    fraction of episodes with a tool call."""
-    from transformers import AutoTokenizer
+def play_heldout(cfg, model_dir: str, heldout: str, episodes_per_prompt: int, seed: int) -> dict:
+    """The agent's episodes on the held-out file against `model_dir`, played and scored by `asyncrl eval`'s own
+    path (launch/evaluate.py: the generator's episode runner and endpoint, each episode scored as training does) at
+    the recipe's temperature: mean reward, the share of episodes with a tool call, env errors."""
+    from dataclasses import replace
 
-    from asyncrl.buffer.group import Sampling
-    from asyncrl.generator.agents.build import build_episode_runner
-    from asyncrl.generator.engines.base import EngineOptions
-    from asyncrl.generator.engines.hf_engine import HfEngine
+    from asyncrl.launch.evaluate import run_eval
 
-    engine = HfEngine(EngineOptions(model_dir, "float32", cfg.generator.max_model_len, 0.0, seed))
-    await engine.start()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    runner = build_episode_runner(cfg.tools, cfg.env, cfg.agent, cfg.rollout,
-                                  max_model_len=cfg.generator.max_model_len,
-                                  max_prompt_tokens=cfg.data.max_prompt_tokens, tool_workers=1, engine=engine,
-                                  tokenizer=tokenizer)
-    rollout = cfg.rollout
-    sampling = Sampling(rollout.temperature, rollout.top_p, rollout.top_k, rollout.max_tokens)
-    gate = asyncio.Semaphore(32)
-
-    async def one(row):
-        async with gate:
-            return await runner.run(row, sampling)
-
-    await runner.start()
-    try:
-        episodes = await asyncio.gather(*(one(row) for row in rows for _ in range(episodes_per_prompt)))
-    finally:
-        await runner.close()
-        await engine.close()
-    rewards = [sum(e.rewards) if e.rewards else 0.0 for e in episodes]
-    return {"reward": sum(rewards) / len(rewards), "tool_use": sum(e.tool_calls > 0 for e in episodes) / len(episodes),
-            "episodes": len(episodes), "env_errors": sum(bool(e.env_error) for e in episodes)}
-
-
-def heldout_rows(path: str) -> list:
-    import pyarrow.parquet as pq
-
-    from asyncrl.data.prompts import PromptRow
-
-    return [PromptRow(f"heldout-{index}", [], row["data_source"], row["reward_model"]["ground_truth"],
-                      row.get("extra_info") or {}, messages=list(row["prompt"]))
-            for index, row in enumerate(pq.read_table(path).to_pylist())]
+    cfg = replace(cfg, job=replace(cfg.job, seed=seed),
+                  eval=replace(cfg.eval, files=[heldout], n=episodes_per_prompt, k_values=[1],
+                               temperature=cfg.rollout.temperature))
+    metrics = asyncio.run(run_eval(cfg, model_dir, say=lambda message: None))
+    return {"reward": metrics["eval/all/mean_reward"], "tool_use": metrics["eval/all/tool_use"],
+            "episodes": int(metrics["eval/all/prompts"]) * episodes_per_prompt,
+            "env_errors": int(sum(value for key, value in metrics.items() if key.startswith("eval/env_errors/")))}
 
 
 def run_seed(recipe: str, overrides: list, seed: int, work: str, episodes_per_prompt: int,
@@ -118,9 +90,8 @@ def run_seed(recipe: str, overrides: list, seed: int, work: str, episodes_per_pr
     if out.returncode != 0:
         raise SystemExit(f"seed {seed}: asyncrl run exited {out.returncode}\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
     rl_dir = export_checkpoint(os.path.join(job_dir, "checkpoints"), os.path.join(work, f"rl-{seed}"))
-    rows = heldout_rows(heldout)
-    before = asyncio.run(play_heldout(cfg, sft_dir, rows, episodes_per_prompt, seed))
-    after = asyncio.run(play_heldout(cfg, rl_dir, rows, episodes_per_prompt, seed))
+    before = play_heldout(cfg, sft_dir, heldout, episodes_per_prompt, seed)
+    after = play_heldout(cfg, rl_dir, heldout, episodes_per_prompt, seed)
     first, last = first_last(progress_rewards(job_dir))
     return {"seed": seed, "warm_start_seed": asset_seed, "sft_s": round(sft_s, 1), "sft_cached": cached,
             "rl_s": round(rl_s, 1), "sampled_reward_first": first, "sampled_reward_last": last,

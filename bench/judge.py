@@ -14,8 +14,10 @@ both frameworks' CPU runs sample with (TRL's HF `generate` and asyncrl's recipes
 start per model, and it has no prefix cache or batch-size-dependent kernels whose numerics could tell two models
 apart by anything but their weights.
 
-Multi-turn tasks (tools, rollout.max_turns > 1) are not judged: `asyncrl eval` scores one model turn, so a model
-that calls a tool would be scored on its call, not on its answer. The judge says so instead of reporting a number.
+A multi-turn task (tools, an environment, an agent) is judged on whole episodes: `asyncrl eval` plays each held-out
+prompt through the same episode runner a generator uses and scores each episode as training does
+(generator/evaluation.py), so a model that calls the tool is scored on its answer after the result, not on its call;
+the judge then also reports the share of episodes that called a tool.
 Usage:
     python -m asyncrl.bench.judge --task NAME --model DIR [--root DIR] [--n 8] [--ks 1 4 8] [--max-prompts N]
         [overrides...]
@@ -29,17 +31,6 @@ import tempfile
 
 JUDGE_ENGINE = ("generator.engine=hf", "generator.torch_threads=2")
 """The one engine and thread count every model is judged with (the judge runs alone, between runs)."""
-
-
-def multi_turn_reason(cfg) -> str | None:
-    """Why `asyncrl eval` cannot judge this config (it scores one turn), or None when it can."""
-    from asyncrl.bench.suite.task import multi_turn_tools
-
-    tools = multi_turn_tools(cfg)
-    if tools is not None:
-        return (f"multi-turn (tools {tools}, rollout.max_turns={cfg.rollout.max_turns}): asyncrl eval scores "
-                f"one model turn, not an episode")
-    return None
 
 
 def eval_settings(temperature: float, n: int, ks: tuple) -> list:
@@ -69,10 +60,13 @@ def parse_eval_output(stdout: str) -> dict:
 
 def scores_from(greedy: dict, sampled: dict, ks: tuple) -> dict:
     """The judge's numbers from the two runs' metrics (over all prompts, `eval/all/...`)."""
-    return {"prompts": int(greedy["eval/all/prompts"]),
-            "greedy_reward": greedy["eval/all/mean_reward"], "greedy_pass": greedy["eval/all/pass_at_1"],
-            "t1_reward": sampled["eval/all/mean_reward"],
-            **{f"pass_at_{k}": sampled[f"eval/all/pass_at_{k}"] for k in ks}}
+    scores = {"prompts": int(greedy["eval/all/prompts"]),
+              "greedy_reward": greedy["eval/all/mean_reward"], "greedy_pass": greedy["eval/all/pass_at_1"],
+              "t1_reward": sampled["eval/all/mean_reward"],
+              **{f"pass_at_{k}": sampled[f"eval/all/pass_at_{k}"] for k in ks}}
+    if "eval/all/tool_use" in sampled:  # episodes: the share of them (at T = 1) that called a tool
+        scores["t1_tool_use"] = sampled["eval/all/tool_use"]
+    return scores
 
 
 def first_rows(files: tuple, count: int, workdir: str) -> list:
@@ -102,15 +96,10 @@ def run_evals(commands: list) -> list:
 
 def judge(model_dir: str, task, n: int = 8, ks=(1, 4, 8), overrides: tuple = (), max_prompts: int = 0) -> dict:
     """Scores of the model in `model_dir` (an HF model dir or an asyncrl checkpoint) on task.test_files: greedy and
-    at T = 1 (n samples, pass@k for k in ks), or {"skipped": why} for a multi-turn task. `overrides` go to both
-    runs after the task's (e.g. demo.* settings of the run being judged); max_prompts > 0 judges only the first
-    that many held-out prompts."""
-    from asyncrl.configs import load_config
-
+    at T = 1 (n samples, pass@k for k in ks; episodes on a multi-turn task). `overrides` go to both runs after the
+    task's (e.g. demo.* settings of the run being judged); max_prompts > 0 judges only the first that many held-out
+    prompts."""
     ks = tuple(k for k in ks if k <= n)
-    reason = multi_turn_reason(load_config(task.recipe, [*task.overrides, *overrides]))
-    if reason:
-        return {"skipped": reason}
     with tempfile.TemporaryDirectory(prefix="asyncrl-judge-") as workdir:
         files = first_rows(task.test_files, max_prompts, workdir) if max_prompts else list(task.test_files)
         greedy, sampled = run_evals([eval_command(model_dir, task, files, eval_settings(0.0, 1, (1,)), overrides),
@@ -120,8 +109,6 @@ def judge(model_dir: str, task, n: int = 8, ks=(1, 4, 8), overrides: tuple = (),
 
 def format_scores(name: str, scores: dict) -> str:
     """A one-row markdown table of a judge's scores."""
-    if "skipped" in scores:
-        return f"| model | judge |\n|---|---|\n| {name} | n/a: {scores['skipped']} |"
     keys = [key for key in scores if key != "prompts"]
     return ("| model | " + " | ".join(keys) + " |\n|---|" + "---|" * len(keys) + "\n"
             f"| {name} | " + " | ".join(f"{scores[key]:.3f}" for key in keys) + " |")

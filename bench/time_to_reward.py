@@ -177,7 +177,8 @@ def median_or_none(values: list):
 COLUMNS = (("time_to_target_s", "time to target s"), ("reward_at_budget", "reward at budget"),
            ("reward_final", "final reward"), ("heldout_greedy_reward", "held-out greedy"),
            ("heldout_greedy_pass", "held-out greedy exact"), ("heldout_t1_reward", "T=1 reward"),
-           ("heldout_pass_at_1", "pass@1"), ("heldout_pass_at_k", "pass@k"), ("samples_per_s", "samples/s"),
+           ("heldout_pass_at_1", "pass@1"), ("heldout_pass_at_k", "pass@k"), ("heldout_t1_tool_use", "T=1 tool use"),
+           ("samples_per_s", "samples/s"),
            ("learner_idle_frac", "learner idle"), ("generator_idle_frac", "gen idle"),
            ("staleness_mean", "staleness"), ("is_weight_mean", "IS mean"), ("is_weight_max", "IS max"))
 """Every run's numbers (the JSON line has them all); a task's table shows those some run of it has."""
@@ -249,14 +250,14 @@ def sync_threads(learner_threads: int, generator_threads: int) -> list:
 
 
 def heldout_columns(scores: dict, ks: tuple) -> dict:
-    """The judge's scores under the run's keys (pass@k: the largest k judged), or nothing for a skipped judge."""
-    if "skipped" in scores:
-        return {"heldout_skipped": scores["skipped"]}
+    """The judge's scores under the run's keys (pass@k: the largest k judged; tool use where the task's samples are
+    episodes)."""
     top = max(ks)
     return {"heldout_greedy_reward": scores["greedy_reward"], "heldout_greedy_pass": scores["greedy_pass"],
             "heldout_t1_reward": scores["t1_reward"], "heldout_pass_at_1": scores.get("pass_at_1"),
             "heldout_pass_at_k": scores.get(f"pass_at_{top}"), "heldout_k": top,
-            **{f"heldout_pass_at_{k}": scores[f"pass_at_{k}"] for k in ks}}
+            **{f"heldout_pass_at_{k}": scores[f"pass_at_{k}"] for k in ks},
+            **({"heldout_t1_tool_use": scores["t1_tool_use"]} if "t1_tool_use" in scores else {})}
 
 
 def plan_runs(cfg, configs: list, etas: list, variants: list) -> list:
@@ -297,7 +298,7 @@ def one_run(setup: dict, label: str, extra, seed: int, job_dir: str, args) -> tu
     With --keep, what a run finished is kept in its job directory, so a suite cut short (hours on 2 cores) goes on
     where it stopped when the same command is run again: TRAINED (the run's numbers and curve, written once its
     training ended) and JUDGED (the judge's scores). A job directory without TRAINED is a run cut short: it is
-    emptied and run again. A model the judge skipped is asked again (a newer judge may score it)."""
+    emptied and run again."""
     from asyncrl.bench.judge import judge
 
     task, steps = setup["task"], setup["steps"]
@@ -323,7 +324,7 @@ def one_run(setup: dict, label: str, extra, seed: int, job_dir: str, args) -> tu
                       "overrides": list(args.overrides)}
     judged = read_json(os.path.join(job_dir, JUDGED)) or {}
     scores = judged.get("scores") if judged.get("settings") == judge_settings else None
-    if scores is None or "skipped" in scores:
+    if scores is None:
         final = os.path.join(job_dir, "final") if extra is None else final_checkpoints(job_dir)
         # the judge reads the task's overrides and the command line's, never a configuration's (η, threads, variant
         # settings): every model of the task is scored alike

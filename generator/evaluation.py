@@ -8,12 +8,19 @@ Samples come from the same engines and the same reward path as training (generat
 generator/rewards/scorer.py), so an evaluation measures what training optimises, without training's shaping
 (reward.overlong_*): greedy by default (eval.temperature = 0), with at most `concurrency` prompts in flight offline.
 A prompt too long for data.max_prompt_tokens is skipped and counted by the caller.
+
+A job whose samples are episodes (tools, an environment, an agent) is evaluated on episodes, not single turns:
+`asyncrl eval` plays each held-out prompt n times through the same episode runner a generator uses
+(agents/build.py), at the evaluation's sampling, and scores each episode as training does. The rollout loop's
+evaluation rounds stay single-turn (configs/run_config.py::training_eval_blocker turns them off for such jobs).
 """
 import asyncio
 
 from asyncrl.buffer.group import Sampling
-from asyncrl.generator.sampling import score_text
-from asyncrl.telemetry.eval_metrics import eval_metrics
+from asyncrl.data.prompts import DatasetError
+from asyncrl.generator.agents.episode import PromptTooLong
+from asyncrl.generator.sampling import episode_reward, score_text
+from asyncrl.telemetry.eval_metrics import episode_metrics, eval_metrics
 
 
 def eval_sampling(temperature: float, max_tokens: int) -> Sampling:
@@ -29,21 +36,49 @@ async def sample_and_score(engine, scorer, tokenizer, row, sampling: Sampling, n
     return [reward for reward, _ in scores], [len(c.token_ids) for c in completions]
 
 
+async def play_and_score(episodes, scorer, row, sampling: Sampling, n: int) -> tuple[list, list, list]:
+    """(rewards, model tokens, episodes) of n episodes of `row` played by `episodes` (agents/episode.py's runner or
+    the agent runner), each scored as training scores it (sampling.py::episode_reward)."""
+    runs = await asyncio.gather(*(episodes.run(row, sampling) for _ in range(n)))
+    scores = await asyncio.gather(*(episode_reward(scorer, row, run, episodes.env_errors) for run in runs))
+    return [reward for reward, _ in scores], [run.model_tokens() for run in runs], list(runs)
+
+
 async def evaluate(engine, scorer, tokenizer, rows: list, n: int, temperature: float, max_tokens: int, ks: list,
-                   pass_threshold: float, concurrency: int = 8, on_done=None) -> dict:
-    """`rows`: PromptRows (data/prompts.py). `on_done(done, total)` reports progress."""
+                   pass_threshold: float, concurrency: int = 8, on_done=None, episodes=None) -> dict:
+    """`rows`: PromptRows (data/prompts.py). `on_done(done, total)` reports progress. With `episodes` (a started
+    episode runner: the job has tools, an environment or an agent), each sample is a whole episode, its reward the
+    episode's, its length the tokens the model sampled over its turns; a prompt whose opening with the tools is
+    too long is skipped and counted (`eval/episodes_too_long`), as a generator skips it."""
     sampling = eval_sampling(temperature, max_tokens)
     gate = asyncio.Semaphore(concurrency)
-    done = 0
+    done, too_long, played = 0, 0, []
 
     async def one(row):
-        nonlocal done
+        nonlocal done, too_long
         async with gate:
-            rewards, lengths = await sample_and_score(engine, scorer, tokenizer, row, sampling, n)
+            if episodes is None:
+                rewards, lengths = await sample_and_score(engine, scorer, tokenizer, row, sampling, n)
+            else:
+                try:
+                    rewards, lengths, runs = await play_and_score(episodes, scorer, row, sampling, n)
+                    played.append((row.data_source, runs))
+                except PromptTooLong:
+                    too_long += 1
+                    rewards = None
         done += 1
         if on_done is not None:
             on_done(done, len(rows))
-        return row.data_source, rewards, lengths
+        return None if rewards is None else (row.data_source, rewards, lengths)
 
-    results = await asyncio.gather(*(one(row) for row in rows))
-    return eval_metrics(list(results), ks, pass_threshold)
+    results = [result for result in await asyncio.gather(*(one(row) for row in rows)) if result is not None]
+    if not results:
+        raise DatasetError(f"no prompt could be evaluated: all {len(rows)} openings are too long for "
+                         f"data.max_prompt_tokens with the tools")
+    metrics = eval_metrics(results, ks, pass_threshold)
+    if episodes is not None:
+        metrics.update(episode_metrics(played))
+        metrics["eval/episodes_too_long"] = float(too_long)
+        metrics.update({f"eval/env_errors/{reason}": float(count)
+                        for reason, count in sorted(episodes.env_errors.items())})
+    return metrics

@@ -25,6 +25,24 @@ async def score_text(scorer, row, text: str) -> tuple[float, dict]:
                               prompt=row.messages)
 
 
+async def episode_reward(scorer, row, episode, env_errors) -> tuple[float, dict]:
+    """An episode's reward, alike in training and in `asyncrl eval`: the environment's rewards when it gave any,
+    else the reward function on the last model turn; an episode the environment broke scores 0, and a non-finite
+    sum of rewards (which the learner would reject the whole group for) scores 0, counted in `env_errors`."""
+    if episode.env_error:
+        return 0.0, {"env_error": 1.0}
+    info = {key: float(value) for key, value in episode.info.items()
+            if isinstance(value, (int, float)) and math.isfinite(value)}
+    if episode.rewards:
+        reward = float(sum(episode.rewards))
+        if not math.isfinite(reward):
+            env_errors["bad_reward"] += 1
+            return 0.0, {**info, "env_error": 1.0}
+        return reward, info
+    reward, scored = await score_text(scorer, row, episode.last_text)
+    return reward, {**info, **scored}
+
+
 class GroupSampler:
     def __init__(self, engine, scorer, tokenizer, rollout_cfg, generator_id: str, stats, reward_shaping=None,
                  episodes=None):
@@ -98,20 +116,7 @@ class GroupSampler:
                      prompt_ids=prompt_ids, samples=samples, sampling=sampling, created_at=created, meta=meta)
 
     async def _episode_reward(self, row, episode) -> tuple[float, dict]:
-        """The environment's rewards when it gave any, else the reward function on the last model turn; an episode
-        the environment broke scores 0."""
-        if episode.env_error:
-            return 0.0, {"env_error": 1.0}
-        info = {key: float(value) for key, value in episode.info.items()
-                if isinstance(value, (int, float)) and math.isfinite(value)}
-        if episode.rewards:
-            reward = float(sum(episode.rewards))
-            if not math.isfinite(reward):  # the learner would reject the whole group for it
-                self.episodes.env_errors["bad_reward"] += 1
-                return 0.0, {**info, "env_error": 1.0}
-            return reward, info
-        reward, scored = await score_text(self.scorer, row, episode.last_text)
-        return reward, {**info, **scored}
+        return await episode_reward(self.scorer, row, episode, self.episodes.env_errors)
 
     async def _score(self, row, completion) -> tuple[float, dict]:
         """Task reward plus DAPO overlong shaping (reward.overlong_*), with the shaping also in reward_info."""

@@ -57,20 +57,46 @@ async def run_eval(cfg, model_path: str, say=print) -> dict:
     await scorer.start()
     for url in scorer.servers:
         await wait_for_server(url, cfg.generator.connect_timeout_s, say)
+    episodes = None
     try:
         await engine.start()
+        if cfg.samples_episodes():
+            episodes = episode_runner(cfg, engine, tokenizer)
+            await episodes.start()
+            say(f"eval: each sample is an episode of at most {cfg.rollout.max_turns} model turns")
         step = max(len(rows) // 10, 1)
         return await evaluate(engine, scorer, tokenizer, rows, cfg.eval.n, cfg.eval.temperature,
-                              cfg.eval.max_tokens or cfg.rollout.max_tokens, list(cfg.eval.k_values),
-                              cfg.eval.pass_threshold,
+                              eval_max_tokens(cfg), list(cfg.eval.k_values), cfg.eval.pass_threshold,
                               on_done=lambda done, total: say(f"eval: {done}/{total} prompts")
-                              if done % step == 0 or done == total else None)
+                              if done % step == 0 or done == total else None, episodes=episodes)
     finally:
+        if episodes is not None:
+            await episodes.close()
         await engine.close()
         await scorer.close()
 
 
-METRIC_NAME = re.compile(r"prompts|mean_reward|length/mean|mean_at_\d+|pass_at_\d+")
+def eval_max_tokens(cfg) -> int:
+    """Tokens per model turn: eval.max_tokens, else the recipe's rollout.max_tokens."""
+    return cfg.eval.max_tokens or cfg.rollout.max_tokens
+
+
+def episode_runner(cfg, engine, tokenizer):
+    """The runner a generator of this job plays episodes with (agents/build.py), its rollout settings the
+    evaluation's: an agent's endpoint samples with the rollout section it is built from, not with the sampling
+    each episode is handed, so the evaluation's temperature, no top-k or top-p, and its max tokens go there too."""
+    from dataclasses import replace
+
+    from asyncrl.generator.agents.build import build_episode_runner
+
+    rollout = replace(cfg.rollout, temperature=cfg.eval.temperature, top_p=1.0, top_k=-1,
+                      max_tokens=eval_max_tokens(cfg))
+    return build_episode_runner(cfg.tools, cfg.env, cfg.agent, rollout, max_model_len=cfg.generator.max_model_len,
+                                max_prompt_tokens=cfg.data.max_prompt_tokens,
+                                tool_workers=cfg.generator.tool_workers, engine=engine, tokenizer=tokenizer)
+
+
+METRIC_NAME = re.compile(r"prompts|mean_reward|length/mean|mean_at_\d+|pass_at_\d+|tool_use|turns/mean")
 """What follows `eval/<data_source>/` in eval_metrics' keys (data sources may contain "/" themselves)."""
 
 

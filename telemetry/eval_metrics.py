@@ -39,3 +39,18 @@ def eval_metrics(results: list, ks: list, pass_threshold: float, prefix: str = "
                 metrics[f"{base}/pass_at_{k}"] = sum(
                     pass_at_k(len(r), sum(x >= pass_threshold for x in r), k) for r, _ in prompts) / len(prompts)
     return metrics
+
+
+def episode_metrics(played: list, prefix: str = "eval") -> dict:
+    """`played`: (data_source, [Episode, ...]) per prompt. Returns `{prefix}/<data_source>/tool_use` (the share of
+    episodes with at least one tool call) and `turns/mean` (model turns per episode), and both under `all`."""
+    by_source: dict = {}
+    for data_source, episodes in played:
+        by_source.setdefault(data_source, []).extend(episodes)
+        by_source.setdefault("all", []).extend(episodes)
+    metrics = {}
+    for source, episodes in sorted(by_source.items()):
+        if episodes:
+            metrics[f"{prefix}/{source}/tool_use"] = sum(e.tool_calls > 0 for e in episodes) / len(episodes)
+            metrics[f"{prefix}/{source}/turns/mean"] = sum(e.turns for e in episodes) / len(episodes)
+    return metrics

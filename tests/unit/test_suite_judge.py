@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from asyncrl.bench.judge import JUDGE_ENGINE, eval_command, multi_turn_reason, parse_eval_output, scores_from
+from asyncrl.bench.judge import JUDGE_ENGINE, eval_command, parse_eval_output, scores_from
 from asyncrl.bench.suite.task import SuiteTask
 from asyncrl.bench.time_to_reward import (DEFAULT, ETA0, TRL, fill_budget, heldout_columns, plan_runs, ratio,
                                           summary_rows, sync_threads)
@@ -36,6 +36,8 @@ def test_scores_come_from_the_greedy_and_the_sampled_runs():
                "eval/all/pass_at_4": 0.7}
     assert scores_from(greedy, sampled, (1, 4)) == {"prompts": 4, "greedy_reward": 0.75, "greedy_pass": 0.5,
                                                     "t1_reward": 0.4, "pass_at_1": 0.3, "pass_at_4": 0.7}
+    episodes = {**sampled, "eval/all/tool_use": 0.9}  # asyncrl eval on a multi-turn task
+    assert scores_from(greedy, episodes, (1, 4))["t1_tool_use"] == 0.9
 
 
 def test_the_judges_engine_comes_after_every_override_and_the_files_last():
@@ -45,11 +47,9 @@ def test_the_judges_engine_comes_after_every_override_and_the_files_last():
     assert command[-4:] == ["--checkpoint", "model", "--files", "a.parquet"]
 
 
-def test_multi_turn_tasks_are_neither_judged_nor_run_on_trl():
-    tools = load_config("tools_cpu.yaml", [])
-    assert "one model turn" in multi_turn_reason(tools) and "calculator" in unsupported_reason(tools)
-    sort = load_config("demo_cpu.yaml", [])
-    assert multi_turn_reason(sort) is None and unsupported_reason(sort) is None
+def test_multi_turn_tasks_are_not_run_on_trl():
+    assert "calculator" in unsupported_reason(load_config("tools_cpu.yaml", []))
+    assert unsupported_reason(load_config("demo_cpu.yaml", [])) is None
 
 
 def test_ratio_and_the_summary_over_tasks():
@@ -90,18 +90,19 @@ def test_the_default_budget_is_the_shortest_run_so_every_run_is_read_at_a_time_i
     assert fill_budget(runs, curves, 1.5, 2) == 1.5 and runs[0]["reward_at_budget"] == pytest.approx(0.1)
 
 
-def test_heldout_columns_take_the_largest_k_and_say_why_a_judge_was_skipped():
+def test_heldout_columns_take_the_largest_k_and_the_tool_use_of_episodes():
     scores = {"prompts": 4, "greedy_reward": 0.75, "greedy_pass": 0.5, "t1_reward": 0.4, "pass_at_1": 0.3,
               "pass_at_4": 0.7}
     columns = heldout_columns(scores, (1, 4))
     assert columns["heldout_pass_at_k"] == 0.7 and columns["heldout_k"] == 4 and columns["heldout_pass_at_1"] == 0.3
-    assert heldout_columns({"skipped": "multi-turn"}, (1,)) == {"heldout_skipped": "multi-turn"}
+    assert "heldout_t1_tool_use" not in columns
+    assert heldout_columns({**scores, "t1_tool_use": 0.9}, (1, 4))["heldout_t1_tool_use"] == 0.9
 
 
 def test_a_suite_cut_short_goes_on_where_it_stopped(tmp_path, monkeypatch):
     """one_run keeps a finished run's numbers and the judge's scores in its job dir: run again, nothing finished
-    is trained or judged twice; a run cut short (no trained.json) is emptied and trained again; a judge that
-    skipped is asked again; a run with other settings is refused rather than read as this one."""
+    is trained or judged twice; a run cut short (no trained.json) is emptied and trained again; a judge with
+    other settings judges again; a run with other settings is refused rather than read as this one."""
     import argparse
 
     import asyncrl.bench.judge as judge_module
@@ -117,12 +118,9 @@ def test_a_suite_cut_short_goes_on_where_it_stopped(tmp_path, monkeypatch):
             for step in range(3):
                 handle.write(json.dumps({"elapsed_s": 10.0 + step, "reward/sampled_mean": 0.2 * step}) + "\n")
 
-    answers = [{"skipped": "not yet"}, {"prompts": 4, "greedy_reward": 0.5, "greedy_pass": 0.25, "t1_reward": 0.4,
-                                        "pass_at_1": 0.4}]
-
-    def fake_judge(*args):
+    def fake_judge(model, task, n, ks, overrides, prompts):
         calls["judge"] += 1
-        return answers[min(calls["judge"] - 1, 1)]
+        return {"prompts": 4, "greedy_reward": 0.5, "greedy_pass": 0.25, "t1_reward": 0.4 * n, "pass_at_1": 0.4}
 
     monkeypatch.setattr(ttr, "run_asyncrl", fake_train)
     monkeypatch.setattr(judge_module, "judge", fake_judge)
@@ -134,11 +132,12 @@ def test_a_suite_cut_short_goes_on_where_it_stopped(tmp_path, monkeypatch):
     open(os.path.join(job_dir, "leftover"), "w").close()
 
     first, curve = ttr.one_run(setup, DEFAULT, [], 0, job_dir, args)
-    assert calls == {"train": 1, "judge": 1} and first["heldout_skipped"] == "not yet"
+    assert calls == {"train": 1, "judge": 1} and first["heldout_t1_reward"] == 0.4
     assert first["time_to_target_s"] == 2.0 and curve == ([10.0, 11.0, 12.0], [0.0, 0.2, 0.4])
-    second, _ = ttr.one_run(setup, DEFAULT, [], 0, job_dir, args)  # trained: read back; skipped judge: asked again
-    assert calls == {"train": 1, "judge": 2} and second["heldout_greedy_reward"] == 0.5
-    third, _ = ttr.one_run(setup, DEFAULT, [], 0, job_dir, args)
-    assert calls == {"train": 1, "judge": 2} and third == second
+    second, _ = ttr.one_run(setup, DEFAULT, [], 0, job_dir, args)  # both read back
+    assert calls == {"train": 1, "judge": 1} and second == first
+    args.judge_n = 2
+    third, _ = ttr.one_run(setup, DEFAULT, [], 0, job_dir, args)  # another judge: judged again, not trained
+    assert calls == {"train": 1, "judge": 2} and third["heldout_t1_reward"] == 0.8
     with pytest.raises(SystemExit, match="other settings"):
         ttr.one_run({**setup, "steps": 4}, DEFAULT, [], 0, job_dir, args)
