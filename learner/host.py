@@ -123,7 +123,7 @@ class LearnerHost:
         metrics.update(component_means(groups, self.reward_names))
         metrics.update(self.buffer.take_sampled())  # every group sampled since the last step, not only these
         self.learnable.check(may_stop=False)  # such groups trained (no dynamic sampling): it can only warn
-        self.record.log_step(state.version, groups, metrics, collected.wait_s)
+        self.record.log_step(state.version, groups, metrics, collected.wait_s, collected.staleness)
 
     def finish_evals(self) -> None:
         self.evals.finish(self.publishing.version, self.buffer.live_generators)

@@ -84,11 +84,11 @@ class RunRecord:
         self.metrics_log.log(metrics, step=step)
         self.eval_history.append({"step": step, **metrics})
 
-    def log_step(self, step: int, groups: list, metrics: dict, wait_s: float) -> None:
-        """A trained step: its audit line, the rejections counted in its buffer metrics (kept for the summary),
-        the wait for the batch and its share of the step's wall time, then MLflow, the progress line and the
-        plots."""
-        self.record_groups(step, groups)
+    def log_step(self, step: int, groups: list, metrics: dict, wait_s: float, staleness: list) -> None:
+        """A trained step: its audit line (`staleness`: each group's, in order), the rejections counted in its
+        buffer metrics (kept for the summary), the wait for the batch and its share of the step's wall time, then
+        MLflow, the progress line and the plots."""
+        self.record_groups(step, groups, staleness)
         self.rejected = {key[len(REJECTED_PREFIX):]: int(value) for key, value in metrics.items()
                          if key.startswith(REJECTED_PREFIX)}
         metrics["timing/learner/wait_for_batch_s"] = wait_s
@@ -103,13 +103,15 @@ class RunRecord:
         if self.plots is not None:
             self.plots.after_step()
 
-    def record_groups(self, step: int, groups: list) -> None:
+    def record_groups(self, step: int, groups: list, staleness: list) -> None:
         """job_dir/trained_groups.jsonl: which groups, of which prompts, each step trained on (an audit trail:
         with the Redis backend every admitted group appears exactly once across restarts; with dealt prompts,
-        every prompt once per epoch, counting for each step the learner's last life that trained it), and each
-        sample's completion length, the distribution `asyncrl plan` simulates."""
+        every prompt once per epoch, counting for each step the learner's last life that trained it), the
+        generator that sent each and its staleness (what bench/soak/history.py checks), and each sample's
+        completion length, the distribution `asyncrl plan` simulates."""
         record = {"step": step, "groups": [group.group_id for group in groups],
                   "prompts": [group.prompt_id for group in groups],
+                  "generators": [group.generator_id for group in groups], "staleness": list(staleness),
                   "lengths": [[len(sample.completion_ids) for sample in group.samples] for group in groups]}
         with open(self.groups_path, "a") as handle:
             handle.write(json.dumps(record) + "\n")

@@ -1,0 +1,175 @@
+"""The soak's checker: it reads what a job left behind, not what the job says of itself, and tells whether the
+history holds. Jepsen's way: the faults are injected by one party, the invariants checked afterwards by another,
+from records the job could not have bent to hide a failure.
+
+What it reads, from the job directory:
+- `trained_groups.jsonl`, the learner's audit trail, one line per trained step and life (telemetry/run_record.py):
+  the groups, their prompts and, where recorded, the generator that sent each and its staleness. A resumed learner
+  retrains from its checkpoint's step on, so a line whose step does not follow the previous one starts a new life,
+  which replaces what the previous life recorded from that step on: the timeline the final model saw.
+- `progress.jsonl`, one line per step and life: the sampled reward, read the same way.
+- the training files, for the prompts an epoch must cover.
+
+The invariants (each a list of violations; the history holds when all are empty):
+- **exactly once**: over the effective timeline, every prompt of every completed epoch was trained once: with E
+  epochs completed (trained groups // prompts), no prompt of the data was trained fewer than E times (lost) or more
+  than E + 1 times (duplicated), and no trained prompt is foreign to the data. Prompts the generators' filter
+  dropped (dynamic sampling) are consumed without being trained: give them as `consumed_elsewhere`, or run the soak
+  with the filter off.
+- **bounded staleness**: no trained group's staleness exceeds η.
+- **steps move forward**: within a life the steps are consecutive (a gap is a trained step with no record); a
+  resumed life starts at or before the previous life's last step (from its checkpoint), never past it.
+- **no hostile group trained**: no trained group came from a generator named hostile.
+- **it learned**: the mean sampled reward of the last `window` steps exceeds that of the first `window`.
+"""
+import argparse
+import json
+import os
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+
+def read_jsonl(path: str) -> list:
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def learner_lives(rows: list) -> list:
+    """(first step, last step) of each learner life, in order: a row whose step does not follow the previous row's
+    starts a life."""
+    lives = []
+    for row in rows:
+        if lives and row["step"] > lives[-1][1]:
+            lives[-1] = (lives[-1][0], row["step"])
+        else:
+            lives.append((row["step"], row["step"]))
+    return lives
+
+
+def effective_timeline(rows: list) -> dict:
+    """step -> row, as the final model saw it: a resumed life replaces what earlier lives recorded from its first
+    step on."""
+    timeline, last = {}, 0
+    for row in rows:
+        if row["step"] <= last:
+            timeline = {step: kept for step, kept in timeline.items() if step < row["step"]}
+        timeline[row["step"]] = row
+        last = row["step"]
+    return dict(sorted(timeline.items()))
+
+
+def step_gaps(rows: list) -> list:
+    """Steps trained with no record: a row whose step is past the step after the previous row's (a resumed life
+    starts at or before the previous row's step, from its checkpoint, so it cannot skip one)."""
+    return [f"step {before['step']} is followed by step {after['step']}" for before, after in zip(rows, rows[1:])
+            if after["step"] > before["step"] + 1]
+
+
+def prompt_violations(timeline: dict, data: list, consumed_elsewhere: Counter) -> dict:
+    """Exactly once over the timeline: (completed epochs, lost, duplicated, foreign), each prompt named with its
+    count."""
+    counts = Counter(prompt for row in timeline.values() for prompt in row["prompts"]) + consumed_elsewhere
+    known = set(data)
+    epochs = sum(counts[prompt] for prompt in known) // len(known) if known else 0
+    return {"epochs": epochs,
+            "lost": sorted(f"{p} x{counts[p]}" for p in known if counts[p] < epochs),
+            "duplicated": sorted(f"{p} x{counts[p]}" for p in known if counts[p] > epochs + 1),
+            "foreign": sorted(f"{p} x{c}" for p, c in counts.items() if p not in known)}
+
+
+def group_violations(timeline: dict, max_staleness: int, hostile: set) -> tuple[list, list, bool]:
+    """(stale groups, hostile groups trained, whether the rows record generators and staleness at all)."""
+    stale, hostile_trained, recorded = [], [], True
+    for step, row in timeline.items():
+        if "staleness" not in row or "generators" not in row:
+            recorded = False
+            continue
+        for group, staleness, generator in zip(row["groups"], row["staleness"], row["generators"]):
+            if staleness > max_staleness:
+                stale.append(f"step {step}: group {group} from {generator} at staleness {staleness} > {max_staleness}")
+            if generator in hostile:
+                hostile_trained.append(f"step {step}: group {group} from hostile generator {generator}")
+    return stale, hostile_trained, recorded
+
+
+def mean_reward(rows: list) -> float | None:
+    values = [row["reward/sampled_mean"] if "reward/sampled_mean" in row else row["reward/mean"] for row in rows]
+    return sum(values) / len(values) if values else None
+
+
+@dataclass
+class HistoryReport:
+    steps: int
+    lives: list
+    groups: int
+    epochs: int
+    lost: list = field(default_factory=list)
+    duplicated: list = field(default_factory=list)
+    foreign: list = field(default_factory=list)
+    stale: list = field(default_factory=list)
+    hostile_trained: list = field(default_factory=list)
+    gaps: list = field(default_factory=list)
+    reward_before: float | None = None
+    reward_after: float | None = None
+    groups_recorded: bool = True
+    """False when trained_groups.jsonl lacks generators and staleness (a job from before they were recorded): the
+    staleness and hostile checks then had nothing to read, which is a failure, not a pass."""
+
+    def problems(self) -> list:
+        problems = [f"{name}: {', '.join(values[:5])}{' ...' if len(values) > 5 else ''} ({len(values)})"
+                    for name, values in (("lost", self.lost), ("duplicated", self.duplicated),
+                                         ("foreign", self.foreign), ("stale", self.stale),
+                                         ("hostile trained", self.hostile_trained), ("step gaps", self.gaps))
+                    if values]
+        if not self.groups_recorded:
+            problems.append("trained_groups.jsonl records no generators or staleness: those checks could not run")
+        if self.reward_before is None or self.reward_after is None or self.reward_after <= self.reward_before:
+            problems.append(f"the sampled reward did not rise: {self.reward_before} -> {self.reward_after}")
+        return problems
+
+
+def check_history(groups_rows: list, progress_rows: list, data: list, max_staleness: int, hostile=(),
+                  consumed_elsewhere: Counter | None = None, window: int = 20) -> HistoryReport:
+    """The invariants of the module docstring over a job's records (rows of trained_groups.jsonl and of
+    progress.jsonl, in file order) and its data's prompt ids."""
+    timeline = effective_timeline(groups_rows)
+    prompts = prompt_violations(timeline, data, consumed_elsewhere or Counter())
+    stale, hostile_trained, recorded = group_violations(timeline, max_staleness, set(hostile))
+    progress = list(effective_timeline(progress_rows).values())
+    return HistoryReport(steps=len(timeline), lives=learner_lives(groups_rows),
+                         groups=sum(len(row["groups"]) for row in timeline.values()), epochs=prompts["epochs"],
+                         lost=prompts["lost"], duplicated=prompts["duplicated"], foreign=prompts["foreign"],
+                         stale=stale, hostile_trained=hostile_trained, gaps=step_gaps(groups_rows),
+                         reward_before=mean_reward(progress[:window]), reward_after=mean_reward(progress[-window:]),
+                         groups_recorded=recorded)
+
+
+def data_prompt_ids(files: list) -> list:
+    """The prompt ids a job deals from `files` (data/prompts.py::read_rows names each row)."""
+    from asyncrl.data.prompts import read_rows
+
+    return [row["_id"] for row in read_rows(files)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("job_dir")
+    parser.add_argument("--data", nargs="+", required=True, help="the job's data.train_files")
+    parser.add_argument("--eta", type=int, required=True, help="the job's buffer.max_staleness")
+    parser.add_argument("--hostile", nargs="*", default=[], help="generator ids whose groups must not be trained")
+    parser.add_argument("--window", type=int, default=20, help="steps averaged for the reward before and after")
+    args = parser.parse_args(argv)
+    report = check_history(read_jsonl(os.path.join(args.job_dir, "trained_groups.jsonl")),
+                           read_jsonl(os.path.join(args.job_dir, "progress.jsonl")), data_prompt_ids(args.data),
+                           args.eta, args.hostile, window=args.window)
+    problems = report.problems()
+    print(f"{report.steps} steps over {len(report.lives)} learner lives {report.lives}, {report.groups} groups, "
+          f"{report.epochs} epochs completed; reward {report.reward_before} -> {report.reward_after}")
+    print("\n".join(problems) if problems else "the history holds")
+    print(json.dumps({"bench": "soak_history", "ok": not problems, "problems": problems, **asdict(report)}))
+    return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
