@@ -113,14 +113,8 @@ def wait_until_gone(pids, timeout_s=30):
 
 
 def effective_prompts(path) -> dict:
-    """step -> prompts, as the final model saw them: a line whose step does not follow the previous one starts a
-    resumed life, which replaces what the previous life recorded from that step on."""
-    timeline, last = {}, 0
-    with open(path) as handle:
-        for line in handle:
-            row = json.loads(line)
-            if row["step"] <= last:
-                timeline = {step: prompts for step, prompts in timeline.items() if step < row["step"]}
-            timeline[row["step"]] = row["prompts"]
-            last = row["step"]
-    return timeline
+    """step -> prompts, as the final model saw them (bench/soak/history.py::effective_timeline: a resumed life
+    replaces what the previous life recorded from its first step on)."""
+    from asyncrl.bench.soak.history import effective_timeline, read_jsonl
+
+    return {step: row["prompts"] for step, row in effective_timeline(read_jsonl(str(path))).items()}
