@@ -47,6 +47,9 @@ class JobLimits:
     max_turns: int = 1
     """rollout.max_turns when the job may send per-turn samples (rollout.turn_samples not `episode`, with
     episodes), else 1: the most samples one episode of a group becomes."""
+    episodes: bool = False
+    """Samples are multi-turn episodes (tools, an environment or an agent): a group's prompt is the episodes'
+    shared opening, rendered by the environment, so it need not be the dealt row's tokens (buffer/dealing.py)."""
 
     @property
     def max_samples(self) -> int:

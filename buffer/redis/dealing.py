@@ -298,6 +298,9 @@ class RedisDealer:
     def prompt_id(self, place: tuple) -> str:
         return self.base.prompt_id_at(place[1])
 
+    def prompt_digest(self, place: tuple) -> bytes:
+        return self.base.prompt_digest_at(place[1])
+
     def hold(self, deal_id: str, place: tuple) -> None:
         """The learner read a valid group for this deal: it is the learner's until it acks or gives it back."""
         self.held[deal_id] = place

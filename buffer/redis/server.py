@@ -24,6 +24,7 @@ from collections import OrderedDict, deque
 import redis
 
 from asyncrl.buffer.codec import CodecError, decode_group
+from asyncrl.buffer.dealing import answer_of, answer_problem
 from asyncrl.buffer.fleet_stats import fleet_metrics
 from asyncrl.buffer.interface import RunInfo
 from asyncrl.buffer.plausibility import JobLimits, check_stats
@@ -208,11 +209,9 @@ class RedisBufferServer:
             self.stream.ack([entry.entry_id])
             self.dealer.skipped_resolved += 1
             return False
-        if group.meta.get("deal") != deal:
-            problem = f"its entry answers deal {deal!r}, its meta {group.meta.get('deal')!r}"
-        elif self.dealer.prompt_id(place) != group.prompt_id:
-            problem = f"deal {deal!r} was for prompt {self.dealer.prompt_id(place)!r}, not {group.prompt_id!r}"
-        else:
+        problem = answer_problem(deal, answer_of(group, compare_tokens=not (self.limits and self.limits.episodes)),
+                                 self.dealer.prompt_id(place), self.dealer.prompt_digest(place))
+        if problem is None:
             self.dealer.hold(deal, place)
             return True
         self._give_back_entry(entry)
