@@ -286,13 +286,15 @@ class PromptDealer:
             self.consumed += 1
             return None
 
-    def reject(self, holder: str, deal_id) -> bool:
-        """The group delivered under `deal_id` was invalid: its prompt goes back to the epoch."""
+    def reject(self, holder: str, deal_id, reason: str = "rejected") -> bool:
+        """The group delivered under `deal_id` will not be taken: its prompt goes back to the epoch, counted under
+        `reason` (`rejected` when it was invalid, `stale` when sampled by weights a restart discarded, as the Redis
+        learner counts it)."""
         with self._lock:
             deal = self._pop_out(deal_id, holder)
             if deal is None:
                 return False
-            self._give_back_place((deal.epoch, deal.index), "rejected")
+            self._give_back_place((deal.epoch, deal.index), reason)
             return True
 
     def give_back(self, deal_id, reason: str) -> bool:

@@ -371,6 +371,10 @@ class RedisDealer:
                 "dealt": int(cursor.get(b"dealt", 0)), "consumed": int(cursor.get(b"consumed", 0)),
                 "returned_by_reason": _counts(returned_by), "filtered_by_reason": _counts(filtered)}
 
+    def refused(self) -> int:
+        """Groups refused for their deal, by DELIVER or by the learner (data/refused)."""
+        return int(self.retry("refusals", self.client.hget, self.keys["data_cursor"], "refused") or 0)
+
     def metrics(self) -> dict:
         pipe = self.client.pipeline(transaction=False)
         cursor, returned_by, filtered, out = self.retry("data metrics", pipe.hgetall(self.keys["data_cursor"])

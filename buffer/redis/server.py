@@ -189,20 +189,19 @@ class RedisBufferServer:
     def _dealt(self, entry, group, places: dict) -> bool:
         """Without a dealer, True. With one: the group answers the deal its entry carries (DELIVER checked it was
         out to the producer) for the prompt dealt. A deal already resolved (its group given back or quarantined
-        before a restart) is acked and skipped; anything else wrong is dead-lettered as unknown_deal, its prompt
-        going back to the epoch."""
+        before a restart) is acked and skipped; anything else wrong is refused (`_refuse_deal`), its prompt going
+        back to the epoch when the deal was this entry's."""
         if self.dealer is None:
             return True
         deal = entry.deal.decode(errors="replace")
         if not deal:
-            self._give_back_entry(entry)
-            self._dead_letter(entry, "unknown_deal", f"group {group.group_id}: the learner deals the prompts and "
-                                                     f"this group answers no deal [unknown_deal]")
+            self._refuse_deal(entry, f"group {group.group_id}: the learner deals the prompts and this group answers "
+                                     f"no deal")
             return False
         if deal in self.dealer.held or places.get(deal) == "out":  # an entry added past DELIVER: never trained
-            self._dead_letter(entry, "unknown_deal", f"group {group.group_id}: deal {deal!r} is "
-                                                     f"{'already held' if deal in self.dealer.held else 'undelivered'}"
-                                                     f" [unknown_deal]")
+            self._refuse_deal(entry, f"group {group.group_id}: deal {deal!r} is "
+                                     f"{'already held' if deal in self.dealer.held else 'undelivered'}",
+                              give_back=False)
             return False
         place = places.get(deal)
         if place is None:  # resolved while this entry was pending: its lease and prompt were dealt with then
@@ -214,9 +213,18 @@ class RedisBufferServer:
         if problem is None:
             self.dealer.hold(deal, place)
             return True
-        self._give_back_entry(entry)
-        self._dead_letter(entry, "unknown_deal", f"group {group.group_id}: {problem} [unknown_deal]")
+        self._refuse_deal(entry, f"group {group.group_id}: {problem}")
         return False
+
+    def _refuse_deal(self, entry, problem: str, give_back: bool = True) -> None:
+        """An entry that answers no deal of its producer's: dead-lettered as unknown_deal and counted once, in the
+        data cursor's `refused` beside DELIVER's refusals (`rejected` reports that count). `give_back`: the deal
+        is this entry's, so its prompt (and lease) go back to the epoch first."""
+        if give_back:
+            self._give_back_entry(entry)
+        error = f"{problem} [unknown_deal]"
+        self.stream.dead_letter(entry.entry_id, entry.payload, f"unknown_deal: {error}", refused_deal=True)
+        self._rejections.reject("unknown_deal", entry.producer.decode(errors="replace") or "an unnamed writer", error)
 
     def _version(self) -> int:
         """The learner's version: the one it set itself (the learner is the version's only writer, so no round
@@ -279,8 +287,17 @@ class RedisBufferServer:
 
     @property
     def rejected(self) -> dict:
-        """reason -> entries dead-lettered so far (and generator stats reports refused)."""
-        return self._rejections.snapshot()
+        """reason -> entries dead-lettered so far (and generator stats reports refused). `unknown_deal` is the data
+        cursor's `refused`, in Redis: DELIVER refuses most groups outside their deal with no learner involved, the
+        learner the rest (`_refuse_deal`), and each is counted there once, so it equals data/refused (both over the
+        job's life, across learner restarts)."""
+        counts = self._rejections.snapshot()
+        if self.dealer is not None:
+            counts.pop("unknown_deal", None)
+            refused = self.dealer.refused()
+            if refused:
+                counts["unknown_deal"] = refused
+        return counts
 
     def _accept(self, entry, group) -> None:
         self.received += 1

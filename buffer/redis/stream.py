@@ -234,16 +234,20 @@ class GroupStream:
     def ack(self, entry_ids: list) -> int:
         return self.retry("XACK", self.client.xack, self.keys["groups"], GROUP, *entry_ids) if entry_ids else 0
 
-    def dead_letter(self, entry_id: bytes, payload: bytes, reason: str) -> None:
+    def dead_letter(self, entry_id: bytes, payload: bytes, reason: str, refused_deal: bool = False) -> None:
         """Move an entry to the dead-letter stream with its reason, and ack it, in one transaction. Only the first
         DEAD_LETTER_PAYLOAD_BYTES of the payload are kept (with its size): enough to see what it was, and 10,000
-        dead letters of near-limit groups would otherwise hold 160 GB."""
+        dead letters of near-limit groups would otherwise hold 160 GB. `refused_deal`: the entry does not answer
+        its deal, counted with DELIVER's refusals in the data cursor's `refused` (data/refused), in the same
+        transaction, so a refusal is counted once whoever refuses it."""
         def move():  # resent after a lost reply, the dead-letter stream may hold the entry twice; never zero times
             pipe = self.client.pipeline(transaction=True)
             pipe.xadd(self.keys["dead"], {"entry": entry_id, "reason": reason[:1000], "size": len(payload),
                                           "payload": payload[:DEAD_LETTER_PAYLOAD_BYTES]},
                       maxlen=10_000, approximate=True)
             pipe.xack(self.keys["groups"], GROUP, entry_id)
+            if refused_deal:
+                pipe.hincrby(self.keys["data_cursor"], "refused", 1)
             pipe.execute()
 
         self.retry("dead-letter", move)

@@ -146,7 +146,7 @@ class ZmqBufferServer:
                     if admitted:
                         self.coordinator.give_back(1)
                     if self.dealer is not None and deal:
-                        self.dealer.reject(gen, deal)
+                        self.dealer.reject(gen, deal, "stale")
                 else:
                     self._reject(gen, err.reason, str(err), admitted, deal=deal)
                 continue
