@@ -148,7 +148,7 @@ class RedisBufferServer:
                 self.retry("rebuilding the lost stream", self._after_reconnect)
                 continue
             version = self._version() if entries else 0
-            places = self.dealer.places([e.deal.decode(errors="replace") for e in entries]) if self.dealer else {}
+            states = self.dealer.states([e.deal.decode(errors="replace") for e in entries]) if self.dealer else {}
             for entry in entries:
                 if entry.entry_id in self.held:  # re-read after a reconnect: already ours
                     self.redelivered += 1
@@ -157,7 +157,7 @@ class RedisBufferServer:
                     self.stream.ack([entry.entry_id])
                 else:
                     group = self._decode(entry, version)
-                    if group is not None and self._dealt(entry, group, places):
+                    if group is not None and self._dealt(entry, group, states):
                         self._accept(entry, group)
         entry_id, group = self._ready.popleft()
         self.taken_entries.append((entry_id, group.meta.get("deal", "") if self.dealer is not None else ""))
@@ -186,32 +186,35 @@ class RedisBufferServer:
             self._next_hearing = now + max(1.0, self.stats_ttl_s / 4)
             self.generator_stats  # noqa: B018 - refreshes _stats_seen
 
-    def _dealt(self, entry, group, places: dict) -> bool:
+    def _dealt(self, entry, group, states: dict) -> bool:
         """Without a dealer, True. With one: the group answers the deal its entry carries (DELIVER checked it was
-        out to the producer) for the prompt dealt. A deal already resolved (its group given back or quarantined
-        before a restart) is acked and skipped; anything else wrong is refused (`_refuse_deal`), its prompt going
-        back to the epoch when the deal was this entry's."""
+        out to the producer) for the prompt dealt. An entry whose deal this learner resolved while it was pending
+        (its group given back or refused before a restart) is acked and skipped; anything else wrong is refused
+        (`_refuse_deal`), its prompt going back to the epoch when the deal was this entry's."""
         if self.dealer is None:
             return True
         deal = entry.deal.decode(errors="replace")
+        producer = entry.producer.decode(errors="replace")
+        state = states.get(deal)
         if not deal:
             self._refuse_deal(entry, f"group {group.group_id}: the learner deals the prompts and this group answers "
                                      f"no deal")
             return False
-        if deal in self.dealer.held or places.get(deal) == "out":  # an entry added past DELIVER: never trained
-            self._refuse_deal(entry, f"group {group.group_id}: deal {deal!r} is "
-                                     f"{'already held' if deal in self.dealer.held else 'undelivered'}",
-                              give_back=False)
-            return False
-        place = places.get(deal)
-        if place is None:  # resolved while this entry was pending: its lease and prompt were dealt with then
-            self.stream.ack([entry.entry_id])
+        if state is not None and state.resolved and state.place is None:
+            self.stream.ack([entry.entry_id], resolved_deals=[deal])
             self.dealer.skipped_resolved += 1
             return False
+        # not this entry's deal (an entry added past DELIVER): refused, and the deal left to its own entry
+        problem = ("already held" if deal in self.dealer.held else "undelivered" if state is not None and state.out
+                   else "never dealt" if state is None or state.place is None or state.holder is None
+                   else f"dealt to {state.holder!r}" if state.holder != producer else None)
+        if problem is not None:
+            self._refuse_deal(entry, f"group {group.group_id}: deal {deal!r} is {problem}", give_back=False)
+            return False
         problem = answer_problem(deal, answer_of(group, compare_tokens=not (self.limits and self.limits.episodes)),
-                                 self.dealer.prompt_id(place), self.dealer.prompt_digest(place))
+                                 self.dealer.prompt_id(state.place), self.dealer.prompt_digest(state.place))
         if problem is None:
-            self.dealer.hold(deal, place)
+            self.dealer.hold(deal, state.place)
             return True
         self._refuse_deal(entry, f"group {group.group_id}: {problem}")
         return False
@@ -223,7 +226,8 @@ class RedisBufferServer:
         if give_back:
             self._give_back_entry(entry)
         error = f"{problem} [unknown_deal]"
-        self.stream.dead_letter(entry.entry_id, entry.payload, f"unknown_deal: {error}", refused_deal=True)
+        self.stream.dead_letter(entry.entry_id, entry.payload, f"unknown_deal: {error}", refused_deal=True,
+                                resolved_deal=entry.deal if give_back else b"")
         self._rejections.reject("unknown_deal", entry.producer.decode(errors="replace") or "an unnamed writer", error)
 
     def _version(self) -> int:
@@ -254,7 +258,7 @@ class RedisBufferServer:
         except CodecError as err:
             self._give_back_entry(entry, "stale" if err.reason == "future_version" else "rejected")
             if err.reason == "future_version":  # the codec says this last: everything else is valid
-                self.stream.ack([entry.entry_id])
+                self.stream.ack([entry.entry_id], resolved_deals=[entry.deal] if entry.deal else [])
                 self.dropped_future += 1
             else:
                 self._dead_letter(entry, err.reason, str(err))
@@ -282,7 +286,8 @@ class RedisBufferServer:
             self.coordinator.give_back(1, token=entry.entry_id.decode())
 
     def _dead_letter(self, entry, reason: str, error: str) -> None:
-        self.stream.dead_letter(entry.entry_id, entry.payload, f"{reason}: {error}")
+        """After `_give_back_entry`: the entry goes, and its deal's resolved mark with it."""
+        self.stream.dead_letter(entry.entry_id, entry.payload, f"{reason}: {error}", resolved_deal=entry.deal)
         self._rejections.reject(reason, entry.producer.decode(errors="replace") or "an unnamed writer", error)
 
     @property
@@ -347,7 +352,8 @@ class RedisBufferServer:
             if entry_id is None:  # taken too long ago to be known: it is acked with its step's checkpoint
                 self._rejections.reject(reason, group.generator_id, f"group {group.group_id} poisoned a step")
                 continue
-            self.stream.dead_letter(entry_id, self.stream.payload_of(entry_id), f"{reason}: poisoned a step")
+            self.stream.dead_letter(entry_id, self.stream.payload_of(entry_id), f"{reason}: poisoned a step",
+                                    resolved_deal=deal.encode())
             self.held.discard(entry_id)
             self._rejections.reject(reason, group.generator_id, f"group {group.group_id} (entry "
                                                                  f"{entry_id.decode()}) poisoned a step")

@@ -105,7 +105,7 @@ def job_keys(job: str) -> dict:
         "seen": prefix + "seen:", "grant": prefix + "grant:", "given": prefix + "given:"}
 
 
-DATA_KEYS = ("cursor", "returned", "ready", "place", "row", "holder", "out", "returned_by", "filtered")
+DATA_KEYS = ("cursor", "returned", "ready", "place", "row", "holder", "out", "returned_by", "filtered", "resolved")
 """The prompt dealer's state (dealing.py), as `job_keys` names it: `data_<name>`."""
 
 
@@ -231,15 +231,29 @@ class GroupStream:
             live.append((entry_id, fields))
         return self._without_poison(live) if check_deliveries else [Entry.of(entry_id, f) for entry_id, f in live]
 
-    def ack(self, entry_ids: list) -> int:
-        return self.retry("XACK", self.client.xack, self.keys["groups"], GROUP, *entry_ids) if entry_ids else 0
+    def ack(self, entry_ids: list, resolved_deals: list = ()) -> int:
+        """XACK; with `resolved_deals` (deals the learner resolved while these entries were pending) their marks in
+        `data:resolved` go in the same transaction (dealing.py: an entry met again is skipped only with one)."""
+        if not entry_ids:
+            return 0
+        if not resolved_deals:
+            return self.retry("XACK", self.client.xack, self.keys["groups"], GROUP, *entry_ids)
 
-    def dead_letter(self, entry_id: bytes, payload: bytes, reason: str, refused_deal: bool = False) -> None:
+        def once():
+            pipe = self.client.pipeline(transaction=True)
+            pipe.xack(self.keys["groups"], GROUP, *entry_ids).hdel(self.keys["data_resolved"], *resolved_deals)
+            return pipe.execute()[0]
+
+        return self.retry("XACK", once)
+
+    def dead_letter(self, entry_id: bytes, payload: bytes, reason: str, refused_deal: bool = False,
+                    resolved_deal: bytes = b"") -> None:
         """Move an entry to the dead-letter stream with its reason, and ack it, in one transaction. Only the first
         DEAD_LETTER_PAYLOAD_BYTES of the payload are kept (with its size): enough to see what it was, and 10,000
         dead letters of near-limit groups would otherwise hold 160 GB. `refused_deal`: the entry does not answer
         its deal, counted with DELIVER's refusals in the data cursor's `refused` (data/refused), in the same
-        transaction, so a refusal is counted once whoever refuses it."""
+        transaction, so a refusal is counted once whoever refuses it. `resolved_deal`: the entry's deal, resolved by
+        the learner just before; its mark in `data:resolved` goes with the entry (see `ack`)."""
         def move():  # resent after a lost reply, the dead-letter stream may hold the entry twice; never zero times
             pipe = self.client.pipeline(transaction=True)
             pipe.xadd(self.keys["dead"], {"entry": entry_id, "reason": reason[:1000], "size": len(payload),
@@ -248,6 +262,8 @@ class GroupStream:
             pipe.xack(self.keys["groups"], GROUP, entry_id)
             if refused_deal:
                 pipe.hincrby(self.keys["data_cursor"], "refused", 1)
+            if resolved_deal:
+                pipe.hdel(self.keys["data_resolved"], resolved_deal)
             pipe.execute()
 
         self.retry("dead-letter", move)
@@ -284,7 +300,8 @@ class GroupStream:
                 if self.on_poison is not None:  # first: its admission and prompt go back while it is still pending
                     self.on_poison(Entry.of(entry_id, fields), counts[entry_id])
                 self.dead_letter(entry_id, (fields or {}).get(PAYLOAD, b""),
-                                 f"max_deliveries: delivered {counts[entry_id]} times without being acked")
+                                 f"max_deliveries: delivered {counts[entry_id]} times without being acked",
+                                 resolved_deal=(fields or {}).get(DEAL, b""))
                 continue
             out.append(Entry.of(entry_id, fields))
         return out

@@ -5,9 +5,11 @@ and a generator hears of its groups the learner refused with its next request, a
 import asyncio
 import dataclasses
 
+import numpy as np
 import pytest
 
 from asyncrl.buffer.codec import encode_group
+from asyncrl.data.prompts import decode_prompt
 from tests.integration.test_redis_dealing import admitted, group_for, make_job, send  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.redis
@@ -45,3 +47,34 @@ def test_every_refused_group_is_counted_once_and_data_refused_equals_unknown_dea
     assert len(job.server.stream.dead_letters()) == 6  # the learner's refusals; DELIVER's never entered the stream
     assert metrics["buffer/dropped/future_version"] == 1
     assert metrics["data/returned/rejected"] == 5 and metrics["data/returned/stale"] == 1
+
+
+def test_an_entry_answering_a_deal_never_dealt_is_refused_and_one_already_resolved_is_skipped(make_job):
+    """An entry whose deal has no place in Redis was acked as `data/skipped_resolved` with no dead letter and no
+    count, whether the learner resolved its deal or nobody ever dealt it; and one naming a deal still waiting in
+    `ready` (dealt to nobody) was trained. Only a deal the learner resolved while its entry was pending is skipped
+    now; the others were added past DELIVER: refused, counted, dead-lettered."""
+    job = make_job(6)
+    gen = job.generator("a")
+    stale, kept = admitted(gen, 2).deals
+    for deal in (stale, kept):
+        assert send(gen, group_for(deal, "a")).accepted
+    taken = {group.prompt_id: group for group in job.take_all()}
+    job.server.give_back(taken[stale.prompt_id], "stale")  # resolved; its entry is acked with the next checkpoint
+    job.server.dealer.tick(force=True)
+    ready = gen.client.lrange(gen.keys["data_ready"], 0, 0)[0].decode()
+    never = [dataclasses.replace(kept, deal_id=deal_id) for deal_id in ("f00dcafe-7", f"{stale.deal_id[:8]}-999")]
+    never.append(decode_prompt(ready, gen.client.hget(gen.keys["data_row"], ready)))  # its own prompt and tokens
+    for deal in never:
+        gen.client.xadd(gen.keys["groups"], {b"g": encode_group(group_for(deal, "a")), b"a": "t", b"l": "",
+                                             b"p": "a", b"d": deal.deal_id})
+    assert job.take_all() == []
+    assert job.server.rejected == {"unknown_deal": 3} and job.server.metrics()["data/refused"] == 3
+    assert [fields[b"reason"].count(b"never dealt") for fields in job.server.stream.dead_letters()] == [1, 1, 1]
+    restarted = job.learner()  # died before the checkpoint: both genuine entries are read again
+    job.server = restarted
+    again = job.take_all()
+    assert [group.prompt_id for group in again] == [kept.prompt_id]  # owed; the stale one was resolved: skipped
+    assert np.array_equal(again[0].prompt_ids, kept.prompt_ids)
+    assert restarted.dealer.skipped_resolved == 1 and restarted.rejected == {"unknown_deal": 3}
+    assert gen.client.hlen(gen.keys["data_resolved"]) == 0  # the mark went with the skipped entry
