@@ -31,6 +31,7 @@ from asyncrl.buffer.plausibility import JobLimits, check_stats
 from asyncrl.telemetry.rejections import RejectionLog
 from asyncrl.buffer.redis.conn import redacted
 from asyncrl.buffer.redis.reconnect import direct
+from asyncrl.buffer.redis.rejection_news import TELL, tell_args
 from asyncrl.buffer.redis.eval_bridge import RedisEvalBridge
 from asyncrl.buffer.redis.sampled import drain_sampled
 from asyncrl.buffer.sampled import SampledRewards, SampledSoFar
@@ -73,6 +74,7 @@ class RedisBufferServer:
         self.keys = self.stream.keys
         self.endpoint = f"{redacted(url)} (job {job})"
         self._rejections = RejectionLog(log, "group entry")
+        self._tell = client.register_script(TELL)  # the producer hears of it with its next request
         self.dropped_future = 0
         self._held_admission: OrderedDict = OrderedDict()  # group id -> (entry id, held a lease, deal), recent takes
         self.received = 0
@@ -229,6 +231,7 @@ class RedisBufferServer:
         self.stream.dead_letter(entry.entry_id, entry.payload, f"unknown_deal: {error}", refused_deal=True,
                                 resolved_deal=entry.deal if give_back else b"")
         self._rejections.reject("unknown_deal", entry.producer.decode(errors="replace") or "an unnamed writer", error)
+        self._tell_producer(entry, error)
 
     def _version(self) -> int:
         """The learner's version: the one it set itself (the learner is the version's only writer, so no round
@@ -289,6 +292,14 @@ class RedisBufferServer:
         """After `_give_back_entry`: the entry goes, and its deal's resolved mark with it."""
         self.stream.dead_letter(entry.entry_id, entry.payload, f"{reason}: {error}", resolved_deal=entry.deal)
         self._rejections.reject(reason, entry.producer.decode(errors="replace") or "an unnamed writer", error)
+        self._tell_producer(entry, error)
+
+    def _tell_producer(self, entry, error: str) -> None:
+        """The generator that added a rejected entry hears of it in its next request's reply
+        (buffer/redis/rejection_news.py), as a zmq generator does."""
+        if entry.producer:
+            self.retry("rejection news", self._tell, keys=[self.keys["rejections"]],
+                       args=tell_args(entry.producer.decode(errors="replace"), error))
 
     @property
     def rejected(self) -> dict:

@@ -100,7 +100,7 @@ hashes the short body (comments stripped) and reuses the compiled script."""
 
 def job_keys(job: str) -> dict:
     prefix = f"asyncrl:{{{job}}}:"
-    names = ("groups", "dead", "version", "started", "leases", "meta", "duplicates")
+    names = ("groups", "dead", "version", "started", "leases", "meta", "duplicates", "rejections")
     return {name: prefix + name for name in names} | {f"data_{name}": f"{prefix}data:{name}" for name in DATA_KEYS} | {
         "seen": prefix + "seen:", "grant": prefix + "grant:", "given": prefix + "given:"}
 
@@ -365,7 +365,8 @@ def _id_key(entry_id) -> tuple[int, int]:
 def reset_job(client, job: str) -> int:
     """Delete every key of `job` (a fresh start under a namespace an older run used); returns how many went."""
     keys = job_keys(job)
-    names = [keys[name] for name in ("groups", "dead", "version", "started", "leases", "meta", "duplicates")]
+    names = [keys[name] for name in ("groups", "dead", "version", "started", "leases", "meta", "duplicates",
+                                     "rejections")]
     names += [keys["meta"] + ":stats", keys["meta"] + ":joins", keys["meta"] + ":sampled"]
     names += [keys[f"data_{name}"] for name in DATA_KEYS]
     removed = client.delete(*names)

@@ -78,3 +78,25 @@ def test_an_entry_answering_a_deal_never_dealt_is_refused_and_one_already_resolv
     assert np.array_equal(again[0].prompt_ids, kept.prompt_ids)
     assert restarted.dealer.skipped_resolved == 1 and restarted.rejected == {"unknown_deal": 3}
     assert gen.client.hlen(gen.keys["data_resolved"]) == 0  # the mark went with the skipped entry
+
+
+def test_a_generator_hears_of_its_groups_the_learner_refused_with_its_next_request(make_job):
+    """zmq puts `rejected` in a generator's next reply; a Redis generator was never told. Now the learner leaves
+    the news in Redis and the generator's next control request reads and clears it; another generator hears
+    nothing, and a count a writer spoiled neither fails the learner nor the generator."""
+    job = make_job(6)
+    a, b = job.generator("a"), job.generator("b")
+    deals = admitted(a, 3).deals
+    admitted(b, 1)
+    a.client.hset(a.keys["rejections"], "n:a", "not a number")  # any client of the job can write there
+    send(a, group_for(dataclasses.replace(deals[0], prompt_ids=[9, 9]), "a"))
+    asyncio.run(a.send("junk", b"\xc1 junk", deal=deals[1].deal_id))
+    assert job.take_all() == []
+    told = asyncio.run(a.admit(0))
+    assert told.rejected is not None and told.rejected.count == 2
+    assert "malformed" in told.rejected.last_error
+    assert asyncio.run(a.admit(0)).rejected is None  # told once
+    assert asyncio.run(b.admit(0)).rejected is None
+    # a refusal DELIVER answered at once is not told twice
+    refused = asyncio.run(a.send("y", encode_group(group_for(deals[0], "a")), deal=deals[0].deal_id))
+    assert refused.reason == "unknown_deal" and asyncio.run(a.report({"x": 1.0})).rejected is None
