@@ -51,6 +51,11 @@ REFUSED = "!deal"
 """DELIVER's answer for a group whose deal is not out to its producer (expired and dealt again, never dealt, or
 already delivered): the entry is deleted and its lease given back."""
 DEAD_LETTER_PAYLOAD_BYTES = 64 << 10
+ACK_REFUSED = """local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+if acked == 1 then redis.call('HINCRBY', KEYS[2], 'refused', 1) end
+return acked"""
+"""Ack an entry refused for its deal and count it in the data cursor's `refused` (data/refused), only if this ack took
+it: `dead_letter` is resent whole after a lost reply."""
 DELIVER = """
 -- KEYS[1] the group's mark, KEYS[2] leases, KEYS[3] started, KEYS[4] the stream, KEYS[5] the duplicates count,
 -- KEYS[6] the deals out, KEYS[7] the deals' holders, KEYS[8] the data cursor (dealing.py);
@@ -259,9 +264,10 @@ class GroupStream:
             pipe.xadd(self.keys["dead"], {"entry": entry_id, "reason": reason[:1000], "size": len(payload),
                                           "payload": payload[:DEAD_LETTER_PAYLOAD_BYTES]},
                       maxlen=10_000, approximate=True)
-            pipe.xack(self.keys["groups"], GROUP, entry_id)
-            if refused_deal:
-                pipe.hincrby(self.keys["data_cursor"], "refused", 1)
+            if refused_deal:  # counted only by the attempt whose ack took the entry: a resend counts nothing
+                pipe.eval(ACK_REFUSED, 2, self.keys["groups"], self.keys["data_cursor"], GROUP, entry_id)
+            else:
+                pipe.xack(self.keys["groups"], GROUP, entry_id)
             if resolved_deal:
                 pipe.hdel(self.keys["data_resolved"], resolved_deal)
             pipe.execute()

@@ -100,3 +100,16 @@ def test_a_generator_hears_of_its_groups_the_learner_refused_with_its_next_reque
     # a refusal DELIVER answered at once is not told twice
     refused = asyncio.run(a.send("y", encode_group(group_for(deals[0], "a")), deal=deals[0].deal_id))
     assert refused.reason == "unknown_deal" and asyncio.run(a.report({"x": 1.0})).rejected is None
+
+
+def test_a_refusal_dead_lettered_twice_after_a_lost_reply_is_counted_once(make_job):
+    """The reconnect policy resends a dead-letter whole when its reply is lost: the refusal is counted by the attempt
+    whose ack took the entry, and only by it."""
+    job = make_job(4)
+    gen = job.generator("a")
+    (deal,) = admitted(gen, 1).deals
+    send(gen, group_for(dataclasses.replace(deal, prompt_ids=[9, 9]), "a"))
+    (entry,) = job.server.stream.read(10, 100)
+    for _ in range(2):  # the same dead-letter, sent again
+        job.server.stream.dead_letter(entry.entry_id, entry.payload, "unknown_deal: swapped", refused_deal=True)
+    assert job.server.dealer.refused() == 1 and job.server.stream.pending_count() == 0
