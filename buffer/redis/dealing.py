@@ -26,8 +26,8 @@ re-reads a pending entry finds its deal still valid and trains it). It goes back
 deadline passes undelivered (`expired`), when its holder stops reporting (`generator_gone`) or gives it back
 (`unused`), when its group is rejected, stale, or in a poisoned step. The learner returns a prompt before it
 dead-letters or acks the entry, and an entry met again whose deal it resolved (marked in `resolved`) is acked and
-skipped, so a crash between the two never trains a prompt twice or loses one. Every script is idempotent, so the reconnect
-policy (reconnect.py) may resend any of them.
+skipped, so a crash between the two never trains a prompt twice or loses one. Every script is idempotent, so the
+reconnect policy (reconnect.py) may resend any of them.
 """
 import logging
 import time
