@@ -165,6 +165,22 @@ class DealState(NamedTuple):
     """The learner resolved it (returned or filtered) while its entry was pending: that entry is skipped."""
 
 
+def foreign_deal(held: bool, state: DealState | None, producer: str) -> str | None:
+    """Why an entry's deal (one the learner did not resolve) cannot be the entry's own, or None when it can:
+    DELIVER admits an entry only under a deal out to its producer, so an entry under any other was added past it
+    (`never dealt` covers one still waiting in `ready`). `held`: the learner holds the deal already, for another
+    entry's group."""
+    if held:
+        return "already held"
+    if state is not None and state.out:
+        return "undelivered"
+    if state is None or state.place is None or state.holder is None:
+        return "never dealt"
+    if state.holder != producer:
+        return f"dealt to {state.holder!r}"
+    return None
+
+
 def place_of(text) -> tuple[int, int]:
     epoch, index = (text.decode() if isinstance(text, bytes) else text).split(":")
     return int(epoch), int(index)

@@ -30,6 +30,7 @@ from asyncrl.buffer.interface import RunInfo
 from asyncrl.buffer.plausibility import JobLimits, check_stats
 from asyncrl.telemetry.rejections import RejectionLog
 from asyncrl.buffer.redis.conn import redacted
+from asyncrl.buffer.redis.dealing import foreign_deal
 from asyncrl.buffer.redis.reconnect import direct
 from asyncrl.buffer.redis.rejection_news import TELL, tell_args
 from asyncrl.buffer.redis.eval_bridge import RedisEvalBridge
@@ -195,8 +196,7 @@ class RedisBufferServer:
         (`_refuse_deal`), its prompt going back to the epoch when the deal was this entry's."""
         if self.dealer is None:
             return True
-        deal = entry.deal.decode(errors="replace")
-        producer = entry.producer.decode(errors="replace")
+        deal, producer = entry.deal.decode(errors="replace"), entry.producer.decode(errors="replace")
         state = states.get(deal)
         if not deal:
             self._refuse_deal(entry, f"group {group.group_id}: the learner deals the prompts and this group answers "
@@ -206,11 +206,8 @@ class RedisBufferServer:
             self.stream.ack([entry.entry_id], resolved_deals=[deal])
             self.dealer.skipped_resolved += 1
             return False
-        # not this entry's deal (an entry added past DELIVER): refused, and the deal left to its own entry
-        problem = ("already held" if deal in self.dealer.held else "undelivered" if state is not None and state.out
-                   else "never dealt" if state is None or state.place is None or state.holder is None
-                   else f"dealt to {state.holder!r}" if state.holder != producer else None)
-        if problem is not None:
+        problem = foreign_deal(deal in self.dealer.held, state, producer)
+        if problem is not None:  # not this entry's deal: refused, and the deal left to its own entry
             self._refuse_deal(entry, f"group {group.group_id}: deal {deal!r} is {problem}", give_back=False)
             return False
         problem = answer_problem(deal, answer_of(group, compare_tokens=not (self.limits and self.limits.episodes)),
