@@ -26,7 +26,8 @@ def job_limits(rollout, max_prompt_tokens: int, max_positions: int, episodes: bo
                      top_k=rollout.top_k, max_tokens=rollout.max_tokens,
                      max_completion_tokens=rollout.completion_limit(max_positions, episodes=episodes),
                      max_prompt_tokens=max_prompt_tokens, max_positions=max_positions,
-                     max_turns=rollout.max_turns if episodes and rollout.turn_samples != "episode" else 1)
+                     max_turns=rollout.max_turns if episodes and rollout.turn_samples != "episode" else 1,
+                     episodes=episodes)
 
 
 def make_learner_buffer(buffer: BufferConfig, security: SecurityConfig, job_name: str, limits: JobLimits, *,

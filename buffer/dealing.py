@@ -10,7 +10,8 @@ generator needs no copy of the data, and every prompt of an epoch is trained exa
   by a generator under a deal id; delivered once its group is in the learner's queue), or consumed (the learner
   took its group and trained it, or the group was filtered: CONSUME_REASONS).
 - A group comes back with its deal id; the learner accepts it only from the generator it was dealt to, for the
-  prompt it was dealt, while the deal is out. Anything else is refused (`unknown_deal`).
+  prompt it was dealt (its id and, unless its prompt is an episode's opening, its very tokens: `answer_problem`),
+  while the deal is out. Anything else is refused (`unknown_deal`), counted once under `data/refused`.
 - A prompt goes back to the epoch, counted under `data/returned/<reason>`, when its group is dropped as too stale
   or rejected as invalid, when its step was poisoned, when the generator holding it leaves or dies before
   delivering it (a group already in the queue is still taken), when a grant was not used, or when its group is not
@@ -29,6 +30,8 @@ import time
 import uuid
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
+
+import numpy as np
 
 STATE_FORMAT = 1
 RECENT_TAKES = 4096
@@ -62,6 +65,46 @@ class EncodedPrompts:
     rows: list
     """bytes each, dealt as they are."""
     data_sources: list
+    prompt_digests: list
+    """`prompt_digest` of each row's prompt tokens: a group answering a deal must carry those tokens, and the
+    learner compares digests instead of keeping (or decoding) every row's tokens."""
+
+
+def prompt_digest(prompt_ids) -> bytes:
+    """16 bytes naming a prompt's tokens (as int32 little-endian, their wire form)."""
+    return hashlib.blake2b(np.asarray(prompt_ids, "<i4").tobytes(), digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class DealAnswer:
+    """What a group says about the deal it answers, read from the group by `answer_of`."""
+
+    deal_id: object
+    """Its meta's `deal` (anything a generator wrote; a str when honest)."""
+    prompt_id: str
+    prompt_digest: bytes | None
+    """`prompt_digest` of its prompt tokens; None when they are not compared: an episode's opening is rendered by
+    its environment from the row's messages, so it need not be the row's tokens."""
+
+
+def answer_of(group, compare_tokens: bool) -> DealAnswer:
+    """The deal a decoded `Group` answers, its prompt, and (`compare_tokens`) its prompt tokens' digest."""
+    return DealAnswer(group.meta.get("deal"), group.prompt_id,
+                      prompt_digest(group.prompt_ids) if compare_tokens else None)
+
+
+def answer_problem(deal_id: str, answer: DealAnswer, prompt_id: str, digest: bytes) -> str | None:
+    """Why a group sent under `deal_id` (a deal out to its generator, for prompt `prompt_id` whose tokens have
+    `digest`) does not answer it; None when it does. Both backends ask this: a generator that keeps the deal and the
+    prompt id but swaps the prompt's tokens would otherwise have its group trained, and recorded, as the dealt
+    prompt."""
+    if answer.deal_id != deal_id:
+        return f"it was sent under deal {deal_id!r}, its meta names {answer.deal_id!r}"
+    if answer.prompt_id != prompt_id:
+        return f"deal {deal_id!r} was for prompt {prompt_id!r}, not {answer.prompt_id!r}"
+    if answer.prompt_digest is not None and answer.prompt_digest != digest:
+        return f"deal {deal_id!r} was for prompt {prompt_id!r}, and these are not its prompt tokens"
+    return None
 
 
 def check_deal(entry) -> tuple:
@@ -108,6 +151,7 @@ class PromptDealer:
             raise DealError("no prompts to deal")
         self._blobs = list(prompts.rows)
         self._prompt_ids = list(prompts.prompt_ids)
+        self._digests = list(prompts.prompt_digests)
         self.fingerprint = fingerprint(self._prompt_ids)
         self.data_sources = sorted(set(prompts.data_sources))
         self.shuffle, self.seed, self.epochs, self.timeout_s, self.clock = shuffle, seed, epochs, timeout_s, clock
@@ -134,6 +178,9 @@ class PromptDealer:
 
     def prompt_id_at(self, index: int) -> str:
         return self._prompt_ids[index]
+
+    def prompt_digest_at(self, index: int) -> bytes:
+        return self._digests[index]
 
     # --- the server's side ---------------------------------------------------------------------------------
     def available(self) -> int:
@@ -218,18 +265,20 @@ class PromptDealer:
         return len(expired)
 
     # --- the learner's side --------------------------------------------------------------------------------
-    def accept(self, holder: str, deal_id, prompt_id: str) -> str | None:
-        """A group arrived for `deal_id`: None when it is a deal out to `holder` for `prompt_id` (the prompt is
-        then consumed, unless given back), else why it is refused."""
+    def accept(self, holder: str, deal_id, answer: DealAnswer) -> str | None:
+        """A group arrived under `deal_id` (its request's header): None when that is a deal out to `holder` and
+        the group answers it (`answer_problem`; the prompt is then consumed, unless given back), else why it is
+        refused, counted once in `refused` (data/refused)."""
         with self._lock:
             deal = self._out.get(deal_id) if isinstance(deal_id, str) else None
             if deal is None or deal.holder != holder:
+                problem = (f"deal {deal_id!r} is not out to {holder!r} (never dealt, dealt before a restart, expired "
+                           f"after data.deal_timeout_s, or already delivered)")
+            else:
+                problem = answer_problem(deal_id, answer, self._prompt_ids[deal.index], self._digests[deal.index])
+            if problem is not None:
                 self.refused += 1
-                return (f"deal {deal_id!r} is not out to {holder!r} (never dealt, dealt before a restart, expired "
-                        f"after data.deal_timeout_s, or already delivered)")
-            if self._prompt_ids[deal.index] != prompt_id:
-                self.refused += 1
-                return f"deal {deal_id!r} was for prompt {self._prompt_ids[deal.index]!r}, not {prompt_id!r}"
+                return problem
             self._pop_out(deal_id, holder)
             self._taken[deal_id] = (deal.epoch, deal.index)
             while len(self._taken) > RECENT_TAKES:
@@ -237,13 +286,15 @@ class PromptDealer:
             self.consumed += 1
             return None
 
-    def reject(self, holder: str, deal_id) -> bool:
-        """The group delivered under `deal_id` was invalid: its prompt goes back to the epoch."""
+    def reject(self, holder: str, deal_id, reason: str = "rejected") -> bool:
+        """The group delivered under `deal_id` will not be taken: its prompt goes back to the epoch, counted under
+        `reason` (`rejected` when it was invalid, `stale` when sampled by weights a restart discarded, as the Redis
+        learner counts it)."""
         with self._lock:
             deal = self._pop_out(deal_id, holder)
             if deal is None:
                 return False
-            self._give_back_place((deal.epoch, deal.index), "rejected")
+            self._give_back_place((deal.epoch, deal.index), reason)
             return True
 
     def give_back(self, deal_id, reason: str) -> bool:

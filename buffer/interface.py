@@ -55,7 +55,8 @@ class Status:
     done: bool = False
     """The job is over: the generator stops (buffer/done.py)."""
     rejected: Rejections | None = None
-    """Groups found invalid since the last reply (zmq: the learner validates a group when it takes it)."""
+    """Groups found invalid since the last reply: the learner validates a group when it takes it (zmq) or reads
+    it (Redis: the news waits in Redis for the generator's next control request, buffer/redis/rejection_news.py)."""
 
 
 @dataclass(frozen=True)

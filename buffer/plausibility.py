@@ -11,7 +11,8 @@ Two passes, both pure:
 - `check_shape` runs on the unpacked msgpack structure before any sample is decoded: the sample count and every
   array's length come from byte lengths, so an oversized group costs the learner almost nothing.
 - `check_values` runs on the decoded group: the sampling settings, rewards in float32 range, logprobs above the
-  floor no engine can sample below.
+  floor no engine can sample below, and no sample that says it stopped without a single token (an engine that
+  stops emits its stop token; such samples beside real ones were trained, with advantages of their own).
 """
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ class JobLimits:
     max_turns: int = 1
     """rollout.max_turns when the job may send per-turn samples (rollout.turn_samples not `episode`, with
     episodes), else 1: the most samples one episode of a group becomes."""
+    episodes: bool = False
+    """Samples are multi-turn episodes (tools, an environment or an agent): a group's prompt is the episodes'
+    shared opening, rendered by the environment, so it need not be the dealt row's tokens (buffer/dealing.py)."""
 
     @property
     def max_samples(self) -> int:
@@ -112,6 +116,9 @@ def check_values(group, limits: JobLimits) -> None:
         for key, value in sample.reward_info.items():
             if abs(value) > FLOAT32_MAX:
                 raise Implausible("bad_reward", f"samples[{i}].reward_info[{key!r}]", f"{value} overflows float32")
+        if sample.finish_reason == "stop" and len(sample.completion_ids) == 0:
+            raise Implausible("bad_finish_reason", f"samples[{i}]", "no completion token, yet finish_reason 'stop': "
+                                                                    "an engine that stops emits its stop token")
         low = sample.logprobs < LOGPROB_FLOOR
         if low.any():
             index = int(np.flatnonzero(low)[0])

@@ -18,7 +18,7 @@ from typing import Iterator
 import msgpack
 import numpy as np
 
-from asyncrl.buffer.dealing import DealError, EncodedPrompts
+from asyncrl.buffer.dealing import DealError, EncodedPrompts, prompt_digest
 
 
 class DatasetError(ValueError):
@@ -190,7 +190,8 @@ def encode_prompt(row: PromptRow) -> bytes:
 def encode_prompts(rows: list) -> EncodedPrompts:
     """The rows as the dealer and the evaluation rounds hold them."""
     return EncodedPrompts(prompt_ids=[row.prompt_id for row in rows], rows=[encode_prompt(row) for row in rows],
-                          data_sources=[row.data_source for row in rows])
+                          data_sources=[row.data_source for row in rows],
+                          prompt_digests=[prompt_digest(row.prompt_ids) for row in rows])
 
 
 def decode_prompt(deal_id, blob) -> PromptRow:

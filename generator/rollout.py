@@ -173,7 +173,7 @@ class RolloutLoop:
         """What every reply says: the newest weights, whether the job is over, groups rejected since."""
         self.weights.hear(reply.weights)
         self.job_end.hear(reply)
-        if reply.rejected is not None:  # groups the learner found invalid when it took them (zmq backend)
+        if reply.rejected is not None:  # groups the learner found invalid when it took them (read, with Redis)
             log.error("learner rejected %s of this generator's groups since its last reply; the last: %s",
                       reply.rejected.count, reply.rejected.last_error)
 

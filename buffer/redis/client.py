@@ -35,6 +35,7 @@ from asyncrl.buffer.redis.dealing import forget_holder, settle_deals
 from asyncrl.buffer.redis.eval_bridge import answer_eval, take_evals
 from asyncrl.buffer.redis.produce import DeliveryBatcher, produce_batch
 from asyncrl.buffer.redis.reconnect import RedisUnavailable, direct
+from asyncrl.buffer.redis.rejection_news import TAKE as TAKE_NEWS, heard
 from asyncrl.buffer.redis.sampled import push_sampled
 from asyncrl.buffer.redis.stream import REFUSED, GroupStream
 from asyncrl.weightsync.announcement import WeightsAnnouncement
@@ -140,10 +141,14 @@ class RedisBufferClient:
         return reply_fields(meta, weights), version, results
 
     def _handle(self, op: str, fields: dict, token: str) -> dict:
+        """One control request: the run metadata, the version and this generator's rejection news
+        (rejection_news.py) in one round trip, then the operation."""
         pipe = self.client.pipeline(transaction=False)
-        raw_meta, version = pipe.hmget(self.keys["meta"], *META_FIELDS).get(self.keys["version"]).execute()
+        raw_meta, version, news = pipe.hmget(self.keys["meta"], *META_FIELDS).get(self.keys["version"]).eval(
+            TAKE_NEWS, 1, self.keys["rejections"], self.generator_id).execute()
         meta = meta_of(raw_meta)
-        return self._op(op, meta, self._reply(meta, op), int(version or 0), fields, token)
+        reply = self._op(op, meta, self._reply(meta, op), int(version or 0), fields, token)
+        return {**reply, "rejected": heard(news)}
 
     def _reply(self, meta: dict, op: str) -> dict:
         """The fields every reply carries, from the run metadata the learner keeps in Redis."""
@@ -261,5 +266,6 @@ def _unpack(task: bytes):
 
 
 def _status(reply: dict) -> dict:
-    """The `interface.Status` fields of a reply dict (Redis holds no rejections: bad entries are dead-lettered)."""
-    return {"weights": reply.get("weights"), "done": bool(reply.get("done"))}
+    """The `interface.Status` fields of a reply dict (`rejected`: the learner's news of this generator's groups it
+    dead-lettered, read with each control request; a group reply carries none)."""
+    return {"weights": reply.get("weights"), "done": bool(reply.get("done")), "rejected": reply.get("rejected")}

@@ -13,7 +13,11 @@ admission hands one out with each lease, in the same script. State, under the jo
 - `ready` (list of deal ids), and for every deal not yet resolved: `place` (deal -> place), `row` (deal -> the
   row's bytes, what the generator samples);
 - `holder` (deal -> generator) and `out` (sorted set, deal -> deadline ms on Redis's clock) once dealt;
-- `returned_by`, `filtered` (hashes: reason -> prompts), the counters of dealer.RETURN_REASONS / CONSUME_REASONS.
+- `returned_by`, `filtered` (hashes: reason -> prompts), the counters of dealer.RETURN_REASONS / CONSUME_REASONS;
+- `resolved` (hash: deal -> 1): deals the learner returned or filtered while their entry was still pending, until
+  that entry is acked or dead-lettered (in the same transaction), so an entry met again is skipped only when its deal
+  really was resolved; an entry naming a deal never dealt (or still ready, or dealt to another generator) was added
+  past DELIVER and is refused.
 
 A prompt's life: ready -> out (admission) -> delivered (DELIVER, stream.py, removes it from `out` in the script
 that adds the group: only a deal out to the producer is taken, else the group is refused there) -> consumed when
@@ -21,13 +25,14 @@ the learner acks its entry after a checkpoint (the ack and the consumption are o
 re-reads a pending entry finds its deal still valid and trains it). It goes back to `returned`, counted, when its
 deadline passes undelivered (`expired`), when its holder stops reporting (`generator_gone`) or gives it back
 (`unused`), when its group is rejected, stale, or in a poisoned step. The learner returns a prompt before it
-dead-letters or acks the entry, and an entry met again whose deal is already resolved is acked and skipped, so a
-crash between the two never trains a prompt twice or loses one. Every script is idempotent, so the reconnect
-policy (reconnect.py) may resend any of them.
+dead-letters or acks the entry, and an entry met again whose deal it resolved (marked in `resolved`) is acked and
+skipped, so a crash between the two never trains a prompt twice or loses one. Every script is idempotent, so the
+reconnect policy (reconnect.py) may resend any of them.
 """
 import logging
 import time
 import uuid
+from typing import NamedTuple
 
 from asyncrl.buffer.dealing import CONSUME_REASONS, RETURN_REASONS, STATE_FORMAT, DealError, PromptDealer, epoch_order
 from asyncrl.buffer.redis.reconnect import direct
@@ -61,18 +66,22 @@ STATE_KEYS = ("data_out", "data_holder", "data_row", "data_place", "data_returne
 """KEYS[1..8] of the scripts below (RESOLVE's helper reads them by position)."""
 
 RESOLVE = _RESOLVE_BODY + """
--- KEYS: STATE_KEYS, KEYS[9] started; ARGV[1] mode (return | filter | consume), ARGV[2] reason, then pairs of
--- (deal id, '1' when its group held an admission lease, given back with it). Returns how many were resolved.
+-- KEYS: STATE_KEYS, KEYS[9] started, KEYS[10] resolved; ARGV[1] mode (return | filter | consume), ARGV[2] reason,
+-- then pairs of (deal id, '1' when its group held an admission lease, given back with it). A deal returned or
+-- filtered is marked resolved while its entry stays pending; consume (with the entry's ack) clears the mark.
+-- Returns how many were resolved.
 local n = 0
 for i = 3, #ARGV, 2 do
   if resolve(ARGV[i], ARGV[1], ARGV[2]) then
     n = n + 1
+    if ARGV[1] ~= 'consume' then redis.call('HSET', KEYS[10], ARGV[i], '1') end
     if ARGV[i + 1] == '1' then
       local left = tonumber(redis.call('GET', KEYS[9]) or '0') - 1
       if left < 0 then left = 0 end
       redis.call('SET', KEYS[9], left)
     end
   end
+  if ARGV[1] == 'consume' then redis.call('HDEL', KEYS[10], ARGV[i]) end
 end
 return n
 """
@@ -144,6 +153,34 @@ def forget_holder(client, keys: dict, generator_id: str) -> int:
     return int(client.eval(EXPIRE, len(STATE_KEYS), *[keys[name] for name in STATE_KEYS], generator_id))
 
 
+class DealState(NamedTuple):
+    """A deal as Redis holds it when the learner reads an entry that names it."""
+    place: tuple | None
+    """(epoch, index) while unresolved; None once resolved, or for a deal never dealt."""
+    holder: str | None
+    """The generator it was dealt to; None while it waits in `ready` (never dealt), and once resolved."""
+    out: bool
+    """Dealt and not delivered: no entry added through DELIVER can answer it."""
+    resolved: bool
+    """The learner resolved it (returned or filtered) while its entry was pending: that entry is skipped."""
+
+
+def foreign_deal(held: bool, state: DealState | None, producer: str) -> str | None:
+    """Why an entry's deal (one the learner did not resolve) cannot be the entry's own, or None when it can:
+    DELIVER admits an entry only under a deal out to its producer, so an entry under any other was added past it
+    (`never dealt` covers one still waiting in `ready`). `held`: the learner holds the deal already, for another
+    entry's group."""
+    if held:
+        return "already held"
+    if state is not None and state.out:
+        return "undelivered"
+    if state is None or state.place is None or state.holder is None:
+        return "never dealt"
+    if state.holder != producer:
+        return f"dealt to {state.holder!r}"
+    return None
+
+
 def place_of(text) -> tuple[int, int]:
     epoch, index = (text.decode() if isinstance(text, bytes) else text).split(":")
     return int(epoch), int(index)
@@ -210,7 +247,7 @@ class RedisDealer:
         snap = self.base.snapshot()
         pipe = self.client.pipeline(transaction=True)
         pipe.delete(*self._keys("data_returned", "data_ready", "data_place", "data_row", "data_holder", "data_out",
-                                "data_returned_by", "data_filtered"))
+                                "data_returned_by", "data_filtered", "data_resolved"))
         pipe.hset(self.keys["data_cursor"], mapping={
             "format": STATE_FORMAT, "fingerprint": self.fingerprint, "size": self.size, "epoch": snap["epoch"],
             "position": snap["position"], "refills": 0, "dealt": snap["dealt"], "consumed": snap["consumed"],
@@ -283,20 +320,25 @@ class RedisDealer:
             self._load_or_init()
 
     # --- groups as the learner reads them ---------------------------------------------------------------------
-    def places(self, deal_ids: list) -> dict:
-        """deal id -> place, for the deals (of a batch of entries) still unresolved; "out" for one still out,
-        which no entry added through DELIVER can answer."""
+    def states(self, deal_ids: list) -> dict:
+        """deal id -> its DealState, for the deals of a batch of entries (one round trip)."""
         ids = [deal for deal in dict.fromkeys(deal_ids) if deal]
         if not ids:
             return {}
         pipe = self.client.pipeline(transaction=False)
-        values, scores = self.retry("deal places", pipe.hmget(self.keys["data_place"], ids).zmscore(
-            self.keys["data_out"], ids).execute)
-        return {deal: "out" if score is not None else place_of(value)
-                for deal, value, score in zip(ids, values, scores) if value is not None}
+        places, scores, holders, marks = self.retry("deal states", pipe.hmget(self.keys["data_place"], ids).zmscore(
+            self.keys["data_out"], ids).hmget(self.keys["data_holder"], ids).hmget(self.keys["data_resolved"], ids)
+            .execute)
+        return {deal: DealState(None if place is None else place_of(place),
+                                None if holder is None else holder.decode(errors="replace"), score is not None,
+                                mark is not None)
+                for deal, place, score, holder, mark in zip(ids, places, scores, holders, marks)}
 
     def prompt_id(self, place: tuple) -> str:
         return self.base.prompt_id_at(place[1])
+
+    def prompt_digest(self, place: tuple) -> bytes:
+        return self.base.prompt_digest_at(place[1])
 
     def hold(self, deal_id: str, place: tuple) -> None:
         """The learner read a valid group for this deal: it is the learner's until it acks or gives it back."""
@@ -311,7 +353,8 @@ class RedisDealer:
         if not deals:
             return 0
         args = [mode, reason] + [value for deal, leased in deals for value in (deal, "1" if leased else "0")]
-        return int(self.retry("deal resolution", self._resolve, keys=self._keys(*STATE_KEYS, "started"), args=args))
+        return int(self.retry("deal resolution", self._resolve, keys=self._keys(*STATE_KEYS, "started",
+                                                                                 "data_resolved"), args=args))
 
     def give_back(self, deal_id: str, leased: bool, reason: str) -> int:
         """A taken group the learner will not train: filtered (dealer.CONSUME_REASONS) its prompt stays consumed,
@@ -330,7 +373,8 @@ class RedisDealer:
             if entry_ids:
                 pipe.xack(self.keys["groups"], GROUP, *entry_ids)
             if deal_ids:
-                pipe.eval(RESOLVE, len(STATE_KEYS) + 1, *self._keys(*STATE_KEYS, "started"), "consume", "",
+                pipe.eval(RESOLVE, len(STATE_KEYS) + 2, *self._keys(*STATE_KEYS, "started", "data_resolved"),
+                          "consume", "",
                           *[value for deal in deal_ids for value in (deal, "0")])
             replies = pipe.execute()
             return replies[0] if entry_ids else 0
@@ -367,6 +411,10 @@ class RedisDealer:
                 "out": [list(place_of(place)) for deal, place in places.items() if deal not in unsettled],
                 "dealt": int(cursor.get(b"dealt", 0)), "consumed": int(cursor.get(b"consumed", 0)),
                 "returned_by_reason": _counts(returned_by), "filtered_by_reason": _counts(filtered)}
+
+    def refused(self) -> int:
+        """Groups refused for their deal, by DELIVER or by the learner (data/refused)."""
+        return int(self.retry("refusals", self.client.hget, self.keys["data_cursor"], "refused") or 0)
 
     def metrics(self) -> dict:
         pipe = self.client.pipeline(transaction=False)

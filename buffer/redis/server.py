@@ -24,12 +24,15 @@ from collections import OrderedDict, deque
 import redis
 
 from asyncrl.buffer.codec import CodecError, decode_group
+from asyncrl.buffer.dealing import answer_of, answer_problem
 from asyncrl.buffer.fleet_stats import fleet_metrics
 from asyncrl.buffer.interface import RunInfo
 from asyncrl.buffer.plausibility import JobLimits, check_stats
 from asyncrl.telemetry.rejections import RejectionLog
 from asyncrl.buffer.redis.conn import redacted
+from asyncrl.buffer.redis.dealing import foreign_deal
 from asyncrl.buffer.redis.reconnect import direct
+from asyncrl.buffer.redis.rejection_news import TELL, tell_args
 from asyncrl.buffer.redis.eval_bridge import RedisEvalBridge
 from asyncrl.buffer.redis.sampled import drain_sampled
 from asyncrl.buffer.sampled import SampledRewards, SampledSoFar
@@ -72,6 +75,7 @@ class RedisBufferServer:
         self.keys = self.stream.keys
         self.endpoint = f"{redacted(url)} (job {job})"
         self._rejections = RejectionLog(log, "group entry")
+        self._tell = client.register_script(TELL)  # the producer hears of it with its next request
         self.dropped_future = 0
         self._held_admission: OrderedDict = OrderedDict()  # group id -> (entry id, held a lease, deal), recent takes
         self.received = 0
@@ -147,7 +151,7 @@ class RedisBufferServer:
                 self.retry("rebuilding the lost stream", self._after_reconnect)
                 continue
             version = self._version() if entries else 0
-            places = self.dealer.places([e.deal.decode(errors="replace") for e in entries]) if self.dealer else {}
+            states = self.dealer.states([e.deal.decode(errors="replace") for e in entries]) if self.dealer else {}
             for entry in entries:
                 if entry.entry_id in self.held:  # re-read after a reconnect: already ours
                     self.redelivered += 1
@@ -156,7 +160,7 @@ class RedisBufferServer:
                     self.stream.ack([entry.entry_id])
                 else:
                     group = self._decode(entry, version)
-                    if group is not None and self._dealt(entry, group, places):
+                    if group is not None and self._dealt(entry, group, states):
                         self._accept(entry, group)
         entry_id, group = self._ready.popleft()
         self.taken_entries.append((entry_id, group.meta.get("deal", "") if self.dealer is not None else ""))
@@ -185,39 +189,46 @@ class RedisBufferServer:
             self._next_hearing = now + max(1.0, self.stats_ttl_s / 4)
             self.generator_stats  # noqa: B018 - refreshes _stats_seen
 
-    def _dealt(self, entry, group, places: dict) -> bool:
+    def _dealt(self, entry, group, states: dict) -> bool:
         """Without a dealer, True. With one: the group answers the deal its entry carries (DELIVER checked it was
-        out to the producer) for the prompt dealt. A deal already resolved (its group given back or quarantined
-        before a restart) is acked and skipped; anything else wrong is dead-lettered as unknown_deal, its prompt
-        going back to the epoch."""
+        out to the producer) for the prompt dealt. An entry whose deal this learner resolved while it was pending
+        (its group given back or refused before a restart) is acked and skipped; anything else wrong is refused
+        (`_refuse_deal`), its prompt going back to the epoch when the deal was this entry's."""
         if self.dealer is None:
             return True
-        deal = entry.deal.decode(errors="replace")
+        deal, producer = entry.deal.decode(errors="replace"), entry.producer.decode(errors="replace")
+        state = states.get(deal)
         if not deal:
-            self._give_back_entry(entry)
-            self._dead_letter(entry, "unknown_deal", f"group {group.group_id}: the learner deals the prompts and "
-                                                     f"this group answers no deal [unknown_deal]")
+            self._refuse_deal(entry, f"group {group.group_id}: the learner deals the prompts and this group answers "
+                                     f"no deal")
             return False
-        if deal in self.dealer.held or places.get(deal) == "out":  # an entry added past DELIVER: never trained
-            self._dead_letter(entry, "unknown_deal", f"group {group.group_id}: deal {deal!r} is "
-                                                     f"{'already held' if deal in self.dealer.held else 'undelivered'}"
-                                                     f" [unknown_deal]")
-            return False
-        place = places.get(deal)
-        if place is None:  # resolved while this entry was pending: its lease and prompt were dealt with then
-            self.stream.ack([entry.entry_id])
+        if state is not None and state.resolved and state.place is None:
+            self.stream.ack([entry.entry_id], resolved_deals=[deal])
             self.dealer.skipped_resolved += 1
             return False
-        if group.meta.get("deal") != deal:
-            problem = f"its entry answers deal {deal!r}, its meta {group.meta.get('deal')!r}"
-        elif self.dealer.prompt_id(place) != group.prompt_id:
-            problem = f"deal {deal!r} was for prompt {self.dealer.prompt_id(place)!r}, not {group.prompt_id!r}"
-        else:
-            self.dealer.hold(deal, place)
+        problem = foreign_deal(deal in self.dealer.held, state, producer)
+        if problem is not None:  # not this entry's deal: refused, and the deal left to its own entry
+            self._refuse_deal(entry, f"group {group.group_id}: deal {deal!r} is {problem}", give_back=False)
+            return False
+        problem = answer_problem(deal, answer_of(group, compare_tokens=not (self.limits and self.limits.episodes)),
+                                 self.dealer.prompt_id(state.place), self.dealer.prompt_digest(state.place))
+        if problem is None:
+            self.dealer.hold(deal, state.place)
             return True
-        self._give_back_entry(entry)
-        self._dead_letter(entry, "unknown_deal", f"group {group.group_id}: {problem} [unknown_deal]")
+        self._refuse_deal(entry, f"group {group.group_id}: {problem}")
         return False
+
+    def _refuse_deal(self, entry, problem: str, give_back: bool = True) -> None:
+        """An entry that answers no deal of its producer's: dead-lettered as unknown_deal and counted once, in the
+        data cursor's `refused` beside DELIVER's refusals (`rejected` reports that count). `give_back`: the deal
+        is this entry's, so its prompt (and lease) go back to the epoch first."""
+        if give_back:
+            self._give_back_entry(entry)
+        error = f"{problem} [unknown_deal]"
+        self.stream.dead_letter(entry.entry_id, entry.payload, f"unknown_deal: {error}", refused_deal=True,
+                                resolved_deal=entry.deal if give_back else b"")
+        self._rejections.reject("unknown_deal", entry.producer.decode(errors="replace") or "an unnamed writer", error)
+        self._tell_producer(entry, error)
 
     def _version(self) -> int:
         """The learner's version: the one it set itself (the learner is the version's only writer, so no round
@@ -247,7 +258,7 @@ class RedisBufferServer:
         except CodecError as err:
             self._give_back_entry(entry, "stale" if err.reason == "future_version" else "rejected")
             if err.reason == "future_version":  # the codec says this last: everything else is valid
-                self.stream.ack([entry.entry_id])
+                self.stream.ack([entry.entry_id], resolved_deals=[entry.deal] if entry.deal else [])
                 self.dropped_future += 1
             else:
                 self._dead_letter(entry, err.reason, str(err))
@@ -275,13 +286,31 @@ class RedisBufferServer:
             self.coordinator.give_back(1, token=entry.entry_id.decode())
 
     def _dead_letter(self, entry, reason: str, error: str) -> None:
-        self.stream.dead_letter(entry.entry_id, entry.payload, f"{reason}: {error}")
+        """After `_give_back_entry`: the entry goes, and its deal's resolved mark with it."""
+        self.stream.dead_letter(entry.entry_id, entry.payload, f"{reason}: {error}", resolved_deal=entry.deal)
         self._rejections.reject(reason, entry.producer.decode(errors="replace") or "an unnamed writer", error)
+        self._tell_producer(entry, error)
+
+    def _tell_producer(self, entry, error: str) -> None:
+        """The generator that added a rejected entry hears of it in its next request's reply
+        (buffer/redis/rejection_news.py), as a zmq generator does."""
+        if entry.producer:
+            self.retry("rejection news", self._tell, keys=[self.keys["rejections"]],
+                       args=tell_args(entry.producer.decode(errors="replace"), error))
 
     @property
     def rejected(self) -> dict:
-        """reason -> entries dead-lettered so far (and generator stats reports refused)."""
-        return self._rejections.snapshot()
+        """reason -> entries dead-lettered so far (and generator stats reports refused). `unknown_deal` is the data
+        cursor's `refused`, in Redis: DELIVER refuses most groups outside their deal with no learner involved, the
+        learner the rest (`_refuse_deal`), and each is counted there once, so it equals data/refused (both over the
+        job's life, across learner restarts)."""
+        counts = self._rejections.snapshot()
+        if self.dealer is not None:
+            counts.pop("unknown_deal", None)
+            refused = self.dealer.refused()
+            if refused:
+                counts["unknown_deal"] = refused
+        return counts
 
     def _accept(self, entry, group) -> None:
         self.received += 1
@@ -331,7 +360,8 @@ class RedisBufferServer:
             if entry_id is None:  # taken too long ago to be known: it is acked with its step's checkpoint
                 self._rejections.reject(reason, group.generator_id, f"group {group.group_id} poisoned a step")
                 continue
-            self.stream.dead_letter(entry_id, self.stream.payload_of(entry_id), f"{reason}: poisoned a step")
+            self.stream.dead_letter(entry_id, self.stream.payload_of(entry_id), f"{reason}: poisoned a step",
+                                    resolved_deal=deal.encode())
             self.held.discard(entry_id)
             self._rejections.reject(reason, group.generator_id, f"group {group.group_id} (entry "
                                                                  f"{entry_id.decode()}) poisoned a step")

@@ -51,6 +51,11 @@ REFUSED = "!deal"
 """DELIVER's answer for a group whose deal is not out to its producer (expired and dealt again, never dealt, or
 already delivered): the entry is deleted and its lease given back."""
 DEAD_LETTER_PAYLOAD_BYTES = 64 << 10
+ACK_REFUSED = """local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+if acked == 1 then redis.call('HINCRBY', KEYS[2], 'refused', 1) end
+return acked"""
+"""Ack an entry refused for its deal and count it in the data cursor's `refused` (data/refused), only if this ack took
+it: `dead_letter` is resent whole after a lost reply."""
 DELIVER = """
 -- KEYS[1] the group's mark, KEYS[2] leases, KEYS[3] started, KEYS[4] the stream, KEYS[5] the duplicates count,
 -- KEYS[6] the deals out, KEYS[7] the deals' holders, KEYS[8] the data cursor (dealing.py);
@@ -100,12 +105,12 @@ hashes the short body (comments stripped) and reuses the compiled script."""
 
 def job_keys(job: str) -> dict:
     prefix = f"asyncrl:{{{job}}}:"
-    names = ("groups", "dead", "version", "started", "leases", "meta", "duplicates")
+    names = ("groups", "dead", "version", "started", "leases", "meta", "duplicates", "rejections")
     return {name: prefix + name for name in names} | {f"data_{name}": f"{prefix}data:{name}" for name in DATA_KEYS} | {
         "seen": prefix + "seen:", "grant": prefix + "grant:", "given": prefix + "given:"}
 
 
-DATA_KEYS = ("cursor", "returned", "ready", "place", "row", "holder", "out", "returned_by", "filtered")
+DATA_KEYS = ("cursor", "returned", "ready", "place", "row", "holder", "out", "returned_by", "filtered", "resolved")
 """The prompt dealer's state (dealing.py), as `job_keys` names it: `data_<name>`."""
 
 
@@ -231,19 +236,40 @@ class GroupStream:
             live.append((entry_id, fields))
         return self._without_poison(live) if check_deliveries else [Entry.of(entry_id, f) for entry_id, f in live]
 
-    def ack(self, entry_ids: list) -> int:
-        return self.retry("XACK", self.client.xack, self.keys["groups"], GROUP, *entry_ids) if entry_ids else 0
+    def ack(self, entry_ids: list, resolved_deals: list = ()) -> int:
+        """XACK; with `resolved_deals` (deals the learner resolved while these entries were pending) their marks in
+        `data:resolved` go in the same transaction (dealing.py: an entry met again is skipped only with one)."""
+        if not entry_ids:
+            return 0
+        if not resolved_deals:
+            return self.retry("XACK", self.client.xack, self.keys["groups"], GROUP, *entry_ids)
 
-    def dead_letter(self, entry_id: bytes, payload: bytes, reason: str) -> None:
+        def once():
+            pipe = self.client.pipeline(transaction=True)
+            pipe.xack(self.keys["groups"], GROUP, *entry_ids).hdel(self.keys["data_resolved"], *resolved_deals)
+            return pipe.execute()[0]
+
+        return self.retry("XACK", once)
+
+    def dead_letter(self, entry_id: bytes, payload: bytes, reason: str, refused_deal: bool = False,
+                    resolved_deal: bytes = b"") -> None:
         """Move an entry to the dead-letter stream with its reason, and ack it, in one transaction. Only the first
         DEAD_LETTER_PAYLOAD_BYTES of the payload are kept (with its size): enough to see what it was, and 10,000
-        dead letters of near-limit groups would otherwise hold 160 GB."""
+        dead letters of near-limit groups would otherwise hold 160 GB. `refused_deal`: the entry does not answer
+        its deal, counted with DELIVER's refusals in the data cursor's `refused` (data/refused), in the same
+        transaction, so a refusal is counted once whoever refuses it. `resolved_deal`: the entry's deal, resolved by
+        the learner just before; its mark in `data:resolved` goes with the entry (see `ack`)."""
         def move():  # resent after a lost reply, the dead-letter stream may hold the entry twice; never zero times
             pipe = self.client.pipeline(transaction=True)
             pipe.xadd(self.keys["dead"], {"entry": entry_id, "reason": reason[:1000], "size": len(payload),
                                           "payload": payload[:DEAD_LETTER_PAYLOAD_BYTES]},
                       maxlen=10_000, approximate=True)
-            pipe.xack(self.keys["groups"], GROUP, entry_id)
+            if refused_deal:  # counted only by the attempt whose ack took the entry: a resend counts nothing
+                pipe.eval(ACK_REFUSED, 2, self.keys["groups"], self.keys["data_cursor"], GROUP, entry_id)
+            else:
+                pipe.xack(self.keys["groups"], GROUP, entry_id)
+            if resolved_deal:
+                pipe.hdel(self.keys["data_resolved"], resolved_deal)
             pipe.execute()
 
         self.retry("dead-letter", move)
@@ -280,7 +306,8 @@ class GroupStream:
                 if self.on_poison is not None:  # first: its admission and prompt go back while it is still pending
                     self.on_poison(Entry.of(entry_id, fields), counts[entry_id])
                 self.dead_letter(entry_id, (fields or {}).get(PAYLOAD, b""),
-                                 f"max_deliveries: delivered {counts[entry_id]} times without being acked")
+                                 f"max_deliveries: delivered {counts[entry_id]} times without being acked",
+                                 resolved_deal=(fields or {}).get(DEAL, b""))
                 continue
             out.append(Entry.of(entry_id, fields))
         return out
@@ -344,7 +371,8 @@ def _id_key(entry_id) -> tuple[int, int]:
 def reset_job(client, job: str) -> int:
     """Delete every key of `job` (a fresh start under a namespace an older run used); returns how many went."""
     keys = job_keys(job)
-    names = [keys[name] for name in ("groups", "dead", "version", "started", "leases", "meta", "duplicates")]
+    names = [keys[name] for name in ("groups", "dead", "version", "started", "leases", "meta", "duplicates",
+                                     "rejections")]
     names += [keys["meta"] + ":stats", keys["meta"] + ":joins", keys["meta"] + ":sampled"]
     names += [keys[f"data_{name}"] for name in DATA_KEYS]
     removed = client.delete(*names)

@@ -20,7 +20,7 @@ from collections import OrderedDict, deque
 import zmq
 
 from asyncrl.buffer.codec import CodecError, decode_group
-from asyncrl.buffer.dealing import PromptDealer
+from asyncrl.buffer.dealing import PromptDealer, answer_of
 from asyncrl.buffer.done import wait_until_told
 from asyncrl.buffer.eval_rounds import EvalRounds, evals_wanted
 from asyncrl.buffer.fleet_stats import fleet_metrics
@@ -146,7 +146,7 @@ class ZmqBufferServer:
                     if admitted:
                         self.coordinator.give_back(1)
                     if self.dealer is not None and deal:
-                        self.dealer.reject(gen, deal)
+                        self.dealer.reject(gen, deal, "stale")
                 else:
                     self._reject(gen, err.reason, str(err), admitted, deal=deal)
                 continue
@@ -154,10 +154,9 @@ class ZmqBufferServer:
                 self._reject(gen, "generator_id", f"generator_id: {group.generator_id!r} sent by {gen!r} "
                                                   f"[generator_id]", admitted, deal=deal)
                 continue
-            if self.dealer is not None:  # a dealt prompt, delivered by the generator it was dealt to
-                problem = (f"its header names deal {deal!r}, its meta {group.meta.get('deal')!r}"
-                           if group.meta.get("deal") != deal else
-                           self.dealer.accept(gen, deal, group.prompt_id))
+            if self.dealer is not None:  # a dealt prompt (its tokens too), delivered by the generator it was dealt to
+                problem = self.dealer.accept(gen, deal, answer_of(group, compare_tokens=not (
+                    self.limits is not None and self.limits.episodes)))
                 if problem is not None:
                     self._reject(gen, "unknown_deal", f"group {group.group_id}: {problem} [unknown_deal]", admitted,
                                  deal=deal)

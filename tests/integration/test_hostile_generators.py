@@ -1,7 +1,7 @@
 """A live learner (learner/loop.py, in process) fed by a generator that breaks every rule we could think of, on
 zmq and on a real redis-server. Each hostile group decodes cleanly or nearly so (the decoder alone caught all but
 these): a temperature of 0, a reward of 1e300, an empty prompt, thousands of samples, a 1000-token completion,
-logprobs of -1e38 or NaN, another generator's id, a group from a future version, groups nobody asked for, an
+logprobs of -1e38 or NaN, a sample with no token that says it stopped, another generator's id, a group from a future version, groups nobody asked for, an
 oversized frame, a stats report that is not numbers, and one group whose rewards (±3e38) are finite in float32 but
 overflow the loss. The learner keeps training to the end, trains none of them, counts each under
 buffer/rejected/<reason>, skips the one step the huge rewards poison, and publishes only finite weights. Every step
@@ -98,6 +98,9 @@ def hostile_groups(cfg, gen: str) -> list[tuple[str, str, bytes]]:
         ("token out of the vocabulary", "token_out_of_range",
          with_(lambda g: g.samples[0].completion_ids.__setitem__(0, VOCAB + 5))),
         ("negative version", "bad_version", with_(lambda g: g.samples[0].versions.__setitem__(0, -1))),
+        ("no token, yet 'stop', beside a real sample", "bad_finish_reason", with_(lambda g: g.samples.__setitem__(
+            1, Sample(completion_ids=np.zeros(0, np.int32), logprobs=np.zeros(0, np.float32),
+                      versions=np.zeros(0, np.int32), reward=1.0, finish_reason="stop")))),
         ("another generator's id", "generator_id", with_(lambda g: setattr(g, "generator_id", "honest"))),
     ]
 

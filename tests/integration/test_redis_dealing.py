@@ -182,6 +182,25 @@ def test_the_learner_checks_each_group_against_its_deal(make_job):
     assert job.take_all() == [] and job.server.rejected["unknown_deal"] == 3
 
 
+def test_a_group_keeping_its_deal_and_prompt_id_but_not_the_prompt_tokens_is_refused(make_job):
+    """The learner compares the group's prompt tokens with the dealt row's (their digest): a swapped prompt is
+    dead-lettered, counted, and its prompt dealt again, then trained from an honest group."""
+    job = make_job(2)
+    gen = job.generator("a")
+    (dealt,) = admitted(gen, 1).deals
+    swapped = group_for(dataclasses.replace(dealt, prompt_ids=[9] + list(dealt.prompt_ids[1:])), "a")
+    assert send(gen, swapped).accepted  # DELIVER sees only the deal, out to its producer
+    assert job.take_all() == []
+    assert job.server.rejected["unknown_deal"] == 1
+    assert any(b"not its prompt tokens" in fields[b"reason"] for fields in job.server.stream.dead_letters())
+    job.server.dealer.tick(force=True)
+    again = next(deal for deal in admitted(gen, 2).deals if deal.prompt_id == dealt.prompt_id)
+    assert send(gen, group_for(again, "a")).accepted
+    (taken,) = [group for group in job.take_all() if group.prompt_id == dealt.prompt_id]
+    assert taken.prompt_ids.tolist() == dealt.prompt_ids
+    assert job.server.dealer.metrics()["data/returned/rejected"] == 1
+
+
 def test_entries_added_past_deliver_never_train_a_deal_twice(make_job):
     """A writer with Redis access that XADDs straight into the stream: a deal still out, or one the learner holds
     already, is dead-lettered, and the genuine group is trained once."""

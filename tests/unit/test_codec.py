@@ -269,6 +269,17 @@ def test_a_group_no_generator_of_this_job_could_produce_is_rejected(overrides, r
     assert (err.reason, err.field) == (reason, field), str(err)
 
 
+def test_a_sample_with_no_token_that_says_it_stopped_is_implausible_beside_real_ones_or_alone():
+    """An engine that stops emits its stop token: half a group of empty `stop` samples was trained (the other half
+    made the group non-empty). An empty sample the engine aborted (a weight swap) is still fine."""
+    for samples, field in (([make_sample(), make_sample(0)], "samples[1]"),
+                           ([make_sample(0), make_sample(0)], "samples[0]")):
+        err = reject(encode_group(make_group(samples=samples)), limits=LIMITS)
+        assert (err.reason, err.field) == ("bad_finish_reason", field) and "stop token" in str(err)
+    assert decode(encode_group(make_group(samples=[make_sample(), make_sample(0, finish_reason="abort")])),
+                  limits=LIMITS).samples[1].finish_reason == "abort"
+
+
 def test_the_sample_count_is_checked_before_any_sample_is_decoded():
     """87k garbage samples cost nothing: msgpack refuses an array longer than rollout.n as it reads its header, before
     building one sample (they would each fail as malformed). Without the job's limits they are unpacked."""
