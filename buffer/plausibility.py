@@ -162,3 +162,21 @@ def check_stats(metrics) -> str | None:
         if type(value) not in (int, float) or not np.isfinite(value) or abs(value) > FLOAT32_MAX:
             return f"metric {key!r} = {str(value)[:40]!r} is not a finite number"
     return None
+
+
+MAX_ADMIT_WANT = 1 << 20
+"""The most admissions one admit request may ask for: far more than any generator runs rollouts at once."""
+
+
+def check_admit(want, version) -> str | None:
+    """Why an admit request's fields are malformed (None: they are well formed): `want` must be an integer in
+    [1, MAX_ADMIT_WANT], and `version` (the engine's weight version, which pins the evaluation rounds it is dealt)
+    absent (None) or an integer >= 0. Nothing is coerced: a generator that asks for -5, "all" or 1e9 admissions, or
+    says it holds v-7, is broken or hostile, and reading that as "1" or "v0" granted it deals and evaluation
+    prompts it could not have asked for."""
+    if type(want) is not int or not 1 <= want <= MAX_ADMIT_WANT:
+        return f"admit: 'want' must be an integer in [1, {MAX_ADMIT_WANT}], got {str(want)[:40]!r}"
+    if version is not None and (type(version) is not int or version < 0):
+        return (f"admit: 'ver' (the version the engine holds) must be absent or an integer >= 0, got "
+                f"{str(version)[:40]!r}")
+    return None

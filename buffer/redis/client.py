@@ -29,6 +29,7 @@ from asyncrl.buffer.dealing import check_deal
 from asyncrl.buffer.eval_rounds import decode_eval_task, evals_wanted
 from asyncrl.buffer.interface import (AdmitReply, GeneratorRefused, HelloReply, LearnerUnavailable, RunInfo, SendReply,
                                      Status, decode_weights, too_large_reply)
+from asyncrl.buffer.plausibility import check_admit
 from asyncrl.buffer.redis.conn import redacted
 from asyncrl.buffer.redis.coordinator import RedisCoordinator
 from asyncrl.buffer.redis.dealing import forget_holder, settle_deals
@@ -191,7 +192,10 @@ class RedisBufferClient:
                 forget_holder(self.client, self.keys, self.generator_id)
             return {**reply, "run_info": run_info}
         if op == "admit":
-            granted, deals, evals, want = [], [], [], max(0, int(fields.get("want", 1)))
+            problem = check_admit(fields.get("want", 1), fields.get("version"))
+            if problem is not None:  # the scripts refuse it too (and count it): a generator runs them itself
+                return {**reply, "ok": False, "granted": 0, "error": f"{problem} [malformed]"}
+            granted, deals, evals, want = [], [], [], fields.get("want", 1)
             if not reply["done"] and self.evaluates and isinstance(fields.get("version"), int) and want:
                 evals = take_evals(self.client, self.keys, self.generator_id, fields["version"], evals_wanted(want),
                                    token, self.coordinator.lease_ms + 3_600_000)

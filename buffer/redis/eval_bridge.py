@@ -22,7 +22,7 @@ import logging
 
 import msgpack
 
-from asyncrl.buffer.eval_rounds import EvalRounds
+from asyncrl.buffer.eval_rounds import EVALS_PER_REQUEST, EvalRounds
 from asyncrl.buffer.redis.reconnect import direct
 
 log = logging.getLogger(__name__)
@@ -32,11 +32,20 @@ DRAIN = 256
 """Most results read per tick."""
 
 EVAL_TAKE = """
--- KEYS[1] ready, KEYS[2] task, KEYS[3] holder, KEYS[4] this request's record; ARGV[1] generator, ARGV[2] the
--- version its engine holds, ARGV[3] most to take, ARGV[4] record ttl (ms). Returns the tasks taken.
+-- KEYS[1] ready, KEYS[2] task, KEYS[3] holder, KEYS[4] this request's record, KEYS[5] the refusals counted (reason
+-- -> count); ARGV[1] generator, ARGV[2] the version its engine holds, ARGV[3] most to take, ARGV[4] record ttl
+-- (ms). Returns the tasks taken; an error reply, counted under 'malformed', for a version that is not an integer
+-- >= 0 (v-7 would take the v0 round) or a most outside [1, EVALS_PER_REQUEST] (no generator takes a whole round).
+local holds, most = tonumber(ARGV[2]), tonumber(ARGV[3])
+if not holds or holds ~= math.floor(holds) or holds < 0 or not most or most ~= math.floor(most) or most < 1
+   or most > EVALS_PER_REQUEST then
+  redis.call('HINCRBY', KEYS[5], 'malformed', 1)
+  return redis.error_reply('malformed admit: version ' .. tostring(ARGV[2]) .. ' must be an integer >= 0 and most ' ..
+                           tostring(ARGV[3]) .. ' an integer in [1, EVALS_PER_REQUEST] [malformed]')
+end
 local taken = redis.call('LRANGE', KEYS[4], 0, -1)
 if #taken == 0 and redis.call('EXISTS', KEYS[4]) == 0 then
-  taken = redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[2], '+inf', 'LIMIT', 0, tonumber(ARGV[3]))
+  taken = redis.call('ZRANGEBYSCORE', KEYS[1], holds, '+inf', 'LIMIT', 0, most)
   for _, deal in ipairs(taken) do
     redis.call('ZREM', KEYS[1], deal)
     redis.call('HSET', KEYS[3], deal, ARGV[1])
@@ -51,7 +60,7 @@ for _, deal in ipairs(taken) do
   if task then table.insert(out, task) end
 end
 return out
-"""
+""".replace("EVALS_PER_REQUEST", str(EVALS_PER_REQUEST))
 
 EVAL_DONE = """
 -- KEYS[1] holder, KEYS[2] results; ARGV[1] generator, ARGV[2] deal id, ARGV[3] the result (msgpack). Only the
@@ -73,8 +82,8 @@ def take_evals(client, keys: dict, generator_id: str, holder_version: int, most:
     """The generator's side: up to `most` evaluation tasks of rounds at or after `holder_version` (the packed
     tasks; eval_rounds.decode_eval_task reads each after msgpack)."""
     ekeys = eval_keys(keys)
-    return client.eval(EVAL_TAKE, 4, ekeys["ready"], ekeys["task"], ekeys["holder"], keys["grant"] + request_id +
-                       ":evals", generator_id, int(holder_version), int(most), int(record_ms))
+    return client.eval(EVAL_TAKE, 5, ekeys["ready"], ekeys["task"], ekeys["holder"], keys["grant"] + request_id +
+                       ":evals", keys["refused"], generator_id, holder_version, most, int(record_ms))
 
 
 def answer_eval(client, keys: dict, generator_id: str, deal_id: str, rewards, lengths) -> bool:

@@ -73,6 +73,7 @@ class RedisBufferServer:
         self.endpoint = f"{redacted(url)} (job {job})"
         self._rejections = RejectionLog(log, "group entry")
         self.dropped_future = 0
+        self._script_refusals_seen = 0  # admission requests the scripts refused, as last logged
         self._held_admission: OrderedDict = OrderedDict()  # group id -> (entry id, held a lease, deal), recent takes
         self.received = 0
         self.sampled = SampledRewards()  # the rewards of every group taken or filtered (buffer/sampled.py)
@@ -378,10 +379,24 @@ class RedisBufferServer:
         if self.evals is not None:
             out.update(self.evals.metrics())
         stats = self.generator_stats  # read first: a bad report it refuses is counted below
-        for reason, count in self.rejected.items():
+        rejected = dict(self.rejected)
+        for reason, count in self._script_refusals().items():
+            rejected[reason] = rejected.get(reason, 0) + count
+        for reason, count in rejected.items():
             out[f"buffer/rejected/{reason}"] = float(count)
         out.update(fleet_metrics(list(stats.values())))
         return out
+
+    def _script_refusals(self) -> dict:
+        """reason -> requests the admission scripts refused (coordinator.py ADMIT, eval_bridge.py EVAL_TAKE: a
+        generator runs them itself, so they count in Redis); a warning when the count grows."""
+        raw = self.retry("refusals", self.client.hgetall, self.keys["refused"])
+        counts = {key.decode(errors="replace"): int(value) for key, value in raw.items()}
+        if sum(counts.values()) > self._script_refusals_seen:
+            log.warning("buffer: Redis refused %d malformed admission requests so far (%s)", sum(counts.values()),
+                        counts)
+            self._script_refusals_seen = sum(counts.values())
+        return counts
 
     @property
     def duplicates(self) -> int:

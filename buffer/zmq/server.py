@@ -25,7 +25,7 @@ from asyncrl.buffer.done import wait_until_told
 from asyncrl.buffer.eval_rounds import EvalRounds, evals_wanted
 from asyncrl.buffer.fleet_stats import fleet_metrics
 from asyncrl.buffer.interface import RunInfo
-from asyncrl.buffer.plausibility import JobLimits, check_stats
+from asyncrl.buffer.plausibility import JobLimits, check_admit, check_stats
 from asyncrl.buffer.sampled import SampledRewards, SampledSoFar, check_released_rewards
 from asyncrl.telemetry.rejections import RejectionLog
 from asyncrl.buffer.staleness import Coordinator
@@ -341,7 +341,11 @@ class ZmqBufferServer:
             return self._hello(request, reply)
         if op == "admit":
             want = request.get("want", 1)
-            want = want if isinstance(want, int) and want > 0 else 1
+            problem = check_admit(want, request.get("ver"))
+            if problem is not None:  # refused, not coerced: nothing is dealt or granted
+                self._rejections.reject("malformed", gen, problem)
+                reply.update(ok=False, granted=0, error=f"{problem} [malformed]")
+                return reply
             if self.evals is not None and not self._done:  # at most half: training keeps its share of the fleet
                 reply["evals"] = self.evals.deal(gen, request.get("ver"), evals_wanted(want))
                 want -= len(reply["evals"])

@@ -375,3 +375,34 @@ def test_a_silent_generators_evaluation_prompts_are_dealt_again(make_job):
     job.take_all(0.3)
     (finished,) = evals.finished()
     assert finished.version == 3 and evals.refused == 0
+
+
+def test_an_admission_with_malformed_fields_is_refused_by_the_scripts_and_counted(make_job):
+    """A generator runs the admission scripts itself, so they refuse what the zmq learner refuses: a want that is
+    not an integer >= 0 (-5 used to take capacity away from `started`), an engine version below 0 (v-7 was dealt
+    the v0 round), more evaluation prompts than one request may take. Each is an error reply naming the field,
+    counted under buffer/rejected/malformed; nothing is granted, dealt or taken. The client refuses them before
+    asking."""
+    import redis
+
+    from asyncrl.buffer.eval_rounds import EvalRounds
+    from asyncrl.buffer.redis.eval_bridge import take_evals
+
+    evals = EvalRounds(encode_prompts(eval_rows(4)), timeout_s=60)
+    job = make_job(8, evals=evals)
+    gen = job.generator("rogue")
+    evals.open(0, 1, 0.0, 8)
+    job.take_all(0.3)
+    job.server.dealer.tick(force=True)
+    for want, version in [(-5, None), ("all", None), (1e9, None), (4, -7)]:
+        reply = admitted(gen, want, version=version)
+        assert (reply.granted, reply.deals, reply.evals) == (0, [], [])
+    with pytest.raises(redis.ResponseError, match=r"want -5 .*\[malformed\]"):
+        gen.coordinator.admit_dealt("rogue", -5, gen.deal_ms, request_id="rogue:r1")
+    with pytest.raises(redis.ResponseError, match=r"version -7 .*\[malformed\]"):
+        take_evals(gen.client, gen.keys, "rogue", -7, 2, "rogue:r2", 60_000)
+    with pytest.raises(redis.ResponseError, match=r"most 100 .*\[malformed\]"):
+        take_evals(gen.client, gen.keys, "rogue", 0, 100, "rogue:r3", 60_000)
+    assert job.server.metrics()["buffer/rejected/malformed"] == 3 and gen.coordinator.started == 0
+    served = admitted(gen, 4, version=0)
+    assert len(served.evals) == 2 and served.granted == 2

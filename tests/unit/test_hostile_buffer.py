@@ -13,6 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncrl.buffer.codec import encode_group
+from asyncrl.buffer.dealing import PromptDealer
+from asyncrl.buffer.eval_rounds import EvalRounds
 from asyncrl.buffer.group import Group, Sample, Sampling
 from asyncrl.buffer.interface import GeneratorRefused
 from asyncrl.buffer.plausibility import JobLimits
@@ -20,6 +22,8 @@ from asyncrl.telemetry.rejections import RejectionLog
 from asyncrl.buffer.staleness import Coordinator
 from asyncrl.buffer.zmq.client import ZmqBufferClient
 from asyncrl.buffer.zmq.server import ZmqBufferServer
+from asyncrl.data.prompts import encode_prompts
+from tests.dealt_rows import Row
 from tests.conftest import free_port
 from tests.raw_peer import RawPeer
 from tests.messages import run_info
@@ -252,3 +256,27 @@ def test_a_refusal_whose_config_detail_is_garbage_still_reads_as_one_line():
     line = describe_difference({"rollout": {"n": 8}}, {"rollout": [1, 2], 3: {"x": 1}, "data": {"p": "y" * 10_000}})
     assert "\n" not in line and len(line) < 400
     assert "rollout.n (this generator 8, the learner '<unset>')" in line and "3.x" in line
+
+
+@pytest.mark.parametrize("fields", [{"want": -5}, {"want": "all"}, {"want": 1e9}, {"want": True}, {"want": 0},
+                                    {"want": 4, "ver": -7}, {"want": 4, "ver": "0"}, {"want": 4, "ver": 0.0}])
+def test_an_admit_with_malformed_fields_is_refused_and_counted_not_coerced(fields):
+    """A want of -5, "all" or 1e9 used to be read as 1 and granted a deal; a ver of -7 was dealt the v0 evaluation
+    round. Each is refused whole (nothing granted, dealt or taken from a round), said in the reply and counted
+    under buffer/rejected/malformed; the same generator's well-formed request is then served."""
+    prompts = encode_prompts([Row(f"f:{i}", [3, 4]) for i in range(4)])
+    evals = EvalRounds(encode_prompts([Row(f"heldout:{i}", [3, 5]) for i in range(4)]), timeout_s=60.0)
+    evals.open(0, n=1, temperature=0.0, max_tokens=8)
+    server = make_server(dealer=PromptDealer(prompts, shuffle=False, seed=0, epochs=1, timeout_s=60.0), evals=evals)
+    peer = RawPeer(server.endpoint, "rogue")
+    try:
+        refused = peer.ask("admit", **fields)
+        served = peer.ask("admit", want=4, ver=0)
+        metrics = server.metrics()
+    finally:
+        peer.close()
+        server.close()
+    assert refused["ok"] is False and "[malformed]" in refused["error"] and refused["granted"] == 0
+    assert "deals" not in refused and "evals" not in refused
+    assert metrics["buffer/rejected/malformed"] == 1 and metrics["data/dealt"] == 2
+    assert len(served["evals"]) == 2 and len(served["deals"]) == 2  # nothing was taken by the refused request
