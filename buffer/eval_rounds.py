@@ -6,15 +6,15 @@ replies, beside the training grants and never more than half of a request, so tr
 fleet. A round is pinned to v: it is dealt only to a generator whose engine is at v or behind (the admit request says
 which version it holds), and that generator loads exactly v and holds it until its evaluation prompts of v are
 sampled (generator/weights.py); a generator that finds itself past v gives the prompt back. Results come back per
-prompt (its n rewards and lengths), are checked (a generator is not trusted: finite rewards, n of them, lengths
-within the round's max_tokens, a deal out to it), and when every prompt of a round is in, the learner logs the
-metrics at step v with `eval/lag_steps`, how far training had moved on by then. A round not finished within
-`timeout_s` is abandoned and counted (`eval/rounds_abandoned`), never waited for.
+prompt (its n rewards and lengths), are checked (a generator is not trusted: n rewards the training path would
+accept, by the same function, plausibility.reward_problem; lengths within the round's max_tokens; a deal out to it),
+and when every prompt of a round is in, the learner logs the metrics at step v with `eval/lag_steps`, how far
+training had moved on by then. A round not finished within `timeout_s` is abandoned and counted
+(`eval/rounds_abandoned`), never waited for.
 
 Thread-safe: the zmq server's thread deals and receives results; the learner's thread opens and collects rounds.
 """
 import itertools
-import math
 import threading
 import time
 import uuid
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from asyncrl.buffer.dealing import DealError, EncodedPrompts
 from asyncrl.buffer.interface import EvalTask
+from asyncrl.buffer.plausibility import reward_problem
 
 EVALS_PER_REQUEST = 8
 """Most evaluation prompts one admit request is dealt (however many it asks for), so no generator can take a whole
@@ -192,8 +193,10 @@ def check_result(rewards, lengths, n: int, max_tokens: int) -> str | None:
     """Why a prompt's evaluation result is implausible, or None."""
     if not (isinstance(rewards, list) and isinstance(lengths, list) and len(rewards) == len(lengths) == n):
         return f"an evaluation result needs {n} rewards and {n} lengths"
-    if not all(isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) for r in rewards):
-        return "evaluation rewards must be finite numbers"
+    for reward in rewards:  # the training path's reward check: a reward it would refuse is refused here too
+        problem = reward_problem(reward)
+        if problem is not None:
+            return f"evaluation reward {problem} [bad_reward]"
     if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= max_tokens for x in lengths):
         return f"evaluation lengths must be integers in [0, {max_tokens}]"
     return None

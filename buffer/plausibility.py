@@ -106,12 +106,13 @@ def check_values(group, limits: JobLimits) -> None:
         raise Implausible("sampling", "sampling", f"(temperature, top_p, top_k, max_tokens) = {got}, the recipe's "
                                                   f"rollout section says {expected}")
     for i, sample in enumerate(group.samples):
-        if abs(sample.reward) > FLOAT32_MAX:
-            raise Implausible("bad_reward", f"samples[{i}].reward", f"{sample.reward} overflows float32, the dtype "
-                                                                   f"rewards are trained in")
+        problem = reward_problem(sample.reward)
+        if problem is not None:
+            raise Implausible("bad_reward", f"samples[{i}].reward", problem)
         for key, value in sample.reward_info.items():
-            if abs(value) > FLOAT32_MAX:
-                raise Implausible("bad_reward", f"samples[{i}].reward_info[{key!r}]", f"{value} overflows float32")
+            problem = reward_problem(value)
+            if problem is not None:
+                raise Implausible("bad_reward", f"samples[{i}].reward_info[{key!r}]", problem)
         low = sample.logprobs < LOGPROB_FLOOR
         if low.any():
             index = int(np.flatnonzero(low)[0])
@@ -119,8 +120,22 @@ def check_values(group, limits: JobLimits) -> None:
                                                                        f"{LOGPROB_FLOOR}, which no engine samples")
     check_turns(group.samples, limits)
     baseline = group.meta.get("baseline_reward")
-    if isinstance(baseline, (int, float)) and abs(baseline) > FLOAT32_MAX:
-        raise Implausible("bad_reward", "meta['baseline_reward']", f"{baseline} overflows float32")
+    if isinstance(baseline, (int, float)) and reward_problem(baseline) is not None:
+        raise Implausible("bad_reward", "meta['baseline_reward']", reward_problem(baseline))
+
+
+def reward_problem(reward) -> str | None:
+    """Why `reward` is not a reward this job trains on or reports (None: it is): a number (not a bool), finite, and
+    within float32, the dtype rewards are trained in (1e300 is finite as a float64 and inf once stored as float32;
+    two of 1e308 make a float64 mean inf). Training groups and evaluation results (buffer/eval_rounds.py) are
+    checked by this one function, so the two can never disagree on what a generator may report."""
+    if type(reward) not in (int, float) and not isinstance(reward, np.floating):
+        return f"{str(reward)[:40]!r} is not a number"
+    if not np.isfinite(reward):
+        return f"{reward} is not finite"
+    if abs(reward) > FLOAT32_MAX:
+        return f"{reward} overflows float32, the dtype rewards are trained in"
+    return None
 
 
 def check_turns(samples: list, limits: JobLimits) -> None:

@@ -24,6 +24,7 @@ import msgpack
 
 from asyncrl.buffer.eval_rounds import EVALS_PER_REQUEST, EvalRounds
 from asyncrl.buffer.redis.reconnect import direct
+from asyncrl.telemetry.rejections import RejectionLog
 
 log = logging.getLogger(__name__)
 LEARNER = "redis"
@@ -95,8 +96,9 @@ def answer_eval(client, keys: dict, generator_id: str, deal_id: str, rewards, le
 
 
 class RedisEvalBridge:
-    def __init__(self, client, keys: dict, evals: EvalRounds, retry=direct):
+    def __init__(self, client, keys: dict, evals: EvalRounds, rejections: RejectionLog, retry=direct):
         self.client = client
+        self.rejections = rejections  # the server's: a refused result counts as buffer/rejected/eval_result, as with zmq
         self.keys = eval_keys(keys)
         self.evals = evals
         self.retry = retry
@@ -159,7 +161,7 @@ class RedisEvalBridge:
             if rewards is not None and problem is None:
                 continue
             if problem is not None:
-                log.warning("learner: evaluation result for %s refused: %s", deal, problem)
+                self.rejections.reject("eval_result", "a generator", f"evaluation deal {deal}: {problem}")
             # given back or refused: EvalRounds put the prompt back in its round; it is dealt again next tick
 
     def _give_back_held_by(self, gone: set) -> None:

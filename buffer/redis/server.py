@@ -54,7 +54,6 @@ class RedisBufferServer:
         self.client = client
         self.dealer = dealer  # dealing.RedisDealer, or None: the generators walk their own copy of the data
         self.retry = retry
-        self.evals = None if evals is None else RedisEvalBridge(client, job_keys(job), evals, retry=retry)
         self._next_eval_tick = 0.0
         self.coordinator = coordinator
         self.vocab_size = vocab_size
@@ -72,6 +71,8 @@ class RedisBufferServer:
         self.keys = self.stream.keys
         self.endpoint = f"{redacted(url)} (job {job})"
         self._rejections = RejectionLog(log, "group entry")
+        self.evals = None if evals is None else RedisEvalBridge(client, job_keys(job), evals, self._rejections,
+                                                                retry=retry)
         self.dropped_future = 0
         self._script_refusals_seen = 0  # admission requests the scripts refused, as last logged
         self._held_admission: OrderedDict = OrderedDict()  # group id -> (entry id, held a lease, deal), recent takes

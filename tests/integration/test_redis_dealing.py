@@ -406,3 +406,22 @@ def test_an_admission_with_malformed_fields_is_refused_by_the_scripts_and_counte
     assert job.server.metrics()["buffer/rejected/malformed"] == 3 and gen.coordinator.started == 0
     served = admitted(gen, 4, version=0)
     assert len(served.evals) == 2 and served.granted == 2
+
+
+def test_an_evaluation_result_the_training_path_would_refuse_is_refused_and_counted(make_job):
+    """A reward of 1e300 (finite as a float64, inf as the float32 rewards are trained in) is refused through Redis
+    as through zmq: counted under buffer/rejected/eval_result, the prompt dealt again."""
+    from asyncrl.buffer.eval_rounds import EvalRounds
+
+    evals = EvalRounds(encode_prompts(eval_rows(1)), timeout_s=60)
+    job = make_job(4, evals=evals)
+    gen = job.generator("a")
+    evals.open(0, 2, 0.0, 8)
+    job.take_all(0.3)
+    (task,) = admitted(gen, 2, version=0).evals
+    asyncio.run(gen.eval_done(task.deal_id, [1e300, 1.0], [3, 4]))
+    job.take_all(0.3)
+    assert evals.refused == 1 and evals.finished() == []
+    assert job.server.metrics()["buffer/rejected/eval_result"] == 1
+    (again,) = admitted(gen, 2, version=0).evals  # dealt again
+    assert eval_prompt_id(again) == eval_prompt_id(task)
