@@ -134,10 +134,7 @@ class RedisBufferServer:
             if time.monotonic() >= self._next_sampled_tick:
                 self._drain_sampled()
             if self.evals is not None and time.monotonic() >= self._next_eval_tick:
-                self._next_eval_tick = time.monotonic() + EVAL_TICK_S
-                now = time.monotonic()
-                self.evals.tick(gone=[gen for gen, (_, changed, _) in self._stats_seen.items()
-                                      if now - changed >= self.stats_ttl_s])
+                self.serve_evals()
             try:
                 entries = self._reclaim_due() or self.stream.read(self.read_count, max(1, int(remaining * 1000)),
                                                                   held=frozenset(self.held))
@@ -164,6 +161,17 @@ class RedisBufferServer:
         self.taken_entries.append((entry_id, group.meta.get("deal", "") if self.dealer is not None else ""))
         self.sampled.add(group.episode_rewards())
         return group
+
+    def serve_evals(self) -> None:
+        """Evaluation results in, prompts out, silent generators' prompts back (eval_bridge.py): every EVAL_TICK_S
+        from `take`, and at the end of the job, when nobody calls take, from the learner's wait for the last
+        rounds."""
+        if self.evals is None:
+            return
+        self._next_eval_tick = time.monotonic() + EVAL_TICK_S
+        now = time.monotonic()
+        self.evals.tick(gone=[gen for gen, (_, changed, _) in self._stats_seen.items()
+                              if now - changed >= self.stats_ttl_s])
 
     def _drain_sampled(self) -> None:
         self._next_sampled_tick = time.monotonic() + SAMPLED_TICK_S

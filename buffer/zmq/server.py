@@ -254,6 +254,9 @@ class ZmqBufferServer:
         """Valid groups waiting for the learner."""
         return self._queued_in - self._queued_out
 
+    def serve_evals(self) -> None:
+        """Nothing to do: the server thread deals evaluation prompts and takes their results as requests come."""
+
     def live_generators(self) -> list[str]:
         now = time.monotonic()
         return [g for g, seen in list(self.last_seen.items()) if now - seen < self.peer_timeout_s]
@@ -346,6 +349,8 @@ class ZmqBufferServer:
                 self._rejections.reject("malformed", gen, problem)
                 reply.update(ok=False, granted=0, error=f"{problem} [malformed]")
                 return reply
+            if self.evals is not None:  # which rounds it can serve (EvalRounds.unservable)
+                self.evals.note_engine(gen, request.get("ver"))
             if self.evals is not None and not self._done:  # at most half: training keeps its share of the fleet
                 reply["evals"] = self.evals.deal(gen, request.get("ver"), evals_wanted(want))
                 want -= len(reply["evals"])

@@ -425,3 +425,33 @@ def test_an_evaluation_result_the_training_path_would_refuse_is_refused_and_coun
     assert job.server.metrics()["buffer/rejected/eval_result"] == 1
     (again,) = admitted(gen, 2, version=0).evals  # dealt again
     assert eval_prompt_id(again) == eval_prompt_id(task)
+
+
+def test_a_round_no_live_engine_can_serve_does_not_hold_the_end_of_the_job_with_redis(make_job):
+    """With Redis as with zmq: a live generator whose engine is at v1 (EVAL_TAKE records it) can never take the v0
+    round, so the end-of-job wait abandons it at once instead of waiting eval.timeout_s, and its prompts leave
+    Redis."""
+    import threading
+    from types import SimpleNamespace
+
+    from asyncrl.buffer.eval_rounds import EvalRounds
+    from asyncrl.learner.evals import Evaluations
+
+    evals = EvalRounds(encode_prompts(eval_rows(2)), timeout_s=600)
+    job = make_job(4, evals=evals)
+    late = job.generator("late")
+    cfg = SimpleNamespace(every_steps=0, before_train=True, n=1, temperature=0.0, k_values=[1], pass_threshold=0.5,
+                          timeout_s=600.0)
+    evaluations = Evaluations(evals, cfg, max_tokens=8, start_version=0, record=None)
+    evaluations.open_if_due(0)
+    job.take_all(0.3)  # the round's prompts go to Redis
+    assert admitted(late, 2, version=1).evals == []
+    asyncio.run(late.report({"generator/tokens_per_s": 1.0}))
+    assert job.server.live_generators() == ["late"]
+    waiter = threading.Thread(target=evaluations.finish, daemon=True, kwargs=dict(
+        published=1, live_generators=job.server.live_generators, serve=job.server.serve_evals))
+    waiter.start()
+    waiter.join(10)
+    assert not waiter.is_alive() and evals.abandoned == 1 and evals.engines == {"late": 1}
+    job.server.serve_evals()
+    assert late.client.zcard(job.server.evals.keys["ready"]) == 0
