@@ -141,8 +141,11 @@ class RedisBufferClient:
         return reply_fields(meta, weights), version, results
 
     def _handle(self, op: str, fields: dict, token: str) -> dict:
+        """Every request also counts in `meta:heard` (generator -> requests made): the learner tells a live
+        generator by that count changing, from its first request on (stats come later, and only now and then)."""
         pipe = self.client.pipeline(transaction=False)
-        raw_meta, version = pipe.hmget(self.keys["meta"], *META_FIELDS).get(self.keys["version"]).execute()
+        pipe.hmget(self.keys["meta"], *META_FIELDS).get(self.keys["version"])
+        raw_meta, version, _ = pipe.hincrby(self.keys["meta"] + ":heard", self.generator_id, 1).execute()
         meta = meta_of(raw_meta)
         return self._op(op, meta, self._reply(meta, op), int(version or 0), fields, token)
 
@@ -234,6 +237,7 @@ class RedisBufferClient:
             settle_deals(self.client, self.keys, self.generator_id, list(self.deals_held), "generator_gone")
             self.deals_held = {}
             self.client.hdel(self.keys["meta"] + ":stats", self.generator_id)
+            self.client.hdel(self.keys["meta"] + ":heard", self.generator_id)
             return reply
         return {**reply, "ok": False, "error": f"unknown op {op!r}"}
 

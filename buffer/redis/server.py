@@ -63,6 +63,7 @@ class RedisBufferServer:
         self.stats_ttl_s = stats_ttl_s
         self._next_hearing = 0.0
         self._stats_seen: dict = {}  # generator -> (its last raw report, when it last changed, its parse or None)
+        self._heard_seen: dict = {}  # generator -> (its request count, when it last changed)
         self.max_message_bytes = max_message_bytes
         self.run_info = run_info
         self.reclaim_idle_ms = int(reclaim_idle_s * 1000)
@@ -194,6 +195,7 @@ class RedisBufferServer:
         if now >= self._next_hearing:
             self._next_hearing = now + max(1.0, self.stats_ttl_s / 4)
             self.generator_stats  # noqa: B018 - refreshes _stats_seen
+            self._heard()  # seen early, so a count that stops changing later reads as silence
 
     def _dealt(self, entry, group, places: dict) -> bool:
         """Without a dealer, True. With one: the group answers the deal its entry carries (DELIVER checked it was
@@ -446,7 +448,25 @@ class RedisBufferServer:
         return None
 
     def live_generators(self) -> list[str]:
-        return sorted(self.generator_stats)
+        """Generators that made any request (their `meta:heard` count changed) or reported stats within
+        stats_ttl_s, as the zmq learner judges by any request: a generator that has not reported stats yet is
+        alive all the same (the end-of-job evaluation wait used to end at once for want of one)."""
+        now = time.monotonic()
+        return sorted(set(self.generator_stats) | {gen for gen, changed in self._heard().items()
+                                                   if now - changed < self.stats_ttl_s})
+
+    def _heard(self) -> dict:
+        """generator -> when (this learner's monotonic clock) its request count last changed; no clocks compared."""
+        raw = self.retry("generator requests", self.client.hgetall, self.keys["meta"] + ":heard")
+        now, heard = time.monotonic(), {}
+        for key, count in raw.items():
+            gen = key.decode(errors="replace")
+            seen = self._heard_seen.get(gen)
+            if seen is None or seen[0] != count:
+                seen = (count, now)
+            heard[gen] = seen
+        self._heard_seen = heard  # a generator that said bye is forgotten
+        return {gen: changed for gen, (_, changed) in heard.items()}
 
     def close(self) -> None:
         self.client.close()

@@ -455,3 +455,39 @@ def test_a_round_no_live_engine_can_serve_does_not_hold_the_end_of_the_job_with_
     assert not waiter.is_alive() and evals.abandoned == 1 and evals.engines == {"late": 1}
     job.server.serve_evals()
     assert late.client.zcard(job.server.evals.keys["ready"]) == 0
+
+
+def test_a_generator_that_has_not_reported_stats_is_alive_and_its_last_evaluation_is_waited_for(make_job, caplog):
+    """Liveness with Redis comes from any request, as with zmq: a generator that has asked for admissions but not
+    yet reported stats is live, so the end-of-job wait serves and logs the round it is answering (it used to end at
+    once, saying eval.timeout_s had run out); a generator that said bye is not live."""
+    import logging
+    import threading
+    from types import SimpleNamespace
+
+    from asyncrl.buffer.eval_rounds import EvalRounds
+    from asyncrl.learner.evals import Evaluations
+
+    caplog.set_level(logging.INFO, logger="asyncrl.learner.evals")
+    logged = []
+    evals = EvalRounds(encode_prompts(eval_rows(2)), timeout_s=600)
+    job = make_job(4, evals=evals)
+    gen = job.generator("fresh")
+    cfg = SimpleNamespace(every_steps=0, before_train=True, n=1, temperature=0.0, k_values=[1], pass_threshold=0.5,
+                          timeout_s=600.0)
+    evaluations = Evaluations(evals, cfg, max_tokens=8, start_version=0,
+                              record=SimpleNamespace(log_eval=lambda step, metrics: logged.append(step)))
+    evaluations.open_if_due(0)
+    job.take_all(0.3)
+    first, second = admitted(gen, 4, version=0).evals
+    assert job.server.live_generators() == ["fresh"]  # no stats report yet
+    asyncio.run(gen.eval_done(first.deal_id, [1.0], [2]))
+    late = threading.Timer(0.5, lambda: asyncio.run(gen.eval_done(second.deal_id, [0.0], [2])))
+    late.start()
+    evaluations.finish(published=1, live_generators=job.server.live_generators, serve=job.server.serve_evals,
+                       min_patience_s=3.0)
+    late.join()
+    assert logged == [0] and evals.abandoned == 0
+    assert "waited" in caplog.text and "0 rounds abandoned" in caplog.text
+    asyncio.run(gen.bye())
+    assert job.server.live_generators() == []
