@@ -246,6 +246,27 @@ def test_a_config_mismatch_is_one_line_naming_the_keys_that_differ():
     assert "job.seed (this generator 0, the learner 3)" in message and "job.name" not in message
 
 
+def test_a_generator_whose_learner_only_settings_differ_joins():
+    """buffer.done_grace_s (and the other LEARNER_ONLY_KEYS) sit in shared sections but only the learner reads them:
+    a generator that does not repeat them used to be refused for a config mismatch."""
+    from asyncrl.configs import load_config, shared_hash, shared_sections
+    from asyncrl.generator.main import join_learner
+
+    learner_cfg = load_config(None, ["buffer.done_grace_s=5", "buffer.queue_groups=70", "data.epochs=2",
+                                     "data.deal_timeout_s=30", "weightsync.keep_versions=5",
+                                     "weightsync.catchup_port=5999", "weightsync.bucket_mb=16"])
+    generator_cfg = load_config(None, [])
+    server = make_server(config_hash=shared_hash(learner_cfg), shared_config=shared_sections(learner_cfg))
+    client = ZmqBufferClient(server.endpoint, "gen-j", timeout_s=5)
+    try:
+        hello = asyncio.run(join_learner(client, generator_cfg, say=lambda message: None))
+    finally:
+        client.close()
+        server.close()
+    assert hello.run_info is not None
+    assert shared_hash(learner_cfg) != shared_hash(load_config(None, ["rollout.n=3"]))  # shared keys still count
+
+
 def test_a_refusal_whose_config_detail_is_garbage_still_reads_as_one_line():
     """The learner's shared sections arrive over the wire: a section that is not a map, a non-string key or a
     huge value is described, never a crash, and each value is cut to 80 characters."""
