@@ -6,15 +6,15 @@ replies, beside the training grants and never more than half of a request, so tr
 fleet. A round is pinned to v: it is dealt only to a generator whose engine is at v or behind (the admit request says
 which version it holds), and that generator loads exactly v and holds it until its evaluation prompts of v are
 sampled (generator/weights.py); a generator that finds itself past v gives the prompt back. Results come back per
-prompt (its n rewards and lengths), are checked (a generator is not trusted: finite rewards, n of them, lengths
-within the round's max_tokens, a deal out to it), and when every prompt of a round is in, the learner logs the
-metrics at step v with `eval/lag_steps`, how far training had moved on by then. A round not finished within
-`timeout_s` is abandoned and counted (`eval/rounds_abandoned`), never waited for.
+prompt (its n rewards and lengths), are checked (a generator is not trusted: n rewards the training path would
+accept, by the same function, plausibility.reward_problem; lengths within the round's max_tokens; a deal out to it),
+and when every prompt of a round is in, the learner logs the metrics at step v with `eval/lag_steps`, how far
+training had moved on by then. A round not finished within `timeout_s` is abandoned and counted
+(`eval/rounds_abandoned`), never waited for.
 
 Thread-safe: the zmq server's thread deals and receives results; the learner's thread opens and collects rounds.
 """
 import itertools
-import math
 import threading
 import time
 import uuid
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from asyncrl.buffer.dealing import DealError, EncodedPrompts
 from asyncrl.buffer.interface import EvalTask
+from asyncrl.buffer.plausibility import reward_problem
 
 EVALS_PER_REQUEST = 8
 """Most evaluation prompts one admit request is dealt (however many it asks for), so no generator can take a whole
@@ -67,12 +68,25 @@ class EvalRounds:
         self._serial = itertools.count()
         self.abandoned = 0
         self.refused = 0
+        self.engines: dict = {}  # generator -> the version its engine last said it holds (an admit's `ver`)
+        self._dealt_at: dict = {}  # deal id -> when it was dealt, for slowest_answer_s
+        self.slowest_answer_s = 0.0
+        """The longest an accepted result took from its deal (0 before the first): how long the fleet needs to
+        answer a prompt, which bounds the end-of-job wait (learner/evals.py::Evaluations.finish)."""
+        self.last_result_at: float | None = None
         self._lock = threading.Lock()
 
     def open(self, version: int, n: int, temperature: float, max_tokens: int) -> None:
         with self._lock:
             self._rounds[version] = EvalRound(version, n, temperature, max_tokens, self.clock() + self.timeout_s,
                                               deque(range(len(self.blobs))))
+
+    def note_engine(self, holder: str, version) -> None:
+        """`holder` says its engine holds `version` (each admit request's `ver`; with Redis, EVAL_TAKE records it);
+        what `unservable` judges by. A request without one changes nothing."""
+        if type(version) is int:
+            with self._lock:
+                self.engines[holder] = version
 
     def deal(self, holder: str, holder_version, want: int) -> list:
         """Up to `want` prompts of the oldest open rounds at or after `holder_version` (the generator's engine):
@@ -87,6 +101,7 @@ class EvalRounds:
                     index = round_.todo.popleft()
                     deal_id = f"e{self._incarnation}-{next(self._serial)}"
                     round_.out[deal_id] = (index, holder)
+                    self._dealt_at[deal_id] = self.clock()
                     out.append([deal_id, version, self.blobs[index], round_.n, round_.temperature,
                                 round_.max_tokens])
         return out
@@ -99,17 +114,19 @@ class EvalRounds:
             if round_ is None:
                 self.refused += 1
                 return f"evaluation deal {deal_id!r} is not out to {holder!r}"
+            del round_.out[deal_id]
+            dealt_at = self._dealt_at.pop(deal_id, None)
             if rewards is None:
-                del round_.out[deal_id]
                 round_.todo.append(index)
                 return None
             problem = check_result(rewards, lengths, round_.n, round_.max_tokens)
             if problem is not None:
                 self.refused += 1
-                del round_.out[deal_id]
                 round_.todo.append(index)  # another generator samples it
                 return problem
-            del round_.out[deal_id]
+            self.last_result_at = self.clock()
+            if dealt_at is not None:
+                self.slowest_answer_s = max(self.slowest_answer_s, self.last_result_at - dealt_at)
             round_.results[index] = ([float(r) for r in rewards], [int(x) for x in lengths])
             if len(round_.results) == len(self.blobs):
                 del self._rounds[round_.version]
@@ -125,6 +142,7 @@ class EvalRounds:
                 for deal_id, (index, owner) in list(round_.out.items()):
                     if owner == holder:
                         del round_.out[deal_id]
+                        self._dealt_at.pop(deal_id, None)
                         round_.todo.append(index)
                         returned += 1
         return returned
@@ -134,10 +152,28 @@ class EvalRounds:
         now = self.clock()
         with self._lock:
             late = [version for version, round_ in self._rounds.items() if round_.deadline <= now]
-            for version in late:
-                del self._rounds[version]
-            self.abandoned += len(late)
+            self._abandon(late)
         return late
+
+    def unservable(self, live) -> list:
+        """The open rounds no generator in `live` can serve. A round is pinned to its version v: only an engine at v
+        or behind is dealt its prompts, and a generator holding one stays at v (pinned) until it answers. So when
+        every live engine is past v (a generator that joined at v1 never takes the v0 round), or no live generator
+        has said which version it holds, nothing will ever answer the round."""
+        with self._lock:
+            engines = [self.engines[gen] for gen in live if gen in self.engines]
+            return [version for version in sorted(self._rounds) if not any(e <= version for e in engines)]
+
+    def abandon(self, versions) -> None:
+        """Give up these open rounds (counted in `abandoned`, as a late round is)."""
+        with self._lock:
+            self._abandon([version for version in versions if version in self._rounds])
+
+    def _abandon(self, versions: list) -> None:
+        for version in versions:
+            for deal_id in self._rounds.pop(version).out:
+                self._dealt_at.pop(deal_id, None)
+        self.abandoned += len(versions)
 
     def finished(self) -> list:
         """Rounds completed since the last call (FinishedRound each), oldest first."""
@@ -192,8 +228,10 @@ def check_result(rewards, lengths, n: int, max_tokens: int) -> str | None:
     """Why a prompt's evaluation result is implausible, or None."""
     if not (isinstance(rewards, list) and isinstance(lengths, list) and len(rewards) == len(lengths) == n):
         return f"an evaluation result needs {n} rewards and {n} lengths"
-    if not all(isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) for r in rewards):
-        return "evaluation rewards must be finite numbers"
+    for reward in rewards:  # the training path's reward check: a reward it would refuse is refused here too
+        problem = reward_problem(reward)
+        if problem is not None:
+            return f"evaluation reward {problem} [bad_reward]"
     if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= max_tokens for x in lengths):
         return f"evaluation lengths must be integers in [0, {max_tokens}]"
     return None

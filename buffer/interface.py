@@ -298,8 +298,13 @@ class LearnerBuffer(Protocol):
     def finish(self, grace_s: float) -> list[str]:
         """The job is over: tell every generator (buffer/done.py); returns those not told within `grace_s`."""
 
+    def serve_evals(self) -> None:
+        """Move evaluation results in and prompts out now (at the end of the job nobody calls `take`, which does
+        it with Redis); a no-op where a server thread does it (zmq)."""
+
     def live_generators(self) -> list[str]:
-        """Generators heard from recently (for error messages)."""
+        """Generators heard from recently (for error messages, and whether an evaluation round can still be
+        answered at the end of the job)."""
 
     def generators(self) -> dict:
         """generator id -> its join record (version at hello, oldest token version of its first group)."""

@@ -110,12 +110,13 @@ def check_values(group, limits: JobLimits) -> None:
         raise Implausible("sampling", "sampling", f"(temperature, top_p, top_k, max_tokens) = {got}, the recipe's "
                                                   f"rollout section says {expected}")
     for i, sample in enumerate(group.samples):
-        if abs(sample.reward) > FLOAT32_MAX:
-            raise Implausible("bad_reward", f"samples[{i}].reward", f"{sample.reward} overflows float32, the dtype "
-                                                                   f"rewards are trained in")
+        problem = reward_problem(sample.reward)
+        if problem is not None:
+            raise Implausible("bad_reward", f"samples[{i}].reward", problem)
         for key, value in sample.reward_info.items():
-            if abs(value) > FLOAT32_MAX:
-                raise Implausible("bad_reward", f"samples[{i}].reward_info[{key!r}]", f"{value} overflows float32")
+            problem = reward_problem(value)
+            if problem is not None:
+                raise Implausible("bad_reward", f"samples[{i}].reward_info[{key!r}]", problem)
         if sample.finish_reason == "stop" and len(sample.completion_ids) == 0:
             raise Implausible("bad_finish_reason", f"samples[{i}]", "no completion token, yet finish_reason 'stop': "
                                                                     "an engine that stops emits its stop token")
@@ -126,8 +127,22 @@ def check_values(group, limits: JobLimits) -> None:
                                                                        f"{LOGPROB_FLOOR}, which no engine samples")
     check_turns(group.samples, limits)
     baseline = group.meta.get("baseline_reward")
-    if isinstance(baseline, (int, float)) and abs(baseline) > FLOAT32_MAX:
-        raise Implausible("bad_reward", "meta['baseline_reward']", f"{baseline} overflows float32")
+    if isinstance(baseline, (int, float)) and reward_problem(baseline) is not None:
+        raise Implausible("bad_reward", "meta['baseline_reward']", reward_problem(baseline))
+
+
+def reward_problem(reward) -> str | None:
+    """Why `reward` is not a reward this job trains on or reports (None: it is): a number (not a bool), finite, and
+    within float32, the dtype rewards are trained in (1e300 is finite as a float64 and inf once stored as float32;
+    two of 1e308 make a float64 mean inf). Training groups and evaluation results (buffer/eval_rounds.py) are
+    checked by this one function, so the two can never disagree on what a generator may report."""
+    if type(reward) not in (int, float) and not isinstance(reward, np.floating):
+        return f"{str(reward)[:40]!r} is not a number"
+    if not np.isfinite(reward):
+        return f"{reward} is not finite"
+    if abs(reward) > FLOAT32_MAX:
+        return f"{reward} overflows float32, the dtype rewards are trained in"
+    return None
 
 
 def check_turns(samples: list, limits: JobLimits) -> None:
@@ -168,4 +183,22 @@ def check_stats(metrics) -> str | None:
             return f"metric name {str(key)[:40]!r} is not a string of 1 to {MAX_STAT_KEY_CHARS} characters"
         if type(value) not in (int, float) or not np.isfinite(value) or abs(value) > FLOAT32_MAX:
             return f"metric {key!r} = {str(value)[:40]!r} is not a finite number"
+    return None
+
+
+MAX_ADMIT_WANT = 1 << 20
+"""The most admissions one admit request may ask for: far more than any generator runs rollouts at once."""
+
+
+def check_admit(want, version) -> str | None:
+    """Why an admit request's fields are malformed (None: they are well formed): `want` must be an integer in
+    [1, MAX_ADMIT_WANT], and `version` (the engine's weight version, which pins the evaluation rounds it is dealt)
+    absent (None) or an integer >= 0. Nothing is coerced: a generator that asks for -5, "all" or 1e9 admissions, or
+    says it holds v-7, is broken or hostile, and reading that as "1" or "v0" granted it deals and evaluation
+    prompts it could not have asked for."""
+    if type(want) is not int or not 1 <= want <= MAX_ADMIT_WANT:
+        return f"admit: 'want' must be an integer in [1, {MAX_ADMIT_WANT}], got {str(want)[:40]!r}"
+    if version is not None and (type(version) is not int or version < 0):
+        return (f"admit: 'ver' (the version the engine holds) must be absent or an integer >= 0, got "
+                f"{str(version)[:40]!r}")
     return None

@@ -20,6 +20,21 @@ from asyncrl.weightsync.config import WeightSyncConfig
 
 SHARED_SECTIONS = ("model", "data", "reward", "rollout", "tools", "env", "agent", "buffer", "demo", "weightsync")
 """Sections the learner and every generator must agree on; their hash is checked when a generator joins."""
+LEARNER_ONLY_KEYS = (
+    "buffer.done_grace_s",  # how long the learner (and `asyncrl run`) waits at the end (buffer/done.py)
+    "buffer.queue_groups", "buffer.queue_mb",  # the bounds of the zmq learner's queue
+    "buffer.redis.reclaim_idle_s", "buffer.redis.appendfsync",  # the learner's stream reclaim; set by the learner
+    "data.epochs", "data.deal_timeout_s",  # the learner's dealer (generators hear the deal timeout in the run info)
+    "weightsync.host", "weightsync.advertise", "weightsync.catchup_port", "weightsync.broadcast_port",  # where the
+    # learner's servers bind and what they advertise: generators read the addresses from each announcement
+    "weightsync.keep_versions", "weightsync.bucket_mb", "weightsync.catchup_delta_max_fraction",  # the publisher's
+    # ring and catch-up server
+    "weightsync.every_steps",  # how often the learner publishes: generators follow the announcements
+)
+"""Keys of SHARED_SECTIONS that only the learner (and the launcher that starts it) reads. They are left out of the
+shared hash and of the shared config a refused generator is shown, so a generator need not repeat them (it used to
+be refused for not repeating buffer.done_grace_s). A key added to a shared section that generators do not read
+belongs here; `tests/unit/test_config.py` checks each one still names a key."""
 
 
 MOVED_KEYS = {
@@ -212,8 +227,15 @@ def shared_sections(cfg: RunConfig) -> dict:
     """The sections every process of a job must agree on (SHARED_SECTIONS), as JSON-able dicts, and job.seed: it
     seeds the held-out split (data.val_fraction) and every part whose own seed is unset, so a generator started with
     another one would sample another job's streams. The rest of the job section (its name, its out_dir) may differ
-    between machines."""
-    return {"job": {"seed": cfg.job.seed}, **{name: asdict(getattr(cfg, name)) for name in SHARED_SECTIONS}}
+    between machines, and so may LEARNER_ONLY_KEYS."""
+    shared = {"job": {"seed": cfg.job.seed}, **{name: asdict(getattr(cfg, name)) for name in SHARED_SECTIONS}}
+    for path in LEARNER_ONLY_KEYS:
+        *parents, leaf = path.split(".")
+        node = shared
+        for part in parents:
+            node = node[part]
+        del node[leaf]
+    return shared
 
 
 def shared_hash(cfg: RunConfig) -> str:

@@ -13,6 +13,12 @@ from asyncrl.data.prompts import PromptSet, encode_prompts
 from asyncrl.telemetry.eval_metrics import eval_metrics
 
 log = logging.getLogger(__name__)
+FINISH_MIN_PATIENCE_S = 5.0
+"""At the end of the job, the least the learner waits for the next evaluation result before it gives up the rounds
+still open (once it has seen answers: `Evaluations.finish`)."""
+FINISH_PATIENCE_FACTOR = 3
+"""... and it waits this many times the slowest answer seen (deal to result), so a slow fleet keeps its last round."""
+FINISH_POLL_S = 0.2
 
 
 def build_eval_rounds(eval_prompts: PromptSet | None, every_steps: int, timeout_s: float) -> EvalRounds | None:
@@ -70,11 +76,52 @@ class Evaluations:
         self.log_finished(published)
         return {"eval/rounds_abandoned": float(self.rounds.abandoned)}
 
-    def finish(self, published: int, live_generators) -> None:
-        """At the end of the job: wait (at most eval.timeout_s, and only while `live_generators()` names some
-        generator) for the rounds still open, so the last evaluation is logged too."""
-        deadline = time.monotonic() + self.cfg.timeout_s
-        while self.log_finished(published) and time.monotonic() < deadline and live_generators():
-            time.sleep(0.2)
-        if self.rounds is not None and self.rounds.open_versions():
-            log.warning("learner: evaluations of %s did not finish within eval.timeout_s", self.rounds.open_versions())
+    def finish(self, published: int, live_generators, serve=lambda: None,
+               min_patience_s: float = FINISH_MIN_PATIENCE_S) -> None:
+        """At the end of the job (training is over, so nothing here holds it back), wait for the rounds still open
+        so the last evaluation is logged too, but only for rounds that can still finish:
+
+        - a round no live generator can serve (`EvalRounds.unservable`: pinned to its version, and every live
+          engine is past it, as for a generator that joined at v1 and the v0 round) is abandoned at once;
+        - the wait ends when no result has landed for FINISH_PATIENCE_FACTOR times the slowest answer seen in this
+          job (at least `min_patience_s`), so a generator that holds a prompt and never answers holds the end only
+          that long; before any answer was seen that bound is eval.timeout_s, as it is in any case.
+
+        `live_generators()` names the generators heard from recently; `serve()` moves results and prompts between
+        the fleet and the rounds (LearnerBuffer.serve_evals: with Redis nobody calls take any more)."""
+        if self.rounds is None:
+            return
+        start, abandoned = self.rounds.clock(), self.rounds.abandoned
+        why = None
+        while True:
+            serve()
+            if not self.log_finished(published):
+                break
+            why = self._why_stop_waiting(live_generators(), start, min_patience_s)
+            if why is not None:
+                self.rounds.abandon(self.rounds.open_versions())
+                break
+            time.sleep(FINISH_POLL_S)
+        given_up = self.rounds.abandoned - abandoned
+        (log.warning if given_up else log.info)(
+            "learner: waited %.1f s after the last step for the last evaluations; %d rounds abandoned%s",
+            self.rounds.clock() - start, given_up, f" ({why})" if why else "")
+
+    def _why_stop_waiting(self, live: list, start: float, min_patience_s: float) -> str | None:
+        """None while an open round can still be answered, else why none can (rounds nobody can serve are
+        abandoned here, with a warning, and the others still waited for)."""
+        unservable = self.rounds.unservable(live)
+        if unservable:
+            self.rounds.abandon(unservable)
+            log.warning("learner: evaluations of %s abandoned: no live generator can serve them (a round is pinned "
+                        "to its version; live engines: %s)", [f"v{version}" for version in unservable],
+                        {gen: self.rounds.engines.get(gen) for gen in live} or "none")
+        now, slowest = self.rounds.clock(), self.rounds.slowest_answer_s
+        if now - start >= self.cfg.timeout_s:
+            return f"eval.timeout_s={self.cfg.timeout_s:g} ran out"
+        patience = max(min_patience_s, FINISH_PATIENCE_FACTOR * slowest) if slowest else self.cfg.timeout_s
+        last = max(start, self.rounds.last_result_at or start)
+        if now - last >= patience:
+            return (f"no result for {now - last:.1f} s, {FINISH_PATIENCE_FACTOR}x the slowest answer seen "
+                    f"({slowest:.1f} s), at least {min_patience_s:g} s")
+        return None

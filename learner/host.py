@@ -126,7 +126,7 @@ class LearnerHost:
         self.record.log_step(state.version, groups, metrics, collected.wait_s, collected.staleness)
 
     def finish_evals(self) -> None:
-        self.evals.finish(self.publishing.version, self.buffer.live_generators)
+        self.evals.finish(self.publishing.version, self.buffer.live_generators, self.buffer.serve_evals)
 
     def close(self, status: str, tell_generators: bool = False) -> None:
         """The end-of-job handshake (buffer/done.py) when the job finished or the learner chose to stop

@@ -29,6 +29,7 @@ from asyncrl.buffer.dealing import check_deal
 from asyncrl.buffer.eval_rounds import decode_eval_task, evals_wanted
 from asyncrl.buffer.interface import (AdmitReply, GeneratorRefused, HelloReply, LearnerUnavailable, RunInfo, SendReply,
                                      Status, decode_weights, too_large_reply)
+from asyncrl.buffer.plausibility import check_admit
 from asyncrl.buffer.redis.conn import redacted
 from asyncrl.buffer.redis.coordinator import RedisCoordinator
 from asyncrl.buffer.redis.dealing import forget_holder, settle_deals
@@ -141,11 +142,14 @@ class RedisBufferClient:
         return reply_fields(meta, weights), version, results
 
     def _handle(self, op: str, fields: dict, token: str) -> dict:
-        """One control request: the run metadata, the version and this generator's rejection news
-        (rejection_news.py) in one round trip, then the operation."""
+        """One control request, in one round trip: the run metadata, the version, this generator's rejection news
+        (rejection_news.py), and a count in `meta:heard` (generator -> requests made: the learner tells a live
+        generator by that count changing, from its first request on; stats come later, and only now and then);
+        then the operation."""
         pipe = self.client.pipeline(transaction=False)
-        raw_meta, version, news = pipe.hmget(self.keys["meta"], *META_FIELDS).get(self.keys["version"]).eval(
-            TAKE_NEWS, 1, self.keys["rejections"], self.generator_id).execute()
+        pipe.hmget(self.keys["meta"], *META_FIELDS).get(self.keys["version"])
+        pipe.eval(TAKE_NEWS, 1, self.keys["rejections"], self.generator_id)
+        raw_meta, version, news, _ = pipe.hincrby(self.keys["meta"] + ":heard", self.generator_id, 1).execute()
         meta = meta_of(raw_meta)
         reply = self._op(op, meta, self._reply(meta, op), int(version or 0), fields, token)
         return {**reply, "rejected": heard(news)}
@@ -196,7 +200,10 @@ class RedisBufferClient:
                 forget_holder(self.client, self.keys, self.generator_id)
             return {**reply, "run_info": run_info}
         if op == "admit":
-            granted, deals, evals, want = [], [], [], max(0, int(fields.get("want", 1)))
+            problem = check_admit(fields.get("want", 1), fields.get("version"))
+            if problem is not None:  # the scripts refuse it too (and count it): a generator runs them itself
+                return {**reply, "ok": False, "granted": 0, "error": f"{problem} [malformed]"}
+            granted, deals, evals, want = [], [], [], fields.get("want", 1)
             if not reply["done"] and self.evaluates and isinstance(fields.get("version"), int) and want:
                 evals = take_evals(self.client, self.keys, self.generator_id, fields["version"], evals_wanted(want),
                                    token, self.coordinator.lease_ms + 3_600_000)
@@ -235,6 +242,7 @@ class RedisBufferClient:
             settle_deals(self.client, self.keys, self.generator_id, list(self.deals_held), "generator_gone")
             self.deals_held = {}
             self.client.hdel(self.keys["meta"] + ":stats", self.generator_id)
+            self.client.hdel(self.keys["meta"] + ":heard", self.generator_id)
             return reply
         return {**reply, "ok": False, "error": f"unknown op {op!r}"}
 

@@ -16,21 +16,30 @@ group delivered after its lease expired is counted as started again there, so `s
 import time
 import uuid
 
+from asyncrl.buffer.plausibility import MAX_ADMIT_WANT
 from asyncrl.buffer.redis.reconnect import direct
 from asyncrl.buffer.redis.stream import job_keys
 
 ADMIT = """
--- KEYS[1] version, KEYS[2] started, KEYS[3] leases, KEYS[4] this request's grant record; when dealing (dealing.py):
--- KEYS[5] the ready deals, KEYS[6] the deals out, KEYS[7] their holders, KEYS[8] their rows, KEYS[9] this request's
--- deals, KEYS[10] the data cursor
+-- KEYS[1] version, KEYS[2] started, KEYS[3] leases, KEYS[4] this request's grant record, KEYS[5] the refusals
+-- counted (reason -> count); when dealing (dealing.py): KEYS[6] the ready deals, KEYS[7] the deals out, KEYS[8]
+-- their holders, KEYS[9] their rows, KEYS[10] this request's deals, KEYS[11] the data cursor
 -- ARGV[1] admission lead (eta by default), ARGV[2] groups_per_step, ARGV[3] want, ARGV[4] now_ms, ARGV[5] lease_ms,
 -- ARGV[6] lease prefix; when dealing: ARGV[7] data.deal_timeout_s in ms, ARGV[8] the generator
--- Returns {granted, version, leases expired, then each deal's id and row when dealing}.
-local dealing = #KEYS >= 10
+-- Returns {granted, version, leases expired, then each deal's id and row when dealing}; an error reply, counted
+-- under 'malformed', for a want that is not an integer in [0, MAX_ADMIT_WANT] (a generator calls this script
+-- itself, so this is where a negative want, which would take capacity away from `started`, is refused).
+local want = tonumber(ARGV[3])
+if not want or want ~= math.floor(want) or want < 0 or want > MAX_ADMIT_WANT then
+  redis.call('HINCRBY', KEYS[5], 'malformed', 1)
+  return redis.error_reply('malformed admit: want ' .. tostring(ARGV[3]) .. ' is not an integer in [0, ' ..
+                           MAX_ADMIT_WANT .. '] [malformed]')
+end
+local dealing = #KEYS >= 11
 local function dealt(out)
-  for _, deal in ipairs(redis.call('LRANGE', KEYS[9], 0, -1)) do
+  for _, deal in ipairs(redis.call('LRANGE', KEYS[10], 0, -1)) do
     table.insert(out, deal)
-    table.insert(out, redis.call('HGET', KEYS[8], deal) or '')
+    table.insert(out, redis.call('HGET', KEYS[9], deal) or '')
   end
   return out
 end
@@ -52,8 +61,8 @@ local version = tonumber(redis.call('GET', KEYS[1]) or '0')
 local started = tonumber(redis.call('GET', KEYS[2]) or '0')
 local cap = (tonumber(ARGV[1]) + version + 1) * tonumber(ARGV[2]) - started
 if cap < 0 then cap = 0 end
-local granted = math.min(tonumber(ARGV[3]), cap)
-if dealing then granted = math.min(granted, redis.call('LLEN', KEYS[5])) end
+local granted = math.min(want, cap)
+if dealing then granted = math.min(granted, redis.call('LLEN', KEYS[6])) end
 for i = 1, granted do
   redis.call('ZADD', KEYS[3], now + tonumber(ARGV[5]), ARGV[6] .. ':' .. i)
 end
@@ -64,17 +73,17 @@ if not dealing then return {granted, version, #expired} end
 local time = redis.call('TIME')
 local deadline = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000) + tonumber(ARGV[7])
 for i = 1, granted do
-  local deal = redis.call('LPOP', KEYS[5])
-  redis.call('ZADD', KEYS[6], deadline, deal)
-  redis.call('HSET', KEYS[7], deal, ARGV[8])
-  redis.call('RPUSH', KEYS[9], deal)
+  local deal = redis.call('LPOP', KEYS[6])
+  redis.call('ZADD', KEYS[7], deadline, deal)
+  redis.call('HSET', KEYS[8], deal, ARGV[8])
+  redis.call('RPUSH', KEYS[10], deal)
 end
 if granted > 0 then
-  redis.call('PEXPIRE', KEYS[9], tonumber(ARGV[5]) + 3600000)
-  redis.call('HINCRBY', KEYS[10], 'dealt', granted)
+  redis.call('PEXPIRE', KEYS[10], tonumber(ARGV[5]) + 3600000)
+  redis.call('HINCRBY', KEYS[11], 'dealt', granted)
 end
 return dealt({granted, version, #expired})
-"""
+""".replace("MAX_ADMIT_WANT", str(MAX_ADMIT_WANT))
 
 GIVE_BACK = """
 -- KEYS[1] started, KEYS[2] (optional) this give-back's record; ARGV[1] count, ARGV[2] record ttl (s)
@@ -127,8 +136,9 @@ class RedisCoordinator:
         more grants than deals are ready. A resend gets the same leases and the same deals."""
         prefix = request_id or f"{generator_id}:{uuid.uuid4().hex[:12]}"
         now_ms = int(time.time() * 1000) if now_ms is None else now_ms
-        keys = [self.keys["version"], self.keys["started"], self.keys["leases"], self.keys["grant"] + prefix]
-        args = [self.lead, self.groups_per_step, max(0, int(want)), now_ms, self.lease_ms, prefix]
+        keys = [self.keys["version"], self.keys["started"], self.keys["leases"], self.keys["grant"] + prefix,
+                self.keys["refused"]]
+        args = [self.lead, self.groups_per_step, want, now_ms, self.lease_ms, prefix]
         if deal_ms > 0:
             keys += [self.keys["data_ready"], self.keys["data_out"], self.keys["data_holder"], self.keys["data_row"],
                      self.keys["grant"] + prefix + ":deals", self.keys["data_cursor"]]

@@ -11,7 +11,9 @@ hash tag (`eval:*`):
 - `holder` (deal id -> generator): taken by EVAL_TAKE, which hands a generator only rounds at or after the version
   its engine holds, at most `eval_rounds.evals_wanted(want)`, and remembers them with the request so a resend gets
   the same ones;
-- `results` (list of msgpack [deal id, rewards, lengths]): pushed by EVAL_DONE only for a deal held by its sender.
+- `results` (list of msgpack [deal id, rewards, lengths]): pushed by EVAL_DONE only for a deal held by its sender;
+- `engines` (generator -> the version its engine holds, from its last EVAL_TAKE): which rounds the fleet can still
+  serve (EvalRounds.unservable), as the zmq learner reads it from each admit request.
 
 On each `take` the learner drains `results` into `EvalRounds.result` (which checks them: a generator is not
 trusted), gives back the deals of generators that fell silent, removes the prompts of abandoned rounds, and deals
@@ -22,8 +24,9 @@ import logging
 
 import msgpack
 
-from asyncrl.buffer.eval_rounds import EvalRounds
+from asyncrl.buffer.eval_rounds import EVALS_PER_REQUEST, EvalRounds
 from asyncrl.buffer.redis.reconnect import direct
+from asyncrl.telemetry.rejections import RejectionLog
 
 log = logging.getLogger(__name__)
 LEARNER = "redis"
@@ -32,11 +35,21 @@ DRAIN = 256
 """Most results read per tick."""
 
 EVAL_TAKE = """
--- KEYS[1] ready, KEYS[2] task, KEYS[3] holder, KEYS[4] this request's record; ARGV[1] generator, ARGV[2] the
--- version its engine holds, ARGV[3] most to take, ARGV[4] record ttl (ms). Returns the tasks taken.
+-- KEYS[1] ready, KEYS[2] task, KEYS[3] holder, KEYS[4] this request's record, KEYS[5] the refusals counted (reason
+-- -> count), KEYS[6] engines (generator -> the version its engine holds); ARGV[1] generator, ARGV[2] the version its engine holds, ARGV[3] most to take, ARGV[4] record ttl
+-- (ms). Returns the tasks taken; an error reply, counted under 'malformed', for a version that is not an integer
+-- >= 0 (v-7 would take the v0 round) or a most outside [1, EVALS_PER_REQUEST] (no generator takes a whole round).
+local holds, most = tonumber(ARGV[2]), tonumber(ARGV[3])
+if not holds or holds ~= math.floor(holds) or holds < 0 or not most or most ~= math.floor(most) or most < 1
+   or most > EVALS_PER_REQUEST then
+  redis.call('HINCRBY', KEYS[5], 'malformed', 1)
+  return redis.error_reply('malformed admit: version ' .. tostring(ARGV[2]) .. ' must be an integer >= 0 and most ' ..
+                           tostring(ARGV[3]) .. ' an integer in [1, EVALS_PER_REQUEST] [malformed]')
+end
+redis.call('HSET', KEYS[6], ARGV[1], holds)
 local taken = redis.call('LRANGE', KEYS[4], 0, -1)
 if #taken == 0 and redis.call('EXISTS', KEYS[4]) == 0 then
-  taken = redis.call('ZRANGEBYSCORE', KEYS[1], ARGV[2], '+inf', 'LIMIT', 0, tonumber(ARGV[3]))
+  taken = redis.call('ZRANGEBYSCORE', KEYS[1], holds, '+inf', 'LIMIT', 0, most)
   for _, deal in ipairs(taken) do
     redis.call('ZREM', KEYS[1], deal)
     redis.call('HSET', KEYS[3], deal, ARGV[1])
@@ -51,7 +64,7 @@ for _, deal in ipairs(taken) do
   if task then table.insert(out, task) end
 end
 return out
-"""
+""".replace("EVALS_PER_REQUEST", str(EVALS_PER_REQUEST))
 
 EVAL_DONE = """
 -- KEYS[1] holder, KEYS[2] results; ARGV[1] generator, ARGV[2] deal id, ARGV[3] the result (msgpack). Only the
@@ -65,7 +78,7 @@ return 1
 
 def eval_keys(keys: dict) -> dict:
     prefix = keys["meta"][:-len("meta")] + "eval:"
-    return {name: prefix + name for name in ("ready", "task", "holder", "results")}
+    return {name: prefix + name for name in ("ready", "task", "holder", "results", "engines")}
 
 
 def take_evals(client, keys: dict, generator_id: str, holder_version: int, most: int, request_id: str,
@@ -73,8 +86,9 @@ def take_evals(client, keys: dict, generator_id: str, holder_version: int, most:
     """The generator's side: up to `most` evaluation tasks of rounds at or after `holder_version` (the packed
     tasks; eval_rounds.decode_eval_task reads each after msgpack)."""
     ekeys = eval_keys(keys)
-    return client.eval(EVAL_TAKE, 4, ekeys["ready"], ekeys["task"], ekeys["holder"], keys["grant"] + request_id +
-                       ":evals", generator_id, int(holder_version), int(most), int(record_ms))
+    return client.eval(EVAL_TAKE, 6, ekeys["ready"], ekeys["task"], ekeys["holder"], keys["grant"] + request_id +
+                       ":evals", keys["refused"], ekeys["engines"], generator_id, holder_version, most,
+                       int(record_ms))
 
 
 def answer_eval(client, keys: dict, generator_id: str, deal_id: str, rewards, lengths) -> bool:
@@ -86,8 +100,9 @@ def answer_eval(client, keys: dict, generator_id: str, deal_id: str, rewards, le
 
 
 class RedisEvalBridge:
-    def __init__(self, client, keys: dict, evals: EvalRounds, retry=direct):
+    def __init__(self, client, keys: dict, evals: EvalRounds, rejections: RejectionLog, retry=direct):
         self.client = client
+        self.rejections = rejections  # the server's: a refused result counts as buffer/rejected/eval_result, as with zmq
         self.keys = eval_keys(keys)
         self.evals = evals
         self.retry = retry
@@ -99,17 +114,22 @@ class RedisEvalBridge:
         self.retry("evaluation reset", self.client.delete, *self.keys.values())
 
     def tick(self, gone: list) -> None:
-        """Results in, silent generators' tasks back, abandoned rounds' tasks out, open rounds' tasks dealt."""
+        """Results in, the engines' versions read, silent generators' tasks back, abandoned rounds' tasks out
+        (expired here, or given up by the learner: Evaluations.finish), open rounds' tasks dealt."""
         self._drain()
+        engines = self.retry("evaluation engines", self.client.hgetall, self.keys["engines"])
+        for gen, version in engines.items():  # EVAL_TAKE wrote an integer; anything else is ignored
+            if version.isdigit() and len(version) < 19:
+                self.evals.note_engine(gen.decode(errors="replace"), int(version))
         if gone:
             self._give_back_held_by(set(gone))
-        abandoned = set(self.evals.expire())
-        if abandoned:
-            stale = [deal for deal, version in self.dealt.items() if version in abandoned]
-            for deal in stale:
-                del self.dealt[deal]
-            if stale:
-                self.retry("evaluation cleanup", self._remove, stale)
+        self.evals.expire()
+        still_open = set(self.evals.open_versions())
+        stale = [deal for deal, version in self.dealt.items() if version not in still_open]
+        for deal in stale:
+            del self.dealt[deal]
+        if stale:
+            self.retry("evaluation cleanup", self._remove, stale)
         tasks = self.evals.deal(LEARNER, 0, 1 << 30)
         if tasks:
             self.retry("evaluation deal", self._publish, tasks)
@@ -150,7 +170,7 @@ class RedisEvalBridge:
             if rewards is not None and problem is None:
                 continue
             if problem is not None:
-                log.warning("learner: evaluation result for %s refused: %s", deal, problem)
+                self.rejections.reject("eval_result", "a generator", f"evaluation deal {deal}: {problem}")
             # given back or refused: EvalRounds put the prompt back in its round; it is dealt again next tick
 
     def _give_back_held_by(self, gone: set) -> None:

@@ -57,7 +57,6 @@ class RedisBufferServer:
         self.client = client
         self.dealer = dealer  # dealing.RedisDealer, or None: the generators walk their own copy of the data
         self.retry = retry
-        self.evals = None if evals is None else RedisEvalBridge(client, job_keys(job), evals, retry=retry)
         self._next_eval_tick = 0.0
         self.coordinator = coordinator
         self.vocab_size = vocab_size
@@ -67,6 +66,7 @@ class RedisBufferServer:
         self.stats_ttl_s = stats_ttl_s
         self._next_hearing = 0.0
         self._stats_seen: dict = {}  # generator -> (its last raw report, when it last changed, its parse or None)
+        self._heard_seen: dict = {}  # generator -> (its request count, when it last changed)
         self.max_message_bytes = max_message_bytes
         self.run_info = run_info
         self.reclaim_idle_ms = int(reclaim_idle_s * 1000)
@@ -76,7 +76,10 @@ class RedisBufferServer:
         self.endpoint = f"{redacted(url)} (job {job})"
         self._rejections = RejectionLog(log, "group entry")
         self._tell = client.register_script(TELL)  # the producer hears of it with its next request
+        self.evals = None if evals is None else RedisEvalBridge(client, job_keys(job), evals, self._rejections,
+                                                                retry=retry)
         self.dropped_future = 0
+        self._script_refusals_seen = 0  # admission requests the scripts refused, as last logged
         self._held_admission: OrderedDict = OrderedDict()  # group id -> (entry id, held a lease, deal), recent takes
         self.received = 0
         self.sampled = SampledRewards()  # the rewards of every group taken or filtered (buffer/sampled.py)
@@ -136,10 +139,7 @@ class RedisBufferServer:
             if time.monotonic() >= self._next_sampled_tick:
                 self._drain_sampled()
             if self.evals is not None and time.monotonic() >= self._next_eval_tick:
-                self._next_eval_tick = time.monotonic() + EVAL_TICK_S
-                now = time.monotonic()
-                self.evals.tick(gone=[gen for gen, (_, changed, _) in self._stats_seen.items()
-                                      if now - changed >= self.stats_ttl_s])
+                self.serve_evals()
             try:
                 entries = self._reclaim_due() or self.stream.read(self.read_count, max(1, int(remaining * 1000)),
                                                                   held=frozenset(self.held))
@@ -167,6 +167,17 @@ class RedisBufferServer:
         self.sampled.add(group.episode_rewards())
         return group
 
+    def serve_evals(self) -> None:
+        """Evaluation results in, prompts out, silent generators' prompts back (eval_bridge.py): every EVAL_TICK_S
+        from `take`, and at the end of the job, when nobody calls take, from the learner's wait for the last
+        rounds."""
+        if self.evals is None:
+            return
+        self._next_eval_tick = time.monotonic() + EVAL_TICK_S
+        now = time.monotonic()
+        self.evals.tick(gone=[gen for gen, (_, changed, _) in self._stats_seen.items()
+                              if now - changed >= self.stats_ttl_s])
+
     def _drain_sampled(self) -> None:
         self._next_sampled_tick = time.monotonic() + SAMPLED_TICK_S
         self.retry("filtered groups' rewards", drain_sampled, self.client, self.keys, self.sampled, self._rejections,
@@ -188,6 +199,7 @@ class RedisBufferServer:
         if now >= self._next_hearing:
             self._next_hearing = now + max(1.0, self.stats_ttl_s / 4)
             self.generator_stats  # noqa: B018 - refreshes _stats_seen
+            self._heard()  # seen early, so a count that stops changing later reads as silence
 
     def _dealt(self, entry, group, states: dict) -> bool:
         """Without a dealer, True. With one: the group answers the deal its entry carries (DELIVER checked it was
@@ -408,10 +420,24 @@ class RedisBufferServer:
         if self.evals is not None:
             out.update(self.evals.metrics())
         stats = self.generator_stats  # read first: a bad report it refuses is counted below
-        for reason, count in self.rejected.items():
+        rejected = dict(self.rejected)
+        for reason, count in self._script_refusals().items():
+            rejected[reason] = rejected.get(reason, 0) + count
+        for reason, count in rejected.items():
             out[f"buffer/rejected/{reason}"] = float(count)
         out.update(fleet_metrics(list(stats.values())))
         return out
+
+    def _script_refusals(self) -> dict:
+        """reason -> requests the admission scripts refused (coordinator.py ADMIT, eval_bridge.py EVAL_TAKE: a
+        generator runs them itself, so they count in Redis); a warning when the count grows."""
+        raw = self.retry("refusals", self.client.hgetall, self.keys["refused"])
+        counts = {key.decode(errors="replace"): int(value) for key, value in raw.items()}
+        if sum(counts.values()) > self._script_refusals_seen:
+            log.warning("buffer: Redis refused %d malformed admission requests so far (%s)", sum(counts.values()),
+                        counts)
+            self._script_refusals_seen = sum(counts.values())
+        return counts
 
     @property
     def duplicates(self) -> int:
@@ -452,7 +478,25 @@ class RedisBufferServer:
         return None
 
     def live_generators(self) -> list[str]:
-        return sorted(self.generator_stats)
+        """Generators that made any request (their `meta:heard` count changed) or reported stats within
+        stats_ttl_s, as the zmq learner judges by any request: a generator that has not reported stats yet is
+        alive all the same (the end-of-job evaluation wait used to end at once for want of one)."""
+        now = time.monotonic()
+        return sorted(set(self.generator_stats) | {gen for gen, changed in self._heard().items()
+                                                   if now - changed < self.stats_ttl_s})
+
+    def _heard(self) -> dict:
+        """generator -> when (this learner's monotonic clock) its request count last changed; no clocks compared."""
+        raw = self.retry("generator requests", self.client.hgetall, self.keys["meta"] + ":heard")
+        now, heard = time.monotonic(), {}
+        for key, count in raw.items():
+            gen = key.decode(errors="replace")
+            seen = self._heard_seen.get(gen)
+            if seen is None or seen[0] != count:
+                seen = (count, now)
+            heard[gen] = seen
+        self._heard_seen = heard  # a generator that said bye is forgotten
+        return {gen: changed for gen, (_, changed) in heard.items()}
 
     def close(self) -> None:
         self.client.close()

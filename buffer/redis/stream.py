@@ -105,7 +105,7 @@ hashes the short body (comments stripped) and reuses the compiled script."""
 
 def job_keys(job: str) -> dict:
     prefix = f"asyncrl:{{{job}}}:"
-    names = ("groups", "dead", "version", "started", "leases", "meta", "duplicates", "rejections")
+    names = ("groups", "dead", "version", "started", "leases", "meta", "duplicates", "rejections", "refused")
     return {name: prefix + name for name in names} | {f"data_{name}": f"{prefix}data:{name}" for name in DATA_KEYS} | {
         "seen": prefix + "seen:", "grant": prefix + "grant:", "given": prefix + "given:"}
 

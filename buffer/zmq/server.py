@@ -25,7 +25,7 @@ from asyncrl.buffer.done import wait_until_told
 from asyncrl.buffer.eval_rounds import EvalRounds, evals_wanted
 from asyncrl.buffer.fleet_stats import fleet_metrics
 from asyncrl.buffer.interface import RunInfo
-from asyncrl.buffer.plausibility import JobLimits, check_stats
+from asyncrl.buffer.plausibility import JobLimits, check_admit, check_stats
 from asyncrl.buffer.sampled import SampledRewards, SampledSoFar, check_released_rewards
 from asyncrl.telemetry.rejections import RejectionLog
 from asyncrl.buffer.staleness import Coordinator
@@ -253,6 +253,9 @@ class ZmqBufferServer:
         """Valid groups waiting for the learner."""
         return self._queued_in - self._queued_out
 
+    def serve_evals(self) -> None:
+        """Nothing to do: the server thread deals evaluation prompts and takes their results as requests come."""
+
     def live_generators(self) -> list[str]:
         now = time.monotonic()
         return [g for g, seen in list(self.last_seen.items()) if now - seen < self.peer_timeout_s]
@@ -340,7 +343,13 @@ class ZmqBufferServer:
             return self._hello(request, reply)
         if op == "admit":
             want = request.get("want", 1)
-            want = want if isinstance(want, int) and want > 0 else 1
+            problem = check_admit(want, request.get("ver"))
+            if problem is not None:  # refused, not coerced: nothing is dealt or granted
+                self._rejections.reject("malformed", gen, problem)
+                reply.update(ok=False, granted=0, error=f"{problem} [malformed]")
+                return reply
+            if self.evals is not None:  # which rounds it can serve (EvalRounds.unservable)
+                self.evals.note_engine(gen, request.get("ver"))
             if self.evals is not None and not self._done:  # at most half: training keeps its share of the fleet
                 reply["evals"] = self.evals.deal(gen, request.get("ver"), evals_wanted(want))
                 want -= len(reply["evals"])

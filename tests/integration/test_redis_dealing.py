@@ -394,3 +394,119 @@ def test_a_silent_generators_evaluation_prompts_are_dealt_again(make_job):
     job.take_all(0.3)
     (finished,) = evals.finished()
     assert finished.version == 3 and evals.refused == 0
+
+
+def test_an_admission_with_malformed_fields_is_refused_by_the_scripts_and_counted(make_job):
+    """A generator runs the admission scripts itself, so they refuse what the zmq learner refuses: a want that is
+    not an integer >= 0 (-5 used to take capacity away from `started`), an engine version below 0 (v-7 was dealt
+    the v0 round), more evaluation prompts than one request may take. Each is an error reply naming the field,
+    counted under buffer/rejected/malformed; nothing is granted, dealt or taken. The client refuses them before
+    asking."""
+    import redis
+
+    from asyncrl.buffer.eval_rounds import EvalRounds
+    from asyncrl.buffer.redis.eval_bridge import take_evals
+
+    evals = EvalRounds(encode_prompts(eval_rows(4)), timeout_s=60)
+    job = make_job(8, evals=evals)
+    gen = job.generator("rogue")
+    evals.open(0, 1, 0.0, 8)
+    job.take_all(0.3)
+    job.server.dealer.tick(force=True)
+    for want, version in [(-5, None), ("all", None), (1e9, None), (4, -7)]:
+        reply = admitted(gen, want, version=version)
+        assert (reply.granted, reply.deals, reply.evals) == (0, [], [])
+    with pytest.raises(redis.ResponseError, match=r"want -5 .*\[malformed\]"):
+        gen.coordinator.admit_dealt("rogue", -5, gen.deal_ms, request_id="rogue:r1")
+    with pytest.raises(redis.ResponseError, match=r"version -7 .*\[malformed\]"):
+        take_evals(gen.client, gen.keys, "rogue", -7, 2, "rogue:r2", 60_000)
+    with pytest.raises(redis.ResponseError, match=r"most 100 .*\[malformed\]"):
+        take_evals(gen.client, gen.keys, "rogue", 0, 100, "rogue:r3", 60_000)
+    assert job.server.metrics()["buffer/rejected/malformed"] == 3 and gen.coordinator.started == 0
+    served = admitted(gen, 4, version=0)
+    assert len(served.evals) == 2 and served.granted == 2
+
+
+def test_an_evaluation_result_the_training_path_would_refuse_is_refused_and_counted(make_job):
+    """A reward of 1e300 (finite as a float64, inf as the float32 rewards are trained in) is refused through Redis
+    as through zmq: counted under buffer/rejected/eval_result, the prompt dealt again."""
+    from asyncrl.buffer.eval_rounds import EvalRounds
+
+    evals = EvalRounds(encode_prompts(eval_rows(1)), timeout_s=60)
+    job = make_job(4, evals=evals)
+    gen = job.generator("a")
+    evals.open(0, 2, 0.0, 8)
+    job.take_all(0.3)
+    (task,) = admitted(gen, 2, version=0).evals
+    asyncio.run(gen.eval_done(task.deal_id, [1e300, 1.0], [3, 4]))
+    job.take_all(0.3)
+    assert evals.refused == 1 and evals.finished() == []
+    assert job.server.metrics()["buffer/rejected/eval_result"] == 1
+    (again,) = admitted(gen, 2, version=0).evals  # dealt again
+    assert eval_prompt_id(again) == eval_prompt_id(task)
+
+
+def test_a_round_no_live_engine_can_serve_does_not_hold_the_end_of_the_job_with_redis(make_job):
+    """With Redis as with zmq: a live generator whose engine is at v1 (EVAL_TAKE records it) can never take the v0
+    round, so the end-of-job wait abandons it at once instead of waiting eval.timeout_s, and its prompts leave
+    Redis."""
+    import threading
+    from types import SimpleNamespace
+
+    from asyncrl.buffer.eval_rounds import EvalRounds
+    from asyncrl.learner.evals import Evaluations
+
+    evals = EvalRounds(encode_prompts(eval_rows(2)), timeout_s=600)
+    job = make_job(4, evals=evals)
+    late = job.generator("late")
+    cfg = SimpleNamespace(every_steps=0, before_train=True, n=1, temperature=0.0, k_values=[1], pass_threshold=0.5,
+                          timeout_s=600.0)
+    evaluations = Evaluations(evals, cfg, max_tokens=8, start_version=0, record=None)
+    evaluations.open_if_due(0)
+    job.take_all(0.3)  # the round's prompts go to Redis
+    assert admitted(late, 2, version=1).evals == []
+    asyncio.run(late.report({"generator/tokens_per_s": 1.0}))
+    assert job.server.live_generators() == ["late"]
+    waiter = threading.Thread(target=evaluations.finish, daemon=True, kwargs=dict(
+        published=1, live_generators=job.server.live_generators, serve=job.server.serve_evals))
+    waiter.start()
+    waiter.join(10)
+    assert not waiter.is_alive() and evals.abandoned == 1 and evals.engines == {"late": 1}
+    job.server.serve_evals()
+    assert late.client.zcard(job.server.evals.keys["ready"]) == 0
+
+
+def test_a_generator_that_has_not_reported_stats_is_alive_and_its_last_evaluation_is_waited_for(make_job, caplog):
+    """Liveness with Redis comes from any request, as with zmq: a generator that has asked for admissions but not
+    yet reported stats is live, so the end-of-job wait serves and logs the round it is answering (it used to end at
+    once, saying eval.timeout_s had run out); a generator that said bye is not live."""
+    import logging
+    import threading
+    from types import SimpleNamespace
+
+    from asyncrl.buffer.eval_rounds import EvalRounds
+    from asyncrl.learner.evals import Evaluations
+
+    caplog.set_level(logging.INFO, logger="asyncrl.learner.evals")
+    logged = []
+    evals = EvalRounds(encode_prompts(eval_rows(2)), timeout_s=600)
+    job = make_job(4, evals=evals)
+    gen = job.generator("fresh")
+    cfg = SimpleNamespace(every_steps=0, before_train=True, n=1, temperature=0.0, k_values=[1], pass_threshold=0.5,
+                          timeout_s=600.0)
+    evaluations = Evaluations(evals, cfg, max_tokens=8, start_version=0,
+                              record=SimpleNamespace(log_eval=lambda step, metrics: logged.append(step)))
+    evaluations.open_if_due(0)
+    job.take_all(0.3)
+    first, second = admitted(gen, 4, version=0).evals
+    assert job.server.live_generators() == ["fresh"]  # no stats report yet
+    asyncio.run(gen.eval_done(first.deal_id, [1.0], [2]))
+    late = threading.Timer(0.5, lambda: asyncio.run(gen.eval_done(second.deal_id, [0.0], [2])))
+    late.start()
+    evaluations.finish(published=1, live_generators=job.server.live_generators, serve=job.server.serve_evals,
+                       min_patience_s=3.0)
+    late.join()
+    assert logged == [0] and evals.abandoned == 0
+    assert "waited" in caplog.text and "0 rounds abandoned" in caplog.text
+    asyncio.run(gen.bye())
+    assert job.server.live_generators() == []

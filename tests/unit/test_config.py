@@ -52,6 +52,23 @@ def test_shared_hash_ignores_per_process_sections_but_not_shared_ones():
     assert shared_hash(base) != shared_hash(load_config(None, ["buffer.max_staleness=7"]))
 
 
+def test_learner_only_keys_name_keys_of_the_shared_sections_and_stay_out_of_the_hash():
+    from dataclasses import asdict
+
+    from asyncrl.configs.run_config import LEARNER_ONLY_KEYS, SHARED_SECTIONS, RunConfig, shared_sections
+
+    tree = asdict(RunConfig())
+    for path in LEARNER_ONLY_KEYS:
+        *parents, leaf = path.split(".")
+        assert parents[0] in SHARED_SECTIONS, path
+        node = tree
+        for part in parents:
+            node = node[part]
+        assert leaf in node, f"{path} names no config key"
+    assert "done_grace_s" not in shared_sections(load_config())["buffer"]
+    assert "reclaim_idle_s" not in shared_sections(load_config())["buffer"]["redis"]
+
+
 def test_yaml_round_trips(tmp_path):
     cfg = load_config(None, ["buffer.max_staleness=3"])
     path = tmp_path / "r.yaml"

@@ -6,6 +6,7 @@ import pytest
 
 from asyncrl.buffer.eval_rounds import EvalRounds, check_result, eval_due, first_due
 from asyncrl.buffer.interface import AdmitReply, EvalTask, Status
+from asyncrl.buffer.plausibility import reward_problem
 from asyncrl.configs import load_config, training_eval_blocker
 from asyncrl.data.prompts import PromptRow, encode_prompt, encode_prompts
 from asyncrl.generator.admission import AdmissionGate
@@ -50,6 +51,20 @@ def test_results_are_checked_and_a_bad_or_foreign_one_goes_back_to_the_round():
     for bad in [([1.0], [1]), ([1.0, 1.0], [1, 9]), ([True, 1.0], [1, 1]), ([1.0, 1.0], [1.5, 1]), ("x", [1, 1])]:
         assert check_result(*bad, n=2, max_tokens=8) is not None
     assert evals.refused == 2
+
+
+@pytest.mark.parametrize("reward", [1e300, -1e300, 1e308, 3.5e38, float("inf"), float("nan"), True, "1"])
+def test_an_evaluation_result_is_held_to_the_training_paths_reward_check(reward):
+    """A reward of 1e300 is finite, so evaluation took it where training refuses it (one made eval/all/mean_reward
+    7.8e297, two of 1e308 made it inf). Results now pass through the training path's own check
+    (plausibility.reward_problem): refused, counted, and the prompt dealt again."""
+    evals = rounds(1)
+    evals.open(0, n=2, temperature=1.0, max_tokens=8)
+    (deal,) = evals.deal("g1", 0, 1)
+    problem = evals.result("g1", deal[0], [1.0, reward], [1, 1])
+    assert problem is not None and reward_problem(reward) in problem and "[bad_reward]" in problem
+    assert evals.refused == 1 and len(evals.deal("g2", 0, 1)) == 1 and evals.finished() == []
+    assert reward_problem(3.4e38) is None and check_result([3.4e38, -1], [1, 1], n=2, max_tokens=8) is None
 
 
 def test_a_late_round_is_abandoned_and_counted():

@@ -13,6 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncrl.buffer.codec import encode_group
+from asyncrl.buffer.dealing import PromptDealer
+from asyncrl.buffer.eval_rounds import EvalRounds
 from asyncrl.buffer.group import Group, Sample, Sampling
 from asyncrl.buffer.interface import GeneratorRefused
 from asyncrl.buffer.plausibility import JobLimits
@@ -20,6 +22,8 @@ from asyncrl.telemetry.rejections import RejectionLog
 from asyncrl.buffer.staleness import Coordinator
 from asyncrl.buffer.zmq.client import ZmqBufferClient
 from asyncrl.buffer.zmq.server import ZmqBufferServer
+from asyncrl.data.prompts import encode_prompts
+from tests.dealt_rows import Row
 from tests.conftest import free_port
 from tests.raw_peer import RawPeer
 from tests.messages import run_info
@@ -242,6 +246,27 @@ def test_a_config_mismatch_is_one_line_naming_the_keys_that_differ():
     assert "job.seed (this generator 0, the learner 3)" in message and "job.name" not in message
 
 
+def test_a_generator_whose_learner_only_settings_differ_joins():
+    """buffer.done_grace_s (and the other LEARNER_ONLY_KEYS) sit in shared sections but only the learner reads them:
+    a generator that does not repeat them used to be refused for a config mismatch."""
+    from asyncrl.configs import load_config, shared_hash, shared_sections
+    from asyncrl.generator.main import join_learner
+
+    learner_cfg = load_config(None, ["buffer.done_grace_s=5", "buffer.queue_groups=70", "data.epochs=2",
+                                     "data.deal_timeout_s=30", "weightsync.keep_versions=5",
+                                     "weightsync.catchup_port=5999", "weightsync.bucket_mb=16"])
+    generator_cfg = load_config(None, [])
+    server = make_server(config_hash=shared_hash(learner_cfg), shared_config=shared_sections(learner_cfg))
+    client = ZmqBufferClient(server.endpoint, "gen-j", timeout_s=5)
+    try:
+        hello = asyncio.run(join_learner(client, generator_cfg, say=lambda message: None))
+    finally:
+        client.close()
+        server.close()
+    assert hello.run_info is not None
+    assert shared_hash(learner_cfg) != shared_hash(load_config(None, ["rollout.n=3"]))  # shared keys still count
+
+
 def test_a_refusal_whose_config_detail_is_garbage_still_reads_as_one_line():
     """The learner's shared sections arrive over the wire: a section that is not a map, a non-string key or a
     huge value is described, never a crash, and each value is cut to 80 characters."""
@@ -252,3 +277,27 @@ def test_a_refusal_whose_config_detail_is_garbage_still_reads_as_one_line():
     line = describe_difference({"rollout": {"n": 8}}, {"rollout": [1, 2], 3: {"x": 1}, "data": {"p": "y" * 10_000}})
     assert "\n" not in line and len(line) < 400
     assert "rollout.n (this generator 8, the learner '<unset>')" in line and "3.x" in line
+
+
+@pytest.mark.parametrize("fields", [{"want": -5}, {"want": "all"}, {"want": 1e9}, {"want": True}, {"want": 0},
+                                    {"want": 4, "ver": -7}, {"want": 4, "ver": "0"}, {"want": 4, "ver": 0.0}])
+def test_an_admit_with_malformed_fields_is_refused_and_counted_not_coerced(fields):
+    """A want of -5, "all" or 1e9 used to be read as 1 and granted a deal; a ver of -7 was dealt the v0 evaluation
+    round. Each is refused whole (nothing granted, dealt or taken from a round), said in the reply and counted
+    under buffer/rejected/malformed; the same generator's well-formed request is then served."""
+    prompts = encode_prompts([Row(f"f:{i}", [3, 4]) for i in range(4)])
+    evals = EvalRounds(encode_prompts([Row(f"heldout:{i}", [3, 5]) for i in range(4)]), timeout_s=60.0)
+    evals.open(0, n=1, temperature=0.0, max_tokens=8)
+    server = make_server(dealer=PromptDealer(prompts, shuffle=False, seed=0, epochs=1, timeout_s=60.0), evals=evals)
+    peer = RawPeer(server.endpoint, "rogue")
+    try:
+        refused = peer.ask("admit", **fields)
+        served = peer.ask("admit", want=4, ver=0)
+        metrics = server.metrics()
+    finally:
+        peer.close()
+        server.close()
+    assert refused["ok"] is False and "[malformed]" in refused["error"] and refused["granted"] == 0
+    assert "deals" not in refused and "evals" not in refused
+    assert metrics["buffer/rejected/malformed"] == 1 and metrics["data/dealt"] == 2
+    assert len(served["evals"]) == 2 and len(served["deals"]) == 2  # nothing was taken by the refused request
