@@ -315,7 +315,7 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
         gather_over_dp(settings.parallel, losses, token_metrics, prox_parts, entropy_parts, start_parts, learner_parts)
     shape = tuple(batch.loss_mask.shape)
     group_abs_diff = compute_group_abs_diff(scatter_rows(shape, learner_parts), batch.logprobs_behav,
-                                            batch.loss_mask, batch.num_rows // len(groups))
+                                            batch.loss_mask, [len(group.samples) for group in groups])
     metrics = collect_step_metrics(
         batch, groups, plan, settings, prox=scatter_rows(shape, prox_parts),
         entropy=scatter_rows(shape, entropy_parts), correction_metrics=correction_metrics,

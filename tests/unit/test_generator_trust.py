@@ -11,11 +11,12 @@ from asyncrl.learner.config import LearnerConfig
 from asyncrl.learner.trust import GeneratorTrust
 
 
-def test_group_sums_count_each_valid_token_once():
+def test_group_sums_count_each_valid_token_once_in_groups_of_any_size():
     learner = torch.tensor([[-1.0, -2.0, 0.0], [-1.0, -1.0, -1.0], [-3.0, 0.0, 0.0], [-1.0, -1.0, 0.0]])
     behav = torch.tensor([[-1.5, -1.0, 0.0], [-1.0, -1.0, -9.0], [-3.0, 0.0, 0.0], [-2.0, -1.0, 0.0]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 0, 0], [1, 1, 0]], dtype=torch.float32)
-    assert compute_group_abs_diff(learner, behav, mask, group_size=2) == [(1.5, 4), (1.0, 3)]
+    assert compute_group_abs_diff(learner, behav, mask, [2, 2]) == [(1.5, 4), (1.0, 3)]
+    assert compute_group_abs_diff(learner, behav, mask, [3, 1]) == [(1.5, 5), (1.0, 2)]  # per-turn samples
 
 
 def groups_of(*generators):
@@ -39,7 +40,7 @@ def test_bf16_rounding_of_every_logprob_never_trips_the_default():
     far inside the default 1.0 nat."""
     learner = torch.distributions.Gamma(1.0, 1.0).sample((64, 32)).neg()  # logprobs of sampled tokens
     behav = learner.to(torch.bfloat16).float() + 0.02 * torch.randn(64, 32)  # rounding and kernel noise
-    sums = compute_group_abs_diff(learner, behav, torch.ones(64, 32), group_size=8)
+    sums = compute_group_abs_diff(learner, behav, torch.ones(64, 32), [8] * 8)
     trust = GeneratorTrust(LearnerConfig().quarantine_abs_diff, window_groups=8)
     assert trust.note(groups_of(*["engine"] * 8), sums, step=1) == [] and trust.mean("engine") < 0.05
 
