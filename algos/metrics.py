@@ -104,6 +104,21 @@ def compute_mult_prob_error(logprobs_learner: Tensor, logprobs_behav: Tensor, va
 
 
 @torch.no_grad()
+def compute_group_abs_diff(logprobs_learner: Tensor, logprobs_behav: Tensor, loss_mask: Tensor,
+                           group_rows: list[int]) -> list[tuple[float, int]]:
+    """Per group, its `group_rows[g]` consecutive rows of the [B, T] inputs (groups of per-turn samples differ in
+    size): (Σ_t |ℓlearner - ℓμ|, valid tokens), the numerator and denominator of the group's offpolicy/abs_diff, so
+    a caller can average over any run of groups weighting each token once (learner/trust.py). fp64, |Δ| clamped
+    to 20 like the ratios."""
+    valid = loss_mask.bool()
+    delta = torch.where(valid, (logprobs_learner.double() - logprobs_behav.double()).abs(), 0.0)
+    row_sums = delta.clamp(max=LOG_RATIO_CLAMP).sum(dim=-1)  # [B]
+    row_tokens = valid.sum(dim=-1)  # [B]
+    return [(float(total.sum()), int(tokens.sum()))
+            for total, tokens in zip(row_sums.split(group_rows), row_tokens.split(group_rows))]
+
+
+@torch.no_grad()
 def compute_staleness_metrics(
     versions: Tensor, loss_mask: Tensor, learner_version: int, max_staleness: int
 ) -> dict[str, float]:

@@ -277,10 +277,11 @@ class LearnerBuffer(Protocol):
         """A taken group that will never be trained (`reason`: stale, zero_variance, ...): its admission frees
         capacity, if it held one, and its dealt prompt goes back to the epoch (or, filtered, stays consumed)."""
 
-    def quarantine(self, groups: list, reason: str) -> None:
-        """Taken groups whose step failed (a NaN, a batch that could not be built): they are never trained or
-        replayed; each is counted under buffer/rejected/<reason>, gives back its admission if it held one, and
-        (Redis) moves to the dead-letter stream for inspection."""
+    def quarantine(self, groups: list, reason: str, detail: str = "poisoned a step") -> None:
+        """Taken groups that will never be trained or replayed: their step failed (a NaN, a batch that could not be
+        built), or their generator is quarantined (learner/trust.py). Each is counted under
+        buffer/rejected/<reason>, gives back its admission if it held one, (zmq) is told to its generator in its
+        next reply with `detail`, and (Redis) moves to the dead-letter stream, `detail` in its reason."""
 
     def announce_weights(self, message: WeightsAnnouncement) -> None:
         """Tell generators about newly published weights (their announcement)."""

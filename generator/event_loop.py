@@ -6,10 +6,19 @@ The generator's loop carries every in-flight request, the buffer client's replie
 """
 import asyncio
 import logging
+import os
 import signal
+import sys
+import threading
 
 log = logging.getLogger(__name__)
 LOOPS = ("uvloop", "asyncio")
+EXIT_GRACE_S = 3.0
+"""After SIGTERM's cleanup has run (main's `finally` blocks: the learner told, the engine closed), how long the
+process may still take to exit before it ends itself with 143. What can be left by then is only threads blocked in
+calls awaited through `asyncio.to_thread`, which `asyncio.run` and the interpreter join before exiting: a weight
+fetch from a learner that is gone waits out weightsync.timeout_s (60 s; twice, once per catch-up path), and a
+generator told to stop as its learner stopped took 39 s to end (issue 45)."""
 
 
 def loop_factory(name: str):
@@ -37,7 +46,8 @@ def run(main, loop: str = "uvloop"):
 
 
 async def _until_sigterm(main):
-    """Run `main`; SIGTERM cancels it at its next await, its `finally` blocks run, then SystemExit(143).
+    """Run `main`; SIGTERM cancels it at its next await, its `finally` blocks run, then SystemExit(143); should
+    threads blocked in calls nobody awaits any more hold the exit, the process ends EXIT_GRACE_S later (`exit_after`).
 
     A Python signal handler raises wherever the main thread happens to be. SLURM's scancel signals every process
     of the job at once, the reward scorer's subprocess included; its pipe's end-of-file callback then ran the
@@ -60,8 +70,32 @@ async def _until_sigterm(main):
         return await main
     except asyncio.CancelledError:
         if terminated:
+            exit_after(EXIT_GRACE_S, 143)
             raise SystemExit(143) from None
         raise
     finally:
         running.remove_signal_handler(signal.SIGTERM)
         signal.signal(signal.SIGTERM, previous)  # the loop put back SIG_DFL: the command's own handler again
+
+
+def exit_after(grace_s: float, code: int) -> threading.Timer:
+    """End the process with `code` in `grace_s` unless it has exited by then (a daemon timer: an exit that comes
+    first takes it along). Called once the orderly cleanup is done, so what it cuts short is only the joining of
+    threads still blocked in a call nobody waits for any more; the log says which, and is flushed first."""
+    def end() -> None:
+        blocked = [thread.name for thread in threading.enumerate()
+                   if thread is not threading.current_thread() and not thread.daemon and thread.is_alive()]
+        log.warning("stopping: threads still blocked %.0f s after the cleanup (%s); exiting with %d now", grace_s,
+                    ", ".join(blocked) or "none", code)
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # a closed or broken stream must not keep the process alive
+                pass
+        os._exit(code)
+
+    timer = threading.Timer(grace_s, end)
+    timer.daemon = True
+    timer.start()
+    return timer

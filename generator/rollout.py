@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from asyncrl.buffer.codec import encode_group
-from asyncrl.buffer.done import JobEnd
+from asyncrl.buffer.done import BYE_TIMEOUT_S, JobEnd
 from asyncrl.buffer.group import Group
 from asyncrl.buffer.interface import EvalTask, Status
 from asyncrl.data.prompts import decode_prompt
@@ -167,7 +167,9 @@ class RolloutLoop:
                 task.cancel()
             # reaped here, so a worker that failed while another ended the run is not reported as never retrieved
             await asyncio.gather(*tasks, return_exceptions=True)
-            await self._send_stats()
+            # the last report waits no longer than the bye: a generator stopping because its learner is gone
+            # would otherwise wait out STATS_TIMEOUT_S for nobody
+            await self._send_stats(timeout_s=BYE_TIMEOUT_S)
 
     def note_reply(self, reply: Status) -> None:
         """What every reply says: the newest weights, whether the job is over, groups rejected since."""
@@ -238,14 +240,14 @@ class RolloutLoop:
             await asyncio.sleep(self.stats_every_s)
             await self._send_stats()
 
-    async def _send_stats(self) -> None:
+    async def _send_stats(self, timeout_s: float = STATS_TIMEOUT_S) -> None:
         """To the learner (not after "done": it has stopped listening, and the request would wait out its timeout),
         and to MLflow."""
         metrics = {**self.stats.snapshot(self.engine.version),
                    "rollout/resumed_turns": float(self.engine.resumed_requests)}
         if not self.done:
             try:
-                await self.client.report(metrics, timeout_s=STATS_TIMEOUT_S)
+                await self.client.report(metrics, timeout_s=timeout_s)
             except Exception as err:
                 log.debug("could not send stats: %s", err)
         if self.on_stats is not None:

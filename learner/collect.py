@@ -79,14 +79,16 @@ def waiting_message(buffer, out: Collected, groups_per_step: int, version: int, 
 
 def collect_batch(buffer, groups_per_step: int, max_staleness: int, trained_version: int, timeout_s: float,
                   batch_filter: BatchFilter | None = None, report_every_s: float = 30.0,
-                  data_done=None, watch=None) -> Collected:
+                  data_done=None, watch=None, refuse=None) -> Collected:
     """Take groups from `buffer` (an `interface.LearnerBuffer`) until `groups_per_step` usable ones are in hand,
     or, once `data_done()` says every prompt of the last epoch was taken, with what is in hand (`final`).
     Staleness is measured against `trained_version` (optimizer steps done, buffer/staleness.py), not the
     published one. Dropped groups are counted and given back. A wait longer than `report_every_s` says why in the
     log, again each `report_every_s`, so a starved learner is never silent until its timeout. `watch()`, called
     before each take (so at least once a second), may stop the wait with an error of its own
-    (learner/learnable.py: a job whose groups all score alike)."""
+    (learner/learnable.py: a job whose groups all score alike). `refuse(group)`: why a group must not be trained
+    (its generator is quarantined: learner/trust.py), or None; such a group is quarantined in the buffer, which
+    counts it once, under buffer/rejected/quarantined (not among this batch's drops)."""
     started = time.monotonic()
     next_report = started + report_every_s
     out = Collected(groups=[])
@@ -108,6 +110,10 @@ def collect_batch(buffer, groups_per_step: int, max_staleness: int, trained_vers
                     watch(data_ended=True)
                 out.final = True
                 break
+            continue
+        refused = refuse(group) if refuse is not None else None
+        if refused is not None:
+            buffer.quarantine([group], "quarantined", refused)
             continue
         oldest = group.min_version()
         if oldest < 0:  # no completion tokens at all: nothing to learn from

@@ -101,6 +101,16 @@ class LearnerConfig:
     max_consecutive_skips: int = 3
     """Steps in a row whose batch may poison them (a non-finite loss or gradient, a batch that cannot be built)
     before the job stops with an error: one bad batch is skipped, a run that can no longer train is not hidden."""
+    quarantine_abs_diff: float = 1.0
+    """A generator whose last `quarantine_window_groups` trained groups' mean |behaviour - learner logprob| per token
+    exceeds this many nats is quarantined: its further groups are refused (buffer/rejected/quarantined) and the log
+    names it (learner/trust.py says why 1.0: honest engines, bf16 and fp8 included, stay below 0.2). 0 turns the
+    quarantine off (the mismatch is still measured and named in warnings): only for an engine known to sample from
+    another distribution than the learner's model, whose mismatch a correction (algo.correction) is meant to
+    absorb."""
+    quarantine_window_groups: int = 8
+    """How many of a generator's most recent trained groups `quarantine_abs_diff` averages over: one odd group
+    never decides alone."""
     dist_timeout_s: float = 1800.0
     """Timeout of the learner's collectives (gloo/NCCL), in s; a rank that stops answering fails the job then."""
     gather_bucket_mb: float = 256.0
@@ -159,6 +169,10 @@ class LearnerConfig:
                 raise ValueError(f"learner.{key} must be float32, bfloat16 or float16, got {value!r}")
         if self.max_consecutive_skips < 1:
             raise ValueError(f"learner.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
+        if not self.quarantine_abs_diff >= 0:  # NaN too
+            raise ValueError(f"learner.quarantine_abs_diff must be >= 0 (0: off), got {self.quarantine_abs_diff}")
+        if self.quarantine_window_groups < 1:
+            raise ValueError(f"learner.quarantine_window_groups must be >= 1, got {self.quarantine_window_groups}")
         if self.dist_timeout_s <= 0:
             raise ValueError(f"learner.dist_timeout_s must be > 0, got {self.dist_timeout_s}")
         if self.gather_bucket_mb <= 0:

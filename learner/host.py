@@ -26,6 +26,7 @@ from asyncrl.learner.parallel import ParallelState
 from asyncrl.learner.publish import VersionPublisher, model_files_for
 from asyncrl.learner.state import LearnerState
 from asyncrl.learner.step_metrics import component_means
+from asyncrl.learner.trust import GeneratorTrust
 from asyncrl.security.curve import server_keys
 from asyncrl.telemetry.run_record import RunRecord, batch_metrics
 from asyncrl.weightsync.backends import make_publisher
@@ -85,6 +86,8 @@ class LearnerHost:
         self.learnable = LearnableWatch(self.buffer.sampled_so_far, cfg.algo.unlearnable_after_groups,
                                         cfg.algo.dynamic_sampling)
         """Stops (or warns about) a job whose first groups all score alike (learner/learnable.py)."""
+        self.trust = GeneratorTrust(cfg.learner.quarantine_abs_diff, cfg.learner.quarantine_window_groups)
+        """Each generator's logprob mismatch, and those quarantined for it (learner/trust.py)."""
         self.reward_names = [function.name for function in cfg.reward.functions]
         self.done_grace_s = cfg.buffer.done_grace_s
         if resumed_from is not None:
@@ -120,6 +123,7 @@ class LearnerHost:
         metrics.update(batch_metrics(collected.staleness, collected.dropped, state.dropped_total))
         metrics["buffer/consumed_total"] = float(state.groups_consumed)
         metrics["learner/skipped_steps"] = float(state.skipped_steps)
+        metrics.update(self.trust.metrics())
         metrics.update(component_means(groups, self.reward_names))
         metrics.update(self.buffer.take_sampled())  # every group sampled since the last step, not only these
         self.learnable.check(may_stop=False)  # such groups trained (no dynamic sampling): it can only warn

@@ -149,8 +149,9 @@ def train_one_version(model, optimizer, scheduler, host: LearnerHost | None, par
     metrics = result.metrics
     state.version = version + 1
     state.skipped_in_a_row = 0
-    if host is not None:  # rank 0 speaks for the step
-        warn_on_mismatch(metrics, version)
+    if host is not None:  # rank 0 speaks for the step, numbered as the progress log numbers it (the new version)
+        warn_on_mismatch(metrics, state.version, host.trust.per_generator(groups, result.group_abs_diff))
+        host.trust.note(groups, result.group_abs_diff, state.version)
     state.record_batch(groups, dropped)
     state.kl_coef = parts.kl_controller.value
     started = time.perf_counter()
@@ -223,7 +224,8 @@ def next_batch(host: LearnerHost | None, parallel: ParallelState, version: int, 
         try:
             collected = collect_batch(host.buffer, loop.groups_per_step, loop.max_staleness, version,
                                       loop.wait_for_batch_timeout_s, parts.batch_filter,
-                                      data_done=host.data_done, watch=host.learnable.check)
+                                      data_done=host.data_done, watch=host.learnable.check,
+                                      refuse=host.trust.refusal)
             message = ("groups", (collected.groups, dict(collected.dropped), collected.final))
         except Exception as err:
             broadcast_object(("error", f"{type(err).__name__}: {err}"), parallel)

@@ -89,15 +89,19 @@ def mult_prob_error_metrics(batch: Batch, version: int, step_start) -> dict:
     }
 
 
-def warn_on_mismatch(metrics: dict, step: int) -> bool:
+def warn_on_mismatch(metrics: dict, step: int, per_generator: dict | None = None) -> bool:
     """Log a warning when the learner and the engine disagree on tokens the learner's own weights sampled by more
     than MULT_PROB_ERROR_ALERT: that is a framework bug (sampling settings, tokens, weights), not staleness.
-    Returns whether it warned."""
+    `step`: the step just trained (the version it made, as the progress log numbers it); `per_generator`: each
+    generator's mean |behaviour - learner logprob| in this batch, so the line names the one at fault
+    (learner/trust.py). Returns whether it warned."""
     value = metrics.get("offpolicy/token_mult_prob_error/fresh", 1.0)
     if value <= MULT_PROB_ERROR_ALERT:
         return False
+    named = ", ".join(f"{gen} {mean:.3f}" for gen, mean in (per_generator or {}).items())
     log.warning("step %d: offpolicy/token_mult_prob_error = %.4f on tokens sampled by the learner's own weights "
                 "(alert above %.2f): the engine's logprobs do not match the learner's. That is a bug, not "
                 "staleness: check rollout.top_p/top_k, the sampling temperature, the dtypes, and that weight "
-                "updates reach the engine", step, value, MULT_PROB_ERROR_ALERT)
+                "updates reach the engine%s", step, value, MULT_PROB_ERROR_ALERT,
+                f"; mean |behaviour - learner logprob| by generator (nats): {named}" if named else "")
     return True

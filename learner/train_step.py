@@ -20,7 +20,7 @@ Two guards keep one bad batch from poisoning the model (the learner loop decides
   version nor publishes.
 """
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,7 +29,7 @@ from asyncrl.algos.turn_advantages import compute_turn_advantages
 from asyncrl.algos.corrections import compute_correction, compute_vtrace_advantages, normalize_batch_weight
 from asyncrl.algos.vtrace import compute_vtrace_advantages_and_targets
 from asyncrl.algos.kl import apply_kl_penalty
-from asyncrl.algos.metrics import combine_token_metrics
+from asyncrl.algos.metrics import combine_token_metrics, compute_group_abs_diff
 from asyncrl.algos.offpolicy_plan import ADVANTAGE_GAE, ADVANTAGE_VTRACE, PROX_RECOMPUTE, WEIGHT_BATCH, OffPolicyPlan
 from asyncrl.learner.batch import (Batch, build_batch, placeholder_microbatch, plan_microbatches, scatter_rows,
                                    split_minibatches)
@@ -58,6 +58,9 @@ class StepResult:
     moved: bool
     """The policy's weights changed: an optimizer step was taken on a non-zero gradient. A batch whose
     advantages are all 0, or a critic warmup step, may rightly publish the previous version's bytes again."""
+    group_abs_diff: list = field(default_factory=list)
+    """Per group, in the batch's order: (Σ |ℓlearner - ℓμ| over its trained tokens, their count), ℓlearner from
+    the pass that trained the token; what learner/trust.py judges each generator by."""
 
 
 @dataclass
@@ -279,6 +282,7 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
     moved = False  # some optimizer step was taken on a non-zero gradient
     entropy_loss = 0.0  # the entropy bonus's term (algo.entropy_coef), summed like the policy loss
     start_parts = []  # the current pass before the first optimizer update: the step-start policy's logprobs
+    learner_parts = []  # the current pass of every row, in the mini-batch that trained it (learner/trust.py)
     for mini in split_minibatches(batch, algo.ppo_minibatches):
         counts = StepCounts(tokens=float(mini.loss_mask.sum()), seqs=float((mini.loss_mask.sum(-1) > 0).sum()))
         mini_loss = 0.0
@@ -295,6 +299,7 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
             mini_loss = mini_loss + pg_share + algo.kl_loss_coef * kl_share - algo.entropy_coef * entropy_share
             token_metrics.append(metrics)
             prox_parts.append((micro.rows, prox))
+            learner_parts.append((micro.rows, current))
             entropy_parts.append((micro.rows, entropy))
         if warmup:  # the critic learns the returns first; the policy stays where it is
             optimizer.zero_grad(set_to_none=True)
@@ -304,11 +309,13 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
         grad_norms.append(grad_norm)
         stepped += took
         moved = moved or bool(took and grad_norm > 0)
-    losses, token_metrics, prox_parts, entropy_parts, start_parts = to_host(
-        (pg_loss, kl_loss, entropy_loss), token_metrics, prox_parts, entropy_parts, start_parts)
-    (pg_loss, kl_loss, entropy_loss), token_metrics, prox_parts, entropy_parts, start_parts = gather_over_dp(
-        settings.parallel, losses, token_metrics, prox_parts, entropy_parts, start_parts)
+    losses, token_metrics, prox_parts, entropy_parts, start_parts, learner_parts = to_host(
+        (pg_loss, kl_loss, entropy_loss), token_metrics, prox_parts, entropy_parts, start_parts, learner_parts)
+    (pg_loss, kl_loss, entropy_loss), token_metrics, prox_parts, entropy_parts, start_parts, learner_parts = \
+        gather_over_dp(settings.parallel, losses, token_metrics, prox_parts, entropy_parts, start_parts, learner_parts)
     shape = tuple(batch.loss_mask.shape)
+    group_abs_diff = compute_group_abs_diff(scatter_rows(shape, learner_parts), batch.logprobs_behav,
+                                            batch.loss_mask, [len(group.samples) for group in groups])
     metrics = collect_step_metrics(
         batch, groups, plan, settings, prox=scatter_rows(shape, prox_parts),
         entropy=scatter_rows(shape, entropy_parts), correction_metrics=correction_metrics,
@@ -335,4 +342,4 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
     step_s = time.perf_counter() - started
     metrics["timing/learner/step_s"] = step_s
     metrics["perf/learner/tokens_per_s"] = float(batch.attention_mask.sum()) / step_s
-    return StepResult(metrics, stepped=bool(stepped) or warmup, moved=moved)
+    return StepResult(metrics, stepped=bool(stepped) or warmup, moved=moved, group_abs_diff=group_abs_diff)

@@ -307,8 +307,10 @@ class RedisBufferServer:
         """The generator that added a rejected entry hears of it in its next request's reply
         (buffer/redis/rejection_news.py), as a zmq generator does."""
         if entry.producer:
-            self.retry("rejection news", self._tell, keys=[self.keys["rejections"]],
-                       args=tell_args(entry.producer.decode(errors="replace"), error))
+            self._tell_generator(entry.producer.decode(errors="replace"), error)
+
+    def _tell_generator(self, generator_id: str, error: str) -> None:
+        self.retry("rejection news", self._tell, keys=[self.keys["rejections"]], args=tell_args(generator_id, error))
 
     @property
     def rejected(self) -> dict:
@@ -362,21 +364,22 @@ class RedisBufferServer:
         elif leased:
             self.coordinator.give_back(1, token=group.group_id)
 
-    def quarantine(self, groups: list, reason: str) -> None:
+    def quarantine(self, groups: list, reason: str, detail: str = "poisoned a step") -> None:
         for group in groups:
             entry_id, leased, deal = self._held_admission.pop(group.group_id, (None, False, ""))
             if self.dealer is not None and deal:  # before the entry goes (dealing.py)
                 self.dealer.resolve("return", reason, [(deal, leased)])
             elif leased:
                 self.coordinator.give_back(1, token=group.group_id)
+            self._tell_generator(group.generator_id, f"group {group.group_id}: {detail} [{reason}]")
             if entry_id is None:  # taken too long ago to be known: it is acked with its step's checkpoint
-                self._rejections.reject(reason, group.generator_id, f"group {group.group_id} poisoned a step")
+                self._rejections.reject(reason, group.generator_id, f"group {group.group_id}: {detail}")
                 continue
-            self.stream.dead_letter(entry_id, self.stream.payload_of(entry_id), f"{reason}: poisoned a step",
+            self.stream.dead_letter(entry_id, self.stream.payload_of(entry_id), f"{reason}: {detail}",
                                     resolved_deal=deal.encode())
             self.held.discard(entry_id)
             self._rejections.reject(reason, group.generator_id, f"group {group.group_id} (entry "
-                                                                 f"{entry_id.decode()}) poisoned a step")
+                                                                 f"{entry_id.decode()}): {detail}")
 
     def announce_weights(self, message: WeightsAnnouncement) -> None:
         self._weights, self._weights_id = message.to_wire(), uuid.uuid4().hex[:16]

@@ -186,10 +186,11 @@ class ZmqBufferServer:
         if self.dealer is not None:
             self.dealer.give_back(group.meta.get("deal"), reason)
 
-    def quarantine(self, groups: list, reason: str) -> None:
-        for group in groups:
+    def quarantine(self, groups: list, reason: str, detail: str = "poisoned a step") -> None:
+        for group in groups:  # each generator hears it in its next reply
             self.give_back(group, reason)
-            self._rejections.reject(reason, group.generator_id, f"group {group.group_id} poisoned a step")
+            self._rejections.reject(reason, group.generator_id, error := f"group {group.group_id}: {detail} [{reason}]")
+            self._tell(group.generator_id, error)
 
     @property
     def rejected(self) -> dict:
@@ -475,9 +476,13 @@ class ZmqBufferServer:
             self.dealer.reject(gen, deal)
         self._rejections.reject(reason, gen, error)
         if tell:
-            with self._rejections_lock:
-                count, _ = self._unheard_rejections.get(gen, (0, ""))
-                self._unheard_rejections[gen] = (count + 1, error)
+            self._tell(gen, error)
+
+    def _tell(self, gen: str, error: str) -> None:
+        """Note a rejection for the generator's next reply (`rejected`: how many since, and the last)."""
+        with self._rejections_lock:
+            count, _ = self._unheard_rejections.get(gen, (0, ""))
+            self._unheard_rejections[gen] = (count + 1, error)
 
     def _reject_request(self, reason: str, detail: str) -> None:
         self._rejections.reject(reason, "a peer", detail)

@@ -67,7 +67,8 @@ def scripted_overrides(model_dir, url: str, namespace: str, steps: int, checkpoi
             f"buffer.redis.namespace={namespace}", f"learner.total_steps={steps}", "buffer.max_staleness=0",
             f"buffer.groups_per_step={GROUPS_PER_STEP}", f"rollout.n={N}", f"rollout.max_tokens={SAMPLING.max_tokens}",
             f"learner.checkpoint_every={checkpoint_every}", "learner.torch_threads=1", "buffer.done_grace_s=1",
-            "telemetry.progress=false", *QUIET_TELEMETRY]
+            "telemetry.progress=false", *QUIET_TELEMETRY,
+            "learner.quarantine_abs_diff=0"]  # made-up logprobs (tests/e2e/jobs.py): learner/trust.py would quarantine
 
 
 def effective_timeline(path):

@@ -93,6 +93,8 @@ def learner_overrides(model_dir, port, steps):
             f"rollout.max_tokens={SAMPLING.max_tokens}", "learner.checkpoint_every=2", "learner.checkpoint_keep=2",
             "learner.torch_threads=1", "learner.lr=1e-3", "learner.warmup_steps=0", "buffer.done_grace_s=1",
             "telemetry.progress=false", *QUIET_TELEMETRY,
+            # the scripted generator's logprobs are made up (tests/e2e/jobs.py): learner/trust.py would quarantine it
+            "learner.quarantine_abs_diff=0",
             # a reward-KL coefficient the adaptive controller moves every step: the resumed run continues the same
             # loss curve only if the checkpoint kept it (LearnerState.kl_coef)
             "algo.kl_reward_coef=0.05", "algo.kl_controller=adaptive", "algo.kl_target=0.001", "algo.kl_horizon=40"]

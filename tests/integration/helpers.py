@@ -1,5 +1,6 @@
 """Helpers shared by the integration tests: the tiny model's vocabulary, the sampling a job's generators use, and
 least-privilege Redis users."""
+import math
 import uuid
 
 from asyncrl.buffer.group import Sampling
@@ -7,6 +8,9 @@ from asyncrl.buffer.redis.acl import acl_rules
 
 
 VOCAB = 64
+HONEST_LOGPROB = -math.log(VOCAB)
+"""What an engine of the tiny model (`tiny_model_dir`: initial weights, logits near 0) gives every token: a scripted
+generator's logprobs must stay near the learner's, or learner/trust.py quarantines it (-1.0 is 3 nats off)."""
 
 
 def recipe_sampling(cfg) -> Sampling:

@@ -21,7 +21,7 @@ import torch
 from asyncrl.buffer.codec import encode_group
 from asyncrl.buffer.group import Group, Sample, Sampling
 from tests.conftest import free_port
-from tests.integration.helpers import VOCAB, recipe_sampling
+from tests.integration.helpers import HONEST_LOGPROB, VOCAB, recipe_sampling
 from tests.messages import run_info
 from tests.raw_peer import RawPeer
 
@@ -44,7 +44,7 @@ def job_config(model_dir: str, tmp_path, backend: list, steps: int = STEPS):
 def a_group(cfg, gen: str, rng, rewards=None, version: int = 0) -> Group:
     """What a generator of this job produces: rollout.n completions sampled with the recipe's settings."""
     rewards = [float(r) for r in rng.integers(0, 2, N)] if rewards is None else rewards
-    samples = [Sample(completion_ids=rng.integers(2, VOCAB, 4).astype(np.int32), logprobs=np.full(4, -1.0, np.float32),
+    samples = [Sample(completion_ids=rng.integers(2, VOCAB, 4).astype(np.int32), logprobs=np.full(4, HONEST_LOGPROB, np.float32),
                       versions=np.full(4, version, np.int32), reward=reward, finish_reason="stop")
                for reward in rewards]
     return Group(group_id=uuid.uuid4().hex, prompt_id="p", generator_id=gen,

@@ -16,11 +16,11 @@ from asyncrl.buffer.group import Group, Sample, Sampling
 from asyncrl.buffer.interface import LearnerUnavailable
 from asyncrl.buffer.zmq.client import ZmqBufferClient
 from tests.conftest import free_port
-from tests.integration.helpers import VOCAB, recipe_sampling
+from tests.integration.helpers import HONEST_LOGPROB, VOCAB, recipe_sampling
 
 
 def scripted_group(version: int, rng, sampling: Sampling) -> Group:
-    samples = [Sample(completion_ids=rng.integers(2, VOCAB, 4).astype(np.int32), logprobs=np.full(4, -1.0, np.float32),
+    samples = [Sample(completion_ids=rng.integers(2, VOCAB, 4).astype(np.int32), logprobs=np.full(4, HONEST_LOGPROB, np.float32),
                       versions=np.full(4, version, np.int32), reward=float(rng.integers(0, 2)), finish_reason="stop")
                for _ in range(2)]
     return Group(group_id=uuid.uuid4().hex, prompt_id="p", generator_id="scripted",

@@ -83,6 +83,53 @@ def test_sigterm_stops_the_loop_while_a_pipe_keeps_it_busy(loop):
             child.wait()
 
 
+BLOCKED_CHILD = """
+import asyncio, sys, time
+from asyncrl.generator.event_loop import run
+from asyncrl.launch.cli import _exit_on_sigterm
+import signal
+
+async def main():
+    print("ready", flush=True)
+    try:
+        await asyncio.to_thread(time.sleep, 60)  # a weight fetch from a learner that is gone (weightsync.timeout_s)
+    finally:
+        print("closed", flush=True)
+
+signal.signal(signal.SIGTERM, _exit_on_sigterm)
+run(main(), sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_sigterm_ends_the_process_within_seconds_while_a_thread_is_blocked(loop):
+    """A generator told to stop as its learner went away took 39 s to end (issue 45): its cleanup ran at once, but
+    asyncio.run and the interpreter then joined a thread still waiting for the learner's catch-up server. The
+    process now ends EXIT_GRACE_S after its cleanup, with 143, and says which threads it left."""
+    import signal
+    import subprocess
+    import time
+
+    from asyncrl.generator.event_loop import EXIT_GRACE_S
+
+    if loop == "uvloop":
+        pytest.importorskip("uvloop")
+    child = subprocess.Popen([sys.executable, "-c", BLOCKED_CHILD, loop], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        time.sleep(0.2)  # into the thread
+        started = time.monotonic()
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=EXIT_GRACE_S + 7) == 143
+        assert time.monotonic() - started < EXIT_GRACE_S + 2
+        assert "closed" in child.stdout.read() and "threads still blocked" in child.stderr.read()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
 def test_the_commands_sigterm_handler_is_back_after_the_loop():
     import signal
 
