@@ -104,15 +104,25 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: LearnerState,
     name = f"{CHECKPOINT_PREFIX}{version:08d}"
     tmp_dir, final_dir = os.path.join(root, f"{TMP_PREFIX}{version:08d}"), os.path.join(root, name)
     rank = _rank()
+    failed = None
     if rank == 0:
-        _remove_stale_tmp_dirs(root)
-        os.makedirs(tmp_dir)
-        _write_hf_files(os.path.join(tmp_dir, HF_DIR), model_dir, model)
-        torch.save(scheduler.state_dict(), os.path.join(tmp_dir, SCHEDULER_FILE))
-        if critic is not None:
-            torch.save(critic.scheduler.state_dict(), os.path.join(tmp_dir, CRITIC_SCHEDULER_FILE))
-    _barrier()  # the temporary directory exists (and is empty of stale files) before any rank writes into it
-    torch.save(capture_rng_state(), os.path.join(tmp_dir, f"rng-rank{rank}.pt"))
+        try:
+            _remove_stale_tmp_dirs(root)
+            os.makedirs(tmp_dir)
+            _write_hf_files(os.path.join(tmp_dir, HF_DIR), model_dir, model)
+            torch.save(scheduler.state_dict(), os.path.join(tmp_dir, SCHEDULER_FILE))
+            if critic is not None:
+                torch.save(critic.scheduler.state_dict(), os.path.join(tmp_dir, CRITIC_SCHEDULER_FILE))
+        except OSError as err:
+            failed = err
+    # every rank meets here (the temporary directory exists, empty of stale files, before any rank writes into
+    # it), and learns whether rank 0 could write at all
+    _agree_written(failed, tmp_dir)
+    try:
+        torch.save(capture_rng_state(), os.path.join(tmp_dir, f"rng-rank{rank}.pt"))
+    except OSError as err:
+        failed = err
+    _agree_written(failed, tmp_dir)
     state = checkpoint_state(model, optimizer, critic)
     dcp_dir = os.path.join(tmp_dir, DCP_DIR)
     if async_save:
@@ -123,10 +133,38 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: LearnerState,
             getattr(future, "upload_completion", future).add_done_callback(
                 lambda done, pending=_pending: _finalize_in_background(done, pending))
     else:
-        with quiet_single_process_dcp():
-            dcp.save(state, checkpoint_id=dcp_dir, no_dist=not _distributed())
+        try:
+            with quiet_single_process_dcp():
+                dcp.save(state, checkpoint_id=dcp_dir, no_dist=not _distributed())
+        except (OSError, dcp.api.CheckpointException) as err:  # DCP raises the same on every rank
+            _discard(tmp_dir)
+            raise CheckpointWriteFailed(f"could not write checkpoint {final_dir}: {err}") from None
         _finalize(tmp_dir, final_dir, root, meta, keep_last)
     return final_dir
+
+
+class CheckpointWriteFailed(RuntimeError):
+    """A checkpoint could not be written (a full, read-only or vanished disk, on any rank). Every rank raises it
+    alike and nothing of it is visible (the temporary directory is removed), so the caller can train on and try
+    again at the next checkpoint: the last complete one is still the one a restart resumes from."""
+
+
+def _agree_written(failed: OSError | None, tmp_dir: str) -> None:
+    """A meeting of every rank that also tells each whether any rank failed to write (a max over a gloo group, as
+    the background saves use: NCCL would want a device tensor); on a failure every rank raises
+    CheckpointWriteFailed, so none is left waiting in a collective the others skipped."""
+    flag = torch.tensor([1 if failed is not None else 0], dtype=torch.int32)
+    if _distributed():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_get_async_group())
+    if flag.item():
+        if _rank() == 0:
+            _discard(tmp_dir)
+        raise CheckpointWriteFailed(f"could not write the checkpoint in {tmp_dir}: "
+                                    f"{failed if failed is not None else 'another rank failed'}")
+
+
+def _discard(tmp_dir: str) -> None:
+    shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
 def wait_for_pending_save() -> None:

@@ -123,6 +123,7 @@ class LearnerHost:
         metrics.update(batch_metrics(collected.staleness, collected.dropped, state.dropped_total))
         metrics["buffer/consumed_total"] = float(state.groups_consumed)
         metrics["learner/skipped_steps"] = float(state.skipped_steps)
+        metrics["learner/checkpoint_failures"] = float(state.checkpoint_failures)
         metrics.update(self.trust.metrics())
         metrics.update(component_means(groups, self.reward_names))
         metrics.update(self.buffer.take_sampled())  # every group sampled since the last step, not only these

@@ -20,7 +20,8 @@ from asyncrl.configs.sections import part_seed
 from asyncrl.data.prompts import PromptSet
 from asyncrl.learner.build import (StepParts, build_optimizer, build_policy, build_step_parts, checkpoint_root,
                                    find_resume_point)
-from asyncrl.learner.checkpoint import load_checkpoint, save_checkpoint, wait_for_pending_save
+from asyncrl.learner.checkpoint import (CheckpointWriteFailed, load_checkpoint, save_checkpoint,
+                                        wait_for_pending_save)
 from asyncrl.learner.collect import collect_batch
 from asyncrl.learner.critic import build_critic
 from asyncrl.learner.host import LearnerHost
@@ -264,6 +265,17 @@ def checkpoint_if_due(learner, job_dir: str, model_path: str, model, optimizer, 
         return
     if state.version % every and state.version != learner.total_steps and not last:
         return
-    save_checkpoint(checkpoint_root(learner.checkpoint_dir, job_dir), model, optimizer, scheduler, state,
-                    learner.checkpoint_keep, model_dir=model_path, async_save=learner.checkpoint_async, critic=critic)
+    try:
+        save_checkpoint(checkpoint_root(learner.checkpoint_dir, job_dir), model, optimizer, scheduler, state,
+                        learner.checkpoint_keep, model_dir=model_path, async_save=learner.checkpoint_async,
+                        critic=critic)
+    except CheckpointWriteFailed as err:
+        # a full disk must not end a job that can train on: the buffer keeps every group not yet covered by a
+        # checkpoint (no acks), and the next checkpoint tries again; the last one is still whole
+        state.checkpoint_failures += 1
+        log.error("learner v%d: %s; training goes on, the next checkpoint tries again (failures so far: %d)",
+                  state.version, err, state.checkpoint_failures)
+        if last:
+            raise
+        return
     acks.checkpointed(background=learner.checkpoint_async)

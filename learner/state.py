@@ -33,6 +33,8 @@ class LearnerState:
     the version did not move for them."""
     skipped_in_a_row: int = 0
     """Of those, how many in a row up to now (learner.max_consecutive_skips stops the job)."""
+    checkpoint_failures: int = 0
+    """Checkpoints that could not be written (a full or read-only disk): training went on without them."""
     data_cursor: dict = field(default_factory=dict)
     """The prompt dealer's cursor (buffer/dealing.py `snapshot`): the epoch, how far it was dealt, the prompts to
     deal again; empty for a job without dealt data. Saved and restored like the rest."""
@@ -49,7 +51,7 @@ class LearnerState:
         return {"format": STATE_FORMAT, "version": self.version, "groups_consumed": self.groups_consumed,
                 "groups_by_generator": dict(self.groups_by_generator), "dropped_total": dict(self.dropped_total),
                 "unacked": list(self.unacked), "kl_coef": self.kl_coef, "skipped_steps": self.skipped_steps,
-                "skipped_in_a_row": self.skipped_in_a_row,
+                "skipped_in_a_row": self.skipped_in_a_row, "checkpoint_failures": self.checkpoint_failures,
                 "data_cursor": dict(self.data_cursor)}
 
     @classmethod
@@ -61,6 +63,7 @@ class LearnerState:
                    dropped_total=Counter(data["dropped_total"]), unacked=list(data["unacked"]),
                    kl_coef=data["kl_coef"], skipped_steps=int(data.get("skipped_steps", 0)),
                    skipped_in_a_row=int(data.get("skipped_in_a_row", 0)),
+                   checkpoint_failures=int(data.get("checkpoint_failures", 0)),
                    data_cursor=dict(data["data_cursor"]))
 
 

@@ -139,3 +139,62 @@ def test_an_unreadable_learner_state_names_the_checkpoint(tmp_path):
     json.dump({**meta, "state": {"format": 1, "version": "x"}}, open(meta_path, "w"))
     with pytest.raises(CheckpointError, match=f"{path}.*learner state"):
         load_checkpoint(path, model, optimizer, scheduler)
+
+
+def test_a_checkpoint_that_cannot_be_written_leaves_nothing_and_the_next_one_lands(tmp_path):
+    """A full or broken disk (here a root that is a file; the DCP write itself: test below) raises
+    CheckpointWriteFailed, leaves no directory, and the learner's loop trains on: the failure is counted, no group is
+    acknowledged (the buffer keeps them for the next checkpoint), and the next due checkpoint is written."""
+    from asyncrl.configs import load_config
+    from asyncrl.learner.checkpoint import CheckpointWriteFailed
+    from asyncrl.learner.loop import checkpoint_if_due
+
+    model, optimizer, scheduler = build_training()
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    with pytest.raises(CheckpointWriteFailed, match="not-a-dir"):
+        save_checkpoint(str(blocker / "ckpts"), model, optimizer, scheduler, LearnerState(version=1), keep_last=2)
+
+    class Acks:
+        calls = 0
+
+        def checkpointed(self, background):
+            Acks.calls += 1
+
+    learner = load_config(None, ["learner.checkpoint_every=2", f"learner.checkpoint_dir={blocker / 'ckpts'}"]).learner
+    state = LearnerState(version=2, unacked=["1-0"])
+    checkpoint_if_due(learner, str(tmp_path), None, model, optimizer, scheduler, state, Acks())
+    assert state.checkpoint_failures == 1 and Acks.calls == 0 and state.unacked == ["1-0"]
+    good = load_config(None, ["learner.checkpoint_every=2", f"learner.checkpoint_dir={tmp_path / 'ckpts'}"]).learner
+    state.version = 4
+    checkpoint_if_due(good, str(tmp_path), None, model, optimizer, scheduler, state, Acks())
+    assert Acks.calls == 1 and latest_checkpoint(str(tmp_path / "ckpts")).endswith("step-00000004")
+    assert LearnerState.from_json(state.to_json()).checkpoint_failures == 1
+
+
+def test_a_write_that_fails_inside_dcp_raises_the_same_and_leaves_the_last_checkpoint(tmp_path):
+    """A real failed write in the middle of the checkpoint: a child process whose files may not grow past 64 KiB
+    (RLIMIT_FSIZE, SIGXFSZ ignored, so the write fails with EFBIG) saves one small checkpoint's worth, then fails
+    on the model's shards: the first checkpoint stays the latest and no temporary directory is left."""
+    import subprocess
+    import sys
+
+    script = f"""
+import resource, signal, sys
+sys.path.insert(0, {os.getcwd()!r})
+from tests.checkpoint_training import build_training
+from asyncrl.learner.checkpoint import CheckpointWriteFailed, save_checkpoint
+from asyncrl.learner.state import LearnerState
+model, optimizer, scheduler = build_training()
+save_checkpoint({str(tmp_path)!r}, model, optimizer, scheduler, LearnerState(version=1), keep_last=2)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+try:
+    save_checkpoint({str(tmp_path)!r}, model, optimizer, scheduler, LearnerState(version=2), keep_last=2)
+except CheckpointWriteFailed as err:
+    print("FAILED:", err)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "FAILED: could not write checkpoint" in out.stdout, out.stdout + out.stderr
+    assert sorted(os.listdir(tmp_path)) == ["step-00000001"]
+    assert latest_checkpoint(str(tmp_path)).endswith("step-00000001")
