@@ -115,7 +115,9 @@ class HfEngine:
             tokens_out[live_rows, step] = tokens
             logprobs_out[live_rows, step] = log_probs.gather(-1, tokens[:, None]).squeeze(-1)
             lengths[live_rows] += (limits[live_rows] > step).long()  # a prompt filling the context gets none
-            hit_eos = torch.isin(tokens, eos)
+            # a row with no room left (a prompt filling the context) still draws this step; its draw is not its
+            # completion, so an EOS there must not make it a "stop" with no token (the learner refuses that)
+            hit_eos = torch.isin(tokens, eos) & (limits[live_rows] > step)
             stopped[live_rows[hit_eos]] = True
             done = hit_eos | (limits[live_rows] <= step + 1)
             if bool(done.all()):

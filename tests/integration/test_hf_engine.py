@@ -82,10 +82,25 @@ def test_requests_that_sample_differently_are_decoded_in_separate_batches(demo_a
     assert all(logprob == 0.0 for logprob in baseline[0].logprobs)  # a point mass: greedy decoding
 
 
-def test_a_prompt_at_max_model_len_gets_an_empty_length_completion(demo_assets):
+@pytest.mark.parametrize("every_token_ends", [False, True])
+def test_a_prompt_at_max_model_len_gets_an_empty_length_completion(demo_assets, every_token_ends):
+    """Even when the draw it makes with no room left is an end token (every token is one, in the second case): a
+    completion with no token never says it stopped (the learner refuses that as bad_finish_reason)."""
     engine = HfEngine(EngineOptions(demo_assets[0], "float32", max_model_len=len(PROMPTS[1]), kv_cache_gib=1, seed=0))
-    long, short = asyncio.run(sample_together(
-        engine, [(PROMPTS[1], Sampling(temperature=1.0, max_tokens=4), 2),
-                 (PROMPTS[0], Sampling(temperature=1.0, max_tokens=4), 2)]))
+    requests = [(PROMPTS[1], Sampling(temperature=1.0, max_tokens=4), 2),
+                (PROMPTS[0], Sampling(temperature=1.0, max_tokens=4), 2)]
+
+    async def run():
+        await engine.start()
+        if every_token_ends:
+            engine.eos_token_id = list(range(engine.model.config.vocab_size))
+        try:
+            return await asyncio.gather(*(engine.sample(prompt, sampling, n) for prompt, sampling, n in requests))
+        finally:
+            await engine.close()
+
+    long, short = asyncio.run(run())
     assert [c.token_ids for c in long] == [[], []] and {c.finish_reason for c in long} == {"length"}
     assert all(0 < len(c.token_ids) <= len(PROMPTS[1]) - len(PROMPTS[0]) for c in short)
+    if every_token_ends:
+        assert all(len(c.token_ids) == 1 and c.finish_reason == "stop" for c in short)
