@@ -138,7 +138,8 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: LearnerState,
                 dcp.save(state, checkpoint_id=dcp_dir, no_dist=not _distributed())
         except (OSError, dcp.api.CheckpointException) as err:  # DCP raises the same on every rank
             _discard(tmp_dir)
-            raise CheckpointWriteFailed(f"could not write checkpoint {final_dir}: {err}") from None
+            cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+            raise CheckpointWriteFailed(f"could not write checkpoint {final_dir}: {cause}") from None
         _finalize(tmp_dir, final_dir, root, meta, keep_last)
     return final_dir
 
