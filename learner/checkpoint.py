@@ -113,14 +113,14 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: LearnerState,
             torch.save(scheduler.state_dict(), os.path.join(tmp_dir, SCHEDULER_FILE))
             if critic is not None:
                 torch.save(critic.scheduler.state_dict(), os.path.join(tmp_dir, CRITIC_SCHEDULER_FILE))
-        except OSError as err:
+        except (OSError, RuntimeError) as err:  # torch.save's zip writer says RuntimeError when the disk fills
             failed = err
     # every rank meets here (the temporary directory exists, empty of stale files, before any rank writes into
     # it), and learns whether rank 0 could write at all
     _agree_written(failed, tmp_dir)
     try:
         torch.save(capture_rng_state(), os.path.join(tmp_dir, f"rng-rank{rank}.pt"))
-    except OSError as err:
+    except (OSError, RuntimeError) as err:
         failed = err
     _agree_written(failed, tmp_dir)
     state = checkpoint_state(model, optimizer, critic)
@@ -136,10 +136,15 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: LearnerState,
         try:
             with quiet_single_process_dcp():
                 dcp.save(state, checkpoint_id=dcp_dir, no_dist=not _distributed())
-        except (OSError, dcp.api.CheckpointException) as err:  # DCP raises the same on every rank
+        except (OSError, RuntimeError, dcp.api.CheckpointException) as err:  # DCP raises the same on every rank
+            causes = [exc for exc, _ in err.failures.values()] if isinstance(err, dcp.api.CheckpointException) else [err]
+            # what a full disk raises depends on where the write stopped (OSError, or torch's zip writer's
+            # RuntimeError); a SIGTERM's SystemExit or a Ctrl-C caught by DCP's writer on its way must go on up
+            stop = next((exc for exc in causes if not isinstance(exc, Exception)), None)
             _discard(tmp_dir)
-            cause = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-            raise CheckpointWriteFailed(f"could not write checkpoint {final_dir}: {cause}") from None
+            if stop is not None:
+                raise stop
+            raise CheckpointWriteFailed(f"could not write checkpoint {final_dir}: {causes[0]!r}") from None
         _finalize(tmp_dir, final_dir, root, meta, keep_last)
     return final_dir
 
@@ -150,7 +155,7 @@ class CheckpointWriteFailed(RuntimeError):
     again at the next checkpoint: the last complete one is still the one a restart resumes from."""
 
 
-def _agree_written(failed: OSError | None, tmp_dir: str) -> None:
+def _agree_written(failed: Exception | None, tmp_dir: str) -> None:
     """A meeting of every rank that also tells each whether any rank failed to write (a max over a gloo group, as
     the background saves use: NCCL would want a device tensor); on a failure every rank raises
     CheckpointWriteFailed, so none is left waiting in a collective the others skipped."""

@@ -198,3 +198,23 @@ except CheckpointWriteFailed as err:
     assert out.returncode == 0 and "FAILED: could not write checkpoint" in out.stdout, out.stdout + out.stderr
     assert sorted(os.listdir(tmp_path)) == ["step-00000001"]
     assert latest_checkpoint(str(tmp_path)).endswith("step-00000001")
+
+
+def test_a_sigterm_inside_the_write_still_stops_the_learner(tmp_path, monkeypatch):
+    """DCP catches whatever its writer raises, SIGTERM's SystemExit included, and raises a CheckpointException:
+    only an Exception (a full disk raises OSError or torch's RuntimeError) may become CheckpointWriteFailed (trained
+    through); SystemExit and KeyboardInterrupt go on up as themselves,
+    or a learner told to stop mid-save would train on (found by the soak)."""
+    import torch.distributed.checkpoint as dcp
+
+    from asyncrl.learner import checkpoint
+
+    model, optimizer, scheduler = build_training()
+
+    def interrupted(*args, **kwargs):
+        raise dcp.api.CheckpointException("save", {0: (SystemExit(143), None)})
+
+    monkeypatch.setattr(checkpoint.dcp, "save", interrupted)
+    with pytest.raises(SystemExit):
+        save_checkpoint(str(tmp_path), model, optimizer, scheduler, LearnerState(version=1), keep_last=2)
+    assert os.listdir(tmp_path) == []
