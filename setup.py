@@ -86,8 +86,9 @@ setup(
         "deepspeed": ["deepspeed==0.19.8"],
         # data.source=reasoning_gym: procedurally generated tasks with their own verifiers
         "reasoning": ["reasoning-gym==0.1.25"],
-        # bench/time_to_reward.py's peer (bench/trl_grpo.py); nothing outside bench/ imports it
-        "bench": ["trl==1.16.0"],
+        # bench/time_to_reward.py's peer (bench/trl_grpo.py); nothing outside bench/ imports it. py-spy: the soak
+        # dumps every process's stacks when a step hangs (bench/soak/monitor.py)
+        "bench": ["trl==1.16.0", "py-spy==0.4.3"],
         # agent harnesses run unmodified as agent.path (examples/openai_agents_sdk, examples/langgraph,
         # examples/verifiers); nothing in the package imports them. verifiers holds openai below 3 and mcp at 2.0.0
         # (the endpoint and mcp_tools.py are tested with both); its renderers[multimodal] drags in the CUDA torch

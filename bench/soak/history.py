@@ -12,8 +12,9 @@ What it reads, from the job directory:
 
 The invariants (each a list of violations; the history holds when all are empty):
 - **exactly once**: over the effective timeline, every prompt of every completed epoch was trained once: with E
-  epochs completed (trained groups // prompts), no prompt of the data was trained fewer than E times (lost) or more
-  than E + 1 times (duplicated), and no trained prompt is foreign to the data. Prompts the generators' filter
+  epochs completed (trained groups // prompts), no prompt of the data was trained fewer than E times (lost; one
+  short is allowed for as many prompts as were still dealt out when the job stopped, `data/out` of its last
+  progress row) or more than E + 1 times (duplicated), and no trained prompt is foreign to the data. Prompts the generators' filter
   dropped (dynamic sampling) are consumed without being trained: give them as `consumed_elsewhere`, or run the soak
   with the filter off.
 - **bounded staleness**: no trained group's staleness exceeds η.
@@ -31,6 +32,9 @@ from dataclasses import asdict, dataclass, field
 
 
 def read_jsonl(path: str) -> list:
+    """The rows of a JSON-lines file; none when it does not exist (a job that never trained a step)."""
+    if not os.path.exists(path):
+        return []
     with open(path) as handle:
         return [json.loads(line) for line in handle if line.strip()]
 
@@ -66,21 +70,25 @@ def step_gaps(rows: list) -> list:
             if after["step"] > before["step"] + 1]
 
 
-def prompt_violations(timeline: dict, data: list, consumed_elsewhere: Counter) -> dict:
+def prompt_violations(timeline: dict, data: list, consumed_elsewhere: Counter, out_at_end: int) -> dict:
     """Exactly once over the timeline: (completed epochs, lost, duplicated, foreign), each prompt named with its
-    count."""
+    count. A job stopped mid-epoch has prompts dealt and not yet trained (`out_at_end`, the dealer's `data/out` in
+    its last row): those may be one training behind the completed epochs, no more, and no more of them than were
+    out."""
     counts = Counter(prompt for row in timeline.values() for prompt in row["prompts"]) + consumed_elsewhere
     known = set(data)
     epochs = sum(counts[prompt] for prompt in known) // len(known) if known else 0
-    return {"epochs": epochs,
-            "lost": sorted(f"{p} x{counts[p]}" for p in known if counts[p] < epochs),
+    behind = [p for p in known if counts[p] == epochs - 1]
+    lost = [p for p in known if counts[p] < epochs - 1] + (behind if len(behind) > out_at_end else [])
+    return {"epochs": epochs, "lost": sorted(f"{p} x{counts[p]}" for p in lost),
             "duplicated": sorted(f"{p} x{counts[p]}" for p in known if counts[p] > epochs + 1),
             "foreign": sorted(f"{p} x{c}" for p, c in counts.items() if p not in known)}
 
 
-def group_violations(timeline: dict, max_staleness: int, hostile: set) -> tuple[list, list, bool]:
-    """(stale groups, hostile groups trained, whether the rows record generators and staleness at all)."""
-    stale, hostile_trained, recorded = [], [], True
+def group_violations(timeline: dict, max_staleness: int, hostile: set, liar: str) -> tuple[list, list, int, bool]:
+    """(stale groups, hostile groups trained, the liar's groups trained, whether the rows record generators and
+    staleness at all)."""
+    stale, hostile_trained, liar_trained, recorded = [], [], 0, True
     for step, row in timeline.items():
         if "staleness" not in row or "generators" not in row:
             recorded = False
@@ -90,7 +98,8 @@ def group_violations(timeline: dict, max_staleness: int, hostile: set) -> tuple[
                 stale.append(f"step {step}: group {group} from {generator} at staleness {staleness} > {max_staleness}")
             if generator in hostile:
                 hostile_trained.append(f"step {step}: group {group} from hostile generator {generator}")
-    return stale, hostile_trained, recorded
+            liar_trained += generator == liar
+    return stale, hostile_trained, liar_trained, recorded
 
 
 def mean_reward(rows: list) -> float | None:
@@ -112,11 +121,16 @@ class HistoryReport:
     gaps: list = field(default_factory=list)
     reward_before: float | None = None
     reward_after: float | None = None
+    liar_trained: int = 0
+    """Groups trained from the generator named the liar (plausible groups with made-up logprobs: trained until its
+    quarantine, so the soak bounds them rather than forbidding them)."""
     groups_recorded: bool = True
     """False when trained_groups.jsonl lacks generators and staleness (a job from before they were recorded): the
     staleness and hostile checks then had nothing to read, which is a failure, not a pass."""
 
     def problems(self) -> list:
+        if not self.steps:
+            return ["no step was trained"]
         problems = [f"{name}: {', '.join(values[:5])}{' ...' if len(values) > 5 else ''} ({len(values)})"
                     for name, values in (("lost", self.lost), ("duplicated", self.duplicated),
                                          ("foreign", self.foreign), ("stale", self.stale),
@@ -130,19 +144,20 @@ class HistoryReport:
 
 
 def check_history(groups_rows: list, progress_rows: list, data: list, max_staleness: int, hostile=(),
-                  consumed_elsewhere: Counter | None = None, window: int = 20) -> HistoryReport:
+                  consumed_elsewhere: Counter | None = None, window: int = 20, liar: str = "") -> HistoryReport:
     """The invariants of the module docstring over a job's records (rows of trained_groups.jsonl and of
     progress.jsonl, in file order) and its data's prompt ids."""
     timeline = effective_timeline(groups_rows)
-    prompts = prompt_violations(timeline, data, consumed_elsewhere or Counter())
-    stale, hostile_trained, recorded = group_violations(timeline, max_staleness, set(hostile))
     progress = list(effective_timeline(progress_rows).values())
+    out_at_end = int(progress[-1].get("data/out", 0)) if progress else 0
+    prompts = prompt_violations(timeline, data, consumed_elsewhere or Counter(), out_at_end)
+    stale, hostile_trained, liar_trained, recorded = group_violations(timeline, max_staleness, set(hostile), liar)
     return HistoryReport(steps=len(timeline), lives=learner_lives(groups_rows),
                          groups=sum(len(row["groups"]) for row in timeline.values()), epochs=prompts["epochs"],
                          lost=prompts["lost"], duplicated=prompts["duplicated"], foreign=prompts["foreign"],
                          stale=stale, hostile_trained=hostile_trained, gaps=step_gaps(groups_rows),
                          reward_before=mean_reward(progress[:window]), reward_after=mean_reward(progress[-window:]),
-                         groups_recorded=recorded)
+                         liar_trained=liar_trained, groups_recorded=recorded)
 
 
 def data_prompt_ids(files: list) -> list:

@@ -57,3 +57,14 @@ def test_records_without_generators_or_staleness_fail_rather_than_pass():
     groups = [{"step": 1, "groups": ["g"], "prompts": [DATA[0]]}]
     report = check_history(groups, progress([0.1, 0.2]), DATA[:1], max_staleness=1, window=1)
     assert not report.groups_recorded and any("could not run" in p for p in report.problems())
+
+
+def test_a_prompt_still_out_when_the_job_stopped_may_be_one_training_behind():
+    """Three epochs' worth trained (d:0 already into its fourth), but d:3's third deal was out when the job
+    stopped (data/out 1): one behind is allowed for as many prompts as were out, not more."""
+    groups = [row(1, DATA[:2]), row(2, DATA[2:]), row(3, DATA[:2]), row(4, DATA[2:]), row(5, DATA[:3]),
+              row(6, DATA[:1])]
+    out = [{"step": 1, "reward/sampled_mean": 0.1}, {"step": 6, "reward/sampled_mean": 0.5, "data/out": 1}]
+    assert check_history(groups, out, DATA, max_staleness=1, window=1).problems() == []
+    stopped = [out[0], {**out[1], "data/out": 0}]
+    assert check_history(groups, stopped, DATA, max_staleness=1, window=1).lost == ["d.parquet:3 x2"]
