@@ -18,11 +18,12 @@ pytestmark = pytest.mark.slow
 def test_the_soak_short_tier_holds_under_every_fault_on_zmq(tmp_path, demo_cache):
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("the soak needs root and iproute2 (network namespaces, a tmpfs): CI has both")
-    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.soak.run", "--tier", "short", "--minutes", "2",
-                          "--generators", "2", "--work", str(tmp_path / "soak"), "--faults", "stop_generator=0",
-                          "slow_link=0", "kill_during_load=0", "kill_generator=1", "kill_learner=1", "partition=1",
-                          "full_disk=1", "hostile=1", f"demo.cache_dir={demo_cache}"],
+    out = subprocess.run([sys.executable, "-m", "asyncrl.bench.soak.run", f"demo.cache_dir={demo_cache}", "--tier",
+                          "short", "--minutes", "2", "--generators", "2", "--work", str(tmp_path / "soak"),
+                          "--faults", "stop_generator=0", "slow_link=0", "kill_during_load=0", "kill_generator=1",
+                          "kill_learner=1", "partition=1", "full_disk=1", "hostile=1"],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.stdout.strip(), out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert out.returncode == 0 and result["ok"], out.stdout[-3000:] + out.stderr[-3000:]
     assert result["faults"] == {"kill_generator": 1, "kill_learner": 1, "partition": 1, "full_disk": 1, "hostile": 1}
