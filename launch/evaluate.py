@@ -85,12 +85,15 @@ def episode_runner(cfg, engine, tokenizer):
     """The runner a generator of this job plays episodes with (agents/build.py), its rollout settings the
     evaluation's: an agent's endpoint samples with the rollout section it is built from, not with the sampling
     each episode is handed, so the evaluation's temperature, no top-k or top-p, and its max tokens go there too."""
-    from dataclasses import replace
+    import copy
 
     from asyncrl.generator.agents.build import build_episode_runner
 
-    rollout = replace(cfg.rollout, temperature=cfg.eval.temperature, top_p=1.0, top_k=-1,
-                      max_tokens=eval_max_tokens(cfg))
+    # a copy with the evaluation's sampling set field by field: the rollout section's own check refuses T = 0
+    # (training needs the logprobs greedy decoding does not give), and a greedy evaluation is exactly T = 0
+    rollout = copy.copy(cfg.rollout)
+    rollout.temperature, rollout.top_p, rollout.top_k = cfg.eval.temperature, 1.0, -1
+    rollout.max_tokens = eval_max_tokens(cfg)
     return build_episode_runner(cfg.tools, cfg.env, cfg.agent, rollout, max_model_len=cfg.generator.max_model_len,
                                 max_prompt_tokens=cfg.data.max_prompt_tokens,
                                 tool_workers=cfg.generator.tool_workers, engine=engine, tokenizer=tokenizer)

@@ -65,3 +65,10 @@ def test_tool_demo_runs_episodes_with_the_calculator(tmp_path):
     # and an episode that called it answered after the result, so episodes average more than one model turn
     assert 0 < metrics["eval/all/tool_use"] <= 1 and 1 < metrics["eval/all/turns/mean"] <= 3
     assert metrics["eval/episodes_too_long"] == 0.0
+    # greedy (T = 0, what the suite's judge runs first): the rollout section refuses T = 0 for training, not here
+    out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "eval", "--config", "tools_cpu.yaml",
+                          *overrides, "eval.n=1", "eval.k_values=[1]", "eval.temperature=0", "--checkpoint",
+                          model_dir, "--files", str(tmp_path / "held_out.parquet")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["eval/all/prompts"] == 6.0
