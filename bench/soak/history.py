@@ -11,12 +11,15 @@ What it reads, from the job directory:
 - the training files, for the prompts an epoch must cover.
 
 The invariants (each a list of violations; the history holds when all are empty):
-- **exactly once**: over the effective timeline, every prompt of every completed epoch was trained once: with E
-  epochs completed (trained groups // prompts), no prompt of the data was trained fewer than E times (lost; one
-  short is allowed for as many prompts as were still dealt out when the job stopped, `data/out` of its last
-  progress row) or more than E + 1 times (duplicated), and no trained prompt is foreign to the data. Prompts the generators' filter
-  dropped (dynamic sampling) are consumed without being trained: give them as `consumed_elsewhere`, or run the soak
-  with the filter off.
+- **exactly once**: over the effective timeline, no prompt was trained more often than the dealer dealt it, nor
+  left behind. The dealer's cursor when the job stopped (`data/epoch` of its last progress row, C) says how often
+  it dealt each prompt: floor(C) or ceil(C) times. So a prompt trained more than ceil(C) times is duplicated, and
+  one trained fewer than floor(C) - 1 times is lost: a prompt may be one short for a deal still out (held by a
+  generator, waiting in the buffer, or given back and not yet dealt again), and the dealer deals a lapped prompt
+  anew rather than waiting for its old deal, so that deal costs one training whatever its age. A prompt lost in
+  the last lap therefore reads as still out; every earlier loss is caught. No trained prompt may be foreign to the
+  data. Prompts the generators' filter dropped (dynamic sampling) are consumed without being trained: give them
+  as `consumed_elsewhere`, or run the soak with the filter off.
 - **bounded staleness**: no trained group's staleness exceeds η.
 - **steps move forward**: within a life the steps are consecutive (a gap is a trained step with no record); a
   resumed life starts at or before the previous life's last step (from its checkpoint), never past it.
@@ -25,6 +28,7 @@ The invariants (each a list of violations; the history holds when all are empty)
 """
 import argparse
 import json
+import math
 import os
 import sys
 from collections import Counter
@@ -70,18 +74,19 @@ def step_gaps(rows: list) -> list:
             if after["step"] > before["step"] + 1]
 
 
-def prompt_violations(timeline: dict, data: list, consumed_elsewhere: Counter, out_at_end: int) -> dict:
-    """Exactly once over the timeline: (completed epochs, lost, duplicated, foreign), each prompt named with its
-    count. A job stopped mid-epoch has prompts dealt and not yet trained (`out_at_end`, the dealer's `data/out` in
-    its last row): those may be one training behind the completed epochs, no more, and no more of them than were
-    out."""
+def prompt_violations(timeline: dict, data: list, consumed_elsewhere: Counter, cursor: float | None) -> dict:
+    """Exactly once over the timeline (the module docstring): (epochs completed, lost, duplicated, foreign), each
+    prompt named with its count. `cursor` is the dealer's `data/epoch` when the job stopped; without one (a job
+    that logged none), the epochs the trained prompts cover stand in for it, which reads a job stopped with many
+    prompts out as fewer epochs than it dealt."""
     counts = Counter(prompt for row in timeline.values() for prompt in row["prompts"]) + consumed_elsewhere
     known = set(data)
-    epochs = sum(counts[prompt] for prompt in known) // len(known) if known else 0
-    behind = [p for p in known if counts[p] == epochs - 1]
-    lost = [p for p in known if counts[p] < epochs - 1] + (behind if len(behind) > out_at_end else [])
-    return {"epochs": epochs, "lost": sorted(f"{p} x{counts[p]}" for p in lost),
-            "duplicated": sorted(f"{p} x{counts[p]}" for p in known if counts[p] > epochs + 1),
+    if cursor is None:
+        cursor = sum(counts[prompt] for prompt in known) / len(known) if known else 0.0
+    dealt_most, dealt_least = math.ceil(cursor), math.floor(cursor)
+    return {"epochs": dealt_least,
+            "lost": sorted(f"{p} x{counts[p]}" for p in known if counts[p] < dealt_least - 1),
+            "duplicated": sorted(f"{p} x{counts[p]}" for p in known if counts[p] > dealt_most),
             "foreign": sorted(f"{p} x{c}" for p, c in counts.items() if p not in known)}
 
 
@@ -149,8 +154,8 @@ def check_history(groups_rows: list, progress_rows: list, data: list, max_stalen
     progress.jsonl, in file order) and its data's prompt ids."""
     timeline = effective_timeline(groups_rows)
     progress = list(effective_timeline(progress_rows).values())
-    out_at_end = int(progress[-1].get("data/out", 0)) if progress else 0
-    prompts = prompt_violations(timeline, data, consumed_elsewhere or Counter(), out_at_end)
+    cursor = progress[-1].get("data/epoch") if progress else None
+    prompts = prompt_violations(timeline, data, consumed_elsewhere or Counter(), cursor)
     stale, hostile_trained, liar_trained, recorded = group_violations(timeline, max_staleness, set(hostile), liar)
     return HistoryReport(steps=len(timeline), lives=learner_lives(groups_rows),
                          groups=sum(len(row["groups"]) for row in timeline.values()), epochs=prompts["epochs"],
@@ -180,7 +185,7 @@ def main(argv=None) -> int:
                            args.eta, args.hostile, window=args.window)
     problems = report.problems()
     print(f"{report.steps} steps over {len(report.lives)} learner lives {report.lives}, {report.groups} groups, "
-          f"{report.epochs} epochs completed; reward {report.reward_before} -> {report.reward_after}")
+          f"{report.epochs} epochs dealt; reward {report.reward_before} -> {report.reward_after}")
     print("\n".join(problems) if problems else "the history holds")
     print(json.dumps({"bench": "soak_history", "ok": not problems, "problems": problems, **asdict(report)}))
     return 0 if not problems else 1
