@@ -2,8 +2,9 @@
 bridge, all of it on this machine (no address outside it), so a fault can cut or slow one generator's link and no
 other's.
 
-Layout: a bridge in the root namespace holds BRIDGE_ADDRESS (the learner binds its buffer there, redis-server too);
-generator i's namespace has the address 10.231.0.(10+i) on its end of a veth pair whose other end is a port of the
+Layout: a bridge in the root namespace holds the subnet's .1 (the learner binds its buffer there, redis-server too;
+SUBNET unless told another, so that two soaks can run side by side); generator i's namespace has the subnet's
+.(10+i) on its end of a veth pair whose other end is a port of the
 bridge. A partition sets that root-side end down (packets are dropped, connections are not reset: what a pulled cable
 or a dead switch port does); a slow link puts a token-bucket filter on it (`tc qdisc ... tbf`: the rate caps what
 crosses, and the queue adds latency). netem, the usual tool for added delay, is not in every kernel (this machine's
@@ -16,7 +17,7 @@ import subprocess
 from dataclasses import dataclass
 
 SUBNET = "10.231.0"
-BRIDGE_ADDRESS = f"{SUBNET}.1"
+"""The first three octets of the soak's private /24 (RFC 1918), unless the soak is given another (--subnet)."""
 
 
 class NetworkError(RuntimeError):
@@ -44,15 +45,17 @@ class GeneratorLink:
 class SoakNetwork:
     """The bridge and one namespace per generator, made by `up()` and removed by `down()`."""
 
-    def __init__(self, tag: str, generators: list):
-        self.tag, self.generators = tag, list(generators)
+    def __init__(self, tag: str, generators: list, subnet: str = SUBNET):
+        self.tag, self.generators, self.subnet = tag, list(generators), subnet
+        self.address = f"{subnet}.1"
+        """The bridge's address, where the learner (and redis-server) listen."""
         self.bridge = f"ar{tag}br"[:15]
         self.links: dict = {}
 
     def up(self) -> None:
         try:
             ip("link", "add", self.bridge, "type", "bridge")
-            ip("addr", "add", f"{BRIDGE_ADDRESS}/24", "dev", self.bridge)
+            ip("addr", "add", f"{self.address}/24", "dev", self.bridge)
             ip("link", "set", self.bridge, "up")
             for index, generator in enumerate(self.generators):
                 self.links[generator] = self._join(index)
@@ -62,7 +65,7 @@ class SoakNetwork:
 
     def _join(self, index: int) -> GeneratorLink:
         namespace, outer, inner = f"asyncrl-{self.tag}-{index}", f"ar{self.tag}o{index}"[:15], f"ar{self.tag}i{index}"[:15]
-        address = f"{SUBNET}.{10 + index}"
+        address = f"{self.subnet}.{10 + index}"
         ip("netns", "add", namespace)
         ip("link", "add", outer, "type", "veth", "peer", "name", inner)
         ip("link", "set", inner, "netns", namespace)

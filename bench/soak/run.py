@@ -29,7 +29,7 @@ import uuid
 
 from asyncrl.bench.soak import history, schedule
 from asyncrl.bench.soak.monitor import ProcessMonitor, dump_stacks
-from asyncrl.bench.soak.network import BRIDGE_ADDRESS, SoakNetwork
+from asyncrl.bench.soak.network import SUBNET, SoakNetwork
 from asyncrl.bench.soak.rogue import LIAR_KIND
 
 STOP_BOUND_S = 15.0
@@ -432,11 +432,11 @@ def soak(args) -> dict:
     args.checkpoints = os.path.join(args.work, "checkpoints")
     mount_tmpfs(args.checkpoints, args.checkpoint_mb)
     generators = [f"gen-{index}" for index in range(args.generators)]
-    network = None if args.no_netns else SoakNetwork(uuid.uuid4().hex[:4], generators)
+    network = None if args.no_netns else SoakNetwork(uuid.uuid4().hex[:4], generators, args.subnet)
     try:
         if network is not None:
             network.up()
-        host = BRIDGE_ADDRESS if network is not None else "127.0.0.1"
+        host = network.address if network is not None else "127.0.0.1"
         env = {**os.environ, "ASYNCRL_JOB_DIR": job_dir, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
                "MLFLOW_TRACKING_URI": f"sqlite:///{args.work}/mlflow.db"}
         job = Job(args.work, [], env, network, ProcessMonitor())
@@ -484,6 +484,8 @@ def main(argv=None) -> int:
     parser.add_argument("--window", type=int, default=20, help="steps averaged for the reward before and after")
     parser.add_argument("--work", default=None)
     parser.add_argument("--no-netns", action="store_true", help="no namespaces: no partition or slow-link faults")
+    parser.add_argument("--subnet", default=SUBNET, help="the private /24 of the namespaces, as its first three "
+                                                         "octets (another for a second soak beside this one)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     args.minutes = args.minutes or TIERS[args.tier]["minutes"]
