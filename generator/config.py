@@ -127,7 +127,9 @@ class GeneratorConfig:
     vllm: VllmConfig = field(default_factory=VllmConfig)
     """engine=vllm only: placement and compilation of the vLLM engine (generator.vllm.*)."""
     connect_timeout_s: float = 600.0
-    """How long a generator waits for the learner to appear, in seconds (it may be started first)."""
+    """How long a generator waits for the learner to answer, in seconds: at start (it may be started first), and
+    whenever the learner stops answering mid-job (killed and resuming from its checkpoint), rather than exit at
+    the first unanswered request (buffer.request_timeout_s). Past it, the generator exits with an error."""
     seed: Optional[int] = None
     """Base seed for sampling and prompt order (None: job.seed); each generator offsets it by a stable hash of its
     generator_id, so generators with fixed ids (as `asyncrl run` names them) sample the same in every run."""

@@ -166,7 +166,8 @@ async def build_rollout(cfg, client, hello: HelloReply, generator_id: str, built
         client, engine, prompts, scorer, tokenizer, cfg.rollout, cfg.generator.max_inflight_groups, generator_id,
         reward_shaping=cfg.reward, on_stats=(lambda m: metrics_log.log(m, step=engine.version)) if metrics_log else None,
         stats_every_s=cfg.generator.log_every_s, stage=stage, drop_zero_variance=cfg.algo.dynamic_sampling,
-        episodes=episodes)
+        episodes=episodes, rejoin=lambda: wait_for_learner(client, shared_hash(cfg), cfg.generator.connect_timeout_s,
+                                                           say))
 
 
 async def start_scorer(reward, gen, data_sources, generator_id: str, built: contextlib.AsyncExitStack,

@@ -6,7 +6,8 @@ score one group (generator/sampling.py) -> send it. It talks to the learner only
 `interface.GeneratorBuffer` (either backend), whose typed replies it reads. It waits on: admission
 (generator/admission.py: every waiting worker's in one request, polled with backoff while the learner says no),
 weight loads, and the learner's replies (each bounded by a timeout). It stops when the learner says the job is done
-(buffer/done.py), or fails when the learner is gone.
+(buffer/done.py). When the learner stops answering, its workers wait together for it to answer again (a learner
+resuming from its checkpoint), and the loop fails only when it does not within the generator's patience.
 """
 import asyncio
 import logging
@@ -17,7 +18,7 @@ import numpy as np
 from asyncrl.buffer.codec import encode_group
 from asyncrl.buffer.done import BYE_TIMEOUT_S, JobEnd
 from asyncrl.buffer.group import Group
-from asyncrl.buffer.interface import EvalTask, Status
+from asyncrl.buffer.interface import EvalTask, LearnerUnavailable, Status
 from asyncrl.data.prompts import decode_prompt
 from asyncrl.generator.admission import AdmissionGate
 from asyncrl.generator.evaluation import eval_sampling, sample_and_score
@@ -49,6 +50,7 @@ class RolloutStats:
         self.filtered_groups = 0  # zero-variance groups dropped here (algo.dynamic_sampling), never sent
         self.skipped_prompts = 0  # prompts whose episode opening was longer than data.max_prompt_tokens
         self.eval_prompts = 0  # held-out prompts sampled for the learner's evaluation rounds
+        self.learner_lost = 0  # times the learner stopped answering and this generator waited for it
         self.episode_counts: list = []  # per episode this window: (turns, tool calls, environment tokens)
         self._episode_means: dict = {}  # of the last window that finished an episode
         self.pushes = None  # generator/weights.py PushedWeights, once the learner pushes to this engine
@@ -68,6 +70,7 @@ class RolloutStats:
             "generator/rejected_groups": float(self.rejected_groups),
             "generator/filtered_groups": float(self.filtered_groups),
             "generator/eval_prompts": float(self.eval_prompts),
+            "generator/learner_lost": float(self.learner_lost),
             "timing/generator/wait_for_weights_s": self.weight_wait_s,
             "timing/generator/idle_frac": idle_fraction(busy - busy_then, now - then),
             **({"reward/mean": float(np.mean(rewards))} if rewards else {}),
@@ -110,7 +113,7 @@ class RolloutStats:
 class RolloutLoop:
     def __init__(self, client, engine, prompts, scorer, tokenizer, rollout_cfg, max_inflight_groups: int,
                  generator_id: str, on_stats=None, stats_every_s: float = 5.0, reward_shaping=None, stage=None,
-                 drop_zero_variance: bool = False, episodes=None):
+                 drop_zero_variance: bool = False, episodes=None, rejoin=None):
         """`prompts`: an endless iterator of PromptRow, or None when the learner deals them (buffer/dealing.py);
         `stage`: weightsync.receiver.WeightStage, verified copies of announced versions; `scorer`:
         generator/rewards/scorer.py RewardScorer; `episodes`: agents/episode.py EpisodeRunner, with tools or an
@@ -137,6 +140,11 @@ class RolloutLoop:
         self.job_end = JobEnd()
         self.admission = AdmissionGate(client, self.note_reply, version_of=lambda: self.engine.version)
         """Every waiting worker's admission in one request, so the grants of a reply are sampled in one batch."""
+        self.rejoin = rejoin
+        """An async callable that says hello until the learner answers (its HelloReply) or the patience runs out
+        (LearnerUnavailable): a worker whose request went unanswered waits on it (`_learner_back`). None: such a
+        worker ends the run."""
+        self._rejoining: asyncio.Task | None = None
 
     @property
     def done(self) -> bool:
@@ -162,7 +170,7 @@ class RolloutLoop:
         finally:
             self.weights.close()
             await self.admission.close()
-            tasks = (reporter, heard_done, *workers)
+            tasks = (reporter, heard_done, *workers, *([self._rejoining] if self._rejoining else []))
             for task in tasks:
                 task.cancel()
             # reaped here, so a worker that failed while another ended the run is not reported as never retrieved
@@ -181,28 +189,60 @@ class RolloutLoop:
 
     async def _worker(self) -> None:
         while not self.done:
-            dealt = await self.admission.take()
-            if isinstance(dealt, EvalTask):
-                await self._evaluate(dealt)
-                continue
-            if dealt is None and self.prompts is None:
-                raise RuntimeError("the learner granted an admission without a prompt, but it deals the prompts "
-                                   "(the learner and this generator run different asyncrl versions?)")
-            row = dealt if dealt is not None else next(self.prompts)
-            deals = [row.deal_id] if row.deal_id is not None else None
-            await self.weights.ensure_latest()
-            with self.stats.busy:  # sampling and scoring: the generator's work; the rest is waiting
-                group = await self.sampler.sample(row)
-            if group is None:  # nothing to send for this prompt: its admission goes back at once
-                self.note_reply(await self.client.release(1, deals=deals, outcome="skipped"))
-                continue
-            if self.drop_zero_variance and group.zero_variance():
-                self.stats.filtered_groups += 1  # its rewards are in stats.rewards: reward/mean is the fleet's
-                # and in the release: the learner's reward/sampled_mean counts every group sampled (buffer/sampled.py)
-                self.note_reply(await self.client.release(1, deals=deals, outcome="zero_variance",
-                                                          rewards=group.episode_rewards()))
-                continue
-            await self._send(group)
+            try:
+                await self._one_prompt()
+            except LearnerUnavailable as err:
+                if self.rejoin is None:
+                    raise
+                await self._learner_back(err)
+
+    async def _one_prompt(self) -> None:
+        dealt = await self.admission.take()
+        if isinstance(dealt, EvalTask):
+            await self._evaluate(dealt)
+            return
+        if dealt is None and self.prompts is None:
+            raise RuntimeError("the learner granted an admission without a prompt, but it deals the prompts "
+                               "(the learner and this generator run different asyncrl versions?)")
+        row = dealt if dealt is not None else next(self.prompts)
+        deals = [row.deal_id] if row.deal_id is not None else None
+        await self.weights.ensure_latest()
+        with self.stats.busy:  # sampling and scoring: the generator's work; the rest is waiting
+            group = await self.sampler.sample(row)
+        if group is None:  # nothing to send for this prompt: its admission goes back at once
+            self.note_reply(await self.client.release(1, deals=deals, outcome="skipped"))
+            return
+        if self.drop_zero_variance and group.zero_variance():
+            self.stats.filtered_groups += 1  # its rewards are in stats.rewards: reward/mean is the fleet's
+            # and in the release: the learner's reward/sampled_mean counts every group sampled (buffer/sampled.py)
+            self.note_reply(await self.client.release(1, deals=deals, outcome="zero_variance",
+                                                      rewards=group.episode_rewards()))
+            return
+        await self._send(group)
+
+    async def _learner_back(self, err: LearnerUnavailable) -> None:
+        """Wait, with every other worker, for the learner to answer again (`rejoin`), rather than end the run.
+
+        Why: a learner that is killed and resumed from its checkpoint takes longer than a request's timeout to
+        answer again (its process starts, loads the model and the checkpoint), and every generator would then exit
+        and need restarting, with its engine. Whatever this worker held is left to the learner: a deal of a dead
+        learner life is unknown to the next one, and a deal of a live learner expires after data.deal_timeout_s and
+        is dealt again, so nothing is lost or trained twice. The newest weights are loaded before the next sample,
+        as always (a resumed learner's versions repeat or go back: generator/weights.py follows its new life). One
+        wait is shared by the workers that fail together; it raises LearnerUnavailable when the learner does not
+        answer within the patience (generator.connect_timeout_s), and the run ends as before."""
+        if self._rejoining is None or self._rejoining.done():
+            self._rejoining = asyncio.create_task(self._rejoin_once(err))
+        await asyncio.shield(self._rejoining)
+
+    async def _rejoin_once(self, err: LearnerUnavailable) -> None:
+        self.stats.learner_lost += 1
+        started = time.monotonic()
+        log.warning("generator %s: %s; waiting for it to answer again", self.client.generator_id, err)
+        hello = await self.rejoin()
+        self.note_reply(hello)
+        log.warning("generator %s: the learner answers again after %.1f s%s", self.client.generator_id,
+                    time.monotonic() - started, " and says the job is done" if self.done else "")
 
     async def _evaluate(self, task: EvalTask) -> None:
         """Sample an evaluation prompt with the weights of exactly its round's version (WeightFollower.pinned); a

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from asyncrl.buffer.interface import AdmitReply, Rejections, Status
+from asyncrl.buffer.interface import AdmitReply, HelloReply, LearnerUnavailable, Rejections, SendReply, Status
 from asyncrl.configs.sections import RewardConfig
 from asyncrl.generator.config import RolloutConfig
 from asyncrl.data.prompts import PromptRow
@@ -314,3 +314,72 @@ def test_an_evaluation_prompt_is_sampled_at_its_version_or_given_back():
     assert client.results == [("e1", [1.0], [1]), ("e2", None, None)]  # 9 is right; no overlong shaping
     assert loads == [] and engine.requests == [(0.0, 1)] and loop.weights.pins == {}
     assert loop.stats.eval_prompts == 1
+
+
+class RestartingLearner:
+    """A GeneratorBuffer whose learner is gone from its `gone_at`-th request until `rejoin` is called (a learner
+    killed and resuming from its checkpoint): every request meanwhile raises LearnerUnavailable, as a timed-out one
+    does. It answers "done" once `groups` groups were accepted after it came back."""
+
+    generator_id = "g"
+
+    def __init__(self, gone_at: int, groups: int):
+        self.gone_at, self.groups = gone_at, groups
+        self.requests, self.rejoins, self.sent, self.back = 0, 0, [], False
+
+    def _answer(self):
+        self.requests += 1
+        if self.requests >= self.gone_at and not self.back:
+            raise LearnerUnavailable(f"learner at tcp://127.0.0.1:1 did not answer (request {self.requests})")
+
+    async def admit(self, want=1, version=None):
+        self._answer()
+        await asyncio.sleep(0.001)
+        return AdmitReply(granted=want, done=len([s for s in self.sent if s[1]]) >= self.groups)
+
+    async def send(self, group_id, payload, deal=""):
+        self._answer()
+        self.sent.append((group_id, self.back))
+        return SendReply(accepted=True)
+
+    async def report(self, metrics, timeout_s=None):
+        return Status()
+
+    async def rejoin(self):
+        self.rejoins += 1
+        await asyncio.sleep(0.05)  # the learner resuming
+        self.back = True
+        return HelloReply(weights=announcement(1, publisher="resumed"))
+
+
+def restart_loop(client, rejoin):
+    return RolloutLoop(client=client, engine=ScriptedEngine(), prompts=iter(lambda: PromptRow(
+        prompt_id="p", prompt_ids=[1, 2], data_source="t", ground_truth="9", extra_info={}), None),
+        scorer=InlineScorer(reward_is_nine), tokenizer=DigitTokenizer(), rollout_cfg=RolloutConfig(n=2, max_tokens=4),
+        max_inflight_groups=2, generator_id="g", reward_shaping=RewardConfig(), stats_every_s=3600, rejoin=rejoin)
+
+
+def test_a_generator_waits_for_a_learner_that_stops_answering_and_delivers_to_it_when_it_is_back():
+    """The soak killed a learner whose resume took longer than a request's timeout, and every generator exited
+    (a restart each, engine and all). Now both workers, failing together, wait on one rejoin; the loop then follows
+    the resumed learner's weights and delivers to it until it says the job is done."""
+    client = RestartingLearner(gone_at=4, groups=3)
+    loop = restart_loop(client, client.rejoin)
+    asyncio.run(asyncio.wait_for(loop.run(), timeout=10))
+    assert loop.done and client.rejoins == 1 and loop.stats.learner_lost == 1
+    assert len([sent for sent in client.sent if sent[1]]) >= 3  # delivered after the learner came back
+    assert loop.weights.latest.publisher == "resumed"
+    assert loop.stats.snapshot(0)["generator/learner_lost"] == 1.0
+
+
+def test_a_learner_that_does_not_come_back_within_the_patience_ends_the_run_and_without_rejoin_at_once():
+    client = RestartingLearner(gone_at=2, groups=3)
+
+    async def never_back():
+        await asyncio.sleep(0.01)
+        raise LearnerUnavailable("no learner answered at tcp://127.0.0.1:1 within 0 s")
+
+    with pytest.raises(LearnerUnavailable, match="no learner answered"):
+        asyncio.run(asyncio.wait_for(restart_loop(client, never_back).run(), timeout=10))
+    with pytest.raises(LearnerUnavailable, match="did not answer"):
+        asyncio.run(asyncio.wait_for(restart_loop(RestartingLearner(gone_at=2, groups=3), None).run(), timeout=10))
