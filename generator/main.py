@@ -8,11 +8,10 @@ import contextlib
 import hashlib
 import logging
 import os
-import socket
 
 from asyncrl.buffer.backends import make_generator_buffer
 from asyncrl.buffer.done import BYE_TIMEOUT_S
-from asyncrl.buffer.interface import GeneratorBuffer, GeneratorRefused, HelloReply, LearnerUnavailable, RunInfo
+from asyncrl.buffer.interface import GeneratorBuffer, GeneratorRefused, HelloReply, LearnerUnavailable
 from asyncrl.configs import describe_difference, shared_hash, shared_sections
 from asyncrl.configs.sections import part_seed
 from asyncrl.generator.agents.build import build_episode_runner, wants_episodes
@@ -30,9 +29,9 @@ from asyncrl.generator.rewards.errors import RewardError
 from asyncrl.generator.rewards.functions import check_builtin_rewards, uses_builtin_rewards
 from asyncrl.generator.model_source import resolve_model
 from asyncrl.generator.rollout import RolloutLoop
+from asyncrl.generator.run_metrics import GeneratorRunMetrics
 from asyncrl.generator.rewards.scorer import RewardScorer
 from asyncrl.security.curve import KeysError, client_keys
-from asyncrl.telemetry.system_metrics import start_system_metrics, stop_system_metrics
 from asyncrl.weightsync.catchup import CatchupError
 from asyncrl.weightsync.model_files import ModelFilesError
 from asyncrl.weightsync.receiver import WeightStage
@@ -157,17 +156,21 @@ async def build_rollout(cfg, client, hello: HelloReply, generator_id: str, built
                                         tool_workers=cfg.generator.tool_workers, engine=engine, tokenizer=tokenizer)
         built.push_async_callback(episodes.close)
         await episodes.start()
-    metrics_log = _metrics_logger(info, generator_id)
-    if metrics_log is not None:
-        built.callback(metrics_log.close)
-        built.callback(stop_system_metrics, start_system_metrics(
-            info.tracking_uri, info.mlflow_run_id, generator_id, cfg.telemetry.system_metrics_every_s))
+    run_metrics = GeneratorRunMetrics(generator_id, cfg.telemetry.system_metrics_every_s)
+    built.callback(run_metrics.close)
+    run_metrics.follow(info)
+
+    async def rejoin() -> HelloReply:
+        """The learner stopped answering mid-job: wait for it as at start; a resumed learner names its own run."""
+        reply = await wait_for_learner(client, shared_hash(cfg), cfg.generator.connect_timeout_s, say)
+        run_metrics.follow(reply.run_info)
+        return reply
+
     return RolloutLoop(
         client, engine, prompts, scorer, tokenizer, cfg.rollout, cfg.generator.max_inflight_groups, generator_id,
-        reward_shaping=cfg.reward, on_stats=(lambda m: metrics_log.log(m, step=engine.version)) if metrics_log else None,
+        reward_shaping=cfg.reward, on_stats=lambda metrics: run_metrics.log(metrics, step=engine.version),
         stats_every_s=cfg.generator.log_every_s, stage=stage, drop_zero_variance=cfg.algo.dynamic_sampling,
-        episodes=episodes, rejoin=lambda: wait_for_learner(client, shared_hash(cfg), cfg.generator.connect_timeout_s,
-                                                           say))
+        episodes=episodes, rejoin=rejoin)
 
 
 async def start_scorer(reward, gen, data_sources, generator_id: str, built: contextlib.AsyncExitStack,
@@ -193,24 +196,6 @@ def local_prompts(data, job_seed: int, train_files: list, tokenizer, seed: int, 
     if skipped:
         log.warning("generator %s: skipped %d prompts longer than data.max_prompt_tokens", generator_id, skipped)
     return iterate_prompts(rows, data.shuffle, seed), sorted({row.data_source for row in rows})
-
-
-def _metrics_logger(info: RunInfo, generator_id: str):
-    """The logger into the learner's run, or None when that cannot work: the learner's store is a file on another
-    machine (telemetry.serve is the way), or MLflow does not answer."""
-    from asyncrl.telemetry.mlflow_logger import MetricsLogger, is_local_store
-
-    learner_host = info.host
-    if is_local_store(info.tracking_uri) and learner_host and learner_host != socket.gethostname():
-        log.warning("generator %s: the learner logs to %s, a file on %s; this generator's metrics stay out of the "
-                    "run (start the job with telemetry.serve=true, or set telemetry.tracking_uri to a tracking "
-                    "server)", generator_id, info.tracking_uri, learner_host)
-        return None
-    try:
-        return MetricsLogger(info.tracking_uri, info.mlflow_run_id, prefix=f"{generator_id}/")
-    except Exception as err:  # telemetry must never stop generation
-        log.warning("generator %s: MLflow unavailable (%s); metrics go to the learner only", generator_id, err)
-        return None
 
 
 def run_generator(cfg, say=print) -> int:
