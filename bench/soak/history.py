@@ -8,6 +8,8 @@ What it reads, from the job directory:
   retrains from its checkpoint's step on, so a line whose step does not follow the previous one starts a new life,
   which replaces what the previous life recorded from that step on: the timeline the final model saw.
 - `progress.jsonl`, one line per step and life: the sampled reward, read the same way.
+- the MLflow store the generators report into (each logs `<id>/generator/version`, its engine's weight version, with
+  every report and once more as it stops), when given.
 - the training files, for the prompts an epoch must cover.
 
 The invariants (each a list of violations; the history holds when all are empty):
@@ -24,6 +26,10 @@ The invariants (each a list of violations; the history holds when all are empty)
 - **steps move forward**: within a life the steps are consecutive (a gap is a trained step with no record); a
   resumed life starts at or before the previous life's last step (from its checkpoint), never past it.
 - **no hostile group trained**: no trained group came from a generator named hostile.
+- **generators end on the last version**: each generator's last reported version is the learner's last published
+  one (the version after its last step), or at most η behind it: the learner is stopped first, and a version it
+  published just before reaches only a generator that asks again. A generator stuck on an older version, or on a
+  version of a learner life the timeline replaced (past the last step), fails.
 - **it learned**: the mean sampled reward of the last `window` steps exceeds that of the first `window`.
 """
 import argparse
@@ -107,6 +113,29 @@ def group_violations(timeline: dict, max_staleness: int, hostile: set, liar: str
     return stale, hostile_trained, liar_trained, recorded
 
 
+def generator_final_versions(tracking_uri: str, generators: list) -> dict:
+    """generator id -> the version in its last `<id>/generator/version` report (by time), across every run of the
+    store (a resumed learner opens a run of its own); a generator that never reported is absent."""
+    from mlflow.tracking import MlflowClient
+
+    client, last = MlflowClient(tracking_uri), {}
+    for experiment in client.search_experiments():
+        for run in client.search_runs([experiment.experiment_id]):
+            for generator in generators:
+                for metric in client.get_metric_history(run.info.run_id, f"{generator}/generator/version"):
+                    if generator not in last or metric.timestamp >= last[generator][0]:
+                        last[generator] = (metric.timestamp, int(metric.value))
+    return {generator: version for generator, (_, version) in last.items()}
+
+
+def version_violations(finals: dict, generators: list, last_published: int, max_staleness: int) -> list:
+    """Generators that did not end within η of the learner's last published version, or never reported."""
+    problems = [f"{generator} reported no version" for generator in generators if generator not in finals]
+    return problems + [f"{generator} ended on v{version}, the learner's last published version is v{last_published}"
+                       f" (η {max_staleness})" for generator, version in sorted(finals.items())
+                       if not last_published - max_staleness <= version <= last_published]
+
+
 def mean_reward(rows: list) -> float | None:
     values = [row["reward/sampled_mean"] if "reward/sampled_mean" in row else row["reward/mean"] for row in rows]
     return sum(values) / len(values) if values else None
@@ -129,6 +158,12 @@ class HistoryReport:
     liar_trained: int = 0
     """Groups trained from the generator named the liar (plausible groups with made-up logprobs: trained until its
     quarantine, so the soak bounds them rather than forbidding them)."""
+    last_step: int = 0
+    """The timeline's last step: the version the learner published last."""
+    final_versions: dict = field(default_factory=dict)
+    """generator -> its engine's version when it stopped (empty when the checker was given no MLflow store)."""
+    versions: list = field(default_factory=list)
+    """Generators that did not end within η of the last published version (`version_violations`)."""
     groups_recorded: bool = True
     """False when trained_groups.jsonl lacks generators and staleness (a job from before they were recorded): the
     staleness and hostile checks then had nothing to read, which is a failure, not a pass."""
@@ -139,7 +174,8 @@ class HistoryReport:
         problems = [f"{name}: {', '.join(values[:5])}{' ...' if len(values) > 5 else ''} ({len(values)})"
                     for name, values in (("lost", self.lost), ("duplicated", self.duplicated),
                                          ("foreign", self.foreign), ("stale", self.stale),
-                                         ("hostile trained", self.hostile_trained), ("step gaps", self.gaps))
+                                         ("hostile trained", self.hostile_trained), ("step gaps", self.gaps),
+                                         ("generator versions", self.versions))
                     if values]
         if not self.groups_recorded:
             problems.append("trained_groups.jsonl records no generators or staleness: those checks could not run")
@@ -149,9 +185,11 @@ class HistoryReport:
 
 
 def check_history(groups_rows: list, progress_rows: list, data: list, max_staleness: int, hostile=(),
-                  consumed_elsewhere: Counter | None = None, window: int = 20, liar: str = "") -> HistoryReport:
+                  consumed_elsewhere: Counter | None = None, window: int = 20, liar: str = "",
+                  final_versions: dict | None = None, generators: list = ()) -> HistoryReport:
     """The invariants of the module docstring over a job's records (rows of trained_groups.jsonl and of
-    progress.jsonl, in file order) and its data's prompt ids."""
+    progress.jsonl, in file order), its data's prompt ids and, when given, `generators`' `final_versions`
+    (generator_final_versions)."""
     timeline = effective_timeline(groups_rows)
     progress = list(effective_timeline(progress_rows).values())
     cursor = progress[-1].get("data/epoch") if progress else None
@@ -162,7 +200,10 @@ def check_history(groups_rows: list, progress_rows: list, data: list, max_stalen
                          lost=prompts["lost"], duplicated=prompts["duplicated"], foreign=prompts["foreign"],
                          stale=stale, hostile_trained=hostile_trained, gaps=step_gaps(groups_rows),
                          reward_before=mean_reward(progress[:window]), reward_after=mean_reward(progress[-window:]),
-                         liar_trained=liar_trained, groups_recorded=recorded)
+                         liar_trained=liar_trained, groups_recorded=recorded, last_step=max(timeline, default=0),
+                         final_versions=final_versions or {},
+                         versions=version_violations(final_versions or {}, list(generators), max(timeline, default=0),
+                                                     max_staleness) if generators else [])
 
 
 def data_prompt_ids(files: list) -> list:
@@ -179,10 +220,17 @@ def main(argv=None) -> int:
     parser.add_argument("--eta", type=int, required=True, help="the job's buffer.max_staleness")
     parser.add_argument("--hostile", nargs="*", default=[], help="generator ids whose groups must not be trained")
     parser.add_argument("--window", type=int, default=20, help="steps averaged for the reward before and after")
+    parser.add_argument("--mlflow", default=None, help="the tracking URI the generators reported into")
+    parser.add_argument("--generators", nargs="*", default=[], help="generator ids whose last version to check "
+                                                                   "(with --mlflow)")
     args = parser.parse_args(argv)
+    if args.generators and not args.mlflow:
+        parser.error("--generators needs --mlflow: their versions are read from it")
+    finals = generator_final_versions(args.mlflow, args.generators) if args.generators else None
     report = check_history(read_jsonl(os.path.join(args.job_dir, "trained_groups.jsonl")),
                            read_jsonl(os.path.join(args.job_dir, "progress.jsonl")), data_prompt_ids(args.data),
-                           args.eta, args.hostile, window=args.window)
+                           args.eta, args.hostile, window=args.window, final_versions=finals,
+                           generators=args.generators)
     problems = report.problems()
     print(f"{report.steps} steps over {len(report.lives)} learner lives {report.lives}, {report.groups} groups, "
           f"{report.epochs} epochs dealt; reward {report.reward_before} -> {report.reward_after}")

@@ -296,14 +296,15 @@ def figures(args, report, events: list, watch: StepWatch, monitor: ProcessMonito
         failures = [*failures, f"the liar had {report.liar_trained} groups trained, more than its quarantine "
                                f"window allows ({args.liar_window} per learner life, {allowed} here)"]
     return {"bench": "soak", "backend": args.backend, "minutes": args.minutes, "seed": args.seed,
-            "faults": by_kind, "steps": report.steps, "groups": report.groups, "learner_lives": len(report.lives),
+            "faults": by_kind, "steps": report.steps, "last_step": report.last_step, "groups": report.groups,
+            "learner_lives": len(report.lives),
             "epochs": report.epochs, "prompts_lost": len(report.lost), "prompts_duplicated": len(report.duplicated),
             "stale_trained": len(report.stale), "hostile_sent": len(rogue_records) - len(liar),
             "liar_sent": len(liar), "liar_trained": report.liar_trained,
             "hostile_trained": len(report.hostile_trained), "step_gaps": len(report.gaps),
             "reward_before": report.reward_before, "reward_after": report.reward_after,
             "max_step_s": max(gaps, default=None), "recovery": recovery, "processes": monitor.report(),
-            "generator_stop_s": stop_s, "generator_exits": exits,
+            "generator_stop_s": stop_s, "generator_exits": exits, "generator_final_versions": report.final_versions,
             "problems": report.problems() + failures, "ok": not report.problems() and not failures}
 
 
@@ -321,7 +322,9 @@ def print_figures(result: dict) -> None:
               f"{p['fds_start']} | {p['fds_end']} |")
     print(f"lost {result['prompts_lost']}, duplicated {result['prompts_duplicated']}, hostile trained "
           f"{result['hostile_trained']} of {result['hostile_sent']} sent, the liar's trained {result['liar_trained']} "
-          f"of {result['liar_sent']} sent, stale trained {result['stale_trained']}")
+          f"of {result['liar_sent']} sent, stale trained {result['stale_trained']}; the generators ended on "
+          f"{', '.join(f'{g} v{v}' for g, v in sorted(result['generator_final_versions'].items()))} (last step "
+          f"{result['last_step']})")
     for exit_ in result["generator_exits"]:
         print(f"{exit_['role']} stopped on its own ({exit_['code']}) and was started again: {exit_['last_line']}")
     print("\n".join(result["problems"]) or "the history holds")
@@ -458,7 +461,9 @@ def soak(args) -> dict:
     report = history.check_history(history.read_jsonl(os.path.join(job_dir, "trained_groups.jsonl")),
                                    history.read_jsonl(os.path.join(job_dir, "progress.jsonl")),
                                    history.data_prompt_ids([data]), max_staleness=1, hostile={"rogue"},
-                                   liar="rogue-liar", window=args.window)
+                                   liar="rogue-liar", window=args.window, generators=generators,
+                                   final_versions=history.generator_final_versions(env["MLFLOW_TRACKING_URI"],
+                                                                                   generators))
     args.liar_window = 8  # learner.quarantine_window_groups, the soak's (the default)
     return figures(args, report, events, watch, job.monitor, rogue, failures, job.stop_s, job.exits)
 

@@ -76,3 +76,32 @@ def test_the_dealers_cursor_bounds_each_prompt_however_many_deals_are_out():
     assert check_history(ahead, stopped, DATA, max_staleness=1, window=1).duplicated == ["d.parquet:0 x4"]
     later = [stopped[0], {**stopped[1], "data/epoch": 4.5}]  # d1, d2, d3 dealt 4 times or more, trained twice
     assert check_history(groups, later, DATA, max_staleness=1, window=1).lost == [f"{p} x2" for p in DATA[1:]]
+
+
+def test_each_generator_must_end_within_eta_of_the_last_published_version(tmp_path):
+    """Read from a real MLflow store, as the generators log into it: two learner lives (a run each); gen-0's last
+    report (by time) is v6 of the second life, gen-1's v5, gen-2 stuck on the first life's v9 (past the timeline's
+    last step: a version the resumed learner's timeline replaced)."""
+    from mlflow.tracking import MlflowClient
+
+    from asyncrl.bench.soak.history import generator_final_versions
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("soak")
+    first, second = (client.create_run(experiment).info.run_id for _ in range(2))
+    for run, generator, version, at in [(first, "gen-0", 9, 1000), (first, "gen-2", 9, 1003),
+                                        (second, "gen-0", 3, 2000), (second, "gen-0", 6, 3000),
+                                        (second, "gen-1", 5, 3001), (second, "gen-2", 2, 900)]:
+        client.log_metric(run, f"{generator}/generator/version", version, timestamp=at, step=version)
+    finals = generator_final_versions(uri, ["gen-0", "gen-1", "gen-2", "gen-3"])
+    assert finals == {"gen-0": 6, "gen-1": 5, "gen-2": 9}
+    groups = [row(step, [DATA[step % 4]]) for step in range(1, 7)]
+    report = check_history(groups, progress([0.1] * 3 + [0.5] * 3), DATA, max_staleness=1, window=3,
+                           final_versions=finals, generators=["gen-0", "gen-1", "gen-2", "gen-3"])
+    assert report.last_step == 6 and report.versions == [
+        "gen-3 reported no version", "gen-2 ended on v9, the learner's last published version is v6 (η 1)"]
+    assert any(problem.startswith("generator versions") for problem in report.problems())
+    held = check_history(groups, progress([0.1] * 3 + [0.5] * 3), DATA, max_staleness=1, window=3,
+                         final_versions={"gen-0": 6, "gen-1": 5}, generators=["gen-0", "gen-1"])
+    assert held.versions == []
