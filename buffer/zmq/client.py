@@ -1,7 +1,8 @@
 """The generator's side of the embedded buffer (`interface.GeneratorBuffer`): an asyncio DEALER client with matched
 replies, timeouts and typed replies.
 
-Consumes: replies from the learner. Produces: requests (wire.py). Every request waits at most `timeout_s`; when the
+Consumes: replies from the learner. Produces: requests (wire.py). Every request waits at most `timeout_s`, and no
+longer than the learner's end of the connection stays open (a learner that died is noticed at once); when the
 learner does not answer, the error names its endpoint, so a dead peer never hangs a generator.
 
 Why not `zmq.asyncio`: it wraps every send and recv in its own future and re-polls the socket per call, which
@@ -18,6 +19,7 @@ import uuid
 from collections import deque
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from asyncrl.buffer.dealing import check_deal
 from asyncrl.buffer.eval_rounds import decode_eval_task
@@ -51,8 +53,11 @@ class ZmqBufferClient:
         self._socket.setsockopt(zmq.LINGER, 0)
         secure_client(self._socket, keys)  # keys: security.curve.ClientKeys, or None for plain TCP
         self.curve = keys is not None
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        """Tells when the learner's end of the connection closes (`_drain_monitor`)."""
         self._socket.connect(endpoint)
         self._fd = self._socket.getsockopt(zmq.FD)
+        self._monitor_fd = self._monitor.getsockopt(zmq.FD)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._outbox: deque = deque()  # (op, req, fields, body, reply future) not yet handed to libzmq
         self._flush_scheduled = False
@@ -121,17 +126,23 @@ class ZmqBufferClient:
         try:
             return await reply
         except asyncio.TimeoutError:
-            raise LearnerUnavailable(
-                f"learner at {self.endpoint} did not answer {op!r} within {timeout_s:.0f} s"
-                + (" (with CURVE keys: is the learner using them too, with this generator's public key in its "
-                   "security.keys_dir/clients/?)" if self.curve else "")
-            ) from None
+            raise LearnerUnavailable(f"learner at {self.endpoint} did not answer {op!r} within {timeout_s:.0f} s"
+                                     + self._curve_hint()) from None
+        except ConnectionClosed:
+            raise LearnerUnavailable(f"learner at {self.endpoint} did not answer {op!r}: it closed the connection "
+                                     f"(stopped, restarted, or refused this generator)" + self._curve_hint()) from None
         finally:
             timer.cancel()
             self._pending.pop(req, None)
 
+    def _curve_hint(self) -> str:
+        return (" (with CURVE keys: is the learner using them too, with this generator's public key in its "
+                "security.keys_dir/clients/?)" if self.curve else "")
+
     def close(self) -> None:
         self._detach()
+        self._socket.disable_monitor()
+        self._monitor.close(linger=0)
         self._socket.close(linger=0)
         self._context.term()
 
@@ -142,12 +153,15 @@ class ZmqBufferClient:
         if loop is not self._loop:
             self._detach()
             loop.add_reader(self._fd, self._drain_replies)
+            loop.add_reader(self._monitor_fd, self._drain_monitor)
             self._loop = loop
+            self._drain_monitor()  # events from before this loop (edge-triggered fd: they would not wake it)
         return loop
 
     def _detach(self) -> None:
         if self._loop is not None and not self._loop.is_closed():
             self._loop.remove_reader(self._fd)
+            self._loop.remove_reader(self._monitor_fd)
         self._loop = None
         self._outbox.clear()  # requests of a finished loop: their awaiting coroutines are gone
         self._flush_scheduled = False
@@ -227,6 +241,26 @@ class ZmqBufferClient:
                 if isinstance(result, dict):
                     self._resolve(result.get("req"), {**reply, **result})
 
+    def _drain_monitor(self) -> None:
+        """The learner's end closed (its process died, or it stopped or refused us): every request waiting on it now
+        fails, rather than waiting out its timeout for a reply that cannot come. A learner killed and resumed is
+        thus noticed at once, and the generator says hello to the new one as soon as it listens
+        (generator/rollout.py); libzmq reconnects by itself. A link that merely stops carrying packets closes
+        nothing: that is still the timeout's to find."""
+        closed = False
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            except zmq.ZMQError:
+                return  # the monitor was closed under us
+            closed = closed or event["event"] == zmq.EVENT_DISCONNECTED
+        if closed:
+            for future in list(self._pending.values()):
+                if not future.done():
+                    future.set_exception(ConnectionClosed())
+
     def _resolve(self, req, reply: dict) -> None:
         future = self._pending.get(req)
         if future is not None and not future.done():
@@ -245,6 +279,10 @@ class ZmqBufferClient:
             reply["weights"] = self.weights
         else:
             reply["weights"] = self.weights
+
+
+class ConnectionClosed(Exception):
+    """The learner's end of the connection closed while a request waited (`_drain_monitor`)."""
 
 
 def _expire(reply: asyncio.Future) -> None:

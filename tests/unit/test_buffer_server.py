@@ -128,6 +128,36 @@ def test_a_dead_learner_is_named_in_the_error():
     client.close()
 
 
+def test_a_learner_that_dies_with_requests_waiting_fails_them_at_once_and_the_next_is_answered():
+    """A learner killed while a generator's requests wait on it: its end of the connection closes, and the requests
+    fail at once naming it, not after their 30 s timeout (the soak's generators sat out 30 s per learner kill). The
+    resumed learner, on the same port, answers the next request: libzmq reconnected by itself."""
+    port = free_port()
+    context = zmq.Context()
+    mute = context.socket(zmq.ROUTER)  # a learner that takes requests and never answers, then dies
+    mute.bind(f"tcp://127.0.0.1:{port}")
+    client = ZmqBufferClient(f"tcp://127.0.0.1:{port}", "gen-k", timeout_s=30)
+
+    async def waiting():
+        asyncio.get_running_loop().call_later(0.5, lambda: mute.close(linger=0))
+        return await asyncio.gather(client.admit(1), client.report({"x": 1.0}), return_exceptions=True)
+
+    started = time.monotonic()
+    errors = run(waiting())
+    assert time.monotonic() - started < 5
+    assert all(isinstance(err, LearnerUnavailable) and "closed the connection" in str(err) and str(port) in str(err)
+               for err in errors), errors
+    context.term()
+    resumed = ZmqBufferServer("127.0.0.1", port, Coordinator(1, 2), vocab_size=16, config_hash="h",
+                              max_message_bytes=4096, queue_groups=2, run_info=run_info())
+    resumed.start()
+    try:
+        assert run(client.admit(1)).granted == 1
+    finally:
+        client.close()
+        resumed.close()
+
+
 def test_finished_learner_keeps_serving_until_every_recent_generator_heard_done(server):
     client = ZmqBufferClient(server.endpoint, "late", timeout_s=5)
 
