@@ -118,19 +118,24 @@ class Job:
 
 
 class StepWatch(threading.Thread):
-    """Polls the learner's progress.jsonl: the wall time each step was first seen (for the time from a fault to the
-    next trained step), the longest wait between two, and every process's memory through the monitor."""
+    """Polls the learner's progress.jsonl: the wall time each step's row was first seen (for the time from a fault to
+    the next trained step), the longest wait between two, and every process's memory through the monitor (every
+    `sample_every` polls: a sample walks every process tree)."""
 
-    def __init__(self, job_dir: str, monitor: ProcessMonitor, every_s: float = 1.0):
+    def __init__(self, job_dir: str, monitor: ProcessMonitor, every_s: float = 0.2, sample_every: int = 5):
         super().__init__(daemon=True)
         self.path, self.monitor, self.every_s = os.path.join(job_dir, "progress.jsonl"), monitor, every_s
-        self.seen: list = []  # (monotonic time, step)
+        self.sample_every = sample_every
+        self.seen: list = []  # (monotonic time, step), one per row, in file order
         self.stop_event = threading.Event()
         self.lines = 0
 
     def run(self) -> None:
+        polls = 0
         while not self.stop_event.wait(self.every_s):
-            self.monitor.sample()
+            if polls % self.sample_every == 0:
+                self.monitor.sample()
+            polls += 1
             if not os.path.exists(self.path):
                 continue
             with open(self.path) as handle:
@@ -140,14 +145,23 @@ class StepWatch(threading.Thread):
                     self.seen.append((time.monotonic(), json.loads(line)["step"]))
                     self.lines += 1
 
+    def rows_now(self) -> int:
+        """The rows in the file at this moment (read now, not at the last poll)."""
+        if not os.path.exists(self.path):
+            return 0
+        with open(self.path) as handle:
+            return sum(1 for line in handle if line.endswith("\n"))
+
     def quiet_s(self, since: float) -> float:
         """Seconds since the last step was seen (or since `since`, before the first)."""
         last = self.seen[-1][0] if self.seen else since
         return time.monotonic() - last
 
-    def next_step_after(self, moment: float) -> float | None:
-        later = [seen for seen, _ in self.seen if seen > moment]
-        return later[0] - moment if later else None
+    def next_step_after(self, moment: float, rows_then: int) -> float | None:
+        """Seconds from `moment` to when the first row past the file's first `rows_then` rows was seen: a row
+        written before the fault ended (by a learner just killed, say) but polled after it is not a recovery."""
+        later = [seen for seen, _ in self.seen[rows_then:] if seen > moment]
+        return max(later[0] - moment, 0.0) if later else None
 
 
 def fill(directory: str) -> str:
@@ -201,8 +215,9 @@ class Injector:
         elif fault.kind == "hostile":
             self.rogue.stdin.write(b"burst 4\n")
             self.rogue.stdin.flush()
+        rows = self.watch.rows_now()  # what was written before the fault ended is not its recovery
         self.events.append({"kind": fault.kind, "target": role, "at_s": fault.at_s, "started": started,
-                            "ended": time.monotonic()})
+                            "ended": time.monotonic(), "rows": rows})
 
 
 class RedisServer:
@@ -279,25 +294,28 @@ def mount_tmpfs(path: str, size_mb: int) -> None:
 
 def recovery_figures(events: list, watch: StepWatch) -> list:
     """Per fault: seconds from its end to the next trained step (None: none came)."""
-    return [{**{k: v for k, v in event.items() if k not in ("started", "ended")},
-             "to_next_step_s": watch.next_step_after(event["ended"])} for event in events]
+    return [{**{k: v for k, v in event.items() if k not in ("started", "ended", "rows")},
+             "to_next_step_s": watch.next_step_after(event["ended"], event["rows"])} for event in events]
 
 
 def figures(args, report, events: list, watch: StepWatch, monitor: ProcessMonitor, rogue_records: list,
-            failures: list, stop_s: dict, exits: list) -> dict:
+            failures: list, stop_s: dict, exits: list, learner_lives: int) -> dict:
+    """`learner_lives`: the learner processes the soak started. The history sees fewer when a learner resumed right
+    after the last step its predecessor recorded (its trained rows follow on without going back)."""
     gaps = [b - a for (a, _), (b, _) in zip(watch.seen, watch.seen[1:])]
     recovery = recovery_figures(events, watch)
     by_kind: dict = {}
     for event in events:
         by_kind[event["kind"]] = by_kind.get(event["kind"], 0) + 1
     liar = [group for group in rogue_records if group["kind"] == LIAR_KIND]
-    allowed = args.liar_window * len(report.lives)  # quarantine lasts a learner life; a resumed one judges afresh
+    # a learner resumed from a checkpoint written before the quarantine judges the liar afresh: a window per life
+    allowed = args.liar_window * learner_lives
     if report.liar_trained > allowed:
         failures = [*failures, f"the liar had {report.liar_trained} groups trained, more than its quarantine "
                                f"window allows ({args.liar_window} per learner life, {allowed} here)"]
     return {"bench": "soak", "backend": args.backend, "minutes": args.minutes, "seed": args.seed,
             "faults": by_kind, "steps": report.steps, "last_step": report.last_step, "groups": report.groups,
-            "learner_lives": len(report.lives),
+            "learner_lives": learner_lives, "history_lives": len(report.lives),
             "epochs": report.epochs, "prompts_lost": len(report.lost), "prompts_duplicated": len(report.duplicated),
             "stale_trained": len(report.stale), "hostile_sent": len(rogue_records) - len(liar),
             "liar_sent": len(liar), "liar_trained": report.liar_trained,
@@ -465,7 +483,8 @@ def soak(args) -> dict:
                                    final_versions=history.generator_final_versions(env["MLFLOW_TRACKING_URI"],
                                                                                    generators))
     args.liar_window = 8  # learner.quarantine_window_groups, the soak's (the default)
-    return figures(args, report, events, watch, job.monitor, rogue, failures, job.stop_s, job.exits)
+    return figures(args, report, events, watch, job.monitor, rogue, failures, job.stop_s, job.exits,
+                   job.learner_lives)
 
 
 def parse_fault(text: str) -> tuple:

@@ -52,3 +52,17 @@ def test_the_monitor_samples_a_live_process_and_starts_a_life_per_restart():
     monitor.watch("me", 2 ** 22 + 1)  # a restart whose process is gone before it is sampled
     monitor.sample()
     assert monitor.report()["me"]["lives"] == 2 and monitor.report()["me"]["pid"] == os.getpid()
+
+
+def test_a_row_written_before_a_fault_ended_is_not_its_recovery(tmp_path):
+    """The hour soak read 0.4 s from a learner's kill to its "next step": a row the killed learner wrote just before
+    dying, polled after the fault's end. A recovery is the first row past those in the file when the fault ended."""
+    from asyncrl.bench.soak.monitor import ProcessMonitor
+    from asyncrl.bench.soak.run import StepWatch
+
+    watch = StepWatch(str(tmp_path), ProcessMonitor())
+    (tmp_path / "progress.jsonl").write_text('{"step": 1}\n{"step": 2}\n{"step": 3')  # the last row half-written
+    assert watch.rows_now() == 2
+    watch.seen = [(10.0, 1), (10.4, 2), (25.0, 3)]  # row 2 polled at 10.4, after the fault ended at 10.0
+    assert watch.next_step_after(10.0, rows_then=2) == 15.0
+    assert watch.next_step_after(10.0, rows_then=1) == pytest.approx(0.4) and watch.next_step_after(30.0, rows_then=2) is None
