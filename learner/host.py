@@ -86,8 +86,12 @@ class LearnerHost:
         self.learnable = LearnableWatch(self.buffer.sampled_so_far, cfg.algo.unlearnable_after_groups,
                                         cfg.algo.dynamic_sampling)
         """Stops (or warns about) a job whose first groups all score alike (learner/learnable.py)."""
-        self.trust = GeneratorTrust(cfg.learner.quarantine_abs_diff, cfg.learner.quarantine_window_groups)
-        """Each generator's logprob mismatch, and those quarantined for it (learner/trust.py)."""
+        self.trust = GeneratorTrust(cfg.learner.quarantine_abs_diff, cfg.learner.quarantine_window_groups,
+                                    quarantined=state.quarantined)
+        """Each generator's logprob mismatch, and those quarantined for it (learner/trust.py), the checkpoint's
+        included."""
+        for why in self.trust.quarantined.values():
+            log.warning("learner: still quarantined from before the restart: %s", why)
         self.reward_names = [function.name for function in cfg.reward.functions]
         self.done_grace_s = cfg.buffer.done_grace_s
         if resumed_from is not None:
@@ -114,6 +118,7 @@ class LearnerHost:
 
     def after_step(self, state: LearnerState, groups: list, collected, metrics: dict) -> None:
         """The data cursor the next checkpoint keeps, then the step's metrics and record."""
+        state.quarantined = dict(self.trust.quarantined)
         if self.dealer is not None:
             state.data_cursor = self.dealer.snapshot()  # between steps: every prompt taken so far is trained
             metrics["data/overlong_filtered"] = float(self.overlong_prompts)

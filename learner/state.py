@@ -38,6 +38,8 @@ class LearnerState:
     data_cursor: dict = field(default_factory=dict)
     """The prompt dealer's cursor (buffer/dealing.py `snapshot`): the epoch, how far it was dealt, the prompts to
     deal again; empty for a job without dealt data. Saved and restored like the rest."""
+    quarantined: dict = field(default_factory=dict)
+    """generator id -> why it is quarantined (learner/trust.py): a resumed learner keeps refusing its groups."""
 
     def record_batch(self, groups: list, dropped: dict) -> None:
         """A batch was trained on `groups`; `dropped` (reason -> count) were dropped while assembling it."""
@@ -52,7 +54,7 @@ class LearnerState:
                 "groups_by_generator": dict(self.groups_by_generator), "dropped_total": dict(self.dropped_total),
                 "unacked": list(self.unacked), "kl_coef": self.kl_coef, "skipped_steps": self.skipped_steps,
                 "skipped_in_a_row": self.skipped_in_a_row, "checkpoint_failures": self.checkpoint_failures,
-                "data_cursor": dict(self.data_cursor)}
+                "data_cursor": dict(self.data_cursor), "quarantined": dict(self.quarantined)}
 
     @classmethod
     def from_json(cls, data: dict) -> "LearnerState":
@@ -64,7 +66,8 @@ class LearnerState:
                    kl_coef=data["kl_coef"], skipped_steps=int(data.get("skipped_steps", 0)),
                    skipped_in_a_row=int(data.get("skipped_in_a_row", 0)),
                    checkpoint_failures=int(data.get("checkpoint_failures", 0)),
-                   data_cursor=dict(data["data_cursor"]))
+                   data_cursor=dict(data["data_cursor"]),
+                   quarantined={str(gen): str(why) for gen, why in data.get("quarantined", {}).items()})
 
 
 class AckLedger:

@@ -52,3 +52,20 @@ def test_threshold_zero_never_quarantines_and_bad_values_are_refused():
         LearnerConfig(quarantine_abs_diff=float("nan"))
     with pytest.raises(ValueError, match="learner.quarantine_window_groups"):
         LearnerConfig(quarantine_window_groups=0)
+
+
+def test_a_quarantine_survives_the_checkpoint_and_a_resumed_learner_keeps_refusing():
+    """The hour soak's liar had 22 and 28 of its 32 groups trained over four learner restarts: each resumed learner
+    judged it afresh, with a new window. The quarantine now rides in the checkpoint's learner state."""
+    from asyncrl.learner.state import LearnerState
+
+    trust = GeneratorTrust(threshold_nats=1.0, window_groups=1)
+    assert trust.note(groups_of("liar"), [(40.0, 10)], step=7) == ["liar"]
+    state = LearnerState(version=7, quarantined=dict(trust.quarantined))
+    resumed = GeneratorTrust(threshold_nats=1.0, window_groups=1,
+                             quarantined=LearnerState.from_json(state.to_json()).quarantined)
+    assert resumed.refusal(SimpleNamespace(generator_id="liar")) == trust.quarantined["liar"]
+    assert "at step 7" in resumed.refusal(SimpleNamespace(generator_id="liar"))
+    assert resumed.metrics() == {"learner/quarantined_generators": 1.0}
+    older = {key: value for key, value in state.to_json().items() if key != "quarantined"}  # a checkpoint from before
+    assert LearnerState.from_json(older).quarantined == {}
