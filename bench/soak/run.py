@@ -17,6 +17,7 @@ Usage (as root: namespaces, tmpfs):
         [--faults kind=N ...] [--step-bound-s 120] [--work DIR] [--no-netns] [overrides...]
 """
 import argparse
+import errno
 import json
 import os
 import shutil
@@ -165,11 +166,20 @@ class StepWatch(threading.Thread):
 
 
 def fill(directory: str) -> str:
-    """A file that takes the rest of the filesystem's space (ENOSPC for the next write)."""
+    """A file that takes the rest of the filesystem's space (ENOSPC for the next write). Grown a piece at a time to
+    the brim: one allocation of the free space measured a moment before failed with ENOSPC when the learner wrote
+    in between (the hour soak's driver died of it)."""
     path = os.path.join(directory, "soak-fill")
-    free = shutil.disk_usage(directory).free
+    piece, size = 1 << 20, 0
     with open(path, "wb") as handle:
-        os.posix_fallocate(handle.fileno(), 0, max(free - 4096, 1))
+        while piece >= 4096:
+            try:
+                os.posix_fallocate(handle.fileno(), size, piece)
+                size += piece
+            except OSError as err:
+                if err.errno != errno.ENOSPC:
+                    raise
+                piece //= 2
     return path
 
 

@@ -66,3 +66,29 @@ def test_a_row_written_before_a_fault_ended_is_not_its_recovery(tmp_path):
     watch.seen = [(10.0, 1), (10.4, 2), (25.0, 3)]  # row 2 polled at 10.4, after the fault ended at 10.0
     assert watch.next_step_after(10.0, rows_then=2) == 15.0
     assert watch.next_step_after(10.0, rows_then=1) == pytest.approx(0.4) and watch.next_step_after(30.0, rows_then=2) is None
+
+
+def test_the_full_disk_fault_fills_a_filesystem_to_the_brim_whatever_was_written_meanwhile(tmp_path):
+    """The hour soak's driver died of ENOSPC: it allocated the free space it had measured a moment before, and the
+    learner had written in between. Here a small tmpfs when the test may mount one, else the test's own disk."""
+    import shutil as shell
+    import subprocess
+
+    from asyncrl.bench.soak.run import fill
+
+    mounted = os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(tmp_path)],
+                                                   capture_output=True).returncode == 0
+    if not mounted:
+        pytest.skip("needs root to mount a small tmpfs (CI has it)")
+    try:
+        (tmp_path / "checkpoint").write_bytes(b"x" * (3 << 20))
+        path = fill(str(tmp_path))
+        assert shell.disk_usage(str(tmp_path)).free < 8192
+        with pytest.raises(OSError):
+            with open(tmp_path / "more", "wb") as handle:
+                handle.write(b"y" * (1 << 20))
+                handle.flush()
+                os.fsync(handle.fileno())
+        os.remove(path)
+    finally:
+        subprocess.run(["umount", str(tmp_path)], capture_output=True)
