@@ -80,6 +80,9 @@ setup(
         # flashinfer-python 0.6.x and xgrammar 0.2.1/0.2.7, and older releases older torches)
         "sglang": ["sglang==0.5.23", "flash-attn==2.8.3.post2"],
         "redis": ["redis>=5", "hiredis"],
+        # telemetry.loggers beside MLflow (telemetry/trackers.py, the only importer): TensorBoard event files, W&B
+        # and SwanLab (offline or online, as their own settings say)
+        "trackers": ["tensorboard==2.21.0", "wandb==0.31.0", "swanlab==0.10.3"],
         # `asyncrl ray` (launch/ray_job.py, the only importer); `ray job submit` from a laptop needs ray[default]
         "ray": ["ray==2.60.0"],
         # learner.sp_impl=deepspeed: DeepSpeed's DistributedAttention carries Ulysses (learner/ulysses_deepspeed.py)

@@ -147,22 +147,30 @@ def run_sft_job(cfg, model_path: str, files: list, job_dir: str, parallel: Paral
         tokenizer.save_pretrained(out_dir)
     if logger is not None:
         logger.close("FINISHED")
+        logger.trackers.close("FINISHED")
     return SFTResult(losses, out_dir, val_losses, start)
 
 
 def _mlflow(cfg, parallel: ParallelState, job_dir: str):
-    """The job's MLflow run on rank 0 (as an RL learner's: params, resolved config), or None; telemetry never
-    stops training."""
+    """The job's MLflow run on rank 0 (as an RL learner's: params, resolved config), with telemetry.loggers' other
+    trackers beside it, or None; telemetry never stops training (a tracker whose package is missing stops the job
+    before it starts: the recipe asked for it)."""
     if not parallel.is_main:
         return None
     from asyncrl.telemetry.mlflow_logger import MetricsLogger, create_or_attach_run, resolve_tracking_uri
+    from asyncrl.telemetry.trackers import open_job_trackers
 
+    trackers = open_job_trackers(cfg.telemetry, job_dir, cfg.job.name)
+    config_yaml = to_yaml(cfg)
+    trackers.log_params(flatten(cfg), config_yaml)
     try:
         uri = resolve_tracking_uri(cfg.telemetry.tracking_uri)
-        logger = MetricsLogger(uri, create_or_attach_run(uri, cfg.telemetry.experiment, cfg.job.name))
+        logger = MetricsLogger(uri, create_or_attach_run(uri, cfg.telemetry.experiment, cfg.job.name),
+                               trackers=trackers)
         logger.log_params(flatten(cfg))
-        logger.log_text(to_yaml(cfg), "config/resolved.yaml")
+        logger.log_text(config_yaml, "config/resolved.yaml")
         return logger
     except Exception as err:
         log.warning("sft: MLflow unavailable (%s); the loss goes to the log only", err)
+        trackers.close("FAILED")
         return None

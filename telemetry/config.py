@@ -1,6 +1,9 @@
 """Telemetry settings (stdlib only)."""
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+LOGGERS = ("mlflow", "tensorboard", "wandb", "swanlab")
+"""What telemetry.loggers may name (telemetry/trackers.py); mlflow is always first."""
 
 
 @dataclass
@@ -27,6 +30,15 @@ class TelemetryConfig:
     authentication of its own."""
     serve_port: int = 0
     """Its port; 0: a free one."""
+    loggers: List[str] = field(default_factory=lambda: ["mlflow"])
+    """Where the learner's (and `asyncrl sft`'s) metrics go: mlflow, always first (the job's record), then any of
+    tensorboard, wandb, swanlab (the `trackers` extra), each a copy with the same metric names. Their failures
+    never stop training (telemetry/trackers.py)."""
+    tracker_dir: Optional[str] = None
+    """Where TensorBoard's event files and W&B's and SwanLab's local run folders go; None: the job directory's
+    trackers/."""
+    project: Optional[str] = None
+    """The W&B and SwanLab project; None: telemetry.experiment. Their run is named after job.name, as MLflow's is."""
 
     def __post_init__(self):
         if not self.experiment:
@@ -37,5 +49,18 @@ class TelemetryConfig:
         if self.serve and (self.tracking_uri or "").startswith(("http://", "https://")):
             raise ValueError(f"telemetry.serve starts a tracking server on a local store, and telemetry.tracking_uri "
                              f"is already a server ({self.tracking_uri}): leave telemetry.serve off to log there")
+        check_loggers(list(self.loggers))
         if not 0 <= self.serve_port <= 65535:
             raise ValueError(f"telemetry.serve_port must be a port number (0: a free one), got {self.serve_port}")
+
+
+def check_loggers(loggers: list) -> None:
+    """telemetry.loggers is valid: known names, each once, MLflow first (the job's record cannot be turned off)."""
+    unknown = [name for name in loggers if name not in LOGGERS]
+    if unknown:
+        raise ValueError(f"telemetry.loggers: unknown {unknown}; choose from {list(LOGGERS)}")
+    if len(set(loggers)) != len(loggers):
+        raise ValueError(f"telemetry.loggers names a tracker twice: {loggers}")
+    if not loggers or loggers[0] != "mlflow":
+        raise ValueError(f"telemetry.loggers must start with mlflow (the job's record: generators, plots and `asyncrl "
+                         f"plan --from-run` read it), then any of {list(LOGGERS[1:])}; got {loggers}")

@@ -91,15 +91,17 @@ class MetricsLogger:
     """Consumes metric dicts from any thread; a daemon thread writes them in batches of <= 1000."""
 
     def __init__(self, tracking_uri: str, run_id: str, prefix: str = "", max_pending: int = 1000,
-                 overview: bool = False):
+                 overview: bool = False, trackers=None):
         """`overview`: also log the first charts a person looks for under `RL overview/` (telemetry/overview.py);
-        the learner's logger does."""
+        the learner's logger does. `trackers`: telemetry/trackers.py::Trackers, the other trackers that get a copy
+        of every report (from this logger's thread, after MLflow); their owner closes them."""
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri)
         self.run_id = run_id
         self.prefix = prefix
         self.overview = overview
+        self.trackers = trackers
         self._queue = DropOldestQueue(max_pending)
         self.non_finite = 0  # metric values that were NaN or inf
         self._warned: set = set()  # keys already warned about
@@ -143,6 +145,8 @@ class MetricsLogger:
                 self._warn_non_finite(non_finite, metrics, step)
             for start in range(0, len(batch), 1000):
                 self._write(batch[start : start + 1000])
+            if self.trackers is not None:
+                self.trackers.log({self.prefix + k: float(v) for k, v in metrics.items() if _is_number(v)}, step)
 
     def _warn_non_finite(self, keys: list, metrics: dict, step: int) -> None:
         self.non_finite += len(keys)

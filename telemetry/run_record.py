@@ -17,6 +17,7 @@ from asyncrl.telemetry.plots import PlotPublisher
 from asyncrl.telemetry.progress import ProgressDisplay
 from asyncrl.telemetry.system_metrics import start_system_metrics, stop_system_metrics
 from asyncrl.telemetry.timing import share
+from asyncrl.telemetry.trackers import open_job_trackers
 
 DROP_REASONS = ("stale", "zero_variance", "no_baseline", "empty", "poisoned_step")
 """Why a taken group is not trained: collect_batch's filters (learner/collect.py) and a step it poisoned
@@ -44,9 +45,11 @@ class RunRecord:
         self.job_dir = job_dir
         self.tracking_uri = resolve_tracking_uri(telemetry.tracking_uri)
         self.run_id = create_or_attach_run(self.tracking_uri, telemetry.experiment, job_name)
+        self.trackers = None
         self.metrics_log = MetricsLogger(self.tracking_uri, self.run_id, overview=True)
         self.system_metrics, self.plots, self.progress = None, None, None
         try:
+            self.trackers = self.metrics_log.trackers = open_job_trackers(telemetry, job_dir, job_name)
             self.experiment_id = self.metrics_log.client.get_run(self.run_id).info.experiment_id
             self.system_metrics = start_system_metrics(self.tracking_uri, self.run_id, "learner",
                                                        telemetry.system_metrics_every_s)
@@ -69,6 +72,7 @@ class RunRecord:
         --from-run` reads)."""
         self.metrics_log.log_params(params)
         self.metrics_log.log_text(config_yaml, "config/resolved.yaml")
+        self.trackers.log_params(params, config_yaml)
         with open(os.path.join(self.job_dir, "config.yaml"), "w") as handle:
             handle.write(config_yaml)
 
@@ -123,6 +127,8 @@ class RunRecord:
         stop_system_metrics(self.system_metrics)
         try:
             self.metrics_log.close()  # flushed, so the final plots read every point
+            if self.trackers is not None:
+                self.trackers.close(status)
             if self.plots is not None:
                 self.plots.refresh()
         finally:

@@ -55,14 +55,15 @@ def test_asyncrl_run_trains_logs_to_mlflow_and_respects_eta(tmp_path, demo_asset
 
     port = free_port()
     job_dir = tmp_path / "job"
-    env = {**job_env(tmp_path), "ASYNCRL_JOB_DIR": str(job_dir)}
+    env = {**job_env(tmp_path), "ASYNCRL_JOB_DIR": str(job_dir), "WANDB_MODE": "offline"}
     overrides = common_overrides(demo_cache, port, steps=8)
     cfg = load_config(None, overrides)
     pq.write_table(pq.read_table(heldout_file(cfg.demo, cfg.job.seed)).slice(0, 6), tmp_path / "heldout.parquet")
     evaluation = [f"eval.files=[{tmp_path / 'heldout.parquet'}]", "eval.every_steps=4", "eval.before_train=true",
                   "eval.n=2", "eval.temperature=1.0", "eval.k_values=[1,2]"]
-    # a tracking server on loopback; the plots and system metrics common_overrides turns off
-    telemetry = ["telemetry.serve=true", "telemetry.plots=true", "telemetry.system_metrics_every_s=1"]
+    # a tracking server on loopback; the plots and system metrics common_overrides turns off; the other trackers
+    telemetry = ["telemetry.serve=true", "telemetry.plots=true", "telemetry.system_metrics_every_s=1",
+                 "telemetry.loggers=[mlflow,tensorboard,wandb,swanlab]"]
     proc = subprocess.Popen([sys.executable, "-m", "asyncrl.launch.cli", "run", *overrides, *VLLM_OVERRIDES,
                              *evaluation, *telemetry], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -92,8 +93,25 @@ def test_asyncrl_run_trains_logs_to_mlflow_and_respects_eta(tmp_path, demo_asset
     history = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_metric_history(summary["mlflow_run_id"],
                                                                                  "eval/all/mean_reward")
     assert sorted(point.step for point in history) == [0, 4, 8]  # logged at the version asked for
+    check_the_other_trackers(job_dir / "trackers", cfg.job.name, progress)
     print("evaluation on the fleet:", [(row["step"], round(row["eval/all/mean_reward"], 3), row["eval/lag_steps"])
                                        for row in evals])
+
+
+def check_the_other_trackers(folder, run_name: str, progress: list) -> None:
+    """TensorBoard, W&B (offline) and SwanLab (offline) each hold every step's reward and the overview under
+    MLflow's names, and the evaluations at the steps they evaluated (telemetry.loggers)."""
+    from tests.tracker_files import swanlab_run, tensorboard_run, wandb_run
+
+    rewards = [(row["step"], row["reward/mean"]) for row in progress]
+    tensorboard, _ = tensorboard_run(str(folder / "tensorboard" / run_name))
+    wandb_points, wandb_config, _ = wandb_run(str(folder))
+    swanlab_points, _, finish, _ = swanlab_run(str(folder))
+    assert finish is not None and wandb_config["algo.advantage"] == '"grpo"'
+    for name, points in (("tensorboard", tensorboard), ("wandb", wandb_points), ("swanlab", swanlab_points)):
+        assert [(step, pytest.approx(value)) for step, value in points["reward/mean"]] == rewards, name
+        assert len(points["RL overview/01 reward sampled"]) == len(rewards), name
+        assert [step for step, _ in points["eval/all/mean_reward"]] == [0, 4, 8], name
 
 
 def check_the_run_in_mlflow(tmp_path, summary, progress, out):
