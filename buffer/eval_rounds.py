@@ -45,7 +45,7 @@ class EvalRound:
     deadline: float
     todo: deque = field(default_factory=deque)  # row indexes not dealt (or given back)
     out: dict = field(default_factory=dict)  # deal id -> (row index, holder)
-    results: dict = field(default_factory=dict)  # row index -> (rewards, lengths)
+    results: dict = field(default_factory=dict)  # row index -> (rewards, lengths, texts or None)
 
 
 @dataclass
@@ -53,6 +53,9 @@ class FinishedRound:
     version: int
     results: list
     """(data_source, [reward per sample], [length per sample]) per prompt: telemetry/eval_metrics.py's input."""
+    samples: list = field(default_factory=list)
+    """(prompt row bytes, [completion text per sample], [reward per sample]) per prompt whose generator sent the
+    texts: what the learner's samples/eval table shows."""
 
 
 class EvalRounds:
@@ -106,9 +109,10 @@ class EvalRounds:
                                 round_.max_tokens])
         return out
 
-    def result(self, holder: str, deal_id, rewards, lengths) -> str | None:
+    def result(self, holder: str, deal_id, rewards, lengths, texts=None) -> str | None:
         """A prompt's samples scored: None when accepted, else why refused. `rewards` None gives the prompt back
-        (the generator could not pin the round's version)."""
+        (the generator could not pin the round's version). `texts`, optional: the n completions as text, for the
+        learner's table of the round's samples (checked like the rest: n strings of a plausible length)."""
         with self._lock:
             round_, index = self._find(deal_id, holder)
             if round_ is None:
@@ -119,7 +123,7 @@ class EvalRounds:
             if rewards is None:
                 round_.todo.append(index)
                 return None
-            problem = check_result(rewards, lengths, round_.n, round_.max_tokens)
+            problem = check_result(rewards, lengths, round_.n, round_.max_tokens, texts)
             if problem is not None:
                 self.refused += 1
                 round_.todo.append(index)  # another generator samples it
@@ -127,11 +131,14 @@ class EvalRounds:
             self.last_result_at = self.clock()
             if dealt_at is not None:
                 self.slowest_answer_s = max(self.slowest_answer_s, self.last_result_at - dealt_at)
-            round_.results[index] = ([float(r) for r in rewards], [int(x) for x in lengths])
+            round_.results[index] = ([float(r) for r in rewards], [int(x) for x in lengths], texts)
             if len(round_.results) == len(self.blobs):
                 del self._rounds[round_.version]
-                self._finished.append(FinishedRound(round_.version, [
-                    (self.data_sources[i], *round_.results[i]) for i in sorted(round_.results)]))
+                done = sorted(round_.results)
+                self._finished.append(FinishedRound(
+                    round_.version, [(self.data_sources[i], *round_.results[i][:2]) for i in done],
+                    [(self.blobs[i], round_.results[i][2], round_.results[i][0]) for i in done
+                     if round_.results[i][2] is not None]))
             return None
 
     def forget(self, holder: str) -> int:
@@ -224,7 +231,12 @@ def decode_eval_task(entry) -> EvalTask:
     return EvalTask(entry[0], entry[1], entry[2], entry[3], float(entry[4]), entry[5])
 
 
-def check_result(rewards, lengths, n: int, max_tokens: int) -> str | None:
+EVAL_TEXT_CHARS_PER_TOKEN = 32
+"""The longest an evaluation completion's text may be, per token of the round's max_tokens: a token decodes to a
+few characters (a byte-level BPE piece, an escape); a longer text did not come from the tokens it claims."""
+
+
+def check_result(rewards, lengths, n: int, max_tokens: int, texts=None) -> str | None:
     """Why a prompt's evaluation result is implausible, or None."""
     if not (isinstance(rewards, list) and isinstance(lengths, list) and len(rewards) == len(lengths) == n):
         return f"an evaluation result needs {n} rewards and {n} lengths"
@@ -234,4 +246,10 @@ def check_result(rewards, lengths, n: int, max_tokens: int) -> str | None:
             return f"evaluation reward {problem} [bad_reward]"
     if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= max_tokens for x in lengths):
         return f"evaluation lengths must be integers in [0, {max_tokens}]"
+    if texts is not None:
+        longest = EVAL_TEXT_CHARS_PER_TOKEN * max(max_tokens, 1)
+        if not (isinstance(texts, list) and len(texts) == n and all(isinstance(t, str) for t in texts)):
+            return f"evaluation texts must be {n} strings"
+        if any(len(t) > longest for t in texts):
+            return f"an evaluation text is longer than {longest} characters ({max_tokens} tokens)"
     return None

@@ -222,9 +222,11 @@ class GeneratorBuffer(Protocol):
         generator sampled and dropped (`count` 1), so the learner's reward of what the policy sampled counts it
         (buffer/sampled.py); None when no group was sampled."""
 
-    async def eval_done(self, deal_id: str, rewards: list | None, lengths: list | None) -> Status:
-        """The result of an `EvalTask`: its n rewards and completion lengths; None, None gives it back (the
-        generator could not sample it at its version)."""
+    async def eval_done(self, deal_id: str, rewards: list | None, lengths: list | None,
+                        texts: list | None = None) -> Status:
+        """The result of an `EvalTask`: its n rewards and completion lengths, and the completions as text (the
+        learner's table of the round's samples); None, None gives it back (the generator could not sample it at
+        its version)."""
 
     async def report(self, metrics: dict, timeout_s: float | None = None) -> Status:
         """This generator's statistics, for the learner's metrics."""

@@ -28,12 +28,12 @@ def eval_sampling(temperature: float, max_tokens: int) -> Sampling:
     return Sampling(temperature=temperature, top_p=1.0, top_k=-1, max_tokens=max_tokens)
 
 
-async def sample_and_score(engine, scorer, tokenizer, row, sampling: Sampling, n: int) -> tuple[list, list]:
-    """(rewards, completion lengths) of n samples of `row` (a PromptRow or a dealt prompt)."""
+async def sample_and_score(engine, scorer, tokenizer, row, sampling: Sampling, n: int) -> tuple[list, list, list]:
+    """(rewards, completion lengths, completion texts) of n samples of `row` (a PromptRow or a dealt prompt)."""
     completions = await engine.sample(row.prompt_ids, sampling, n)
-    scores = await asyncio.gather(*(score_text(scorer, row, tokenizer.decode(c.token_ids, skip_special_tokens=True))
-                                    for c in completions))
-    return [reward for reward, _ in scores], [len(c.token_ids) for c in completions]
+    texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
+    scores = await asyncio.gather(*(score_text(scorer, row, text) for text in texts))
+    return [reward for reward, _ in scores], [len(c.token_ids) for c in completions], texts
 
 
 async def play_and_score(episodes, scorer, row, sampling: Sampling, n: int) -> tuple[list, list, list]:
@@ -58,7 +58,7 @@ async def evaluate(engine, scorer, tokenizer, rows: list, n: int, temperature: f
         nonlocal done, too_long
         async with gate:
             if episodes is None:
-                rewards, lengths = await sample_and_score(engine, scorer, tokenizer, row, sampling, n)
+                rewards, lengths, _ = await sample_and_score(engine, scorer, tokenizer, row, sampling, n)
             else:
                 try:
                     rewards, lengths, runs = await play_and_score(episodes, scorer, row, sampling, n)

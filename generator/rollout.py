@@ -252,11 +252,11 @@ class RolloutLoop:
                 self.note_reply(await self.client.eval_done(task.deal_id, None, None))
                 return
             with self.stats.busy:
-                rewards, lengths = await sample_and_score(self.engine, self.scorer, self.tokenizer,
+                rewards, lengths, texts = await sample_and_score(self.engine, self.scorer, self.tokenizer,
                                                           decode_prompt(task.deal_id, task.row),
                                                           eval_sampling(task.temperature, task.max_tokens), task.n)
             self.stats.eval_prompts += 1
-            self.note_reply(await self.client.eval_done(task.deal_id, rewards, lengths))
+            self.note_reply(await self.client.eval_done(task.deal_id, rewards, lengths, texts))
 
     async def _send(self, group: Group) -> None:
         payload = encode_group(group)

@@ -9,7 +9,8 @@ import logging
 import time
 
 from asyncrl.buffer.eval_rounds import EvalRounds, eval_due, first_due
-from asyncrl.data.prompts import PromptSet, encode_prompts
+from asyncrl.buffer.dealing import DealError
+from asyncrl.data.prompts import PromptSet, decode_prompt, encode_prompts
 from asyncrl.telemetry.eval_metrics import eval_metrics
 
 log = logging.getLogger(__name__)
@@ -31,6 +32,19 @@ def build_eval_rounds(eval_prompts: PromptSet | None, every_steps: int, timeout_
     log.info("learner: evaluating on %s (%d prompts) every %d steps on the fleet", eval_prompts.source or
              "held-out prompts", len(eval_prompts.rows), every_steps)
     return EvalRounds(encode_prompts(eval_prompts.rows), timeout_s)
+
+
+def eval_samples(samples: list) -> list:
+    """A finished round's (row bytes, texts, rewards) per prompt as (prompt token ids, texts, rewards): the rows are
+    the learner's own encoding of its eval prompts (EvalRounds.blobs), so one that does not decode is a bug, said
+    and left out of the table."""
+    out = []
+    for blob, texts, rewards in samples:
+        try:
+            out.append((decode_prompt("eval", blob).prompt_ids, texts, rewards))
+        except DealError as err:
+            log.warning("learner: an evaluation prompt of the samples table does not decode: %s", err)
+    return out
 
 
 class Evaluations:
@@ -64,6 +78,7 @@ class Evaluations:
             metrics = eval_metrics(finished.results, list(self.cfg.k_values), self.cfg.pass_threshold)
             metrics["eval/lag_steps"] = float(published - finished.version)
             self.record.log_eval(finished.version, metrics)
+            self.record.log_eval_samples(finished.version, eval_samples(finished.samples))
             log.info("learner: evaluation of v%d on %s: mean reward %.4f over %d prompts (landed %d steps later)",
                      finished.version, self.source, metrics["eval/all/mean_reward"], int(metrics["eval/all/prompts"]),
                      published - finished.version)

@@ -20,7 +20,7 @@ from asyncrl.learner.checkpoint import CheckpointError
 from asyncrl.learner.dealing import build_dealer
 from asyncrl.learner.evals import Evaluations, build_eval_rounds
 from asyncrl.learner.learnable import LearnableWatch
-from asyncrl.learner.model import model_positions
+from asyncrl.learner.model import load_tokenizer, model_positions
 from asyncrl.learner.objective import resolved_hyperparameters
 from asyncrl.learner.parallel import ParallelState
 from asyncrl.learner.publish import VersionPublisher, model_files_for
@@ -49,12 +49,24 @@ def build_run_info(job_name: str, model_path: str, train_files: list, job_dir: s
         evals=evaluates)  # a Redis generator asks for evaluation prompts only then
 
 
+def table_decoder(model_path: str, trust_remote_code: bool):
+    """token ids -> text for the run's samples tables (the model's tokenizer), or None when no tokenizer loads from
+    the model directory (warned; training needs none, and the job goes on without the tables)."""
+    try:
+        tokenizer = load_tokenizer(model_path, trust_remote_code=trust_remote_code)
+    except Exception as err:  # noqa: BLE001 - the tables are for reading; the job goes on without them
+        log.warning("learner: no tokenizer loads from %s (%s), so the run has no samples tables", model_path, err)
+        return None
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+
+
 class LearnerHost:
     def __init__(self, cfg, model, model_path: str, train_files: list, job_dir: str, parallel: ParallelState,
                  state: LearnerState, resumed_from: str | None, prompts: PromptSet | None = None,
                  eval_prompts: PromptSet | None = None):
         with ExitStack() as built:  # on any failure below, what was built is closed, newest first
-            self.record = RunRecord(cfg.telemetry, cfg.job.name, job_dir, cfg.learner.total_steps)
+            self.record = RunRecord(cfg.telemetry, cfg.job.name, job_dir, cfg.learner.total_steps,
+                                    decode=table_decoder(model_path, cfg.model.trust_remote_code))
             built.callback(self.record.close, "FAILED")
             self.record.write_config({**flatten(cfg), **resolved_hyperparameters(cfg.algo),
                                       "learner.world_size": parallel.world_size, "learner.dp_size": parallel.dp_size},

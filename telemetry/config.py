@@ -37,6 +37,11 @@ class TelemetryConfig:
     tracker_dir: Optional[str] = None
     """Where TensorBoard's event files and W&B's and SwanLab's local run folders go; None: the job directory's
     trackers/."""
+    samples_every: int = 50
+    """Every this many steps, a few of the step's trained groups (prompt, completion, reward, version, staleness)
+    are appended to the run's table samples/trained.json, and to the other trackers' tables; 0: off."""
+    samples_groups: int = 2
+    """How many of the step's groups go into that table (every sample of each)."""
     project: Optional[str] = None
     """The W&B and SwanLab project; None: telemetry.experiment. Their run is named after job.name, as MLflow's is."""
 
@@ -50,6 +55,9 @@ class TelemetryConfig:
             raise ValueError(f"telemetry.serve starts a tracking server on a local store, and telemetry.tracking_uri "
                              f"is already a server ({self.tracking_uri}): leave telemetry.serve off to log there")
         check_loggers(list(self.loggers))
+        if self.samples_every < 0 or self.samples_groups < 1:
+            raise ValueError(f"telemetry.samples_every must be >= 0 (0: off) and telemetry.samples_groups >= 1; got "
+                             f"{self.samples_every}, {self.samples_groups}")
         if not 0 <= self.serve_port <= 65535:
             raise ValueError(f"telemetry.serve_port must be a port number (0: a free one), got {self.serve_port}")
 

@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 from asyncrl.telemetry.counters import CounterFilter
 from asyncrl.telemetry.overview import with_overview
@@ -87,6 +88,16 @@ class DropOldestQueue:
             return self._items.popleft()
 
 
+@dataclass
+class TableReport:
+    """Rows for a table of the run (`<name>.json`, appended to at each report), queued like a metrics report."""
+
+    name: str
+    columns: list
+    rows: list
+    step: int
+
+
 class MetricsLogger:
     """Consumes metric dicts from any thread; a daemon thread writes them in batches of <= 1000."""
 
@@ -117,6 +128,12 @@ class MetricsLogger:
     def log(self, metrics: dict, step: int) -> None:
         self._queue.put((dict(metrics), step, int(time.time() * 1000)))
 
+    def log_table(self, name: str, columns: list, rows: list, step: int) -> None:
+        """Rows (one list per row, in `columns`' order) appended to the run's table `<name>.json` (MLflow's
+        `log_table`: the run's Artifacts and Evaluation views show it) and to the other trackers' tables, from the
+        logging thread: each append rewrites MLflow's artifact, never on the training path."""
+        self._queue.put(TableReport(name, list(columns), [list(row) for row in rows], step))
+
     def log_params(self, params: dict) -> None:
         from mlflow.entities import Param
 
@@ -134,6 +151,9 @@ class MetricsLogger:
             item = self._queue.get()
             if item is None:
                 return
+            if isinstance(item, TableReport):
+                self._write_table(item)
+                continue
             metrics, step, stamp = item
             metrics = self._counters.keep(metrics)
             if self.overview:
@@ -147,6 +167,16 @@ class MetricsLogger:
                 self._write(batch[start : start + 1000])
             if self.trackers is not None:
                 self.trackers.log({self.prefix + k: float(v) for k, v in metrics.items() if _is_number(v)}, step)
+
+    def _write_table(self, table: TableReport) -> None:
+        try:
+            self.client.log_table(self.run_id, {column: [row[i] for row in table.rows]
+                                                for i, column in enumerate(table.columns)},
+                                  artifact_file=f"{self.prefix}{table.name}.json")
+        except Exception as err:  # noqa: BLE001 - a table is for reading; training never waits on it
+            log.warning("mlflow: could not log the table %s at step %d: %s", table.name, table.step, err)
+        if self.trackers is not None:
+            self.trackers.log_table(self.prefix + table.name, table.columns, table.rows, table.step)
 
     def _warn_non_finite(self, keys: list, metrics: dict, step: int) -> None:
         self.non_finite += len(keys)

@@ -24,6 +24,15 @@ DROP_REASONS = ("stale", "zero_variance", "no_baseline", "empty", "poisoned_step
 (learner/loop.py::skip_poisoned_step); each is in every step's progress.jsonl row, also when it is 0 (MLflow gets
 it when it changes: telemetry/counters.py)."""
 REJECTED_PREFIX = "buffer/rejected/"
+SAMPLE_COLUMNS = ("step", "group", "generator", "prompt", "completion", "reward", "finish_reason", "version",
+                  "staleness")
+"""The columns of the run's samples/trained table (RunRecord.log_samples)."""
+EVAL_SAMPLE_COLUMNS = ("version", "prompt", "completion", "reward")
+"""The columns of the run's samples/eval table (RunRecord.log_eval_samples)."""
+EVAL_TABLE_ROWS = 512
+"""Most rows one evaluation round adds to samples/eval (its first prompts, every sample of each)."""
+TABLE_TEXT_CHARS = 2000
+"""A prompt or completion longer than this is cut (with "...") in a table: it is for reading, not for the record."""
 
 
 def batch_metrics(staleness: list, dropped: Mapping, dropped_total: Mapping) -> dict:
@@ -39,10 +48,14 @@ def batch_metrics(staleness: list, dropped: Mapping, dropped_total: Mapping) -> 
 
 
 class RunRecord:
-    """Rank 0's record of the job. `job_name` names the MLflow run; `total_steps` sizes the progress line."""
+    """Rank 0's record of the job. `job_name` names the MLflow run; `total_steps` sizes the progress line;
+    `decode` (token ids -> text) writes the samples tables, which are off without it."""
 
-    def __init__(self, telemetry: TelemetryConfig, job_name: str, job_dir: str, total_steps: int):
+    def __init__(self, telemetry: TelemetryConfig, job_name: str, job_dir: str, total_steps: int, decode=None):
         self.job_dir = job_dir
+        self.decode = decode
+        self.samples_every = telemetry.samples_every if decode is not None else 0
+        self.samples_groups = telemetry.samples_groups
         self.tracking_uri = resolve_tracking_uri(telemetry.tracking_uri)
         self.run_id = create_or_attach_run(self.tracking_uri, telemetry.experiment, job_name)
         self.trackers = None
@@ -103,9 +116,37 @@ class RunRecord:
         if "reward/sampled_mean" in metrics:
             self.sampled_rewards.append(metrics["reward/sampled_mean"])
         self.metrics_log.log(metrics, step=step)
+        if self.samples_every and step % self.samples_every == 0:
+            self.log_samples(step, groups[:self.samples_groups], staleness)
         self.progress.update(step, metrics)
         if self.plots is not None:
             self.plots.after_step()
+
+    def log_samples(self, step: int, groups: list, staleness: list) -> None:
+        """Every sample of `groups` as rows of the run's samples/trained table: what a person reads to see what the
+        policy writes and how it is scored (the text decoded here, cut at TABLE_TEXT_CHARS)."""
+        rows = []
+        for group, stale in zip(groups, staleness):
+            prompt = clip(self.decode(group.prompt_ids.tolist()))
+            for sample in group.samples:
+                version = int(sample.versions.min()) if len(sample.versions) else None
+                rows.append([step, group.group_id, group.generator_id, prompt,
+                             clip(self.decode(sample.completion_ids.tolist())), float(sample.reward),
+                             sample.finish_reason, version, int(stale)])
+        if rows:
+            self.metrics_log.log_table("samples/trained", list(SAMPLE_COLUMNS), rows, step)
+
+    def log_eval_samples(self, version: int, samples: list) -> None:
+        """An evaluation round's samples as rows of the run's samples/eval table, at the version it evaluated:
+        `samples` is (prompt token ids, completion texts, rewards) per prompt (the generators send the texts)."""
+        if self.decode is None:
+            return
+        rows = []
+        for prompt_ids, texts, rewards in samples:
+            prompt = clip(self.decode(list(prompt_ids)))
+            rows += [[version, prompt, clip(text), float(reward)] for text, reward in zip(texts, rewards)]
+        if rows:
+            self.metrics_log.log_table("samples/eval", list(EVAL_SAMPLE_COLUMNS), rows[:EVAL_TABLE_ROWS], version)
 
     def record_groups(self, step: int, groups: list, staleness: list) -> None:
         """job_dir/trained_groups.jsonl: which groups, of which prompts, each step trained on (an audit trail:
@@ -157,6 +198,10 @@ class RunRecord:
         with open(os.path.join(self.job_dir, "summary.json"), "w") as handle:
             json.dump(summary, handle, indent=2)
         return summary
+
+
+def clip(text: str) -> str:
+    return text if len(text) <= TABLE_TEXT_CHARS else text[:TABLE_TEXT_CHARS] + "..."
 
 
 def first_and_last(name: str, values: list, window: int) -> dict:

@@ -58,6 +58,9 @@ class TensorBoardTracker:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, global_step=step)
 
+    def log_table(self, name: str, columns: list, rows: list, step: int) -> None:
+        self.writer.add_text(name, markdown_table(columns, rows), global_step=step)
+
     def log_params(self, params: dict, config_yaml: str) -> None:
         # TensorBoard has no params table outside its HParams plugin, which wants final metrics: the resolved
         # config as text, where a person looks for it
@@ -82,6 +85,11 @@ class WandbTracker:
 
     def log(self, metrics: dict, step: int) -> None:
         self.run.log({"step": step, **metrics})
+
+    def log_table(self, name: str, columns: list, rows: list, step: int) -> None:
+        import wandb
+
+        self.run.log({"step": step, name: wandb.Table(columns=list(columns), data=[list(row) for row in rows])})
 
     def log_params(self, params: dict, config_yaml: str) -> None:
         self.run.config.update(params, allow_val_change=True)
@@ -109,6 +117,13 @@ class SwanLabTracker:
     def log(self, metrics: dict, step: int) -> None:
         self.run.log(metrics, step=step)
 
+    def log_table(self, name: str, columns: list, rows: list, step: int) -> None:
+        import swanlab
+
+        table = swanlab.echarts.Table()
+        table.add(list(columns), [list(row) for row in rows])
+        self.run.log({name: table}, step=step)
+
     def log_params(self, params: dict, config_yaml: str) -> None:
         self.run.config.update(params)
 
@@ -117,6 +132,16 @@ class SwanLabTracker:
             self.run.finish(state="success")
         else:
             self.run.finish(state="crashed", error=f"the job ended {status}")
+
+
+def markdown_table(columns: list, rows: list) -> str:
+    """A table as Markdown (TensorBoard's text plugin renders it); cells' pipes and newlines escaped."""
+    def cell(value) -> str:
+        return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", "\\n")
+
+    lines = ["| " + " | ".join(cell(c) for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def open_job_trackers(telemetry, job_dir: str, run_name: str) -> "Trackers":
@@ -188,6 +213,10 @@ class Trackers:
         """`metrics`: finite numbers only (the caller filters what MLflow could not store either)."""
         for tracker in list(self.trackers):
             self._call(tracker, "log", metrics, step)
+
+    def log_table(self, name: str, columns: list, rows: list, step: int) -> None:
+        for tracker in list(self.trackers):
+            self._call(tracker, "log_table", name, columns, rows, step)
 
     def log_params(self, params: dict, config_yaml: str) -> None:
         for tracker in list(self.trackers):

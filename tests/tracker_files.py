@@ -38,25 +38,30 @@ def tensorboard_run(folder: str):
 
 
 def wandb_run(tracker_dir: str):
-    """The one offline W&B run under `tracker_dir`: (points on its `step` axis, config {key: JSON}, run record)."""
+    """The one offline W&B run under `tracker_dir`: (points on its `step` axis, config {key: JSON}, run record,
+    tables {name: [(step, rows), ...]})."""
     from wandb.proto import wandb_internal_pb2
 
     (path,) = glob.glob(os.path.join(tracker_dir, "wandb", "wandb", "offline-run-*", "run-*.wandb"))
-    points, config, run = {}, {}, None
+    points, config, run, tables = {}, {}, None, {}
     for data in leveldb_records(path, b":W&B"):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(data)
         kind = record.WhichOneof("record_type")
         if kind == "history":
             row = {item.key or "/".join(item.nested_key): item.value_json for item in record.history.item}
+            names = [key[:-len("/_type")] for key, value in row.items()
+                     if key.endswith("/_type") and value == '"table-file"']  # a table is <name>/<field> keys
+            for name in names:
+                tables.setdefault(name, []).append((int(row["step"]), int(row[name + "/nrows"])))
             for key, value in row.items():
-                if not key.startswith("_") and key != "step":
+                if not key.startswith("_") and key != "step" and not key.startswith(tuple(f"{n}/" for n in names)):
                     points.setdefault(key, []).append((int(row["step"]), float(value)))
         elif kind == "config":
             config.update({item.key or "/".join(item.nested_key): item.value_json for item in record.config.update})
         elif kind == "run":
             run = record.run
-    return points, config, run
+    return points, config, run, tables
 
 
 def swanlab_run(tracker_dir: str):

@@ -91,8 +91,10 @@ class RedisBufferClient:
         return Status(**_status(await self._request("release", count=count, deals=list(deals or ()),
                                                     outcome=outcome, rewards=rewards)))
 
-    async def eval_done(self, deal_id: str, rewards: list | None, lengths: list | None) -> Status:
-        return Status(**_status(await self._request("eval_done", deal=deal_id, rewards=rewards, lengths=lengths)))
+    async def eval_done(self, deal_id: str, rewards: list | None, lengths: list | None,
+                        texts: list | None = None) -> Status:
+        return Status(**_status(await self._request("eval_done", deal=deal_id, rewards=rewards, lengths=lengths,
+                                                    texts=texts)))
 
     async def report(self, metrics: dict, timeout_s: float | None = None) -> Status:
         return Status(**_status(await self._request("stats", timeout_s=timeout_s, metrics=metrics)))
@@ -227,7 +229,7 @@ class RedisBufferClient:
             return reply
         if op == "eval_done":
             answer_eval(self.client, self.keys, self.generator_id, str(fields.get("deal")), fields.get("rewards"),
-                        fields.get("lengths"))
+                        fields.get("lengths"), fields.get("texts"))
             return reply
         if op == "stats":
             # numbered, so that every report differs: the learner tells a live generator from a silent one by

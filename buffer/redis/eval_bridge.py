@@ -11,7 +11,8 @@ hash tag (`eval:*`):
 - `holder` (deal id -> generator): taken by EVAL_TAKE, which hands a generator only rounds at or after the version
   its engine holds, at most `eval_rounds.evals_wanted(want)`, and remembers them with the request so a resend gets
   the same ones;
-- `results` (list of msgpack [deal id, rewards, lengths]): pushed by EVAL_DONE only for a deal held by its sender;
+- `results` (list of msgpack [deal id, rewards, lengths, texts]): pushed by EVAL_DONE only for a deal held by its
+  sender (texts, the completions as text, may be nil);
 - `engines` (generator -> the version its engine holds, from its last EVAL_TAKE): which rounds the fleet can still
   serve (EvalRounds.unservable), as the zmq learner reads it from each admit request.
 
@@ -91,12 +92,12 @@ def take_evals(client, keys: dict, generator_id: str, holder_version: int, most:
                        int(record_ms))
 
 
-def answer_eval(client, keys: dict, generator_id: str, deal_id: str, rewards, lengths) -> bool:
-    """The generator's side: a task's rewards and lengths (None, None gives it back). False when the deal is not
-    held by `generator_id` (abandoned, or given back as its holder fell silent)."""
+def answer_eval(client, keys: dict, generator_id: str, deal_id: str, rewards, lengths, texts=None) -> bool:
+    """The generator's side: a task's rewards, lengths and completion texts (None, None gives it back). False when
+    the deal is not held by `generator_id` (abandoned, or given back as its holder fell silent)."""
     ekeys = eval_keys(keys)
     return bool(client.eval(EVAL_DONE, 2, ekeys["holder"], ekeys["results"], generator_id, deal_id,
-                            msgpack.packb([deal_id, rewards, lengths], use_bin_type=True)))
+                            msgpack.packb([deal_id, rewards, lengths, texts], use_bin_type=True)))
 
 
 class RedisEvalBridge:
@@ -156,7 +157,9 @@ class RedisEvalBridge:
 
         for raw in self.retry("evaluation results", pop):
             try:
-                deal, rewards, lengths = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+                fields = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+                # [deal, rewards, lengths, texts]; a generator of a release before texts sends three
+                deal, rewards, lengths, texts = fields if len(fields) == 4 else (*fields, None)
             except Exception as err:  # untrusted bytes
                 self.refused += 1
                 log.warning("learner: an evaluation result that does not decode (%s) is refused", type(err).__name__)
@@ -166,7 +169,7 @@ class RedisEvalBridge:
                 continue
             self.dealt.pop(deal)
             self.retry("evaluation task", self.client.hdel, self.keys["task"], deal)
-            problem = self.evals.result(LEARNER, deal, rewards, lengths)
+            problem = self.evals.result(LEARNER, deal, rewards, lengths, texts)
             if rewards is not None and problem is None:
                 continue
             if problem is not None:

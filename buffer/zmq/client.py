@@ -84,8 +84,9 @@ class ZmqBufferClient:
         return AdmitReply(**status_fields(reply), granted=granted if isinstance(granted, int) else 0, deals=deals,
                           evals=evals)
 
-    async def eval_done(self, deal_id: str, rewards: list | None, lengths: list | None) -> Status:
-        reply = await self._request("eval", deal=deal_id, rewards=rewards, lengths=lengths)
+    async def eval_done(self, deal_id: str, rewards: list | None, lengths: list | None,
+                        texts: list | None = None) -> Status:
+        reply = await self._request("eval", deal=deal_id, rewards=rewards, lengths=lengths, texts=texts)
         if not reply.get("ok"):
             log.error("the learner refused an evaluation result: %s", reply.get("error"))
         return Status(**status_fields(reply))

@@ -371,8 +371,9 @@ class ZmqBufferServer:
             if "rewards" in request:
                 self._note_filtered(gen, request["rewards"], reply["released"])
         elif op == "eval":
-            problem = (self.evals.result(gen, request.get("deal"), request.get("rewards"), request.get("lengths"))
-                       if self.evals is not None else "this learner runs no evaluation rounds")
+            problem = (self.evals.result(gen, request.get("deal"), request.get("rewards"), request.get("lengths"),
+                                         request.get("texts")) if self.evals is not None
+                       else "this learner runs no evaluation rounds")
             if problem is not None:
                 self._rejections.reject("eval_result", gen, problem)
                 reply.update(ok=False, error=problem)

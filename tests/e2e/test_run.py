@@ -63,7 +63,7 @@ def test_asyncrl_run_trains_logs_to_mlflow_and_respects_eta(tmp_path, demo_asset
                   "eval.n=2", "eval.temperature=1.0", "eval.k_values=[1,2]"]
     # a tracking server on loopback; the plots and system metrics common_overrides turns off; the other trackers
     telemetry = ["telemetry.serve=true", "telemetry.plots=true", "telemetry.system_metrics_every_s=1",
-                 "telemetry.loggers=[mlflow,tensorboard,wandb,swanlab]"]
+                 "telemetry.loggers=[mlflow,tensorboard,wandb,swanlab]", "telemetry.samples_every=4"]
     proc = subprocess.Popen([sys.executable, "-m", "asyncrl.launch.cli", "run", *overrides, *VLLM_OVERRIDES,
                              *evaluation, *telemetry], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -93,6 +93,14 @@ def test_asyncrl_run_trains_logs_to_mlflow_and_respects_eta(tmp_path, demo_asset
     history = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").get_metric_history(summary["mlflow_run_id"],
                                                                                  "eval/all/mean_reward")
     assert sorted(point.step for point in history) == [0, 4, 8]  # logged at the version asked for
+    # every evaluation round's samples, with the text the generators sent back, as the run's samples/eval table
+    artifacts = tmp_path / "mlartifacts" / summary["mlflow_experiment_id"] / summary["mlflow_run_id"] / "artifacts"
+    table = json.loads((artifacts / "samples" / "eval.json").read_text())
+    rows = [dict(zip(table["columns"], row)) for row in table["data"]]
+    assert [row["version"] for row in rows] == [0] * 12 + [4] * 12 + [8] * 12  # 6 prompts x n = 2, per round
+    assert all("sort:" in row["prompt"] and row["reward"] in (0.0, 1.0) for row in rows), rows[:3]
+    assert sum(row["reward"] for row in rows if row["version"] == 8) / 12 == pytest.approx(
+        evals[-1]["eval/all/mean_reward"])  # the table's rewards are the ones the round's metrics were made of
     check_the_other_trackers(job_dir / "trackers", cfg.job.name, progress)
     print("evaluation on the fleet:", [(row["step"], round(row["eval/all/mean_reward"], 3), row["eval/lag_steps"])
                                        for row in evals])
@@ -105,13 +113,14 @@ def check_the_other_trackers(folder, run_name: str, progress: list) -> None:
 
     rewards = [(row["step"], row["reward/mean"]) for row in progress]
     tensorboard, _ = tensorboard_run(str(folder / "tensorboard" / run_name))
-    wandb_points, wandb_config, _ = wandb_run(str(folder))
+    wandb_points, wandb_config, _, wandb_tables = wandb_run(str(folder))
     swanlab_points, _, finish, _ = swanlab_run(str(folder))
     assert finish is not None and wandb_config["algo.advantage"] == '"grpo"'
     for name, points in (("tensorboard", tensorboard), ("wandb", wandb_points), ("swanlab", swanlab_points)):
         assert [(step, pytest.approx(value)) for step, value in points["reward/mean"]] == rewards, name
         assert len(points["RL overview/01 reward sampled"]) == len(rewards), name
         assert [step for step, _ in points["eval/all/mean_reward"]] == [0, 4, 8], name
+    assert [step for step, _ in wandb_tables["samples/trained"]] == [4, 8]  # the trained groups' table
 
 
 def check_the_run_in_mlflow(tmp_path, summary, progress, out):
@@ -135,6 +144,11 @@ def check_the_run_in_mlflow(tmp_path, summary, progress, out):
     for name in PLOT_FILES:
         image = imread(plots / name)  # decodes the whole PNG
         assert image.shape[0] > 200 and image.shape[1] > 400, (name, image.shape)
+    # a few trained groups every telemetry.samples_every steps, decoded, as a table of the run (MLflow's log_table)
+    table = json.loads((plots.parent / "samples" / "trained.json").read_text())
+    rows = [dict(zip(table["columns"], row)) for row in table["data"]]
+    assert sorted({row["step"] for row in rows}) == [4, 8] and all("sort:" in row["prompt"] for row in rows)
+    assert all(0 <= row["reward"] <= 1 and row["staleness"] in (0, 1) for row in rows), rows
 
 
 def start(role, overrides, tmp_path, job_dir, log_name):

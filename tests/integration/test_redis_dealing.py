@@ -356,7 +356,7 @@ def test_evaluation_rounds_are_dealt_through_redis_pinned_to_their_version(make_
     assert len(first.evals) == 2 and first.granted == 2  # at most half of the request
     task, other = first.evals
     assert task.version == 0 and task.n == 2 and eval_prompt_id(task).startswith("heldout:")
-    asyncio.run(gen.eval_done(task.deal_id, [1.0, 0.0], [3, 4]))
+    asyncio.run(gen.eval_done(task.deal_id, [1.0, 0.0], [3, 4], ["abc", "dcba"]))  # with the completions' text
     asyncio.run(gen.eval_done(other.deal_id, [1.0], [3]))  # implausible: one result for n = 2
     asyncio.run(gen.eval_done(task.deal_id, [1.0, 1.0], [3, 4]))  # answered twice: the second is not its to give
     job.take_all(0.3)
@@ -369,6 +369,7 @@ def test_evaluation_rounds_are_dealt_through_redis_pinned_to_their_version(make_
     job.take_all(0.3)
     (finished,) = evals.finished()
     assert finished.version == 0 and len(finished.results) == 3
+    assert [texts for _, texts, _ in finished.samples] == [["abc", "dcba"]]  # only the result that sent them
     gen.client.rpush(job.server.evals.keys["results"], b"\xc1 not msgpack")  # hostile bytes in the results
     job.take_all(0.3)
     assert job.server.metrics()["eval/refused_results"] == 1
@@ -495,7 +496,8 @@ def test_a_generator_that_has_not_reported_stats_is_alive_and_its_last_evaluatio
     cfg = SimpleNamespace(every_steps=0, before_train=True, n=1, temperature=0.0, k_values=[1], pass_threshold=0.5,
                           timeout_s=600.0)
     evaluations = Evaluations(evals, cfg, max_tokens=8, start_version=0,
-                              record=SimpleNamespace(log_eval=lambda step, metrics: logged.append(step)))
+                              record=SimpleNamespace(log_eval=lambda step, metrics: logged.append(step),
+                                                     log_eval_samples=lambda version, samples: None))
     evaluations.open_if_due(0)
     job.take_all(0.3)
     first, second = admitted(gen, 4, version=0).evals

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from asyncrl.buffer.eval_rounds import EvalRounds, check_result, eval_due, first_due
+from asyncrl.buffer.eval_rounds import EVAL_TEXT_CHARS_PER_TOKEN, EvalRounds, check_result, eval_due, first_due
 from asyncrl.buffer.interface import AdmitReply, EvalTask, Status
 from asyncrl.buffer.plausibility import reward_problem
 from asyncrl.configs import load_config, training_eval_blocker
@@ -53,6 +53,23 @@ def test_results_are_checked_and_a_bad_or_foreign_one_goes_back_to_the_round():
     assert evals.refused == 2
 
 
+def test_the_completions_text_of_a_result_is_checked_like_the_rest():
+    """A generator's texts (for the learner's samples table) are n strings, none longer than the round's max_tokens
+    could decode to; anything else refuses the whole result, and the prompt goes back to its round."""
+    longest = EVAL_TEXT_CHARS_PER_TOKEN * 8
+    assert check_result([1.0, 0.0], [1, 1], 2, 8, ["a" * longest, ""]) is None
+    for texts in (["a"], ["a", 1], "ab", ["a", "b", "c"], ["a" * (longest + 1), "b"], {"a": 1}):
+        assert check_result([1.0, 0.0], [1, 1], 2, 8, texts) is not None, texts
+    evals = rounds(1)
+    evals.open(0, n=2, temperature=1.0, max_tokens=8)
+    (deal,) = evals.deal("g1", 0, 1)
+    assert "2 strings" in evals.result("g1", deal[0], [1.0, 0.0], [1, 1], [b"raw", "x"])
+    (again,) = evals.deal("g2", 0, 1)
+    assert evals.result("g2", again[0], [1.0, 0.0], [1, 1], ["ok", "fine"]) is None
+    (done,) = evals.finished()
+    assert done.samples == [(evals.blobs[0], ["ok", "fine"], [1.0, 0.0])] and evals.refused == 1
+
+
 @pytest.mark.parametrize("reward", [1e300, -1e300, 1e308, 3.5e38, float("inf"), float("nan"), True, "1"])
 def test_an_evaluation_result_is_held_to_the_training_paths_reward_check(reward):
     """A reward of 1e300 is finite, so evaluation took it where training refuses it (one made eval/all/mean_reward
@@ -90,7 +107,7 @@ class Learner:
     async def release(self, count=1, deals=None, outcome="unused", rewards=None):
         return Status()
 
-    async def eval_done(self, deal_id, rewards, lengths):
+    async def eval_done(self, deal_id, rewards, lengths, texts=None):
         self.given_back.append((deal_id, rewards))
         return Status()
 

@@ -20,9 +20,13 @@ from tests.messages import run_info
 class Record:
     def __init__(self):
         self.logged = []
+        self.samples = []
 
     def log_eval(self, step, metrics):
         self.logged.append((step, metrics))
+
+    def log_eval_samples(self, version, samples):
+        self.samples.append((version, samples))
 
 
 EVAL = SimpleNamespace(every_steps=2, before_train=True, n=2, temperature=0.0, k_values=[1], pass_threshold=0.5,
@@ -39,9 +43,11 @@ def test_due_versions_open_rounds_and_a_finished_round_is_logged_at_its_own_step
     for version in (0, 1, 3):  # before training; not due; the first published at or past 2
         evals.open_if_due(version)
     assert rounds.open_versions() == [0, 3]
-    for deal in rounds.deal("g", 0, 2):
-        assert rounds.result("g", deal[0], [1.0, 0.0], [3, 8]) is None
+    first, second = rounds.deal("g", 0, 2)
+    assert rounds.result("g", first[0], [1.0, 0.0], [3, 8], ["ab", "c"]) is None  # with the completions' text
+    assert rounds.result("g", second[0], [1.0, 0.0], [3, 8]) is None  # a generator that sends none
     assert evals.after_step(published=3) == {"eval/rounds_abandoned": 0.0}
+    assert record.samples == [(0, [([3, 4], ["ab", "c"], [1.0, 0.0])])]  # decoded from the learner's own rows
     ((step, metrics),) = record.logged
     assert step == 0 and metrics["eval/lag_steps"] == 3.0 and metrics["eval/all/mean_reward"] == 0.5
     assert "evaluation of v0 on eval.files: test.parquet: mean reward 0.5000" in caplog.text  # names its data
@@ -126,8 +132,9 @@ def test_a_round_still_answering_at_the_end_is_waited_for_and_logged():
     try:
         evals.open_if_due(0)
         first, second = asyncio.run(gen.admit(4, version=0)).evals
-        asyncio.run(gen.eval_done(first.deal_id, [1.0, 0.0], [2, 2]))
-        answer_late = threading.Timer(0.5, lambda: asyncio.run(gen.eval_done(second.deal_id, [1.0, 1.0], [2, 2])))
+        asyncio.run(gen.eval_done(first.deal_id, [1.0, 0.0], [2, 2], ["12", "21"]))
+        answer_late = threading.Timer(0.5, lambda: asyncio.run(gen.eval_done(second.deal_id, [1.0, 1.0], [2, 2],
+                                                                             ["xy", "yx"])))
         answer_late.start()
         took = finish_within(evals, 10.0, published=1, live_generators=server.live_generators,
                              serve=server.serve_evals, min_patience_s=2.0)
@@ -136,3 +143,5 @@ def test_a_round_still_answering_at_the_end_is_waited_for_and_logged():
         gen.close()
         server.close()
     assert took < 2.0 and evals.rounds.abandoned == 0 and [step for step, _ in record.logged] == [0]
+    ((version, samples),) = record.samples  # the texts crossed the wire with the rewards
+    assert version == 0 and sorted(texts for _, texts, _ in samples) == [["12", "21"], ["xy", "yx"]]

@@ -280,8 +280,8 @@ class EvalLearner:
     def __init__(self):
         self.results = []
 
-    async def eval_done(self, deal_id, rewards, lengths):
-        self.results.append((deal_id, rewards, lengths))
+    async def eval_done(self, deal_id, rewards, lengths, texts=None):
+        self.results.append((deal_id, rewards, lengths, texts))
         return Status()
 
 
@@ -311,7 +311,8 @@ def test_an_evaluation_prompt_is_sampled_at_its_version_or_given_back():
         await loop._evaluate(EvalTask("e2", 2, prompt, 1, 0.0, 4))
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
-    assert client.results == [("e1", [1.0], [1]), ("e2", None, None)]  # 9 is right; no overlong shaping
+    # 9 is right, no overlong shaping, and the completion's text for the learner's samples table
+    assert client.results == [("e1", [1.0], [1], ["9"]), ("e2", None, None, None)]
     assert loads == [] and engine.requests == [(0.0, 1)] and loop.weights.pins == {}
     assert loop.stats.eval_prompts == 1
 

@@ -48,7 +48,7 @@ def test_wandb_offline_gets_every_point_on_its_own_step_axis_and_the_params(tmp_
     trackers = Trackers.open(["mlflow", "wandb"], str(tmp_path), "job-1", "asyncrl-test")
     assert [t.name for t in trackers.trackers] == ["wandb"]
     log_reports(trackers)
-    points, config, run = wandb_run(str(tmp_path))
+    points, config, run, _ = wandb_run(str(tmp_path))
     assert points == expected_points()  # the evaluation at step 2 kept, after step 3
     assert run.project == "asyncrl-test" and run.display_name == "job-1"
     assert config["algo.name"] == '"grpo"' and config["buffer.max_staleness"] == "1"
@@ -147,3 +147,43 @@ def test_telemetry_loggers_are_checked_and_a_missing_package_is_a_clear_error(tm
     opened = open_job_trackers(TelemetryConfig(loggers=["mlflow", "tensorboard"]), str(tmp_path), "job")
     opened.close("FINISHED")
     assert os.path.isdir(tmp_path / "trackers" / "tensorboard" / "job")
+
+
+def test_every_nth_step_a_few_trained_groups_become_a_table_in_mlflow_and_the_other_trackers(tmp_path, monkeypatch):
+    """RunRecord.log_step: at steps 2 and 4 (samples_every=2), the first 2 groups' samples, decoded, are appended to
+    the run's samples/trained.json (MLflow's log_table) and logged as TensorBoard's and W&B's tables."""
+    import json
+
+    import numpy as np
+    from mlflow.tracking import MlflowClient
+
+    from asyncrl.telemetry.run_record import SAMPLE_COLUMNS, RunRecord
+    from tests.groups import make_group
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    telemetry = TelemetryConfig(tracking_uri=uri, progress=False, plots=False, system_metrics_every_s=0,
+                                samples_every=2, samples_groups=2, loggers=["mlflow", "tensorboard", "wandb"])
+    record = RunRecord(telemetry, "tables", str(tmp_path), total_steps=4,
+                       decode=lambda ids: "".join(chr(ord("a") + i % 26) for i in ids) + "|\n")
+    rng = np.random.default_rng(0)
+    batches = {}
+    for step in range(1, 5):
+        batches[step] = [make_group(rng, n=2, version=step - 1) for _ in range(3)]
+        record.log_step(step, batches[step], {"reward/mean": 0.5}, wait_s=0.0, staleness=[1, 0, 1])
+    record.close("FINISHED")
+    client = MlflowClient(uri)
+    path = client.download_artifacts(record.run_id, "samples/trained.json", str(tmp_path / "down"))
+    table = json.load(open(path))
+    assert table["columns"] == list(SAMPLE_COLUMNS)
+    rows = [dict(zip(table["columns"], row)) for row in table["data"]]
+    assert [row["step"] for row in rows] == [2] * 4 + [4] * 4  # 2 groups of 2 samples, at steps 2 and 4
+    first = batches[2][0].samples[0]
+    assert rows[0]["completion"] == "".join(chr(ord("a") + i % 26) for i in first.completion_ids) + "|\n"
+    assert rows[0]["reward"] == first.reward and rows[0]["version"] == 1 and rows[0]["staleness"] == 1
+    assert rows[2]["staleness"] == 0 and rows[0]["finish_reason"] == "stop"
+    _, texts = tensorboard_run(str(tmp_path / "trackers" / "tensorboard" / "tables"))
+    assert "samples/trained/text_summary" in texts
+    points, _, _, tables = wandb_run(str(tmp_path / "trackers"))
+    assert points["reward/mean"] == [(1, 0.5), (2, 0.5), (3, 0.5), (4, 0.5)]
+    assert tables == {"samples/trained": [(2, 4), (4, 4)]}
