@@ -23,11 +23,15 @@ final reward still reaches the earlier turns. For a contiguous mask this is exac
 Masked positions may hold garbage (NaN, inf): they are replaced by 0 before any arithmetic (``torch.where``,
 not ``* mask``). Advantages never carry gradient.
 """
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from asyncrl.algos.losses_seq import sppo_loss
+from asyncrl.algos.registry import keyword_defaults
 
 WHITEN_EPS = 1e-8
 """Added to the variance before the square root when whitening (verl ``masked_whiten``)."""
@@ -247,6 +251,24 @@ def compute_grpo_passk_advantages(inputs: AdvantageInputs, *, norm_by_std: bool 
     return _broadcast(advantages, valid)
 
 
+def compute_sppo_advantages(inputs: AdvantageInputs, *, norm_by_std: bool = True, gamma: float = 1.0,
+                            eps: float = 1e-6, eta: float) -> Tensor:
+    """SPPO's target per completion (arXiv 2405.00675, §1.17): s_i = R_i - SM_η(R_group), with the soft-mean
+    SM_η(R) = (1/η) log mean_j exp(η R_j) over the prompt's group, so that η s_i = η R_i - log E_{π_t}[exp(η R)] is
+    the log-ratio of the multiplicative-weights step π_{t+1} ∝ π_t exp(η R) (the sppo loss regresses onto it).
+
+    Per prompt, where verl's recipe takes the soft-mean over the whole batch (its rollout.n = 1): log Z of that
+    step is the prompt's, so a baseline from other prompts mixes their difficulty into each sample's target. A
+    lone completion (n = 1) has s = 0. No std normalisation: the target's scale is η's. η must be the loss's
+    (compute_token_advantages fills in the sppo loss's default).
+    """
+    if not eta > 0:
+        raise ValueError(f"sppo's eta must be > 0, got {eta}")
+    valid, rewards = _outcome_rewards(inputs)  # [num_groups, n]
+    soft_mean = (torch.logsumexp(eta * rewards, dim=1, keepdim=True) - math.log(rewards.shape[1])) / eta
+    return _broadcast(rewards - soft_mean, valid)
+
+
 ADVANTAGES: dict[str, Callable[..., Tensor]] = {
     "grpo": compute_grpo_token_advantages,
     "grpo_passk": compute_grpo_passk_advantages,
@@ -256,6 +278,7 @@ ADVANTAGES: dict[str, Callable[..., Tensor]] = {
     "opo": compute_opo_advantages,
     "gpg": compute_gpg_advantages,
     "remax": compute_remax_advantages,
+    "sppo": compute_sppo_advantages,
 }
 
 DISCOUNTED_ADVANTAGES = frozenset({"reinforce_pp"})
@@ -263,12 +286,12 @@ DISCOUNTED_ADVANTAGES = frozenset({"reinforce_pp"})
 
 
 def compute_token_advantages(name: str, inputs: AdvantageInputs, *, norm_by_std: bool = True,
-                             gamma: float = 1.0, eps: float = 1e-6) -> Tensor:
+                             gamma: float = 1.0, eps: float = 1e-6, eta: float | None = None) -> Tensor:
     """Advantages [B, T] (0 off-mask, no gradient) of estimator ``name`` over the whole optimizer-step batch.
 
     ``norm_by_std``: grpo only (False = Dr.GRPO). ``gamma``: per-token discount, reinforce_pp only.
     ``eps``: added to the group std (grpo). Defaults are verl's (norm_adv_by_std_in_grpo=True, gamma=1.0,
-    epsilon=1e-6).
+    epsilon=1e-6). ``eta``: sppo's soft-mean temperature (the sppo loss's η; None: its default), sppo only.
     """
     if name not in ADVANTAGES:
         raise ValueError(f"unknown advantage estimator {name!r}; choose one of {sorted(ADVANTAGES)}")
@@ -277,6 +300,11 @@ def compute_token_advantages(name: str, inputs: AdvantageInputs, *, norm_by_std:
     if gamma != 1.0 and name not in DISCOUNTED_ADVANTAGES:
         raise ValueError(f"gamma={gamma} has no effect on advantage {name!r}; only "
                          f"{sorted(DISCOUNTED_ADVANTAGES)} discount")
+    if eta is not None and name != "sppo":
+        raise ValueError(f"eta is sppo's soft-mean temperature; advantage {name!r} does not read it")
+    if name == "sppo":
+        eta = keyword_defaults(sppo_loss)["eta"] if eta is None else eta  # one η, written once: the loss's
+        return compute_sppo_advantages(inputs, norm_by_std=norm_by_std, gamma=gamma, eps=eps, eta=eta)
     return ADVANTAGES[name](inputs, norm_by_std=norm_by_std, gamma=gamma, eps=eps)
 
 

@@ -18,10 +18,10 @@ from asyncrl.algos.registry import (ADVANTAGES, BYPASS, CORRECTIONS, CRITIC_ESTI
 CRITIC_ADVANTAGES = CRITIC_ESTIMATORS
 """Estimators that read a value model's predictions (the registry's list)."""
 ADVANTAGE_NAMES = ("grpo", "grpo_passk", "rloo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg", "remax",
-                   *CRITIC_ADVANTAGES)
+                   "sppo", *CRITIC_ADVANTAGES)
 DISCOUNTED = ("reinforce_pp", "gae")
 """Estimators that read algo.gamma."""
-GROUP_ADVANTAGES = ("grpo_passk", "rloo", "reinforce_pp_baseline", "opo", "gpg")
+GROUP_ADVANTAGES = ("grpo_passk", "rloo", "reinforce_pp_baseline", "opo", "gpg", "sppo")
 """Estimators whose baseline is the rest of the group: they need rollout.n >= 2."""
 PER_TURN_ADVANTAGES = ("grpo", "grpo_passk", "rloo")
 """Estimators that can train per-turn samples (rollout.turn_samples=per_turn): one advantage per episode, from the
@@ -96,6 +96,9 @@ class AlgoConfig:
     """clip_cov: upper covariance bound for selection (5.0)."""
     kl_cov_coef: Optional[float] = None
     """kl_cov: coefficient of |ℓθ - ℓprox| on the selected tokens (1.0)."""
+    sppo_eta: Optional[float] = None
+    """sppo: η of the multiplicative-weights step, the scale of the target η (R - SM_η(R)) and the soft-mean's
+    temperature (1.0, verl's sppo_eta)."""
     correction: str = "decoupled"
     """Off-policy correction: none, decoupled (AReaL), bypass (old := behaviour), tis, mis, seq_mis, geo_rs, k3_rs,
     icepop, rs (the rejection-sampling family), m2po, vtrace."""
@@ -186,6 +189,7 @@ class AlgoConfig:
             raise ValueError(f"algo.unlearnable_after_groups must be >= 0 (0: never stop), got "
                              f"{self.unlearnable_after_groups}")
         check_combination(self.loss, self.correction, self.advantage, self.prox_logprobs)
+        self._check_sppo()
         self._check_hyperparameters_are_read()
         self._check_ranges()
         if self.kl_loss_coef > 0 and self.kl_loss_type == "k1":
@@ -206,6 +210,20 @@ class AlgoConfig:
         if self.loss_agg == "seq-mean-token-sum-norm" and not self.loss_norm_constant:
             raise ValueError("algo.loss_norm_constant must be set (> 0) when algo.loss_agg=seq-mean-token-sum-norm")
 
+    def _check_sppo(self) -> None:
+        """SPPO is one algorithm spread over three keys: its loss regresses onto its own advantage (the target's η is
+        the loss's), against the policy that sampled (bypass), averaged per sequence."""
+        if (self.loss == "sppo") != (self.advantage == "sppo"):
+            raise ValueError(f"algo.loss=sppo and algo.advantage=sppo go together (the loss regresses the sequence "
+                             f"log-ratio onto η (R - SM_η(R)), the advantage's target); got loss={self.loss}, "
+                             f"advantage={self.advantage} (configs/sppo.yaml sets them)")
+        if self.loss == "sppo" and self.correction != "bypass":
+            raise ValueError(f"algo.loss=sppo regresses log π_θ/π_t against the policy that sampled: it needs "
+                             f"algo.correction=bypass (the centre is μ), got {self.correction}")
+        if self.loss == "sppo" and self.loss_agg != "seq-mean-token-mean":
+            raise ValueError(f"algo.loss=sppo's loss is one value per sequence, averaged over sequences: it needs "
+                             f"algo.loss_agg=seq-mean-token-mean, got {self.loss_agg}")
+
     def _check_hyperparameters_are_read(self) -> None:
         used = set(LOSSES[self.loss].fields) | set(CORRECTIONS[self.correction].fields)
         optional = {f.name for f in fields(self) if f.default is None and f.name != "loss_norm_constant"}
@@ -215,6 +233,8 @@ class AlgoConfig:
                                  f"{self.correction} does not use it")
 
     def _check_ranges(self) -> None:
+        if self.sppo_eta is not None and not self.sppo_eta > 0:
+            raise ValueError(f"algo.sppo_eta must be > 0, got {self.sppo_eta}")
         if self.clip_low is not None and not 0 <= self.clip_low <= 1:
             raise ValueError(f"algo.clip_low must be in [0, 1], got {self.clip_low}")
         if self.clip_high is not None and self.clip_high < 0:

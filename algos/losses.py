@@ -51,7 +51,7 @@ from asyncrl.algos.loss_parts import (
     start_policy_metrics,
 )
 from asyncrl.algos.losses_cov import clip_cov_loss, kl_cov_loss
-from asyncrl.algos.losses_seq import gmpo_loss, gspo_loss, gspo_token_loss
+from asyncrl.algos.losses_seq import gmpo_loss, gspo_loss, gspo_token_loss, sppo_loss
 from asyncrl.algos.registry import LOSSES
 
 __all__ = ["LOSS_AGGREGATIONS", "POLICY_LOSSES", "PolicyLossInputs", "aggregate_loss", "cispo_loss", "clip_cov_loss",

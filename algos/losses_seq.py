@@ -1,5 +1,6 @@
-"""Sequence-ratio policy losses: GSPO and GSPO-token (Qwen, arXiv 2507.18071; docs/algorithms.md §1.5), and GMPO
-(the geometric mean of clipped token ratios, arXiv 2507.20673; §1.13).
+"""Sequence-ratio policy losses: GSPO and GSPO-token (Qwen, arXiv 2507.18071; docs/algorithms.md §1.5), GMPO
+(the geometric mean of clipped token ratios, arXiv 2507.20673; §1.13), and SPPO's squared regression of the
+sequence log-ratio (arXiv 2405.00675; §1.17).
 
 GSPO replaces PPO's per-token ratio by the length-normalised sequence ratio
     s_i = (π_θ(y_i|x) / π_prox(y_i|x))^(1/|y_i|) = exp(mean_t (ℓθ_t - ℓprox_t)),
@@ -112,6 +113,42 @@ def gmpo_loss(
         clipped_low = active & (x.log_ratio < -clip_low)
         clipped_high = active & (x.log_ratio > clip_high)
     return loss, _sequence_metrics(x, seq_log_ratio.detach(), clipped_low, clipped_high)
+
+
+def sppo_loss(
+    inputs: PolicyLossInputs,
+    *,
+    eta: float = 1.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SPPO (self-play preference optimisation, arXiv 2405.00675; verl's recipe/sppo ``compute_sppo_loss``): a
+    regression of each sequence's log-ratio against the policy that sampled it onto its target,
+
+        ρ_i = Σ_t (ℓθ_t - ℓcentre_t),   L_i = ½ (ρ_i - η s_i)²,
+
+    with s_i the sequence's advantage (its mean over the valid tokens: the ``sppo`` estimator gives
+    s_i = R_i - SM_η(R), R's soft-mean over the prompt's group). The minimiser is the multiplicative-weights step
+    π_{t+1} ∝ π_t exp(η R): log(π_{t+1}/π_t) = η R - log Z = η (R - SM_η(R)). No clipping, no reference model: the
+    regression itself keeps π_θ near π_t. The centre must be the sampling policy π_t, so the loss pairs with
+    ``algo.correction=bypass`` (centre = μ). The ½ makes the gradient at ρ = 0 exactly -η s_i ∇ρ_i, REINFORCE's
+    with advantage η s_i, as every asyncrl loss's is at its centre (so one learning rate means the same across
+    losses); verl's value is twice this, with the same minimiser. L_i sits on every valid token of row i, so
+    ``seq-mean-token-mean`` (required) averages it over sequences as verl does. η = 1: verl's ``sppo_eta`` default
+    (the original code's η = 1/β = 1000 scaled a win-rate in [0, 1], not a reward).
+    """
+    if not eta > 0:
+        raise ValueError(f"sppo's eta must be > 0, got {eta}")
+    x = prepare_policy_inputs(inputs)
+    seq_log_ratio = torch.where(x.valid, x.log_ratio, torch.zeros_like(x.log_ratio)).sum(dim=-1)  # [B] ρ_i
+    target = eta * sequence_mean(x.advantages, x.valid)  # [B] η s_i
+    per_sequence = 0.5 * (seq_log_ratio - target).square()  # [B]
+    loss = finish_policy_loss(per_sequence[:, None].expand_as(x.ratio), x, inputs.is_weight)
+    metrics = start_policy_metrics(x)
+    with torch.no_grad():  # token-weighted, like every other policy/ mean: a sequence counts once per valid token
+        add_token_metric(metrics, "policy/sppo_log_ratio", seq_log_ratio[:, None].expand_as(x.ratio), x.valid,
+                         x.tokens)
+        add_token_metric(metrics, "policy/sppo_residual_abs", (seq_log_ratio - target).abs()[:, None].expand_as(
+            x.ratio), x.valid, x.tokens)
+    return loss, metrics
 
 
 @torch.no_grad()

@@ -82,6 +82,7 @@ LOSSES: dict[str, LossSpec] = {
     "kl_cov": LossSpec("kl_cov_loss", {"cov_ratio": "cov_ratio", "kl_cov_coef": "kl_coef"}),
     "topr": LossSpec("topr_loss", ratio_free=True, weights_against_behaviour=True),
     "reinforce": LossSpec("reinforce_loss", ratio_free=True),
+    "sppo": LossSpec("sppo_loss", {"sppo_eta": "eta"}),
 }
 
 CORRECTIONS: dict[str, CorrectionSpec] = {

@@ -149,8 +149,8 @@ def compute_advantages(batch: Batch, groups: list, token_rewards: torch.Tensor, 
         baseline = torch.tensor([float(group.meta["baseline_reward"]) for group in groups], dtype=torch.float64)
     inputs = AdvantageInputs(token_rewards=token_rewards.double(), loss_mask=mask,
                              group_size=len(groups[0].samples), baseline_rewards=baseline)
-    return compute_token_advantages(plan.estimator, inputs, norm_by_std=algo.norm_adv_by_std,
-                                    gamma=algo.gamma).float(), None
+    return compute_token_advantages(plan.estimator, inputs, norm_by_std=algo.norm_adv_by_std, gamma=algo.gamma,
+                                    eta=algo.sppo_eta if plan.estimator == "sppo" else None).float(), None
 
 
 def episode_rows(groups: list) -> torch.Tensor | None:

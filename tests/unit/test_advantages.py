@@ -83,6 +83,24 @@ def test_rloo_is_leave_one_out_and_sums_to_zero_per_group():
     torch.testing.assert_close(per_completion.sum(1), torch.zeros(2, dtype=F64), rtol=0, atol=1e-14)
 
 
+def test_sppo_target_is_the_reward_less_the_groups_soft_mean():
+    """s_i = R_i - SM_η(R_group), SM_η = (1/η) log mean exp(η R), per prompt (verl takes it over the batch): R = [1, 0]
+    gives [1 - ln((e+1)/2), -ln((e+1)/2)] = [0.3798855, -0.6201145]; η scales the soft-mean towards the max (large η)
+    or the mean (small η); equal rewards give 0; the loss's η is the default."""
+    token_rewards, mask = outcome_batch([1, 0, 0.5, 0.5], [2, 3, 1, 4])
+    adv = compute_token_advantages("sppo", AdvantageInputs(token_rewards, mask, 2))
+    soft = math.log((math.e + 1) / 2)
+    want = torch.tensor([1 - soft, -soft, 0.0, 0.0], dtype=F64)[:, None] * mask
+    torch.testing.assert_close(adv, want, rtol=0, atol=1e-12)
+    assert valid_values(adv, mask)[0] == pytest.approx(0.3798855, abs=1e-7)
+    tiny = compute_token_advantages("sppo", AdvantageInputs(token_rewards, mask, 2), eta=1e-6)
+    torch.testing.assert_close(tiny[:2, 0], torch.tensor([0.5, -0.5], dtype=F64), rtol=0, atol=1e-6)  # the mean
+    large = compute_token_advantages("sppo", AdvantageInputs(token_rewards, mask, 2), eta=50.0)
+    assert float(large[0, 0]) == pytest.approx(math.log(2) / 50, abs=1e-9)  # SM_50 ≈ max - ln(2)/50
+    with pytest.raises(ValueError, match="does not read it"):
+        compute_token_advantages("grpo", AdvantageInputs(token_rewards, mask, 2), eta=1.0)
+
+
 def test_grpo_passk_trains_only_each_groups_best_completion():
     token_rewards, mask = outcome_batch([0.2, 1.0, 0.5, 0.0, 3, 3, 1, 0], [1, 2, 3, 4, 1, 2, 1, 1])
     plain = compute_token_advantages("grpo_passk", AdvantageInputs(token_rewards, mask, 4), norm_by_std=False)
@@ -186,7 +204,8 @@ def test_remax_requires_the_greedy_baseline():
 # Registry and contract ------------------------------------------------------------------------------------
 def test_registry_holds_exactly_the_published_estimators():
     assert isinstance(ADVANTAGES, dict)
-    assert set(ADVANTAGES) == {"grpo", "grpo_passk", "rloo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg", "remax"}
+    assert set(ADVANTAGES) == {"grpo", "grpo_passk", "rloo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg",
+                               "remax", "sppo"}
 
 
 def nasty_inputs():

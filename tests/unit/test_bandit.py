@@ -28,7 +28,9 @@ RATIO_LOSSES = ("ppo", "gspo", "gspo_token", "gmpo", "cispo", "sapo", "clip_cov"
 # so gspo/gspo_token + bypass stall on stale data (π(best) ≈ 0.54 after 300 steps): not claimed, use decoupled.
 VALID_FOR_STALE = [(loss, correction) for loss in RATIO_LOSSES for correction in STALE_CORRECTIONS
                    if not (loss.startswith("gspo") and correction == "bypass")]
-VALID_FOR_STALE += [("topr", "none"), ("topr", "bypass"), ("reinforce", "vtrace")]
+VALID_FOR_STALE += [("topr", "none"), ("topr", "bypass"), ("reinforce", "vtrace"), ("sppo", "bypass")]
+SPPO = {"advantage": "sppo", "loss_agg": "seq-mean-token-mean"}
+"""SPPO's loss goes with its own advantage, per-sequence (algos/config.py::AlgoConfig._check_sppo)."""
 
 
 class OneTokenMicroBatch:
@@ -73,7 +75,7 @@ def bandit_step(logits, logits_behav, algo, gen, groups=8, n=8):
 
 @pytest.mark.parametrize("loss, correction", VALID_FOR_STALE)
 def test_stale_bandit_converges_to_the_best_arm(loss, correction):
-    kwargs = {"cov_ratio": 0.2} if loss in ("clip_cov", "kl_cov") else {}
+    kwargs = {"cov_ratio": 0.2} if loss in ("clip_cov", "kl_cov") else SPPO if loss == "sppo" else {}
     algo = AlgoConfig(loss=loss, correction=correction, **kwargs)
     gen = torch.Generator().manual_seed(7)
     logits = torch.zeros(len(ARM_MEANS), dtype=F64, requires_grad=True)
@@ -127,4 +129,4 @@ def test_corrected_gradient_matches_the_exact_on_policy_gradient(correction, cor
 
 
 def test_the_bandit_covers_every_registered_loss():
-    assert set(RATIO_LOSSES) | {"topr"} == set(POLICY_LOSSES)
+    assert set(RATIO_LOSSES) | {"topr", "sppo"} == set(POLICY_LOSSES)

@@ -108,6 +108,17 @@ def test_yaml_round_trips(tmp_path):
     (["tools.builtins=[python]"], "rollout.max_turns >= 2"),
     (["tools.sandbox.memory_mb=0"], "tools.sandbox"),
     (["generator.reward_workers=0"], "reward_workers"),
+    (["algo.loss=sppo", "algo.correction=bypass", "algo.loss_agg=seq-mean-token-mean",
+      "algo.prox_logprobs=recompute"], "go together"),
+    (["algo.advantage=sppo"], "go together"),
+    (["algo.loss=sppo", "algo.advantage=sppo", "algo.loss_agg=seq-mean-token-mean"], "needs algo.correction=bypass"),
+    (["algo.loss=sppo", "algo.advantage=sppo", "algo.correction=bypass", "algo.prox_logprobs=recompute"],
+     "seq-mean-token-mean"),
+    (["algo.loss=sppo", "algo.advantage=sppo", "algo.correction=bypass", "algo.loss_agg=seq-mean-token-mean",
+      "algo.prox_logprobs=recompute", "algo.sppo_eta=0"], "sppo_eta must be > 0"),
+    (["algo.sppo_eta=2.0"], "does not use it"),
+    (["algo.loss=sppo", "algo.advantage=sppo", "algo.correction=bypass", "algo.loss_agg=seq-mean-token-mean",
+      "algo.prox_logprobs=recompute", "rollout.n=1"], "rollout.n must be >= 2"),
 ])
 def test_invalid_algorithm_combinations_are_rejected_with_the_reason(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -132,7 +143,7 @@ def test_remax_switches_on_the_generators_greedy_baseline():
     assert load_config(None, ["algo.advantage=remax"]).rollout.greedy_baseline
 
 
-@pytest.mark.parametrize("recipe", ["demo_cpu.yaml", "grpo.yaml", "dapo.yaml", "gspo.yaml", "cispo.yaml"])
+@pytest.mark.parametrize("recipe", ["demo_cpu.yaml", "grpo.yaml", "dapo.yaml", "gspo.yaml", "cispo.yaml", "sppo.yaml"])
 def test_shipped_recipes_load(recipe):
     cfg = load_config(recipe)
     assert cfg.demo.task == "sort_digits"

@@ -75,9 +75,10 @@ def _gradient_after_step(model, groups, max_tokens, algo=None, ref_model=None):
     return metrics, captured
 
 
-MICROBATCH_INVARIANT = [(loss, correction) for loss in LOSS_NAMES if loss not in ("clip_cov", "kl_cov", "topr")
+MICROBATCH_INVARIANT = [(loss, correction) for loss in LOSS_NAMES if loss not in ("clip_cov", "kl_cov", "topr", "sppo")
                         for correction in ("none", "decoupled", "bypass", "tis", "mis", "icepop", "m2po")]
-MICROBATCH_INVARIANT += [("topr", "none"), ("reinforce", "vtrace"), ("ppo", "geo_rs"), ("ppo", "k3_rs")]
+MICROBATCH_INVARIANT += [("topr", "none"), ("reinforce", "vtrace"), ("ppo", "geo_rs"), ("ppo", "k3_rs"),
+                         ("sppo", "bypass")]
 
 
 @pytest.mark.parametrize("loss, correction", MICROBATCH_INVARIANT)
@@ -86,7 +87,8 @@ def test_train_step_loss_and_gradients_do_not_depend_on_microbatching(model, los
     correction (clip_cov / kl_cov pick tokens per micro-batch, as verl does, so they are excluded)."""
     rng = np.random.default_rng(2)
     groups = [make_group(rng, n=4, temperature=t) for t in (0.7, 1.0, 1.0)]
-    algo = AlgoConfig(loss=loss, correction=correction, loss_agg="seq-mean-token-mean")
+    algo = AlgoConfig(loss=loss, correction=correction, loss_agg="seq-mean-token-mean",
+                      advantage="sppo" if loss == "sppo" else "grpo")  # sppo's loss goes with its advantage
     reference, grads = _gradient_after_step(model, groups, 10_000, algo)
     for budget in (40, 16):
         metrics, other = _gradient_after_step(model, groups, budget, algo)

@@ -16,6 +16,7 @@ from asyncrl.algos.losses import (
     cispo_loss,
     clip_cov_loss,
     gmpo_loss,
+    sppo_loss,
     gpg_loss,
     gspo_loss,
     gspo_token_loss,
@@ -57,8 +58,8 @@ def t(rows):
 
 # Registry ---------------------------------------------------------------------------------------------------
 def test_registry_holds_exactly_the_catalogue():
-    assert set(POLICY_LOSSES) == set(LOSSES) == {"ppo", "gspo", "gspo_token", "gmpo", "cispo", "sapo", "gpg", "clip_cov",
-                                                 "kl_cov", "topr", "reinforce"}
+    assert set(POLICY_LOSSES) == set(LOSSES) == {"ppo", "gspo", "gspo_token", "gmpo", "cispo", "sapo", "gpg",
+                                                 "clip_cov", "kl_cov", "topr", "reinforce", "sppo"}
     assert POLICY_LOSSES["ppo"] is ppo_clip_loss and POLICY_LOSSES["gspo_token"] is gspo_token_loss
 
 
@@ -269,6 +270,32 @@ def test_gspo_token_gives_each_token_its_own_advantage_with_the_sequence_ratio()
     seq, _ = gspo_loss(PolicyLossInputs(logprobs, prox, advantages, mask))
     close(seq, [[-s, 1 - 3e-4]])
     close(grad_of(seq.sum(), logprobs), [[-s / 2, -s / 2]])  # token 0's loss moves the whole sequence
+
+
+def test_sppo_golden_regresses_each_sequence_log_ratio_onto_eta_times_its_target():
+    """verl's compute_sppo_loss on a hand case, halved: ρ = Σ_t (ℓθ - ℓμ) = [0.2, -0.1], targets s = R - SM_1(R)
+    for R = [1, 0] (SM_1 = ln((e + 1)/2)), so L = mean_i ½ (ρ_i - s_i)² = 0.1514389 / 2 and ∂L/∂ρ_i = (ρ_i - s_i) / 2
+    (two rows), the same on every token of a row; padding takes no part."""
+    centre = t([[-1.1, -2.1], [-0.4, 0.0]])
+    logprobs = t([[-1.0, -2.0], [-0.5, -9.0]]).requires_grad_()
+    mask = t([[1.0, 1.0], [1.0, 0.0]])
+    soft_mean = math.log((math.e + 1) / 2)
+    s = [1 - soft_mean, -soft_mean]  # [0.3798855, -0.6201145]
+    advantages = t([[s[0], s[0]], [s[1], 0.0]])
+    loss_t, metrics = sppo_loss(PolicyLossInputs(logprobs, centre, advantages, mask))
+    residual = [0.2 - s[0], -0.1 - s[1]]
+    close(loss_t, [[residual[0] ** 2 / 2] * 2, [residual[1] ** 2 / 2, 0.0]])
+    total = aggregate_loss(loss_t, mask, "seq-mean-token-mean", **counts(mask))
+    assert float(total) == pytest.approx(0.1514389 / 2, abs=1e-7)  # verl's 0.1514389, halved
+    close(grad_of(total, logprobs), [[residual[0] / 2] * 2, [residual[1] / 2, 0.0]])
+    assert float(metrics["policy/sppo_residual_abs"]) == pytest.approx((2 * abs(residual[0]) + abs(residual[1])) / 3)
+    # η scales the target; at ρ = 0 (the first pass over fresh samples) the gradient is -η s / B: REINFORCE with η s
+    at_centre = centre.clone().requires_grad_()
+    loss_t, _ = sppo_loss(PolicyLossInputs(at_centre, centre, advantages, mask), eta=2.0)
+    close(grad_of(aggregate_loss(loss_t, mask, "seq-mean-token-mean", **counts(mask)), at_centre),
+          [[-s[0]] * 2, [-s[1], 0.0]])
+    with pytest.raises(ValueError, match="eta must be > 0"):
+        sppo_loss(PolicyLossInputs(logprobs, centre, advantages, mask), eta=0.0)
 
 
 # Golden cases away from identity -----------------------------------------------------------------------------
