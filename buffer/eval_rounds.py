@@ -131,7 +131,8 @@ class EvalRounds:
             self.last_result_at = self.clock()
             if dealt_at is not None:
                 self.slowest_answer_s = max(self.slowest_answer_s, self.last_result_at - dealt_at)
-            round_.results[index] = ([float(r) for r in rewards], [int(x) for x in lengths], texts)
+            kept = None if texts is None else [text[:EVAL_TEXT_KEPT_CHARS] for text in texts]
+            round_.results[index] = ([float(r) for r in rewards], [int(x) for x in lengths], kept)
             if len(round_.results) == len(self.blobs):
                 del self._rounds[round_.version]
                 done = sorted(round_.results)
@@ -234,6 +235,9 @@ def decode_eval_task(entry) -> EvalTask:
 EVAL_TEXT_CHARS_PER_TOKEN = 32
 """The longest an evaluation completion's text may be, per token of the round's max_tokens: a token decodes to a
 few characters (a byte-level BPE piece, an escape); a longer text did not come from the tokens it claims."""
+EVAL_TEXT_KEPT_CHARS = 2000
+"""What the learner keeps of each accepted text until its round finishes (the samples table shows no more): a
+round's texts then cost at most prompts x n x this, whatever a generator sends."""
 
 
 def check_result(rewards, lengths, n: int, max_tokens: int, texts=None) -> str | None:

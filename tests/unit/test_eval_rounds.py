@@ -4,7 +4,8 @@ import asyncio
 
 import pytest
 
-from asyncrl.buffer.eval_rounds import EVAL_TEXT_CHARS_PER_TOKEN, EvalRounds, check_result, eval_due, first_due
+from asyncrl.buffer.eval_rounds import (EVAL_TEXT_CHARS_PER_TOKEN, EVAL_TEXT_KEPT_CHARS, EvalRounds, check_result,
+                                        eval_due, first_due)
 from asyncrl.buffer.interface import AdmitReply, EvalTask, Status
 from asyncrl.buffer.plausibility import reward_problem
 from asyncrl.configs import load_config, training_eval_blocker
@@ -61,13 +62,14 @@ def test_the_completions_text_of_a_result_is_checked_like_the_rest():
     for texts in (["a"], ["a", 1], "ab", ["a", "b", "c"], ["a" * (longest + 1), "b"], {"a": 1}):
         assert check_result([1.0, 0.0], [1, 1], 2, 8, texts) is not None, texts
     evals = rounds(1)
-    evals.open(0, n=2, temperature=1.0, max_tokens=8)
+    evals.open(0, n=2, temperature=1.0, max_tokens=100)
     (deal,) = evals.deal("g1", 0, 1)
     assert "2 strings" in evals.result("g1", deal[0], [1.0, 0.0], [1, 1], [b"raw", "x"])
     (again,) = evals.deal("g2", 0, 1)
-    assert evals.result("g2", again[0], [1.0, 0.0], [1, 1], ["ok", "fine"]) is None
-    (done,) = evals.finished()
-    assert done.samples == [(evals.blobs[0], ["ok", "fine"], [1.0, 0.0])] and evals.refused == 1
+    plausible = "x" * (EVAL_TEXT_CHARS_PER_TOKEN * 100)  # 3200 characters from 100 tokens: accepted
+    assert evals.result("g2", again[0], [1.0, 0.0], [1, 1], ["ok", plausible]) is None
+    (done,) = evals.finished()  # what the table shows is kept, no more: a round's memory is bounded
+    assert done.samples == [(evals.blobs[0], ["ok", "x" * EVAL_TEXT_KEPT_CHARS], [1.0, 0.0])] and evals.refused == 1
 
 
 @pytest.mark.parametrize("reward", [1e300, -1e300, 1e308, 3.5e38, float("inf"), float("nan"), True, "1"])
