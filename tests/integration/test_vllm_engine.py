@@ -13,6 +13,7 @@ from asyncrl.learner.model import load_model
 from asyncrl.generator.engines.base import WeightLoadError
 from asyncrl.weightsync.publisher import WeightPublisher
 from asyncrl.weightsync.receiver import WeightStage
+from tests.stream_spy import DeliverySpy
 
 pytestmark = pytest.mark.vllm
 PROMPTS = [[31 % 19, 5, 7, 9, 3], [4, 6, 8, 2, 10, 11]]
@@ -163,7 +164,8 @@ def test_an_openai_client_agent_on_the_endpoint_records_what_vllm_sampled(vllm_e
 
 def test_the_endpoint_streams_vllms_tokens_as_they_are_sampled(vllm_engine, demo_assets, event_loop_runner):
     """The official openai client with stream=True against the endpoint on vLLM: a multi-token greedy reply
-    arrives in several content chunks that add up to the non-streamed reply, usage comes last only when asked,
+    arrives in one content chunk per delivery from vLLM (tried until vLLM delivers it in several: a loaded
+    machine gets it whole now and then), the chunks add up to the non-streamed reply, usage comes last only when asked,
     and the episode records exactly the tokens vLLM samples for that prompt. A client that leaves mid-stream
     aborts vLLM's request and leaves no trace in its episode."""
     import openai
@@ -179,14 +181,16 @@ def test_the_endpoint_streams_vllms_tokens_as_they_are_sampled(vllm_engine, demo
     greedy = Sampling(temperature=0.0, max_tokens=12)
     messages = [{"role": "user", "content": "sort:5021="}]
 
+    spy = DeliverySpy(vllm_engine)
+
     async def scenario():
-        endpoint = OpenAIEndpoint(vllm_engine, "asyncrl", greedy)
+        endpoint = OpenAIEndpoint(spy, "asyncrl", greedy)
         await endpoint.start()
-        for key in ("plain", "usage", "bare"):
-            endpoint.sessions[key] = AgentSession(key, tokenizer, EpisodeBudget(4, 0, 64, 16), max_tokens=12)
         try:
-            replies = {}
-            for key, options in (("plain", None), ("usage", {"include_usage": True}), ("bare", None)):
+            replies, growths = {}, []
+            keys = [("plain", None), ("bare", None)] + [(f"usage{n}", {"include_usage": True}) for n in range(8)]
+            for key, options in keys:  # the usage stream again until vLLM delivers the reply in several pieces
+                endpoint.sessions[key] = AgentSession(key, tokenizer, EpisodeBudget(4, 0, 64, 16), max_tokens=12)
                 async with openai.AsyncOpenAI(base_url=endpoint.url, api_key=key, max_retries=0) as client:
                     if key == "plain":
                         replies[key] = await client.chat.completions.create(model="asyncrl", messages=messages)
@@ -195,6 +199,10 @@ def test_the_endpoint_streams_vllms_tokens_as_they_are_sampled(vllm_engine, demo
                         model="asyncrl", messages=messages, stream=True,
                         **({"stream_options": options} if options else {}))
                     replies[key] = [chunk async for chunk in stream]
+                episode = endpoint.sessions[key].episode
+                growths.append((key, spy.text_growths(episode.sequence[episode.prompt_len:], tokenizer)))
+                if key.startswith("usage") and growths[-1][1] > 1:
+                    break
             episode = endpoint.sessions["plain"].episode
             (direct,) = await vllm_engine.sample(episode.sequence[:episode.prompt_len], greedy, 1)
             endpoint.sessions["gone"] = AgentSession("gone", tokenizer, EpisodeBudget(4, 0, 64, 16), max_tokens=12)
@@ -210,20 +218,23 @@ def test_the_endpoint_streams_vllms_tokens_as_they_are_sampled(vllm_engine, demo
                     await asyncio.sleep(0.05)
                 left = dict(vllm_engine.in_flight), endpoint.sessions["gone"].episode
                 replies["gone"] = await client.chat.completions.create(model="asyncrl", messages=messages)
-            return replies, endpoint.sessions, direct, left
+            return replies, growths, endpoint.sessions, direct, left
         finally:
             await endpoint.close()
 
-    replies, sessions, direct, left = event_loop_runner.run_until_complete(scenario())
+    replies, growths, sessions, direct, left = event_loop_runner.run_until_complete(scenario())
     plain = replies["plain"].choices[0].message.content
     assert left == ({}, None)  # vLLM's request aborted, the unrecorded turn undone
     assert replies["gone"].choices[0].message.content == plain  # and the same request answered afterwards
-    texts = [choice.delta.content for chunk in replies["usage"] for choice in chunk.choices if choice.delta.content]
-    assert len(texts) > 1 and "".join(texts) == plain, (texts, plain)
-    assert replies["usage"][-1].choices == [] and replies["usage"][-1].usage.completion_tokens == len(direct.token_ids)
-    assert replies["usage"][-2].choices[0].finish_reason == replies["plain"].choices[0].finish_reason
+    for key, count in growths[1:]:  # one content chunk per delivery that adds text, sent as it comes
+        texts = [choice.delta.content for chunk in replies[key] for choice in chunk.choices if choice.delta.content]
+        assert len(texts) == count and "".join(texts) == plain, (key, texts, count, plain)
+    usage = growths[-1][0]
+    assert growths[-1][1] > 1, f"vLLM delivered the reply whole every time: {growths}"
+    assert replies[usage][-1].choices == [] and replies[usage][-1].usage.completion_tokens == len(direct.token_ids)
+    assert replies[usage][-2].choices[0].finish_reason == replies["plain"].choices[0].finish_reason
     assert all(chunk.usage is None for chunk in replies["bare"])
-    for key in ("usage", "bare"):
+    for key in (usage, "bare"):
         episode = sessions[key].episode
         assert episode.sequence[episode.prompt_len:] == direct.token_ids  # never re-tokenized
         assert len(episode.logprobs) == len(direct.token_ids)
