@@ -13,15 +13,15 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 from asyncrl.algos.registry import (ADVANTAGES, BYPASS, CORRECTIONS, CRITIC_ESTIMATORS, GREEDY_BASELINE_ESTIMATORS,
-                                    LOSSES, NO_WEIGHT)
+                                    LOSSES, NO_WEIGHT, PRM_ESTIMATORS)
 
 CRITIC_ADVANTAGES = CRITIC_ESTIMATORS
 """Estimators that read a value model's predictions (the registry's list)."""
 ADVANTAGE_NAMES = ("grpo", "grpo_passk", "rloo", "reinforce_pp", "reinforce_pp_baseline", "opo", "gpg", "remax",
-                   "sppo", *CRITIC_ADVANTAGES)
+                   "sppo", *CRITIC_ADVANTAGES, *PRM_ESTIMATORS)
 DISCOUNTED = ("reinforce_pp", "gae")
 """Estimators that read algo.gamma."""
-GROUP_ADVANTAGES = ("grpo_passk", "rloo", "reinforce_pp_baseline", "opo", "gpg", "sppo")
+GROUP_ADVANTAGES = ("grpo_passk", "rloo", "reinforce_pp_baseline", "opo", "gpg", "sppo", "prime")
 """Estimators whose baseline is the rest of the group: they need rollout.n >= 2."""
 PER_TURN_ADVANTAGES = ("grpo", "grpo_passk", "rloo")
 """Estimators that can train per-turn samples (rollout.turn_samples=per_turn): one advantage per episode, from the
@@ -67,7 +67,9 @@ class AlgoConfig:
     advantage: str = "grpo"
     """Advantage estimator: grpo, grpo_passk (only each group's best completion learns), rloo, reinforce_pp,
     reinforce_pp_baseline, opo, gpg, remax (needs one greedy sample per prompt, which the generators then
-    supply), gae (PPO with a critic: the `critic` section's value model, trained beside the policy)."""
+    supply), sppo (with algo.loss=sppo), gae (PPO with a critic: the `critic` section's value model, trained beside
+    the policy), prime (PRIME: token rewards from the `prm` section's implicit process reward model, trained online
+    beside the policy on the outcome rewards)."""
     norm_adv_by_std: bool = True
     """GRPO (and grpo_passk): divide by the group's std (False gives Dr.GRPO)."""
     gamma: float = 1.0
@@ -309,9 +311,14 @@ class AlgoConfig:
         """ReMax's baseline: one greedy completion per prompt, sampled by the generators and read by the learner."""
         return self.advantage in GREEDY_BASELINE_ESTIMATORS
 
+    def needs_prm(self) -> bool:
+        """PRIME's implicit process reward model is built and trained only for the estimators that read it."""
+        return self.advantage in PRM_ESTIMATORS
+
     def needs_reference_model(self) -> bool:
-        """The reference model is loaded only when some KL coefficient is non-zero."""
-        return self.kl_loss_coef > 0 or self.kl_reward_coef > 0
+        """The reference model is loaded only when some KL coefficient is non-zero, or for PRIME, whose token
+        rewards are the PRM's log-ratio to it."""
+        return self.kl_loss_coef > 0 or self.kl_reward_coef > 0 or self.needs_prm()
 
     def loss_kwargs(self) -> dict:
         """Keyword arguments of the chosen loss: only the hyperparameters set, so the others keep their

@@ -26,6 +26,7 @@ The plan also decides the advantage path, once, so no learner module asks for an
 | ``estimator``        | every other ``algo.advantage``    | remax: each group's greedy ``baseline_reward``   |
 | ``gae``              | ``algo.advantage=gae``            | the critic's values                              |
 | ``vtrace``           | ``algo.correction=vtrace``        | π_prox, μ, and ``algo.vtrace_values``'s baseline |
+| ``prime``            | ``algo.advantage=prime``          | the implicit PRM's token rewards (learner/prm.py)|
 """
 from dataclasses import dataclass, field
 
@@ -37,6 +38,7 @@ from asyncrl.algos.registry import (
     CORRECTIONS,
     CRITIC_ESTIMATORS,
     LOSSES,
+    PRM_ESTIMATORS,
     WEIGHT,
 )
 
@@ -48,9 +50,10 @@ WEIGHT_PER_MICRO = "per_micro"
 """The correction's weight from ρ = π_prox/μ, computed for each micro-batch (row-wise corrections)."""
 WEIGHT_BATCH = "batch"
 """The correction's weight computed once on the whole batch before the first update (batch-global, m2po)."""
-ADVANTAGE_ESTIMATOR, ADVANTAGE_GAE, ADVANTAGE_VTRACE = "estimator", "gae", "vtrace"
+ADVANTAGE_ESTIMATOR, ADVANTAGE_GAE, ADVANTAGE_VTRACE, ADVANTAGE_PRIME = "estimator", "gae", "vtrace", "prime"
 """The advantage paths (module doc): a group-level estimator of ``advantages.ADVANTAGE_ESTIMATORS``, GAE over the
-critic's values, or V-trace's advantages from π_prox and μ."""
+critic's values, V-trace's advantages from π_prox and μ, or PRIME's from the implicit PRM's token rewards and the
+outcome rewards (algos/prime.py)."""
 WEIGHT_CURRENT = "current"
 """``BYPASS_PG_CORRECTION``'s weight from π_θ/μ on the current pass, per micro-batch (bypass with plain PG)."""
 
@@ -79,7 +82,7 @@ class OffPolicyPlan:
     vtrace_kwargs: dict = field(default_factory=dict)
     """Keywords of ``compute_vtrace_advantages`` set in the config."""
     advantage_path: str = ADVANTAGE_ESTIMATOR
-    """How the advantages are computed: ADVANTAGE_ESTIMATOR, ADVANTAGE_GAE or ADVANTAGE_VTRACE (module doc)."""
+    """How the advantages are computed: ADVANTAGE_ESTIMATOR, ADVANTAGE_GAE, ADVANTAGE_VTRACE or ADVANTAGE_PRIME."""
     estimator: str = "grpo"
     """``algo.advantage``: the estimator's name on the ADVANTAGE_ESTIMATOR path."""
     vtrace_baseline: str = "none"
@@ -122,7 +125,8 @@ def _advantage_path(algo, vtrace: bool) -> dict:
     if vtrace:
         path = ADVANTAGE_VTRACE
     else:
-        path = ADVANTAGE_GAE if algo.advantage in CRITIC_ESTIMATORS else ADVANTAGE_ESTIMATOR
+        path = (ADVANTAGE_GAE if algo.advantage in CRITIC_ESTIMATORS else
+                ADVANTAGE_PRIME if algo.advantage in PRM_ESTIMATORS else ADVANTAGE_ESTIMATOR)
     return dict(advantage_path=path, estimator=algo.advantage,
                 vtrace_baseline=algo.vtrace_values if vtrace else "none", critic_values=algo.needs_critic(),
                 greedy_baseline=algo.needs_greedy_baseline())

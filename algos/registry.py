@@ -105,6 +105,9 @@ CORRECTIONS: dict[str, CorrectionSpec] = {
 
 CRITIC_ESTIMATORS = ("gae",)
 """Advantage estimators that read a value model's predictions (learner/critic.py): choosing one builds the critic."""
+PRM_ESTIMATORS = ("prime",)
+"""Advantage estimators that read an implicit process reward model's token rewards (learner/prm.py, algos/prime.py):
+choosing one builds the PRM and the reference model it is measured against."""
 GREEDY_BASELINE_ESTIMATORS = ("remax",)
 """Advantage estimators whose baseline is the reward of one greedy completion per prompt: the generators sample it
 (rollout.greedy_baseline is switched on) and the learner trains only groups that carry it."""

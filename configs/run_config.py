@@ -13,7 +13,7 @@ from asyncrl.buffer.config import BufferConfig
 from asyncrl.configs.sections import DemoConfig, EvalConfig, JobConfig, ModelConfig, RewardConfig, RewardServerConfig
 from asyncrl.data.config import DataConfig
 from asyncrl.generator.config import AgentConfig, EnvConfig, GeneratorConfig, RolloutConfig, ToolsConfig
-from asyncrl.learner.config import CriticConfig, LearnerConfig, SFTConfig
+from asyncrl.learner.config import CriticConfig, LearnerConfig, PRMConfig, SFTConfig
 from asyncrl.security.config import SecurityConfig
 from asyncrl.telemetry.config import TelemetryConfig
 from asyncrl.weightsync.config import WeightSyncConfig
@@ -106,6 +106,7 @@ class RunConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    prm: PRMConfig = field(default_factory=PRMConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     weightsync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
@@ -158,6 +159,9 @@ def check_sections_agree(cfg: "RunConfig") -> None:
         raise ValueError(f"the critic section is set, but algo.advantage={cfg.algo.advantage} with algo.correction="
                          f"{cfg.algo.correction} has no value model (use algo.advantage=gae, or vtrace with "
                          f"algo.vtrace_values=critic)")
+    if not cfg.algo.needs_prm() and cfg.prm != PRMConfig():
+        raise ValueError(f"the prm section is set, but algo.advantage={cfg.algo.advantage} reads no process reward "
+                         f"model (use algo.advantage=prime; configs/prime.yaml)")
     if cfg.algo.needs_critic() and cfg.critic.warmup_steps >= cfg.learner.total_steps:
         raise ValueError(f"critic.warmup_steps={cfg.critic.warmup_steps} leaves no step of learner.total_steps="
                          f"{cfg.learner.total_steps} to train the policy")

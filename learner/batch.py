@@ -31,6 +31,7 @@ class Batch:
     is_weight: Optional[torch.Tensor] = None  # [B, L-1], filled by batch-global corrections (m2po)
     values: Optional[torch.Tensor] = None  # [B, L-1], the critic's values at the step's start (learner/critic.py)
     returns: Optional[torch.Tensor] = None  # [B, L-1], the critic's regression targets (GAE's Â + V, V-trace's v_s)
+    process_rewards: Optional[torch.Tensor] = None  # [B, L-1], PRIME's token rewards from its PRM (learner/prm.py)
     top_ks: Optional[torch.Tensor] = None  # [B] int64: the row's sampling top-k (-1 off); None: no row uses one
     top_ps: Optional[torch.Tensor] = None  # [B] float32: the row's sampling top-p (1 off); None: no row uses one
 

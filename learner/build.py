@@ -69,13 +69,15 @@ def fused_adamw(params: list) -> bool:
 @dataclass
 class StepParts:
     """What every step uses besides the model and optimizer: the frozen reference model (None unless a KL
-    coefficient is > 0), the reward-KL controller, the batch filter, and PPO's critic (learner/critic.py; None
-    unless the algorithm reads values)."""
+    coefficient is > 0 or PRIME measures its PRM against it), the reward-KL controller, the batch filter, PPO's critic
+    (learner/critic.py; None unless the algorithm reads values) and PRIME's PRM (learner/prm.py; None unless the
+    algorithm reads process rewards)."""
 
     ref_model: object
     kl_controller: object
     batch_filter: BatchFilter
     critic: object = None
+    prm: object = None
 
     def restore(self, state: LearnerState) -> None:
         """Put back what a checkpoint kept: the controller's coefficient (the adaptive one moves every step); a
@@ -93,7 +95,8 @@ def build_step_parts(algo, learner, trust_remote_code: bool, model_path: str, pa
     if algo.needs_reference_model():
         ref_model = build_policy(learner, trust_remote_code, model_path, parallel, adapters=False).eval()
         ref_model.requires_grad_(False)
-        log.info("learner: loaded the reference model for the KL term from %s", model_path)
+        log.info("learner: loaded the reference model (%s) from %s",
+                 "PRIME's PRM" if algo.needs_prm() else "the KL term", model_path)
     if algo.kl_controller == "adaptive":
         controller = AdaptiveKLController(algo.kl_reward_coef, algo.kl_target, algo.kl_horizon)
     else:

@@ -3,9 +3,10 @@
 Layout of one checkpoint, `root/step-{version:08d}/`:
 
     dcp/               model + optimizer, DCP format (FSDP2 DTensors are written sharded, one file per rank); with
-                       PPO's critic (learner/critic.py) its model and optimizer too, under `critic` and `critic_optim`
+                       a companion model, PPO's critic (learner/critic.py) or PRIME's PRM (learner/prm.py), its
+                       model and optimizer too, under `critic` and `critic_optim` (`prm`, `prm_optim`)
     scheduler.pt       the LR scheduler's state_dict (rank 0; identical on every rank)
-    critic_scheduler.pt  the critic's, when there is one
+    critic_scheduler.pt  the critic's (prm_scheduler.pt the PRM's), when there is one
     rng-rank{r}.pt     rank r's RNG states: torch CPU, CUDA (if any), python `random`, numpy
     hf/                config.json, generation_config.json and tokenizer files, so `asyncrl export` needs nothing else
     meta.json          the LearnerState (learner/state.py: version, consumed frontier, counters, receipts awaiting
@@ -49,7 +50,9 @@ META_FILE = "meta.json"
 DCP_DIR = "dcp"
 HF_DIR = "hf"
 SCHEDULER_FILE = "scheduler.pt"
-CRITIC_SCHEDULER_FILE = "critic_scheduler.pt"
+COMPANION_NAMES = ("critic", "prm")
+"""The models trained beside the policy that a checkpoint can hold: each saved under its name in the DCP state, its
+optimizer under `{name}_optim`, its scheduler in `{name}_scheduler.pt`, and `meta.json` says which are in."""
 FORMAT_VERSION = 2
 """meta.json's layout. Format 1 (before LearnerState) is still read: its version and `consumed` dict become a state."""
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -80,7 +83,7 @@ _async_group = None  # (default group, a gloo group only background saves use), 
 
 
 def save_checkpoint(root: str, model, optimizer, scheduler, state: LearnerState, keep_last: int,
-                    model_dir: str | None = None, async_save: bool = False, critic=None) -> str:
+                    model_dir: str | None = None, async_save: bool = False, critic=None, prm=None) -> str:
     """Writes root/step-{state.version:08d}/ and returns its path. Holds: the model and optimizer (DCP, via
     torch.distributed.checkpoint.state_dict.get_state_dict so FSDP2 DTensors are saved sharded), the LR scheduler
     state, every rank's RNG state (torch CPU RNG, CUDA RNG if available, python `random`, numpy), and the whole
@@ -92,11 +95,12 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: LearnerState,
     directory that latest_checkpoint would pick. Keeps the newest keep_last checkpoints (keep_last<=0 keeps all),
     deleting older ones (rank 0 deletes). With async_save=True, uses dcp.async_save; rank 0 renames and prunes as
     soon as the write completes, and the next save or wait_for_pending_save() waits for that. A `critic`
-    (learner/critic.Critic) is saved with the policy, in the same DCP write."""
+    (learner/critic.Critic) or `prm` (learner/prm.ImplicitPRM) is saved with the policy, in the same DCP write."""
     global _pending
     version = state.version
+    companions = _companions(critic, prm)
     meta = {"format": FORMAT_VERSION, "state": state.to_json(), "world_size": _world_size(), "time": time.time(),
-            "critic": critic is not None, "lora": lora_meta(model)}
+            **{name: name in companions for name in COMPANION_NAMES}, "lora": lora_meta(model)}
     json.dumps(meta)  # fail before writing anything if the state is not JSON-able
     if model_dir is not None and not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise CheckpointError(f"model_dir {model_dir} has no config.json")  # on every rank, so none waits alone
@@ -111,8 +115,8 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: LearnerState,
             os.makedirs(tmp_dir)
             _write_hf_files(os.path.join(tmp_dir, HF_DIR), model_dir, model)
             torch.save(scheduler.state_dict(), os.path.join(tmp_dir, SCHEDULER_FILE))
-            if critic is not None:
-                torch.save(critic.scheduler.state_dict(), os.path.join(tmp_dir, CRITIC_SCHEDULER_FILE))
+            for name, part in companions.items():
+                torch.save(part.scheduler.state_dict(), os.path.join(tmp_dir, f"{name}_scheduler.pt"))
         except (OSError, RuntimeError) as err:  # torch.save's zip writer says RuntimeError when the disk fills
             failed = err
     # every rank meets here (the temporary directory exists, empty of stale files, before any rank writes into
@@ -123,7 +127,7 @@ def save_checkpoint(root: str, model, optimizer, scheduler, state: LearnerState,
     except (OSError, RuntimeError) as err:
         failed = err
     _agree_written(failed, tmp_dir)
-    state = checkpoint_state(model, optimizer, critic)
+    state = checkpoint_state(model, optimizer, companions)
     dcp_dir = os.path.join(tmp_dir, DCP_DIR)
     if async_save:
         future = dcp.async_save(state, checkpoint_id=dcp_dir, process_group=_get_async_group(),
@@ -204,27 +208,40 @@ def _finalize_in_background(future, pending: _PendingSave) -> None:
         pending.finalized.set()
 
 
-def checkpoint_state(model, optimizer, critic=None) -> dict:
-    """What DCP saves and loads: the policy and its optimizer, and the critic and its optimizer when given."""
+def _companions(critic, prm) -> dict:
+    """{name: part} of the companion models given (each with .model, .optimizer, .scheduler)."""
+    return {name: part for name, part in (("critic", critic), ("prm", prm)) if part is not None}
+
+
+COMPANION_MISSING = {
+    "critic": "this job trains one (algo.advantage=gae or algo.vtrace_values=critic)",
+    "prm": "this job trains PRIME's implicit PRM (algo.advantage=prime)",
+}
+
+
+def checkpoint_state(model, optimizer, companions: dict | None = None) -> dict:
+    """What DCP saves and loads: the policy and its optimizer, and each companion model's and its optimizer's."""
     model_state, optim_state = get_state_dict(model, optimizer)  # initialises the optimizer state to load into
     state = {"model": model_state, "optim": optim_state}
-    if critic is not None:
-        state["critic"], state["critic_optim"] = get_state_dict(critic.model, critic.optimizer)
+    for name, part in (companions or {}).items():
+        state[name], state[f"{name}_optim"] = get_state_dict(part.model, part.optimizer)
     return state
 
 
-def load_checkpoint(path: str, model, optimizer, scheduler, critic=None) -> LearnerState:
+def load_checkpoint(path: str, model, optimizer, scheduler, critic=None, prm=None) -> LearnerState:
     """Loads everything save_checkpoint wrote into the given (already FSDP-wrapped if distributed) model/optimizer/
-    scheduler (and `critic`'s), restores this rank's RNG state, returns the LearnerState. Clear error naming the
-    path if it is not a complete checkpoint, if it was written with a different world size where that matters (RNG
-    per rank), or if this job has a critic and the checkpoint none (a checkpoint's critic is ignored by a job
-    without one)."""
+    scheduler (and `critic`'s and `prm`'s), restores this rank's RNG state, returns the LearnerState. Clear error
+    naming the path if it is not a complete checkpoint, if it was written with a different world size where that
+    matters (RNG per rank), or if this job has a critic or PRM and the checkpoint none (a checkpoint's companion is
+    ignored by a job without one)."""
     meta = read_meta(path)
-    if critic is not None and not meta.get("critic"):
-        raise CheckpointError(
-            f"checkpoint {path} holds no critic, and this job trains one (algo.advantage=gae or "
-            f"algo.vtrace_values=critic): export its policy with `asyncrl export` and start a new job from it "
-            f"(model.path), whose critic then starts from the policy's weights")
+    companions = _companions(critic, prm)
+    for name in companions:
+        if not meta.get(name):
+            raise CheckpointError(
+                f"checkpoint {path} holds no {name}, and {COMPANION_MISSING[name]}: export its policy with `asyncrl "
+                f"export` and start a new job from it (model.path), whose {name} then starts from the policy's "
+                f"weights")
     if meta.get("lora") != lora_meta(model):
         raise CheckpointError(
             f"checkpoint {path} holds {_describe_lora(meta.get('lora'))} and this job trains "
@@ -239,20 +256,19 @@ def load_checkpoint(path: str, model, optimizer, scheduler, critic=None) -> Lear
     # Every rank checks every file, so all ranks raise together instead of some waiting in dcp.load's collectives.
     files = [os.path.join(path, f"rng-rank{r}.pt") for r in range(world)]
     files += [os.path.join(path, SCHEDULER_FILE), os.path.join(path, DCP_DIR, ".metadata")]
-    if critic is not None:
-        files.append(os.path.join(path, CRITIC_SCHEDULER_FILE))
+    files += [os.path.join(path, f"{name}_scheduler.pt") for name in companions]
     for needed in files:
         if not os.path.exists(needed):
             raise CheckpointError(f"checkpoint {path} is incomplete: {os.path.relpath(needed, path)} is missing")
-    state = checkpoint_state(model, optimizer, critic)
+    state = checkpoint_state(model, optimizer, companions)
     with quiet_single_process_dcp():
         dcp.load(state, checkpoint_id=os.path.join(path, DCP_DIR), no_dist=not _distributed())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(torch.load(os.path.join(path, SCHEDULER_FILE), weights_only=True))
-    if critic is not None:
-        set_state_dict(critic.model, critic.optimizer, model_state_dict=state["critic"],
-                       optim_state_dict=state["critic_optim"])
-        critic.scheduler.load_state_dict(torch.load(os.path.join(path, CRITIC_SCHEDULER_FILE), weights_only=True))
+    for name, part in companions.items():
+        set_state_dict(part.model, part.optimizer, model_state_dict=state[name],
+                       optim_state_dict=state[f"{name}_optim"])
+        part.scheduler.load_state_dict(torch.load(os.path.join(path, f"{name}_scheduler.pt"), weights_only=True))
     restore_rng_state(torch.load(rng_file, weights_only=True))
     _barrier()
     return read_state(path)

@@ -223,6 +223,48 @@ class CriticConfig:
 
 
 @dataclass
+class PRMConfig:
+    """PRIME's implicit process reward model (algo.advantage=prime); learner/prm.py, algos/prime.py. Unused, and
+    refused when set, by every other algorithm. Defaults are verl's PRIME recipe's (recipe/prime/config/
+    prime_trainer.yaml)."""
+
+    model_path: str = ""
+    """A local HF causal-LM directory for the PRM ("" = the policy's starting weights, as verl's recipe does). Its
+    rewards are log-ratios to the reference model, the policy's starting weights: a PRM from elsewhere must share
+    the policy's tokenizer."""
+    lr: float = 1e-6
+    """The PRM's AdamW learning rate (its own optimizer, constant)."""
+    weight_decay: float = 0.0
+    """The PRM's AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Max global gradient norm of the PRM; <= 0 disables clipping."""
+    beta: float = 0.05
+    """β of the implicit reward β log(π_φ/π_ref), in the PRM's loss and in its token rewards (verl's beta_train)."""
+    process_coef: float = 5.0
+    """Weight of the PRM's token rewards in the advantage (verl's reward_dpo_coef); 0 leaves them out."""
+    outcome_coef: float = 5.0
+    """Weight of the outcome reward in the advantage (verl's reward_gt_coef); 0 leaves it out."""
+    norm: str = "batch_norm"
+    """batch_norm: token rewards divided by the batch's largest |return-to-go| (verl's prime_norm); none."""
+    update: str = "before"
+    """before: the PRM trains on the step's batch, then scores it (verl's default: the rewards come from a PRM that
+    has seen these outcomes); after: it scores with its step-start weights and trains once the policy has stepped;
+    none: a frozen PRM (its token rewards are then 0 until model_path gives a trained one)."""
+
+    def __post_init__(self):
+        if self.lr <= 0 or self.beta <= 0:
+            raise ValueError(f"prm.lr and prm.beta must be > 0, got {self.lr}, {self.beta}")
+        if self.weight_decay < 0 or self.process_coef < 0 or self.outcome_coef < 0:
+            raise ValueError("prm.weight_decay, prm.process_coef and prm.outcome_coef must be >= 0")
+        if self.process_coef == 0 and self.outcome_coef == 0:
+            raise ValueError("prm.process_coef and prm.outcome_coef are both 0: the advantages would all be 0")
+        if self.norm not in ("batch_norm", "none"):
+            raise ValueError(f"prm.norm must be batch_norm or none, got {self.norm!r}")
+        if self.update not in ("before", "after", "none"):
+            raise ValueError(f"prm.update must be before, after or none, got {self.update!r}")
+
+
+@dataclass
 class SFTConfig:
     steps: int = 60
     """Optimizer steps of supervised fine-tuning, each on batch_size examples sampled with the step's seed (used

@@ -24,6 +24,7 @@ from asyncrl.learner.checkpoint import (CheckpointWriteFailed, load_checkpoint, 
                                         wait_for_pending_save)
 from asyncrl.learner.collect import collect_batch
 from asyncrl.learner.critic import build_critic
+from asyncrl.learner.prm import build_prm
 from asyncrl.learner.host import LearnerHost
 from asyncrl.learner.learnable import NothingToLearn
 from asyncrl.learner.lr_schedule import resync_after_load
@@ -89,9 +90,11 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
     parts = build_step_parts(cfg.algo, cfg.learner, cfg.model.trust_remote_code, model_path, parallel)
     parts.critic = (build_critic(cfg.critic, cfg.learner, cfg.model.trust_remote_code, model_path, parallel)
                     if cfg.algo.needs_critic() else None)
+    parts.prm = (build_prm(cfg.prm, cfg.learner, cfg.model.trust_remote_code, model_path, parallel)
+                 if cfg.algo.needs_prm() else None)
     resume_from = find_resume_point(cfg.learner, job_dir)
-    state = (load_checkpoint(resume_from, model, optimizer, scheduler, critic=parts.critic) if resume_from
-             else LearnerState())
+    state = (load_checkpoint(resume_from, model, optimizer, scheduler, critic=parts.critic, prm=parts.prm)
+             if resume_from else LearnerState())
     if resume_from:
         resync_after_load(scheduler)  # this job's schedule (learner.total_steps may have grown) at the restored step
     parts.restore(state)
@@ -110,7 +113,7 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
             acks.note_taken()
             if trained:  # a skipped step left the version where it was: nothing new to save
                 checkpoint_if_due(cfg.learner, job_dir, model_path, model, optimizer, scheduler, state, acks,
-                                  last=not data_left, critic=parts.critic)
+                                  last=not data_left, critic=parts.critic, prm=parts.prm)
         wait_for_pending_save()
         acks.all_saved()
         if host is not None:
@@ -137,7 +140,7 @@ def train_one_version(model, optimizer, scheduler, host: LearnerHost | None, par
     settings = dataclasses.replace(loop.step, version=version)
     try:
         result = train_step(model, optimizer, scheduler, groups, loop.algo, settings, ref_model=parts.ref_model,
-                            kl_controller=parts.kl_controller, critic=parts.critic)
+                            kl_controller=parts.kl_controller, critic=parts.critic, prm=parts.prm)
         cause = None if result.stepped else "the gradient was not finite in every mini-batch"
     except PoisonedBatch as err:
         cause = str(err)
@@ -255,10 +258,10 @@ def publish_weights(model, parallel: ParallelState, host: LearnerHost | None, ve
 
 
 def checkpoint_if_due(learner, job_dir: str, model_path: str, model, optimizer, scheduler, state: LearnerState,
-                      acks: AckLedger, last: bool = False, critic=None) -> None:
+                      acks: AckLedger, last: bool = False, critic=None, prm=None) -> None:
     """Every learner.checkpoint_every steps and after the last (learner.total_steps, or `last`: the data ended);
-    with checkpoints off, the buffer may forget each batch at once (there is nothing to resume from). The critic,
-    when there is one, is saved with the policy. `learner` is the learner section."""
+    with checkpoints off, the buffer may forget each batch at once (there is nothing to resume from). The critic
+    or the PRM, when there is one, is saved with the policy. `learner` is the learner section."""
     every = learner.checkpoint_every
     if not every:
         acks.checkpointed(background=False)
@@ -268,7 +271,7 @@ def checkpoint_if_due(learner, job_dir: str, model_path: str, model, optimizer, 
     try:
         save_checkpoint(checkpoint_root(learner.checkpoint_dir, job_dir), model, optimizer, scheduler, state,
                         learner.checkpoint_keep, model_dir=model_path, async_save=learner.checkpoint_async,
-                        critic=critic)
+                        critic=critic, prm=prm)
     except CheckpointWriteFailed as err:
         # a full disk must not end a job that can train on: the buffer keeps every group not yet covered by a
         # checkpoint (no acks), and the next checkpoint tries again; the last one is still whole

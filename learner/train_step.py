@@ -4,7 +4,8 @@ build_batch -> compute_reference_logprobs (only with a KL term) -> penalise_rewa
 recompute_prox_logprobs (only when π_prox is needed before the first update) -> compute_advantages ->
 compute_batch_weight (only for a batch-global correction) -> for each of algo.ppo_minibatches mini-batches:
 forward_backward every micro-batch, optimizer_step. With PPO's critic (learner/critic.py) its no-grad values come
-before the advantages (GAE, or V-trace's baseline) and its own update after the policy's.
+before the advantages (GAE, or V-trace's baseline) and its own update after the policy's; with PRIME's implicit PRM
+(learner/prm.py) its token rewards come before the advantages, and its own update before them or after the policy's.
 
 Which of those optional phases run is the run's `OffPolicyPlan` (built once per step from `algo`): with one
 optimizer step per batch and no batch-global correction, π_prox (the policy at the start of the step) is exactly
@@ -30,7 +31,9 @@ from asyncrl.algos.corrections import compute_correction, compute_vtrace_advanta
 from asyncrl.algos.vtrace import compute_vtrace_advantages_and_targets
 from asyncrl.algos.kl import apply_kl_penalty
 from asyncrl.algos.metrics import combine_token_metrics, compute_group_abs_diff
-from asyncrl.algos.offpolicy_plan import ADVANTAGE_GAE, ADVANTAGE_VTRACE, PROX_RECOMPUTE, WEIGHT_BATCH, OffPolicyPlan
+from asyncrl.algos.offpolicy_plan import (ADVANTAGE_GAE, ADVANTAGE_PRIME, ADVANTAGE_VTRACE, PROX_RECOMPUTE,
+                                          WEIGHT_BATCH, OffPolicyPlan)
+from asyncrl.algos.prime import compute_prime_advantages
 from asyncrl.learner.batch import (Batch, build_batch, placeholder_microbatch, plan_microbatches, scatter_rows,
                                    split_minibatches)
 from asyncrl.learner.critic import Critic, compute_batch_values, train_critic, value_metrics
@@ -38,6 +41,7 @@ from asyncrl.learner.logprobs import compute_logprobs
 from asyncrl.learner.objective import StepCounts, compute_micro_loss, resolve_prox
 from asyncrl.learner.optimizer_step import losses_finite, optimizer_step
 from asyncrl.learner.parallel import ParallelState, all_gather_objects, all_reduce_sum
+from asyncrl.learner.prm import ImplicitPRM, process_metrics, process_rewards, train_prm
 from asyncrl.learner.step_metrics import collect_step_metrics
 
 
@@ -130,12 +134,19 @@ def penalise_rewards(batch: Batch, algo, kl_controller) -> tuple[torch.Tensor, d
 
 
 def compute_advantages(batch: Batch, groups: list, token_rewards: torch.Tensor, algo,
-                       plan: OffPolicyPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       plan: OffPolicyPlan, prm_cfg=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """([B, L-1] advantages, 0 off-mask; the critic's targets [B, L-1], or None without a critic), on the plan's
-    advantage path. GAE and V-trace's critic baseline read the critic's step-start values, `batch.values`."""
+    advantage path. GAE and V-trace's critic baseline read the critic's step-start values, `batch.values`; PRIME
+    reads its PRM's token rewards, `batch.process_rewards`, weighted as `prm_cfg` (the prm section) says."""
     if plan.advantage_path == ADVANTAGE_VTRACE:
         return vtrace_advantages(batch, len(groups), token_rewards, plan)
     mask = batch.loss_mask
+    if plan.advantage_path == ADVANTAGE_PRIME:
+        outcome = torch.where(mask.bool(), token_rewards, torch.zeros_like(token_rewards)).sum(-1)
+        advantages, _ = compute_prime_advantages(batch.process_rewards.double(), outcome.double(), mask,
+                                                 len(groups[0].samples), process_coef=prm_cfg.process_coef,
+                                                 outcome_coef=prm_cfg.outcome_coef)
+        return advantages.float(), None
     if plan.advantage_path == ADVANTAGE_GAE:
         advantages, returns = compute_gae_advantages(token_rewards.double(), batch.values.double(), mask,
                                                      gamma=algo.gamma, lam=algo.lam)
@@ -259,10 +270,12 @@ def data_dependent(what: str, phase, *args):
 
 
 def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSettings, ref_model=None,
-               kl_controller=None, critic: Critic | None = None) -> StepResult:
+               kl_controller=None, critic: Critic | None = None, prm: ImplicitPRM | None = None) -> StepResult:
     """Train on `groups` (one batch); returns its metrics and whether it stepped and moved the weights. With a
     `critic` (PPO's value model, learner/critic.py) its values feed the advantages and it is trained after the
-    policy; during critic.warmup_steps the policy's passes run (for the step's metrics) but it takes no step."""
+    policy; during critic.warmup_steps the policy's passes run (for the step's metrics) but it takes no step. With a
+    `prm` (PRIME's implicit PRM, learner/prm.py) its token rewards feed the advantages, and it trains before it
+    scores the batch or after the policy has stepped (prm.update)."""
     started = time.perf_counter()
     plan = OffPolicyPlan.from_algo(algo)
     batch = data_dependent("build the batch", build_batch, groups)
@@ -273,8 +286,14 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
         batch.logprobs_prox = compute_batch_logprobs(model, batch, settings)
     if critic is not None:
         batch.values = compute_batch_values(critic, batch, settings)
+    prm_metrics = {}
+    if prm is not None:
+        if prm.cfg.update == "before":
+            prm_metrics = train_prm(prm, batch, len(groups[0].samples), settings)
+        batch.process_rewards, log_ratio = process_rewards(prm, batch, settings)
+        prm_metrics.update(process_metrics(batch.process_rewards, log_ratio, batch.loss_mask))
     batch.advantages, batch.returns = data_dependent("compute the advantages", compute_advantages, batch, groups,
-                                                     token_rewards, algo, plan)
+                                                     token_rewards, algo, plan, prm.cfg if prm is not None else None)
     warmup = critic is not None and critic.in_warmup(settings.version)
     batch.is_weight, correction_metrics = compute_batch_weight(batch, plan)
     generator = torch.Generator().manual_seed(settings.seed * 1_000_003 + settings.version)
@@ -327,6 +346,9 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
         metrics["critic/warmup"] = float(warmup)
         if stepped or warmup:  # a skipped step moves nothing, the critic included (the batch is quarantined)
             metrics.update(train_critic(critic, batch, algo.ppo_minibatches, settings))
+    if prm is not None and prm.cfg.update == "after" and stepped:  # a skipped step moves nothing, the PRM included
+        prm_metrics.update(train_prm(prm, batch, len(groups[0].samples), settings))
+    metrics.update(prm_metrics)
     minibatches = max(len(grad_norms), 1)
     metrics.update({
         "loss/pg": pg_loss / minibatches,

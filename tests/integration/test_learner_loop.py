@@ -132,3 +132,39 @@ def test_a_buffer_that_cannot_bind_ends_the_run_failed_and_closes_the_publisher(
     assert [(run.info.run_name, run.info.status) for run in runs] == [("bind-fails", "FAILED")]
     assert catchup_threads() == threads_before  # the publisher's catch-up server was closed
     assert not list(tmp_path.glob("*.ring"))
+
+
+def test_a_prime_job_trains_its_prm_checkpoints_it_and_resumes_with_it(tiny_model_dir, tmp_path, monkeypatch):
+    """algo.advantage=prime through the whole loop: the learner builds the PRM and the reference, every step trains
+    the PRM and reports it, the checkpoint holds it, and a resumed job loads it (learner/prm.py; its math and what a
+    checkpoint restores are in tests/unit/test_prime.py)."""
+    from asyncrl.configs import load_config, shared_hash
+    from asyncrl.learner.loop import run_learner
+
+    monkeypatch.chdir(tmp_path)
+
+    def run(total_steps: int) -> dict:
+        port = free_port()
+        cfg = load_config(None, [f"model.path={tiny_model_dir}", "demo.task=''", "algo.dynamic_sampling=false",
+                                 "algo.advantage=prime", "prm.lr=1e-3", f"buffer.port={port}",
+                                 f"learner.total_steps={total_steps}", "learner.checkpoint_every=3",
+                                 "buffer.max_staleness=1", "buffer.groups_per_step=2", "rollout.n=2",
+                                 "buffer.done_grace_s=5", "telemetry.progress=false", f"weightsync.shm_dir={tmp_path}",
+                                 f"telemetry.tracking_uri=sqlite:///{tmp_path}/mlflow.db"])
+        generator = ScriptedGenerator(f"tcp://127.0.0.1:{port}", shared_hash(cfg), recipe_sampling(cfg))
+        generator.start()
+        summary = run_learner(cfg, tiny_model_dir, [], str(tmp_path))
+        generator.join(timeout=30)
+        assert not generator.errors, generator.errors
+        return summary
+
+    assert run(3)["steps"] == 3
+    checkpoint = tmp_path / "checkpoints" / "step-00000003"
+    assert json.loads((checkpoint / "meta.json").read_text())["prm"] and (checkpoint / "prm_scheduler.pt").exists()
+    resumed = run(4)
+    assert resumed["start_version"] == 3 and resumed["steps"] == 1
+    rows = [json.loads(line) for line in open(tmp_path / "progress.jsonl")]
+    trained = [row for row in rows if "loss/pg" in row]
+    assert [row["step"] for row in trained] == [1, 2, 3, 4]
+    assert all(row["prm/skipped"] == 0.0 and row["prm/loss"] > 0 for row in trained)
+    assert trained[-1]["prm/token_reward/abs_mean"] > 0  # the trained PRM has moved off the reference

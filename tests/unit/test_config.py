@@ -143,7 +143,8 @@ def test_remax_switches_on_the_generators_greedy_baseline():
     assert load_config(None, ["algo.advantage=remax"]).rollout.greedy_baseline
 
 
-@pytest.mark.parametrize("recipe", ["demo_cpu.yaml", "grpo.yaml", "dapo.yaml", "gspo.yaml", "cispo.yaml", "sppo.yaml"])
+@pytest.mark.parametrize("recipe", ["demo_cpu.yaml", "grpo.yaml", "dapo.yaml", "gspo.yaml", "cispo.yaml", "sppo.yaml",
+                                    "prime.yaml"])
 def test_shipped_recipes_load(recipe):
     cfg = load_config(recipe)
     assert cfg.demo.task == "sort_digits"
@@ -164,7 +165,10 @@ def test_config_names_match_the_algos_registries():
     from asyncrl.algos.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
     from asyncrl.algos.registry import CORRECTIONS, LOSSES
 
-    assert set(config.ADVANTAGE_NAMES) == set(ADVANTAGES) | set(config.CRITIC_ADVANTAGES)  # gae reads the critic
+    from asyncrl.algos.registry import PRM_ESTIMATORS
+
+    # gae reads the critic, prime the implicit PRM
+    assert set(config.ADVANTAGE_NAMES) == set(ADVANTAGES) | set(config.CRITIC_ADVANTAGES) | set(PRM_ESTIMATORS)
     assert config.LOSS_NAMES == tuple(LOSSES) and set(config.LOSS_NAMES) == set(POLICY_LOSSES)
     assert config.CORRECTION_NAMES == tuple(CORRECTIONS)
     assert set(CORRECTION_WEIGHTS) < set(config.CORRECTION_NAMES)
