@@ -273,6 +273,7 @@ def job_overrides(args, data_file: str, model_dir: str, host: str, checkpoints: 
     """The job's settings, the same for every process (the shared sections must hash alike)."""
     overrides = [f"model.path={model_dir}", "demo.task=''", f"data.train_files=[{data_file}]",
                  "learner.total_steps=1000000", f"buffer.host={host}", f"buffer.port={free_port()}",
+                 f"weightsync.host={host}",  # the catch-up server too: a generator behind the ring needs it
                  "buffer.max_staleness=1", "buffer.groups_per_step=4", "rollout.n=4", "rollout.max_tokens=10",
                  "algo.dynamic_sampling=false", "generator.engine=hf", "generator.max_inflight_groups=2",
                  "generator.torch_threads=1", "learner.torch_threads=1", "generator.log_every_s=2",
