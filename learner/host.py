@@ -60,6 +60,24 @@ def table_decoder(model_path: str, trust_remote_code: bool):
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def unreachable_weight_servers(buffer, weightsync) -> str | None:
+    """Why generators that reach the buffer beyond this machine could not reach the weight catch-up server, or None.
+    The zmq buffer listening on buffer.host beyond loopback says generators come from elsewhere (other machines or
+    network namespaces), and every one of them that falls behind the shared-memory ring, or runs on another machine,
+    loads its weights from the catch-up server: bound to loopback and advertised as such, it answers none of them,
+    and each load waits out weightsync.timeout_s before the generator goes on with stale weights."""
+    if buffer.backend != "zmq" or buffer.host in LOOPBACK_HOSTS:
+        return None
+    if weightsync.host not in LOOPBACK_HOSTS or weightsync.advertise:
+        return None
+    return (f"the buffer listens on {buffer.host} but the weight catch-up server on {weightsync.host}: generators "
+            f"reaching the buffer from another machine or network namespace cannot load weights from it; set "
+            f"weightsync.host={buffer.host} (or 0.0.0.0 with weightsync.advertise=<this host>)")
+
+
 class LearnerHost:
     def __init__(self, cfg, model, model_path: str, train_files: list, job_dir: str, parallel: ParallelState,
                  state: LearnerState, resumed_from: str | None, prompts: PromptSet | None = None,
@@ -71,6 +89,9 @@ class LearnerHost:
             self.record.write_config({**flatten(cfg), **resolved_hyperparameters(cfg.algo),
                                       "learner.world_size": parallel.world_size, "learner.dp_size": parallel.dp_size},
                                      to_yaml(cfg))
+            unreachable = unreachable_weight_servers(cfg.buffer, cfg.weightsync)
+            if unreachable:
+                log.warning("learner: %s", unreachable)
             publisher = make_publisher(cfg.weightsync, cfg.job.name, keys=server_keys(cfg.security.keys_dir))
             built.callback(publisher.close)
             files = model_files_for(model_path)

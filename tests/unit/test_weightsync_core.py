@@ -183,3 +183,19 @@ def test_mappings_of_dead_processes_are_removed_by_the_next_one(tmp_path):
     stage.close()
     assert f"asyncrl-job-{dead}.ring" not in left and f"asyncrl-stage-gen-{dead}" not in left
     assert f"asyncrl-job-{os.getppid()}.ring" in left and "asyncrl-other-1.ring" in left  # alive, or another job
+
+
+def test_the_learner_warns_when_generators_reach_the_buffer_but_not_the_catch_up_server():
+    """A zmq buffer beyond loopback with the catch-up server on it: a generator in another machine or network
+    namespace that falls behind the ring could never load weights (the soak found it: 60 s waits, stale weights)."""
+    from asyncrl.buffer.config import BufferConfig
+    from asyncrl.learner.host import unreachable_weight_servers
+    from asyncrl.weightsync.config import WeightSyncConfig
+
+    warning = unreachable_weight_servers(BufferConfig(host="10.0.0.1"), WeightSyncConfig())
+    assert "weightsync.host=10.0.0.1" in warning and "127.0.0.1" in warning
+    assert unreachable_weight_servers(BufferConfig(), WeightSyncConfig()) is None  # all on one machine
+    assert unreachable_weight_servers(BufferConfig(host="10.0.0.1"), WeightSyncConfig(host="10.0.0.1")) is None
+    assert unreachable_weight_servers(BufferConfig(host="0.0.0.0"),
+                                      WeightSyncConfig(host="0.0.0.0", advertise="learner-1")) is None
+    assert unreachable_weight_servers(BufferConfig(host="10.0.0.1"), WeightSyncConfig(advertise="learner-1")) is None
