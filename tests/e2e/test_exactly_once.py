@@ -2,9 +2,12 @@
 the cursor lives in Redis, buffer/redis/dealing.py) to two real generators; one is killed with -9 while it holds
 prompts, then the learner is killed with -9 after a checkpoint and resumed, with the generators started again. The
 job ends when the epoch (data.epochs=1) is trained, and the learner's trained_groups.jsonl, read as the final model
-saw it, lists every prompt of the file once. Both backends."""
+saw it, lists every prompt of the file once. Both backends. With Redis every process runs as the job's
+least-privilege Redis user, and the first learner evaluates held-out prompts on the fleet through Redis
+(buffer/redis/eval_bridge.py) before it trains."""
 import contextlib
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -17,6 +20,7 @@ from asyncrl.security.curve import make_keys
 
 from tests.conftest import free_port
 from tests.e2e.jobs import QUIET_TELEMETRY, effective_prompts, job_env, read_progress, subset_parquet
+from tests.integration.helpers import create_job_user, denials, user_url
 
 pytestmark = pytest.mark.slow
 
@@ -76,10 +80,20 @@ def test_two_generators_a_generator_kill_9_and_a_learner_restart_train_each_prom
                  "generator.log_every_s=1", "learner.checkpoint_every=2", "learner.torch_threads=1",
                  "buffer.done_grace_s=30", "buffer.request_timeout_s=5", "telemetry.progress=false",
                  *QUIET_TELEMETRY]
+    first_learner = []  # the first learner's extra settings
     if backend == "redis":  # a generator silent for buffer.redis.lease_s gives its dealt prompts back
+        import pyarrow.parquet as pq
+
+        from asyncrl.buffer.redis.conn import RedisOptions, connect
+
         namespace = f"once{uuid.uuid4().hex[:8]}"
-        overrides += ["buffer.backend=redis", f"buffer.redis.url={request.getfixturevalue('redis_server').url}",
+        redis_server = request.getfixturevalue("redis_server")
+        admin = connect(RedisOptions(redis_server.url))
+        user, password = create_job_user(admin, namespace)
+        overrides += ["buffer.backend=redis", f"buffer.redis.url={user_url(redis_server, user, password)}",
                       f"buffer.redis.namespace={namespace}", "buffer.redis.lease_s=5"]
+        pq.write_table(pq.read_table(files[0]).slice(PROMPTS, 4), tmp_path / "heldout.parquet")  # none trained on
+        first_learner = [f"eval.files=[{tmp_path / 'heldout.parquet'}]", "eval.before_train=true", "eval.n=1"]
     else:  # the zmq job runs with CURVE keys: every request of both lives is encrypted and authenticated
         make_keys(str(tmp_path / "keys"), ["generator"])
         overrides += [f"security.keys_dir={tmp_path / 'keys'}"]
@@ -98,7 +112,7 @@ def test_two_generators_a_generator_kill_9_and_a_learner_restart_train_each_prom
         return len(read_progress(job_dir)) if (job_dir / "progress.jsonl").exists() else 0
 
     try:
-        learner, learner_log = start("learner", "learner")
+        learner, learner_log = start("learner", "learner", extra=first_learner)
         start("generator", "a")
         start("generator", "b")
         wait_for(lambda: steps_done() >= 1, learner, learner_log)
@@ -144,6 +158,12 @@ def test_two_generators_a_generator_kill_9_and_a_learner_restart_train_each_prom
             # consumed as the final checkpoint acked the last groups; nothing is left dealt, ready or returned
             assert int(client.hget(keys["data_cursor"], "consumed")) == PROMPTS
             assert client.hlen(keys["data_place"]) == client.llen(keys["data_returned"]) == 0
+        # the job's user was refused nothing but CONFIG GET, which the server checks ask for first and, refused,
+        # read from INFO instead (buffer/redis/conn.py)
+        assert set(denials(admin, user)) <= {("command", "config|get")}, denials(admin, user)
+        admin.acl_deluser(user)
+        # the first learner evaluated the held-out prompts on the fleet, through Redis, before its first step
+        assert re.search(r"evaluation of v0 on .* over 4 prompts", (tmp_path / "learner.log").read_text())
     print(f"exactly once ({backend}): {len(trained)} prompts trained over {len(timeline)} steps, resumed at "
           f"v{summary['start_version']} ({resumed_from['out']} prompts out then); held when killed "
           f"{({k: len(v) for k, v in held_when_killed.items()})}; "

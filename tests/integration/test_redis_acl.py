@@ -1,8 +1,8 @@
 """The least-privilege Redis user (buffer/redis/acl.py) on a real redis-server: asyncrl's server checks pass as
 that user, and everything outside its commands and its job's keys is refused. The whole protocol runs as such a
-user in tests/e2e/test_redis_resume.py::test_demo_on_redis_with_two_generators_survives_a_generator_kill_9 (real
-learner and generators, dealing, evaluation, a kill -9), whose ACL LOG then holds nothing but the CONFIG GET the
-server checks try before reading INFO."""
+user in tests/e2e/test_exactly_once.py's Redis case (real learners and generators, dealing, evaluation, kills -9
+of a generator and of the learner), whose ACL LOG then holds nothing but the CONFIG GET the server checks try before
+reading INFO."""
 import uuid
 
 import pytest
