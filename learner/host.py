@@ -63,19 +63,19 @@ def table_decoder(model_path: str, trust_remote_code: bool):
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
-def unreachable_weight_servers(buffer, weightsync) -> str | None:
-    """Why generators that reach the buffer beyond this machine could not reach the weight catch-up server, or None.
-    The zmq buffer listening on buffer.host beyond loopback says generators come from elsewhere (other machines or
+def unreachable_weight_servers(buffer_cfg, weightsync_cfg) -> str | None:
+    """Why generators that reach the buffer beyond this machine could not reach the weight catch-up server, or None
+    (`buffer_cfg`, `weightsync_cfg`: those config sections). The zmq buffer listening on buffer.host beyond loopback says generators come from elsewhere (other machines or
     network namespaces), and every one of them that falls behind the shared-memory ring, or runs on another machine,
     loads its weights from the catch-up server: bound to loopback and advertised as such, it answers none of them,
     and each load waits out weightsync.timeout_s before the generator goes on with stale weights."""
-    if buffer.backend != "zmq" or buffer.host in LOOPBACK_HOSTS:
+    if buffer_cfg.backend != "zmq" or buffer_cfg.host in LOOPBACK_HOSTS:
         return None
-    if weightsync.host not in LOOPBACK_HOSTS or weightsync.advertise:
+    if weightsync_cfg.host not in LOOPBACK_HOSTS or weightsync_cfg.advertise:
         return None
-    return (f"the buffer listens on {buffer.host} but the weight catch-up server on {weightsync.host}: generators "
-            f"reaching the buffer from another machine or network namespace cannot load weights from it; set "
-            f"weightsync.host={buffer.host} (or 0.0.0.0 with weightsync.advertise=<this host>)")
+    return (f"the buffer listens on {buffer_cfg.host} but the weight catch-up server on {weightsync_cfg.host}: "
+            f"generators reaching the buffer from another machine or network namespace cannot load weights from it; "
+            f"set weightsync.host={buffer_cfg.host} (or 0.0.0.0 with weightsync.advertise=<this host>)")
 
 
 class LearnerHost:
