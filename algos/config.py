@@ -197,6 +197,10 @@ class AlgoConfig:
         if self.kl_loss_coef > 0 and self.kl_loss_type == "k1":
             raise ValueError("algo.kl_loss_type=k1 has zero expected gradient as a loss term (E∇k1 = 0); "
                              "use k2, k3 or k3+, or put k1 on the reward with algo.kl_reward_coef")
+        if self.advantage in PRM_ESTIMATORS and self.kl_reward_coef > 0:
+            raise ValueError("algo.advantage=prime places each completion's outcome on its last token, so a per-token "
+                             "KL penalty in the reward (algo.kl_reward_coef) would be summed into it; put the KL in "
+                             "the loss (algo.kl_loss_coef) instead")
         if self.kl_loss_coef > 0 and self.kl_reward_coef > 0:
             raise ValueError("algo.kl_loss_coef and algo.kl_reward_coef are both > 0: the KL to the reference "
                              "would be penalised twice; keep one")

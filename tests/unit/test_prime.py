@@ -216,6 +216,9 @@ def test_config_builds_a_prm_and_its_reference_only_for_prime():
         load_config(None, ["prm.beta=0.1"])
     with pytest.raises(Exception, match="rollout.n must be >= 2"):
         load_config(None, ["algo.advantage=prime", "rollout.n=1", "algo.dynamic_sampling=false"])
+    with pytest.raises(ValueError, match="kl_loss_coef"):
+        AlgoConfig(advantage="prime", kl_reward_coef=0.01)
+    assert AlgoConfig(advantage="prime", kl_loss_coef=0.01).needs_reference_model()
     with pytest.raises(ValueError, match="both 0"):
         PRMConfig(process_coef=0.0, outcome_coef=0.0)
     with pytest.raises(ValueError, match="prm.update"):
