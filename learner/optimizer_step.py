@@ -1,5 +1,5 @@
 """Taking an optimizer step only when every rank's loss and the global gradient norm are finite: shared by the
-policy (learner/train_step.py) and the critic (learner/critic.py)."""
+policy (learner/train_step.py), the critic (learner/critic.py) and PRIME's PRM (learner/prm.py)."""
 import math
 
 import torch
