@@ -7,7 +7,8 @@ Every reply of the learner carries its newest weights announcement (weightsync/a
   back, with other bytes) replaces everything the previous life announced, whose late messages are then ignored;
 - loads (`ensure_latest`, before each group is sampled): stages the target version whole and checksummed
   (weightsync/receiver.py WeightStage) and hands it to the engine, one load at a time; a failed load is counted and
-  sampling goes on on the last good version, unless the engine is broken;
+  sampling goes on on the last good version, unless the engine is broken, and the same version is not tried again
+  for RETRY_FAILED_S unless a newer one is announced;
 - pins (`pinned`): while evaluation prompts of a version are sampled, that version is the target, and rounds of
   later versions wait their turn;
 - joins the engine push (weightsync.backend=engine_push) the first time a message names one, if the engine can take
@@ -45,6 +46,11 @@ KEPT_WEIGHT_MESSAGES = 8
 """Announcements of recent versions kept, so an evaluation round can load the version it is pinned to."""
 LOCK_WAIT_S = 2.0
 """How long a push waits for the weights lock before it gives this engine up for the version (PushBusy)."""
+RETRY_FAILED_S = 5.0
+"""A version whose load failed is not tried again for this long unless a newer one is announced. Every worker of a
+generator waits on the one load at a time, and none of them hears the learner while it waits: without the pause, the
+next worker in line would try the same version at once (each try of an unreachable catch-up server waits out
+weightsync.timeout_s), and the generator would never learn that a newer version, or a new learner life, had come."""
 
 
 class WeightFollower:
@@ -61,6 +67,8 @@ class WeightFollower:
         self._loaded_publisher: str | None = None  # the life whose weights the engine holds (None: the model's)
         self._lock = asyncio.Lock()  # one load at a time, staged or pushed
         self._unpinned = asyncio.Event()
+        self._failed: tuple | None = None  # (publisher, version, monotonic time) of the last load that failed
+        self.clock = time.monotonic
 
     def hear(self, announcement: WeightsAnnouncement | None) -> None:
         """The weights announcement of a reply (None: the learner has published nothing yet); typed and checked
@@ -101,6 +109,9 @@ class WeightFollower:
                        and target.publisher != self._loaded_publisher)  # an earlier learner life's weights
             if target.version <= self.engine.version and not foreign:
                 return
+            if self._failed is not None and self._failed[:2] == (target.publisher, target.version) \
+                    and self.clock() - self._failed[2] < RETRY_FAILED_S:
+                return  # sample on the last good version: the next reply may announce a newer one
             started = time.monotonic()
             try:
                 with self.stats.busy:
@@ -118,10 +129,12 @@ class WeightFollower:
             self.stage.end_load(staged, ok=True)
             self._loaded_publisher = target.publisher
             self.stats.weight_loads += 1
+            self._failed = None
         except (WeightSyncError, WeightLoadError) as err:
             if staged is not None:
                 self.stage.end_load(staged, ok=False)
             self.stats.weight_failures += 1
+            self._failed = (target.publisher, target.version, self.clock())
             if isinstance(err, EngineBroken):
                 raise
             log.error("generator %s: %s; continuing on v%d", self.generator_id, err, self.engine.version)

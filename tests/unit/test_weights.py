@@ -9,6 +9,7 @@ import pytest
 from asyncrl.generator import weights
 from asyncrl.generator.engines.base import EngineBroken
 from asyncrl.generator.weights import PushBusy, PushedWeights
+from asyncrl.weightsync.receiver import WeightSyncError
 from tests.messages import announcement
 
 
@@ -183,3 +184,46 @@ def test_the_generators_stats_report_its_pushes():
     snapshot = stats.snapshot(5)
     assert (snapshot["generator/weight_pushes/pushed"], snapshot["generator/weight_pushes/failed"],
             snapshot["generator/weight_pushes/busy"]) == (4.0, 1.0, 2.0)
+
+
+class UnreachableStage(FakeStage):
+    """Every version fails to stage, as when the catch-up server cannot be reached and the ring has moved on."""
+
+    catchup_timeout_s = 0.01
+
+    def stage(self, message):
+        self.staged.append((message.publisher, message.version))
+        raise WeightSyncError(f"weights v{message.version}: no complete copy could be staged (in the test)")
+
+
+def test_a_version_that_failed_to_load_is_not_tried_again_at_once_but_a_newer_one_is():
+    """The soak's generator behind the ring: a load that fails is not repeated by the next worker in line (each try
+    of an unreachable catch-up server waits out its timeout, and no worker hears the learner meanwhile); the worker
+    samples on the last good version, and the next announcement, newer or of a new learner life, is tried at once;
+    the same version again only after RETRY_FAILED_S."""
+    from asyncrl.generator.rollout import RolloutStats
+    from asyncrl.generator.weights import RETRY_FAILED_S, WeightFollower
+
+    now = [100.0]
+    stage = UnreachableStage()
+    follower = WeightFollower(FakeEngine(), stage, "gen-t", RolloutStats())
+    follower.clock = lambda: now[0]
+
+    async def workers(count):
+        await asyncio.gather(*(follower.ensure_latest() for _ in range(count)))
+
+    async def scenario():
+        follower.hear(announcement(470, publisher="life-1"))
+        await workers(3)
+        assert stage.staged == [("life-1", 470)] and follower.stats.weight_failures == 1
+        follower.hear(announcement(471, publisher="life-1"))
+        await workers(2)
+        assert stage.staged[1:] == [("life-1", 471)]
+        follower.hear(announcement(5, publisher="life-2"))  # the learner restarted from a checkpoint
+        await workers(2)
+        assert stage.staged[2:] == [("life-2", 5)]
+        now[0] += RETRY_FAILED_S
+        await workers(2)
+        assert stage.staged[3:] == [("life-2", 5)] and follower.engine.version == 0  # tried once more; still v0
+
+    asyncio.run(scenario())
