@@ -76,24 +76,31 @@ class ScriptedGenerator(threading.Thread):
         return group.group_id, encode_group(group)
 
 
-def test_weights_are_published_every_k_steps_and_after_the_last_and_staleness_stays_within_eta(
-        tiny_model_dir, tmp_path, monkeypatch):
+def run_scripted_job(model_dir: str, tmp_path, overrides: list) -> tuple:
+    """(the learner's summary, the scripted generator) of one in-process learner on a tiny model fed by a
+    ScriptedGenerator; `overrides` go after the shared ones. Run from tmp_path: MLflow writes artifacts under it."""
     from asyncrl.configs import load_config, shared_hash
     from asyncrl.learner.loop import run_learner
 
-    monkeypatch.chdir(tmp_path)  # MLflow writes run artifacts under the working directory
     port = free_port()
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", "demo.task=''", "algo.dynamic_sampling=false",
-                             f"buffer.port={port}",
-                             "learner.total_steps=5", "weightsync.every_steps=2", "buffer.max_staleness=1",
-                             "buffer.groups_per_step=2", "rollout.n=2", "learner.checkpoint_every=0",
+    cfg = load_config(None, [f"model.path={model_dir}", "demo.task=''", "algo.dynamic_sampling=false",
+                             f"buffer.port={port}", "buffer.max_staleness=1", "buffer.groups_per_step=2", "rollout.n=2",
                              "buffer.done_grace_s=5", "telemetry.progress=false", f"weightsync.shm_dir={tmp_path}",
-                             f"telemetry.tracking_uri=sqlite:///{tmp_path}/mlflow.db"])
+                             f"telemetry.tracking_uri=sqlite:///{tmp_path}/mlflow.db", *overrides])
     generator = ScriptedGenerator(f"tcp://127.0.0.1:{port}", shared_hash(cfg), recipe_sampling(cfg))
     generator.start()
-    summary = run_learner(cfg, tiny_model_dir, [], str(tmp_path))
+    summary = run_learner(cfg, model_dir, [], str(tmp_path))
     generator.join(timeout=30)
     assert not generator.errors, generator.errors
+    return summary, generator
+
+
+def test_weights_are_published_every_k_steps_and_after_the_last_and_staleness_stays_within_eta(
+        tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # MLflow writes run artifacts under the working directory
+    summary, generator = run_scripted_job(tiny_model_dir, tmp_path,
+                                          ["learner.total_steps=5", "weightsync.every_steps=2",
+                                           "learner.checkpoint_every=0"])
     assert summary["steps"] == 5
     rows = [json.loads(line) for line in open(tmp_path / "progress.jsonl")]
     assert [row["step"] for row in rows if "timing/weightsync/publish_s" in row] == [2, 4, 5]
@@ -138,25 +145,12 @@ def test_a_prime_job_trains_its_prm_checkpoints_it_and_resumes_with_it(tiny_mode
     """algo.advantage=prime through the whole loop: the learner builds the PRM and the reference, every step trains
     the PRM and reports it, the checkpoint holds it, and a resumed job loads it (learner/prm.py; its math and what a
     checkpoint restores are in tests/unit/test_prime.py)."""
-    from asyncrl.configs import load_config, shared_hash
-    from asyncrl.learner.loop import run_learner
-
     monkeypatch.chdir(tmp_path)
 
     def run(total_steps: int) -> dict:
-        port = free_port()
-        cfg = load_config(None, [f"model.path={tiny_model_dir}", "demo.task=''", "algo.dynamic_sampling=false",
-                                 "algo.advantage=prime", "prm.lr=1e-3", f"buffer.port={port}",
-                                 f"learner.total_steps={total_steps}", "learner.checkpoint_every=3",
-                                 "buffer.max_staleness=1", "buffer.groups_per_step=2", "rollout.n=2",
-                                 "buffer.done_grace_s=5", "telemetry.progress=false", f"weightsync.shm_dir={tmp_path}",
-                                 f"telemetry.tracking_uri=sqlite:///{tmp_path}/mlflow.db"])
-        generator = ScriptedGenerator(f"tcp://127.0.0.1:{port}", shared_hash(cfg), recipe_sampling(cfg))
-        generator.start()
-        summary = run_learner(cfg, tiny_model_dir, [], str(tmp_path))
-        generator.join(timeout=30)
-        assert not generator.errors, generator.errors
-        return summary
+        return run_scripted_job(tiny_model_dir, tmp_path, ["algo.advantage=prime", "prm.lr=1e-3",
+                                                           f"learner.total_steps={total_steps}",
+                                                           "learner.checkpoint_every=3"])[0]
 
     assert run(3)["steps"] == 3
     checkpoint = tmp_path / "checkpoints" / "step-00000003"
