@@ -7,10 +7,10 @@ the frozen reference model (the policy's starting weights, loaded because `algo.
 learns with PRIME's binary cross-entropy from the outcome rewards alone (algos/prime.py).
 
 Each step (learner/train_step.py), with prm.update=before (verl's default): `train_prm` takes one optimizer step on
-the batch, then `process_rewards` scores the batch with the updated PRM and the advantages are computed from those
-token rewards and the outcome rewards; with update=after it scores with its step-start weights and trains once the
-policy has stepped; with update=none it only scores. Its collectives follow the policy's: every rank runs as many
-passes.
+the batch, then a no-grad pass of the updated PRM over the batch gives its token rewards (`process_rewards`) and the
+advantages are computed from those token rewards and the outcome rewards; with update=after it scores with its
+step-start weights and trains once the policy has stepped; with update=none it only scores. Its collectives follow
+the policy's: every rank runs as many passes.
 """
 import dataclasses
 from dataclasses import dataclass
@@ -51,23 +51,13 @@ def outcome_labels(batch: Batch) -> torch.Tensor:
     return torch.where(batch.loss_mask.bool(), batch.token_rewards, torch.zeros_like(batch.token_rewards)).sum(-1)
 
 
-@torch.no_grad()
-def process_rewards(prm: ImplicitPRM, batch: Batch, settings) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token rewards [B, L-1], log-ratios [B, L-1]) of the whole batch with the PRM's current weights: β q_t with
-    q_t = log π_φ - log π_ref (batch.logprobs_ref), normalised as prm.norm says. Each DP rank computes its rows and a
-    sum over the DP group gives every rank the whole batch."""
-    parts, device = [], settings.parallel.device
-    for micro in settings.microbatches(batch):
-        if micro is None:  # FSDP's all-gathers must run on every rank
-            settings.logprobs(prm.model, placeholder_microbatch(batch).to(device))
-            continue
-        logprobs, _ = settings.logprobs(prm.model, micro.to(device))
-        parts.append((micro.rows, logprobs.cpu()))
-    current = scatter_rows(tuple(batch.loss_mask.shape), parts)
-    if settings.parallel.dp_group is not None:
-        current = all_reduce_sum(current.to(device), settings.parallel.dp_group).cpu()
-    log_ratio = torch.where(batch.loss_mask.bool(), current - batch.logprobs_ref, torch.zeros_like(current))
-    return implicit_process_rewards(log_ratio, batch.loss_mask, prm.cfg.beta, prm.cfg.norm), log_ratio
+def process_rewards(prm_logprobs: torch.Tensor, batch: Batch, cfg) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token rewards [B, L-1], log-ratios [B, L-1]) of the whole batch from the PRM's logprobs of it (the train
+    step's no-grad pass, learner/train_step.py::compute_batch_logprobs): β q_t with q_t = log π_φ - log π_ref
+    (batch.logprobs_ref), normalised as `cfg` (the prm section) says."""
+    valid = batch.loss_mask.bool()
+    log_ratio = torch.where(valid, prm_logprobs - batch.logprobs_ref, torch.zeros_like(prm_logprobs))
+    return implicit_process_rewards(log_ratio, batch.loss_mask, cfg.beta, cfg.norm), log_ratio
 
 
 def train_prm(prm: ImplicitPRM, batch: Batch, group_size: int, settings) -> dict:

@@ -290,7 +290,8 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
     if prm is not None:
         if prm.cfg.update == "before":
             prm_metrics = train_prm(prm, batch, len(groups[0].samples), settings)
-        batch.process_rewards, log_ratio = process_rewards(prm, batch, settings)
+        batch.process_rewards, log_ratio = process_rewards(compute_batch_logprobs(prm.model, batch, settings), batch,
+                                                           prm.cfg)
         prm_metrics.update(process_metrics(batch.process_rewards, log_ratio, batch.loss_mask))
     batch.advantages, batch.returns = data_dependent("compute the advantages", compute_advantages, batch, groups,
                                                      token_rewards, algo, plan, prm.cfg if prm is not None else None)

@@ -130,7 +130,7 @@ def test_the_prm_learns_to_score_right_completions_above_wrong_ones(policy_dir):
     batch.logprobs_ref = compute_batch_logprobs(policy, batch, settings)
     labels = outcome_labels(batch)
     assert 0 < float(labels.sum()) < batch.num_rows  # both outcomes are in the batch
-    rewards, log_ratio = process_rewards(prm, batch, settings)
+    rewards, log_ratio = process_rewards(compute_batch_logprobs(prm.model, batch, settings), batch, prm.cfg)
     assert float(rewards.abs().max()) == 0.0 and float(log_ratio.abs().max()) == 0.0  # π_φ = π_ref at the start
     first = train_prm(prm, batch, 4, settings)
     assert first["prm/loss"] == pytest.approx(math.log(2.0))  # σ(0) = 1/2 against every label
@@ -141,7 +141,7 @@ def test_the_prm_learns_to_score_right_completions_above_wrong_ones(policy_dir):
     mixed = [len(set(labels[start:start + 4].tolist())) > 1 for start in range(0, batch.num_rows, 4)]
     assert last["prm/loss"] < 0.1 * first["prm/loss"]
     assert last["prm/pair_accuracy"] == pytest.approx(np.mean([1.0 if m else 0.5 for m in mixed])) and any(mixed)
-    _, log_ratio = process_rewards(prm, batch, settings)
+    _, log_ratio = process_rewards(compute_batch_logprobs(prm.model, batch, settings), batch, prm.cfg)
     summed = (log_ratio * batch.loss_mask).sum(-1)
     assert float(summed[labels == 1].min()) > float(summed[labels == 0].max())
 
