@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from asyncrl.algos.losses_seq import sppo_loss
-from asyncrl.algos.registry import keyword_defaults
+from asyncrl.algos.registry import SPPO_TARGETS, keyword_defaults
 
 WHITEN_EPS = 1e-8
 """Added to the variance before the square root when whitening (verl ``masked_whiten``)."""
@@ -251,11 +251,29 @@ def compute_grpo_passk_advantages(inputs: AdvantageInputs, *, norm_by_std: bool 
     return _broadcast(advantages, valid)
 
 
+def bradley_terry_win_rates(scores: Tensor) -> Tensor:
+    """Each completion's win rate against its prompt's group under the Bradley–Terry preference of a reward model:
+    P(y_i ≻ y_j) = σ(r_i - r_j), P̂_i = (1/n) Σ_j P(y_i ≻ y_j), j over the whole group, i itself included (σ(0) = ½).
+
+    scores [num_groups, n] -> win rates [num_groups, n] in (0, 1), each group's mean exactly ½ (the pairs cancel:
+    σ(d) + σ(-d) = 1). This is SPPO's P̂(y ≻ π_t | x) (arXiv 2405.00675, §3) with the n samples standing for π_t,
+    as its code computes it from a ranker's scores (the full n x n matrix, diagonal included). Only differences of
+    scores matter: a reward model's offset changes nothing, its scale sets how sure each preference is.
+    """
+    if scores.dim() != 2:
+        raise ValueError(f"scores must be [num_groups, n], got shape {tuple(scores.shape)}")
+    return torch.sigmoid(scores[:, :, None] - scores[:, None, :]).mean(dim=2)
+
+
 def compute_sppo_advantages(inputs: AdvantageInputs, *, norm_by_std: bool = True, gamma: float = 1.0,
-                            eps: float = 1e-6, eta: float) -> Tensor:
-    """SPPO's target per completion (arXiv 2405.00675, §1.17): s_i = R_i - SM_η(R_group), with the soft-mean
-    SM_η(R) = (1/η) log mean_j exp(η R_j) over the prompt's group, so that η s_i = η R_i - log E_{π_t}[exp(η R)] is
-    the log-ratio of the multiplicative-weights step π_{t+1} ∝ π_t exp(η R) (the sppo loss regresses onto it).
+                            eps: float = 1e-6, eta: float, target: str = "softmean") -> Tensor:
+    """SPPO's target per completion (arXiv 2405.00675, §1.17). ``target="softmean"`` (verl's recipe, verifiable
+    rewards): s_i = R_i - SM_η(R_group), with the soft-mean SM_η(R) = (1/η) log mean_j exp(η R_j) over the prompt's
+    group, so that η s_i = η R_i - log E_{π_t}[exp(η R)] is the log-ratio of the multiplicative-weights step
+    π_{t+1} ∝ π_t exp(η R) (the sppo loss regresses onto it). ``target="bradley_terry"`` (the paper's, the rewards
+    a reward model's scores): s_i = P̂_i - ½, P̂_i the completion's win rate against its group
+    (``bradley_terry_win_rates``); the paper's step is π_{t+1} ∝ π_t exp(η P̂), whose log-normaliser is η/2 when
+    the n samples stand for π_t (P̂ averages ½ over them).
 
     Per prompt, where verl's recipe takes the soft-mean over the whole batch (its rollout.n = 1): log Z of that
     step is the prompt's, so a baseline from other prompts mixes their difficulty into each sample's target. A
@@ -264,7 +282,11 @@ def compute_sppo_advantages(inputs: AdvantageInputs, *, norm_by_std: bool = True
     """
     if not eta > 0:
         raise ValueError(f"sppo's eta must be > 0, got {eta}")
+    if target not in SPPO_TARGETS:
+        raise ValueError(f"unknown sppo target {target!r}; choose one of {SPPO_TARGETS}")
     valid, rewards = _outcome_rewards(inputs)  # [num_groups, n]
+    if target == "bradley_terry":
+        return _broadcast(bradley_terry_win_rates(rewards) - 0.5, valid)
     soft_mean = (torch.logsumexp(eta * rewards, dim=1, keepdim=True) - math.log(rewards.shape[1])) / eta
     return _broadcast(rewards - soft_mean, valid)
 
@@ -286,12 +308,14 @@ DISCOUNTED_ADVANTAGES = frozenset({"reinforce_pp"})
 
 
 def compute_token_advantages(name: str, inputs: AdvantageInputs, *, norm_by_std: bool = True,
-                             gamma: float = 1.0, eps: float = 1e-6, eta: float | None = None) -> Tensor:
+                             gamma: float = 1.0, eps: float = 1e-6, eta: float | None = None,
+                             sppo_target: str = "softmean") -> Tensor:
     """Advantages [B, T] (0 off-mask, no gradient) of estimator ``name`` over the whole optimizer-step batch.
 
     ``norm_by_std``: grpo only (False = Dr.GRPO). ``gamma``: per-token discount, reinforce_pp only.
     ``eps``: added to the group std (grpo). Defaults are verl's (norm_adv_by_std_in_grpo=True, gamma=1.0,
     epsilon=1e-6). ``eta``: sppo's soft-mean temperature (the sppo loss's η; None: its default), sppo only.
+    ``sppo_target``: what sppo reads the rewards as (``SPPO_TARGETS``), sppo only.
     """
     if name not in ADVANTAGES:
         raise ValueError(f"unknown advantage estimator {name!r}; choose one of {sorted(ADVANTAGES)}")
@@ -302,9 +326,12 @@ def compute_token_advantages(name: str, inputs: AdvantageInputs, *, norm_by_std:
                          f"{sorted(DISCOUNTED_ADVANTAGES)} discount")
     if eta is not None and name != "sppo":
         raise ValueError(f"eta is sppo's soft-mean temperature; advantage {name!r} does not read it")
+    if sppo_target != "softmean" and name != "sppo":
+        raise ValueError(f"sppo_target is sppo's; advantage {name!r} does not read it")
     if name == "sppo":
         eta = keyword_defaults(sppo_loss)["eta"] if eta is None else eta  # one η, written once: the loss's
-        return compute_sppo_advantages(inputs, norm_by_std=norm_by_std, gamma=gamma, eps=eps, eta=eta)
+        return compute_sppo_advantages(inputs, norm_by_std=norm_by_std, gamma=gamma, eps=eps, eta=eta,
+                                       target=sppo_target)
     return ADVANTAGES[name](inputs, norm_by_std=norm_by_std, gamma=gamma, eps=eps)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from typing import Optional
 
 from asyncrl.algos.registry import (ADVANTAGES, BYPASS, CORRECTIONS, CRITIC_ESTIMATORS, GREEDY_BASELINE_ESTIMATORS,
-                                    LOSSES, NO_WEIGHT, PRM_ESTIMATORS)
+                                    LOSSES, NO_WEIGHT, PRM_ESTIMATORS, SPPO_TARGETS)
 
 CRITIC_ADVANTAGES = CRITIC_ESTIMATORS
 """Estimators that read a value model's predictions (the registry's list)."""
@@ -101,6 +101,10 @@ class AlgoConfig:
     sppo_eta: Optional[float] = None
     """sppo: η of the multiplicative-weights step, the scale of the target η (R - SM_η(R)) and the soft-mean's
     temperature (1.0, verl's sppo_eta)."""
+    sppo_target: str = "softmean"
+    """sppo: what the target reads the group's rewards as. softmean: verifiable rewards, s = R - SM_η(R) (verl's
+    recipe). bradley_terry: a reward model's scores (reward.functions[].server, `asyncrl reward-server`), s = P̂ - ½
+    with P̂ each sample's win rate against its group, P(y_i ≻ y_j) = σ(r_i - r_j) (the paper's target)."""
     correction: str = "decoupled"
     """Off-policy correction: none, decoupled (AReaL), bypass (old := behaviour), tis, mis, seq_mis, geo_rs, k3_rs,
     icepop, rs (the rejection-sampling family), m2po, vtrace."""
@@ -223,6 +227,11 @@ class AlgoConfig:
             raise ValueError(f"algo.loss=sppo and algo.advantage=sppo go together (the loss regresses the sequence "
                              f"log-ratio onto η (R - SM_η(R)), the advantage's target); got loss={self.loss}, "
                              f"advantage={self.advantage} (configs/sppo.yaml sets them)")
+        if self.sppo_target not in SPPO_TARGETS:
+            raise ValueError(f"algo.sppo_target must be one of {', '.join(SPPO_TARGETS)}, got {self.sppo_target!r}")
+        if self.sppo_target != "softmean" and self.advantage != "sppo":
+            raise ValueError(f"algo.sppo_target={self.sppo_target} is the sppo advantage's; algo.advantage="
+                             f"{self.advantage} does not read it")
         if self.loss == "sppo" and self.correction != "bypass":
             raise ValueError(f"algo.loss=sppo regresses log π_θ/π_t against the policy that sampled: it needs "
                              f"algo.correction=bypass (the centre is μ), got {self.correction}")

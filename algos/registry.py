@@ -108,6 +108,9 @@ CRITIC_ESTIMATORS = ("gae",)
 PRM_ESTIMATORS = ("prime",)
 """Advantage estimators that read an implicit process reward model's token rewards (learner/prm.py, algos/prime.py):
 choosing one builds the PRM and the reference model it is measured against."""
+SPPO_TARGETS = ("softmean", "bradley_terry")
+"""What the sppo estimator reads a group's rewards as (algo.sppo_target): verifiable rewards (softmean, verl's
+recipe) or a reward model's scores turned into Bradley–Terry win rates (bradley_terry, the paper's target)."""
 GREEDY_BASELINE_ESTIMATORS = ("remax",)
 """Advantage estimators whose baseline is the reward of one greedy completion per prompt: the generators sample it
 (rollout.greedy_baseline is switched on) and the learner trains only groups that carry it."""

@@ -161,7 +161,8 @@ def compute_advantages(batch: Batch, groups: list, token_rewards: torch.Tensor, 
     inputs = AdvantageInputs(token_rewards=token_rewards.double(), loss_mask=mask,
                              group_size=len(groups[0].samples), baseline_rewards=baseline)
     return compute_token_advantages(plan.estimator, inputs, norm_by_std=algo.norm_adv_by_std, gamma=algo.gamma,
-                                    eta=algo.sppo_eta if plan.estimator == "sppo" else None).float(), None
+                                    eta=algo.sppo_eta if plan.estimator == "sppo" else None,
+                                    sppo_target=algo.sppo_target).float(), None
 
 
 def episode_rows(groups: list) -> torch.Tensor | None:

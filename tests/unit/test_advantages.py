@@ -12,6 +12,7 @@ import torch
 from asyncrl.algos.advantages import (
     ADVANTAGES,
     AdvantageInputs,
+    bradley_terry_win_rates,
     compute_gae_advantages,
     compute_grpo_advantages,
     compute_token_advantages,
@@ -99,6 +100,30 @@ def test_sppo_target_is_the_reward_less_the_groups_soft_mean():
     assert float(large[0, 0]) == pytest.approx(math.log(2) / 50, abs=1e-9)  # SM_50 ≈ max - ln(2)/50
     with pytest.raises(ValueError, match="does not read it"):
         compute_token_advantages("grpo", AdvantageInputs(token_rewards, mask, 2), eta=1.0)
+
+
+def test_sppo_bradley_terry_target_is_each_samples_win_rate_against_its_group_less_a_half():
+    """A reward model's scores as Bradley–Terry preferences, P(y_i ≻ y_j) = σ(r_i - r_j), P̂_i their mean over the
+    whole group (i itself at ½), s_i = P̂_i - ½. By hand: scores [1, 0] give P̂ = [(½ + σ(1)) / 2, (σ(-1) + ½) / 2] =
+    [0.6155293, 0.3844707]; scores [2, 0, 0] give P̂_0 = (½ + 2 σ(2)) / 3 = 0.7538647 and P̂_1 = P̂_2 = (σ(-2) + 1) / 3
+    = 0.3730676. Only differences count (an offset of 100 changes nothing), η does not scale the target (the loss
+    multiplies it), and scores far apart saturate at a win rate without NaN."""
+    token_rewards, mask = outcome_batch([1, 0, 0, 0], [2, 3, 1, 4])
+    adv = compute_token_advantages("sppo", AdvantageInputs(token_rewards, mask, 2), sppo_target="bradley_terry")
+    assert valid_values(adv, mask)[:3] == pytest.approx([0.1155293, 0.1155293, -0.1155293], abs=1e-7)
+    assert adv[2:].abs().max() == 0  # equal scores: every win rate is ½
+    assert (adv[~mask.bool()] == 0).all()
+    three, three_mask = outcome_batch([102, 100, 100], [1, 1, 1])
+    wins = compute_token_advantages("sppo", AdvantageInputs(three, three_mask, 3), eta=7.0,
+                                    sppo_target="bradley_terry")[:, 0] + 0.5
+    assert wins.tolist() == pytest.approx([0.7538647, 0.3730676, 0.3730676], abs=1e-7)
+    assert float(wins.sum()) == pytest.approx(1.5, abs=1e-12)  # the group's mean win rate is exactly ½
+    torch.testing.assert_close(bradley_terry_win_rates(torch.tensor([[1e30, -1e30]], dtype=F64)),
+                               torch.tensor([[0.75, 0.25]], dtype=F64), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="does not read it"):
+        compute_token_advantages("grpo", AdvantageInputs(token_rewards, mask, 2), sppo_target="bradley_terry")
+    with pytest.raises(ValueError, match="unknown sppo target"):
+        compute_token_advantages("sppo", AdvantageInputs(token_rewards, mask, 2), sppo_target="elo")
 
 
 def test_grpo_passk_trains_only_each_groups_best_completion():
@@ -284,3 +309,33 @@ def test_gae_with_zero_critic_and_unit_gamma_lambda_is_the_return_to_go():
     want = torch.tensor([[0.9, 0.8, 1.0], [2.0, 2.0, 0.0]], dtype=F64)
     torch.testing.assert_close(adv, want, rtol=0, atol=1e-15)
     torch.testing.assert_close(returns, want, rtol=0, atol=1e-15)
+
+
+def test_the_learners_sppo_step_reads_the_groups_rewards_as_the_config_says():
+    """train_step's advantages for algo.sppo_target=bradley_terry are each sample's win rate from its group's rewards
+    (a reward model's scores here) less ½, and for softmean R - SM_η(R): the config reaches the estimator."""
+    import numpy as np
+
+    from asyncrl.algos.config import AlgoConfig
+    from asyncrl.algos.offpolicy_plan import OffPolicyPlan
+    from asyncrl.learner.batch import build_batch
+    from asyncrl.learner.train_step import compute_advantages
+    from tests.groups import make_group
+
+    groups = [make_group(np.random.default_rng(seed), n=3) for seed in (1, 2)]
+    scores = [[2.5, -1.0, 0.25], [0.0, 3.0, 3.0]]
+    for group, row in zip(groups, scores):
+        for sample, score in zip(group.samples, row):
+            sample.reward = score
+    batch = build_batch(groups)
+    mask = batch.loss_mask.bool()
+    for target, eta in (("bradley_terry", 2.0), ("softmean", 2.0)):
+        algo = AlgoConfig(advantage="sppo", loss="sppo", correction="bypass", loss_agg="seq-mean-token-mean",
+                          sppo_eta=eta, sppo_target=target)
+        advantages, _ = compute_advantages(batch, groups, batch.token_rewards, algo, OffPolicyPlan.from_algo(algo))
+        r = torch.tensor(scores, dtype=F64)
+        want = (bradley_terry_win_rates(r) - 0.5 if target == "bradley_terry"
+                else r - (torch.logsumexp(eta * r, 1, keepdim=True) - math.log(3)) / eta).flatten()
+        per_row = [advantages[row][mask[row]] for row in range(6)]
+        for row, values in enumerate(per_row):
+            torch.testing.assert_close(values, torch.full_like(values, float(want[row])), rtol=0, atol=1e-6)

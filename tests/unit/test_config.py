@@ -117,6 +117,9 @@ def test_yaml_round_trips(tmp_path):
     (["algo.loss=sppo", "algo.advantage=sppo", "algo.correction=bypass", "algo.loss_agg=seq-mean-token-mean",
       "algo.prox_logprobs=recompute", "algo.sppo_eta=0"], "sppo_eta must be > 0"),
     (["algo.sppo_eta=2.0"], "does not use it"),
+    (["algo.sppo_target=bradley_terry"], "sppo advantage's; algo.advantage=grpo does not read it"),
+    (["algo.loss=sppo", "algo.advantage=sppo", "algo.correction=bypass", "algo.loss_agg=seq-mean-token-mean",
+      "algo.prox_logprobs=recompute", "algo.sppo_target=elo"], "sppo_target must be one of softmean, bradley_terry"),
     (["algo.loss=sppo", "algo.advantage=sppo", "algo.correction=bypass", "algo.loss_agg=seq-mean-token-mean",
       "algo.prox_logprobs=recompute", "rollout.n=1"], "rollout.n must be >= 2"),
 ])
@@ -144,7 +147,7 @@ def test_remax_switches_on_the_generators_greedy_baseline():
 
 
 @pytest.mark.parametrize("recipe", ["demo_cpu.yaml", "grpo.yaml", "dapo.yaml", "gspo.yaml", "cispo.yaml", "sppo.yaml",
-                                    "prime.yaml"])
+                                    "prime.yaml", "sppo_rm.yaml"])
 def test_shipped_recipes_load(recipe):
     cfg = load_config(recipe)
     assert cfg.demo.task == "sort_digits"
