@@ -8,7 +8,7 @@ import os
 from setuptools import setup
 
 PARTS = ["algos", "buffer", "data", "generator", "learner", "weightsync", "configs", "launch", "telemetry", "bench",
-         "planner", "security"]
+         "planner", "security", "moe"]
 """The top-level parts, each installed as asyncrl.<part> (tests/unit/test_import_rules.py reads this list)."""
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -20,12 +20,12 @@ import math
 import msgpack
 import numpy as np
 
-from asyncrl.buffer.group import FINISH_REASONS, SCHEMA_VERSION, Group, Sample, Sampling
+from asyncrl.buffer.group import FINISH_REASONS, SCHEMA_VERSION, Group, Sample, Sampling, route_dtype
 from asyncrl.buffer.plausibility import Implausible, JobLimits, check_shape, check_values
 
 REJECT_REASONS = ("too_large", "malformed", "schema", "length_mismatch", "token_out_of_range", "bad_logprob",
                   "bad_version", "bad_reward", "bad_finish_reason", "empty", "group_size", "too_long", "sampling",
-                  "future_version", "generator_id", "unknown_deal")
+                  "future_version", "generator_id", "unknown_deal", "bad_route")
 """Every `CodecError.reason`; each is a metric key suffix under `buffer/rejected/`."""
 
 _GROUP_KEYS = frozenset(
@@ -36,6 +36,9 @@ _SAMPLE_KEYS = frozenset({"completion_ids", "logprobs", "versions", "loss_mask",
 _TURN_SAMPLE_KEYS = _SAMPLE_KEYS | {"episode"}
 """A per-turn sample (rollout.turn_samples=per_turn) also names its episode; the key is absent otherwise, so
 whole-episode groups are byte-identical to what they were."""
+ROUTES_KEY = "routed_experts"
+"""A sample of a job that replays MoE routes (learner.moe_routing_replay) also carries them, raw bytes in
+`route_dtype`; the key is absent otherwise."""
 _SAMPLING_KEYS = frozenset({"temperature", "top_p", "top_k", "max_tokens"})
 
 
@@ -82,7 +85,16 @@ def _sample_to_wire(sample: Sample) -> dict:
         "reward_info": {k: float(v) for k, v in sample.reward_info.items()},
         "finish_reason": sample.finish_reason,
         **({} if sample.episode is None else {"episode": int(sample.episode)}),
+        **({} if sample.routed_experts is None else {ROUTES_KEY: _routes_to_wire(sample.routed_experts)}),
     }
+
+
+def _routes_to_wire(routes: np.ndarray) -> bytes:
+    """Raw bytes in the array's own dtype, which must be a route dtype (uint8 or uint16, `route_dtype`)."""
+    if routes.dtype not in (np.uint8, np.uint16) or routes.ndim != 3:
+        raise TypeError(f"routed_experts must be uint8 or uint16 [positions, layers, top_k], got {routes.dtype} "
+                        f"{routes.shape}")
+    return _array_to_wire(routes, routes.dtype)
 
 
 def _array_to_wire(values, dtype) -> bytes:
@@ -134,6 +146,7 @@ def decode_group(data: bytes, *, vocab_size: int, max_version: int, max_message_
     )
     _check_tokens(prompt_ids, "prompt_ids", vocab_size)
     _check_episodes(group.samples)
+    _decode_routes(root["samples"], group, None if limits is None else limits.routing)
     newest = -1
     for i, sample in enumerate(group.samples):
         _check_sample_values(sample, f"samples[{i}]", vocab_size, logprob_tolerance)
@@ -145,6 +158,36 @@ def decode_group(data: bytes, *, vocab_size: int, max_version: int, max_message_
         raise CodecError("future_version", "samples[].versions", f"version {newest} is newer than the learner's "
                                                                  f"{max_version}")
     return group
+
+
+def _decode_routes(wire_samples: list, group: Group, routing: tuple | None) -> None:
+    """Each sample's routed experts, checked against the model's (num_layers, top_k, num_experts): present exactly
+    when the job replays routes, one row per position the sampler ran through the model (P + T - 1: the prompt's
+    and the completion's but the last token), every index an expert of the model. A route the learner replayed
+    unchecked would index past the experts or send a token to experts it never went to."""
+    for i, (wire, sample) in enumerate(zip(wire_samples, group.samples)):
+        where = f"samples[{i}].{ROUTES_KEY}"
+        raw = wire.get(ROUTES_KEY)
+        if routing is None:
+            if raw is not None:
+                raise CodecError("malformed", where, "routed experts, but this job does not replay routes "
+                                                     "(learner.moe_routing_replay is off)")
+            continue
+        if raw is None:
+            raise CodecError("bad_route", where, "missing: this job replays routes (learner.moe_routing_replay), "
+                                                 "so every sample carries them")
+        if type(raw) is not bytes:
+            raise CodecError("malformed", where, f"expected bytes, got {type(raw).__name__}")
+        layers, top_k, experts = routing
+        dtype = route_dtype(experts)
+        rows = len(group.prompt_ids) + len(sample.completion_ids) - 1
+        if len(raw) != rows * layers * top_k * dtype.itemsize:
+            raise CodecError("bad_route", where, f"{len(raw)} bytes, not [{rows} positions, {layers} layers, "
+                                                 f"{top_k} experts] of {dtype.name}")
+        routes = np.frombuffer(raw, dtype=dtype.newbyteorder("<")).astype(dtype).reshape(rows, layers, top_k)
+        if routes.size and int(routes.max()) >= experts:
+            raise CodecError("bad_route", where, f"expert {int(routes.max())} of a model with {experts}")
+        sample.routed_experts = routes
 
 
 def _check_episodes(samples: list) -> None:
@@ -239,7 +282,8 @@ def _samples(value) -> list[Sample]:
 
 def _sample(obj, where: str) -> Sample:
     """Types and dtypes only; values are checked by `_check_sample_values` once the whole group parsed."""
-    _check_keys(obj, _TURN_SAMPLE_KEYS if type(obj) is dict and "episode" in obj else _SAMPLE_KEYS, where)
+    expected = _TURN_SAMPLE_KEYS if type(obj) is dict and "episode" in obj else _SAMPLE_KEYS
+    _check_keys(obj, expected | {ROUTES_KEY} if type(obj) is dict and ROUTES_KEY in obj else expected, where)
     return Sample(
         completion_ids=_array(obj["completion_ids"], f"{where}.completion_ids", np.int32),
         logprobs=_array(obj["logprobs"], f"{where}.logprobs", np.float32),

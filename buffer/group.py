@@ -57,6 +57,11 @@ class Sample:
     """rollout.turn_samples=per_turn: the index (0 .. n-1) of the episode this sample is one model turn of; its
     turns share its reward and its advantage (docs/agents.md, "Reasoning templates"). None: the sample is a whole
     completion or episode, its own."""
+    routed_experts: np.ndarray | None = None
+    """learner.moe_routing_replay: the experts the sampler routed each position to, [P + T - 1, num_layers, top_k]
+    (prompt and completion tokens alike, all but the last token, which was never run through the model; dense
+    layers 0), dtype `route_dtype(num_experts)`; vLLM's `CompletionOutput.routed_experts` layout. None: not
+    recorded (the job does not replay routes)."""
 
 
 @dataclass(eq=False)
@@ -114,6 +119,11 @@ class Group:
         nothing (DAPO's dynamic sampling drops it: the generator that sampled it, and the learner again)."""
         rewards = self.rewards()
         return not rewards or max(rewards) == min(rewards)
+
+
+def route_dtype(num_experts: int) -> np.dtype:
+    """The dtype routes travel in: one byte an expert index up to 256 experts (as vLLM returns them), else two."""
+    return np.dtype(np.uint8) if num_experts <= 256 else np.dtype(np.uint16)
 
 
 def new_group_id() -> str:

@@ -88,13 +88,16 @@ class RunInfo:
     """data.deal_timeout_s: a dealt prompt not answered within it is dealt again (with `deals`)."""
     evals: bool = False
     """The learner runs evaluation rounds (a Redis generator asks for their prompts only then)."""
+    routing_replay: bool = False
+    """learner.moe_routing_replay: the learner replays MoE routes, so the generators' engines record them and every
+    sample carries its own (moe/routing.py); the learner's setting, whatever the generator's recipe says."""
 
     def to_wire(self) -> dict:
         return {"model_path": self.model_path, "train_files": list(self.train_files),
                 "mlflow_run_id": self.mlflow_run_id, "tracking_uri": self.tracking_uri, "host": self.host,
                 "job_dir": self.job_dir, "job": self.job, "model_files": self.model_files, "lora_rank": self.lora_rank,
                 "deals": self.deals, "data_sources": list(self.data_sources), "deal_timeout_s": self.deal_timeout_s,
-                "evals": self.evals}
+                "evals": self.evals, "routing_replay": self.routing_replay}
 
     @classmethod
     def from_wire(cls, wire, endpoint: str) -> RunInfo:
@@ -129,7 +132,8 @@ _RUN_INFO_TYPES = {"model_path": ((str,), "a string"), "train_files": _STRINGS, 
                    "tracking_uri": ((str,), "a string"), "host": ((str,), "a string"), "job_dir": ((str,), "a string"),
                    "job": ((str,), "a string"), "model_files": ((str,), "a string"), "lora_rank": ((int,), "an integer"),
                    "deals": ((bool,), "a boolean"), "data_sources": _STRINGS,
-                   "deal_timeout_s": ((int, float), "a number"), "evals": ((bool,), "a boolean")}
+                   "deal_timeout_s": ((int, float), "a number"), "evals": ((bool,), "a boolean"),
+                   "routing_replay": ((bool,), "a boolean")}
 
 
 @dataclass

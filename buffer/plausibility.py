@@ -51,6 +51,9 @@ class JobLimits:
     episodes: bool = False
     """Samples are multi-turn episodes (tools, an environment or an agent): a group's prompt is the episodes'
     shared opening, rendered by the environment, so it need not be the dealt row's tokens (buffer/dealing.py)."""
+    routing: tuple | None = None
+    """(num_layers, top_k, num_experts) of the model when the learner replays MoE routes (learner.moe_routing_replay):
+    every sample must carry its routes in that shape. None: no sample may carry any."""
 
     @property
     def max_samples(self) -> int:

@@ -189,9 +189,27 @@ def check_sections_agree(cfg: "RunConfig") -> None:
                          f"generator.engine={cfg.generator.engine}")
     if cfg.learner.lora.enabled:
         check_lora(cfg)
+    if cfg.learner.moe_routing_replay:
+        check_routing_replay(cfg)
     if cfg.reward.overlong_buffer_len >= cfg.rollout.max_tokens:
         raise ValueError(f"reward.overlong_buffer_len ({cfg.reward.overlong_buffer_len}) must be smaller than "
                          f"rollout.max_tokens ({cfg.rollout.max_tokens})")
+
+
+def check_routing_replay(cfg: "RunConfig") -> None:
+    """Routing replay (moe/routing.py) needs every sampled token's route, position by position, in the learner's
+    padded rows: each sample is one model turn (an episode's environment tokens were routed by no sampler), the
+    rows are neither packed nor split over ranks, and the engine records routes (hf here; vLLM's capture needs its
+    Model Runner V2, which needs Triton: GPU only)."""
+    if cfg.samples_episodes():
+        raise ValueError("learner.moe_routing_replay replays the routes of single-turn samples; episodes with tools, "
+                         "an environment or an agent are not supported")
+    if cfg.learner.packing or cfg.learner.sp_size > 1:
+        raise ValueError("learner.moe_routing_replay needs padded micro-batches on one rank per sequence: turn off "
+                         "learner.packing and keep learner.sp_size=1")
+    if cfg.generator.engine not in ("hf", "vllm"):
+        raise ValueError(f"learner.moe_routing_replay needs an engine that records routes (hf, or vllm on a GPU); "
+                         f"generator.engine={cfg.generator.engine} does not")
 
 
 def check_lora(cfg: "RunConfig") -> None:

@@ -145,7 +145,8 @@ async def build_rollout(cfg, client, hello: HelloReply, generator_id: str, built
     built.callback(stage.close)
     ipc_push = cfg.weightsync.backend == "engine_push" and cfg.weightsync.engine_transport == "ipc"
     engine = make_engine(cfg.generator.engine, engine_options(
-        cfg.generator, cfg.model, model_path, seed, info.lora_rank, cfg.buffer.max_staleness, ipc_push))
+        cfg.generator, cfg.model, model_path, seed, info.lora_rank, cfg.buffer.max_staleness, ipc_push,
+        record_routes=info.routing_replay))
     built.push_async_callback(engine.close)
     await engine.start()
     episodes = None

@@ -83,6 +83,7 @@ class GroupSampler:
                 logprobs=np.asarray(completion.logprobs, dtype=np.float32),
                 versions=np.asarray(completion.versions, dtype=np.int32),
                 reward=reward, finish_reason=completion.finish_reason, reward_info=info,
+                routed_experts=completion.routed_experts,
             ))
         self.stats.groups += 1
         return Group(group_id=new_group_id(), prompt_id=row.prompt_id, generator_id=self.generator_id,

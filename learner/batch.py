@@ -34,6 +34,8 @@ class Batch:
     process_rewards: Optional[torch.Tensor] = None  # [B, L-1], PRIME's token rewards from its PRM (learner/prm.py)
     top_ks: Optional[torch.Tensor] = None  # [B] int64: the row's sampling top-k (-1 off); None: no row uses one
     top_ps: Optional[torch.Tensor] = None  # [B] float32: the row's sampling top-p (1 off); None: no row uses one
+    routed_experts: Optional[torch.Tensor] = None  # [B, L, layers, top_k] int16: the sampler's MoE routes, -1 where
+    # a position has none (padding, each row's last token); None: the job does not replay routes (moe/routing.py)
 
     @property
     def num_rows(self) -> int:
@@ -89,6 +91,7 @@ def build_batch(groups: list) -> Batch:
         temps[row] = group.sampling.temperature
         top_ks[row], top_ps[row] = group.sampling.top_k, group.sampling.top_p
     nucleus = bool((top_ks > 0).any() or (top_ps < 1).any())
+    routes = batch_routes(rows, length)
     return Batch(
         input_ids=torch.from_numpy(input_ids),
         attention_mask=torch.from_numpy(attention_mask),
@@ -100,7 +103,25 @@ def build_batch(groups: list) -> Batch:
         rows=torch.arange(batch),
         top_ks=torch.from_numpy(top_ks) if nucleus else None,
         top_ps=torch.from_numpy(top_ps) if nucleus else None,
+        routed_experts=routes,
     )
+
+
+def batch_routes(rows: list, length: int) -> Optional[torch.Tensor]:
+    """[B, length, layers, top_k] int16 of the samples' routes (`Sample.routed_experts`, positions 0 .. P + T - 2 of
+    each row), -1 elsewhere; None when no sample carries any (the codec lets a job's groups carry them all or
+    none). int16 keeps a long batch small (8x less than int64); expert indices fit (route_dtype: at most uint16,
+    and the models replayed have far fewer than 32768 experts)."""
+    carried = [sample.routed_experts for _, sample in rows]
+    if all(routes is None for routes in carried):
+        return None
+    first = next(routes for routes in carried if routes is not None)
+    out = np.full((len(rows), length, *first.shape[1:]), -1, dtype=np.int16)
+    for row, routes in enumerate(carried):
+        if routes is None:
+            raise ValueError(f"row {row} carries no routed experts while others do")
+        out[row, :len(routes)] = routes
+    return torch.from_numpy(out)
 
 
 def split_minibatches(batch: Batch, num_minibatches: int) -> list[Batch]:

@@ -96,6 +96,11 @@ class LearnerConfig:
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them (less memory, ~1/3 more
     compute)."""
+    moe_routing_replay: bool = False
+    """Mixture-of-experts models: the generators record the experts each sampled token was routed to and the
+    learner's forward replays them, so π_θ is computed on the sampler's routes (moe/routing.py; docs/algorithms.md
+    §4.8). The router still trains through the replayed experts' weights. Single-turn samples, padded micro-batches
+    (no packing, sp_size 1), the hf engine (vLLM: GPU only, its capture needs Model Runner V2)."""
     cpu_offload: bool = False
     """FSDP2 CPUOffloadPolicy: keep sharded parameters, gradients and optimizer state in host memory (GPU only)."""
     max_consecutive_skips: int = 3

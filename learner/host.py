@@ -27,6 +27,7 @@ from asyncrl.learner.publish import VersionPublisher, model_files_for
 from asyncrl.learner.state import LearnerState
 from asyncrl.learner.step_metrics import component_means
 from asyncrl.learner.trust import GeneratorTrust
+from asyncrl.moe.routing import routing_shape
 from asyncrl.security.curve import server_keys
 from asyncrl.telemetry.run_record import RunRecord, batch_metrics
 from asyncrl.weightsync.backends import make_publisher
@@ -35,7 +36,8 @@ log = logging.getLogger(__name__)
 
 
 def build_run_info(job_name: str, model_path: str, train_files: list, job_dir: str, record: RunRecord,
-                   model_files: tuple | None, lora, dealer, deal_timeout_s: float, evaluates: bool) -> RunInfo:
+                   model_files: tuple | None, lora, dealer, deal_timeout_s: float, evaluates: bool,
+                   routing_replay: bool = False) -> RunInfo:
     """What the learner tells every generator in its hello reply: where the model and the run are, and which
     features of this job the generator must take part in."""
     return RunInfo(
@@ -46,7 +48,8 @@ def build_run_info(job_name: str, model_path: str, train_files: list, job_dir: s
         lora_rank=lora.rank if lora.enabled else 0,  # the generators' vLLM engines size their adapter slots by it
         deals=dealer is not None,  # generators sample what they are dealt and need no copy of the data
         data_sources=tuple(dealer.data_sources) if dealer is not None else (), deal_timeout_s=deal_timeout_s,
-        evals=evaluates)  # a Redis generator asks for evaluation prompts only then
+        evals=evaluates,  # a Redis generator asks for evaluation prompts only then
+        routing_replay=routing_replay)  # the generators' engines record every token's experts
 
 
 def table_decoder(model_path: str, trust_remote_code: bool):
@@ -100,9 +103,11 @@ class LearnerHost:
             self.dealer, self.overlong_prompts = build_dealer(prompts, cfg.data, cfg.job.seed, state.data_cursor)
             rounds = build_eval_rounds(eval_prompts, cfg.eval.every_steps, cfg.eval.timeout_s)
             run_info = build_run_info(cfg.job.name, model_path, train_files, job_dir, self.record, files,
-                                      cfg.learner.lora, self.dealer, cfg.data.deal_timeout_s, rounds is not None)
+                                      cfg.learner.lora, self.dealer, cfg.data.deal_timeout_s, rounds is not None,
+                                      cfg.learner.moe_routing_replay)
             limits = job_limits(cfg.rollout, cfg.data.max_prompt_tokens, model_positions(model),
-                                episodes=cfg.samples_episodes())
+                                episodes=cfg.samples_episodes(),
+                                routing=routing_shape(model.config) if cfg.learner.moe_routing_replay else None)
             self.buffer = make_learner_buffer(cfg.buffer, cfg.security, cfg.job.name, limits,
                                               vocab_size=model.get_input_embeddings().num_embeddings,
                                               config_hash=shared_hash(cfg),

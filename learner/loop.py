@@ -33,6 +33,7 @@ from asyncrl.learner.publish import GatherSettings, outgoing_version
 from asyncrl.learner.state import AckLedger, LearnerState
 from asyncrl.learner.step_metrics import warn_on_mismatch
 from asyncrl.learner.train_step import PoisonedBatch, StepSettings, train_step
+from asyncrl.moe.routing import RoutingReplay, routing_shape
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +61,16 @@ class LoopSettings:
     gather: GatherSettings
 
 
-def loop_settings(cfg, parallel: ParallelState) -> LoopSettings:
-    """The loop's settings from the run's config: the one place the loop reads the whole of it."""
+def loop_settings(cfg, parallel: ParallelState, routing=None) -> LoopSettings:
+    """The loop's settings from the run's config: the one place the loop reads the whole of it. `routing`: the
+    policy's RoutingReplay when learner.moe_routing_replay."""
     learner = cfg.learner
     step = StepSettings(version=0, max_staleness=cfg.buffer.max_staleness,
                         max_tokens_per_microbatch=learner.max_tokens_per_microbatch,
                         chunk_tokens=learner.logprob_chunk_tokens, grad_clip=learner.grad_clip,
                         seed=part_seed(learner.seed, cfg.job.seed),
-                        packing=learner.packing, fp32_head=cfg.model.lm_head_fp32, parallel=parallel)
+                        packing=learner.packing, fp32_head=cfg.model.lm_head_fp32, parallel=parallel,
+                        routing=routing)
     gather = GatherSettings(learner.lora, cfg.weightsync.dtype, int(learner.gather_bucket_mb * 2**20))
     return LoopSettings(cfg.algo, step, cfg.buffer.groups_per_step, cfg.buffer.max_staleness,
                         learner.wait_for_batch_timeout_s, cfg.weightsync.every_steps, learner.total_steps,
@@ -86,6 +89,7 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
     if cfg.learner.torch_threads:
         torch.set_num_threads(cfg.learner.torch_threads)
     model = build_policy(cfg.learner, cfg.model.trust_remote_code, model_path, parallel).train()
+    routing = RoutingReplay(model, *routing_shape(model.config)) if cfg.learner.moe_routing_replay else None
     optimizer, scheduler = build_optimizer(model, cfg.learner)
     parts = build_step_parts(cfg.algo, cfg.learner, cfg.model.trust_remote_code, model_path, parallel)
     parts.critic = (build_critic(cfg.critic, cfg.learner, cfg.model.trust_remote_code, model_path, parallel)
@@ -102,7 +106,7 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
                        prompts=prompts, eval_prompts=eval_prompts) if parallel.is_main else None
     acks = AckLedger(host.buffer if host is not None else None, state)
     start_version, status, tell_generators = state.version, "FAILED", False
-    loop = loop_settings(cfg, parallel)
+    loop = loop_settings(cfg, parallel, routing)
     try:
         publish_weights(model, parallel, host, state.version, loop.gather)
         if host is not None:

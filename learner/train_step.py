@@ -84,6 +84,9 @@ class StepSettings:
     """The LM head's matmul in fp32 (model.lm_head_fp32)."""
     parallel: ParallelState = None
     """This rank's place in the learner's mesh; None is one process."""
+    routing: object = None
+    """The policy's RoutingReplay (moe/routing.py) when learner.moe_routing_replay: each forward replays its
+    micro-batch's routes."""
 
     def __post_init__(self):
         if self.parallel is None:
@@ -97,7 +100,11 @@ class StepSettings:
                                  parallel.dp_size)
 
     def logprobs(self, model, micro: Batch, with_entropy: bool = False):
-        """Logprobs (and entropy) of a micro-batch already on the learner's device."""
+        """Logprobs (and entropy) of a micro-batch already on the learner's device. With routing replay the
+        micro-batch's routes are set first, and stay set through its backward (a checkpointed layer's recompute
+        replays them too)."""
+        if self.routing is not None:
+            self.routing.set_routes(micro.routed_experts)
         return compute_logprobs(model, micro.input_ids, micro.attention_mask, micro.temperatures, self.chunk_tokens,
                                 with_entropy=with_entropy, packed=self.packing, sp_group=self.parallel.sp_group,
                                 top_ks=micro.top_ks, top_ps=micro.top_ps, fp32_head=self.fp32_head)

@@ -26,6 +26,9 @@ class Completion:
     """Prompt tokens the engine found in its prefix cache (vLLM's `num_cached_tokens` of the completion's last
     request; 0 from engines that do not report it): what bench/agent_prefix.py reads to show turn k reusing turn
     k-1's KV cache."""
+    routed_experts: object = None
+    """With EngineOptions.record_routes: the experts of every position the model ran (prompt and completion but the
+    last token), a numpy array [P + T - 1, num_layers, top_k] in `route_dtype` (Sample.routed_experts)."""
 
 
 class WeightLoadError(RuntimeError):
@@ -140,5 +143,9 @@ class EngineOptions:
     update_mode: str = "wait"
     """How a weight load treats running requests (generator.update_mode: wait, keep or abort)."""
     trust_remote_code: bool = False
+    record_routes: bool = False
+    """Record the experts each token was routed to (an MoE model whose learner replays them: moe/routing.py); each
+    Completion then carries `routed_experts`. The hf engine records them with hooks; vLLM returns them itself
+    (`enable_return_routed_experts`, its Model Runner V2: GPU only); SGLang's engine refuses."""
     vllm: VllmOptions = field(default_factory=VllmOptions)
     sglang: SglangOptions = field(default_factory=SglangOptions)

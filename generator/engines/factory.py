@@ -6,12 +6,13 @@ from asyncrl.generator.engines.base import Engine, EngineOptions, VllmOptions
 
 
 def engine_options(gen, model, model_path: str, seed: int, lora_rank=0, max_staleness: int = 0,
-                   ipc_push: bool = False) -> EngineOptions:
+                   ipc_push: bool = False, record_routes: bool = False) -> EngineOptions:
     """The options of the engine generator.engine, from the generator and model sections: the one place that reads
     the vLLM-only knobs. `lora_rank`: a LoRA learner's rank (its run info's `lora_rank`, learner.lora.rank: the
     learner's setting, whatever the generator's recipe says); it publishes adapters, which the vLLM engine serves
     as such, up to that rank and every version the buffer admits (`max_staleness` + 1) at once; the hf engine needs
-    nothing up front. `ipc_push`: the learner pushes through CUDA IPC (weightsync.engine_transport=ipc)."""
+    nothing up front. `ipc_push`: the learner pushes through CUDA IPC (weightsync.engine_transport=ipc).
+    `record_routes`: the learner replays MoE routes (its run info's `routing_replay`), so the engine records them."""
     vllm = VllmOptions()
     if gen.engine == "vllm":
         lora = {}
@@ -24,7 +25,8 @@ def engine_options(gen, model, model_path: str, seed: int, lora_rank=0, max_stal
                            enable_prefix_caching=gen.vllm.enable_prefix_caching, lm_head_fp32=model.lm_head_fp32,
                            ipc_push=ipc_push, **lora)
     return EngineOptions(model_path, gen.dtype, gen.max_model_len, gen.kv_cache_gib, seed,
-                         update_mode=gen.update_mode, trust_remote_code=model.trust_remote_code, vllm=vllm)
+                         update_mode=gen.update_mode, trust_remote_code=model.trust_remote_code, vllm=vllm,
+                         record_routes=record_routes)
 
 
 def make_engine(name: str, options: EngineOptions) -> Engine:
@@ -40,6 +42,10 @@ def make_engine(name: str, options: EngineOptions) -> Engine:
         return VllmEngine(options)
     if name == "sglang":
         from asyncrl.generator.engines.sglang_engine import SglangEngine
+
+        if options.record_routes:
+            raise RuntimeError("the learner replays MoE routes (learner.moe_routing_replay), and asyncrl's SGLang "
+                               "engine does not record them: use generator.engine=vllm (GPU) or hf")
 
         if options.sglang.engine_factory is None:  # a test's fake needs no SGLang
             try:

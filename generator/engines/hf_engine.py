@@ -13,6 +13,7 @@ for it.
 import asyncio
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from asyncrl.generator.engines.base import Completion, EngineOptions, WeightLoadError
@@ -48,6 +49,8 @@ class HfEngine:
         self.eos_token_id = None
         self.adapter = None  # the LoRA settings once a LoRA version was loaded (lora_adapter.AdapterSpec)
         self._base_shapes: dict = {}
+        self.recorder = None  # with options.record_routes: the hooks that keep each forward's experts
+        self.route_dtype = None
 
     async def start(self) -> None:
         from transformers import AutoModelForCausalLM
@@ -58,6 +61,12 @@ class HfEngine:
         self._base_shapes = {name: tuple(param.shape) for name, param in self.model.named_parameters()}
         eos = self.model.generation_config.eos_token_id or self.model.config.eos_token_id
         self.eos_token_id = sorted(set(eos if isinstance(eos, list) else [eos]))
+        if self.options.record_routes:
+            from asyncrl.buffer.group import route_dtype
+            from asyncrl.moe.routing import RouteRecorder, routing_shape
+
+            layers, _, experts = routing_shape(self.model.config)
+            self.recorder, self.route_dtype = RouteRecorder(self.model, layers), route_dtype(experts)
 
     async def sample(self, prompt_ids: list, sampling, n: int) -> list[Completion]:
         future = asyncio.get_running_loop().create_future()
@@ -97,6 +106,7 @@ class HfEngine:
         input_ids, attention_mask = left_pad([request.prompt_ids for request in batch])
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         output = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True)
+        routes = RouteLog(self.recorder, input_ids.shape) if self.recorder is not None else None
         copies = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor([request.n for request in batch]))
         output.past_key_values.batch_select_indices(copies)
         output.logits = output.logits[copies, -1:]
@@ -133,6 +143,8 @@ class HfEngine:
                 attention_mask, positions = attention_mask[keep], positions[keep]
             output = self.model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=positions,
                                 past_key_values=cache, use_cache=True)
+            if routes is not None:
+                routes.decoded(live_rows, step)
         completions = [Completion() for _ in range(rows)]
         tokens, logprobs, lengths = tokens_out.tolist(), logprobs_out.tolist(), lengths.tolist()
         for row, completion in enumerate(completions):
@@ -141,6 +153,9 @@ class HfEngine:
             completion.versions = [self.version] * lengths[row]
         for row, completion in enumerate(completions):
             completion.finish_reason = "stop" if bool(stopped[row]) else "length"
+            if routes is not None:
+                completion.routed_experts = routes.of(row, int(copies[row]), len(prompts[row]), lengths[row],
+                                                      self.route_dtype)
         results, start = [], 0
         for request in batch:
             results.append(completions[start:start + request.n])
@@ -216,6 +231,29 @@ class HfEngine:
             request.future.cancel()
         self._pending.clear()
         self.model = None
+
+
+class RouteLog:
+    """The experts of one batch's forwards (learner.moe_routing_replay): the prefill's, one row per request over its
+    left-padded prompt, then each decode step's, one per live row; `of` puts a completion's together in
+    Sample.routed_experts's layout (every position the model ran, prompt and completion but the last token)."""
+
+    def __init__(self, recorder, prompt_shape: tuple):
+        self.recorder = recorder
+        self.prompts = recorder.chosen(*prompt_shape).to(torch.int16)  # [requests, width, layers, top_k]
+        self.steps: list = []  # per decode step: (rows it ran, [rows, layers, top_k])
+
+    def decoded(self, live_rows: torch.Tensor, step: int) -> None:
+        if step != len(self.steps):
+            raise RuntimeError(f"decode step {step} recorded after {len(self.steps)} steps")
+        self.steps.append((live_rows.clone(), self.recorder.chosen(len(live_rows), 1)[:, 0].to(torch.int16)))
+
+    def of(self, row: int, request: int, prompt_len: int, length: int, dtype) -> np.ndarray:
+        """[prompt_len + length - 1, layers, top_k] of batch row `row` (request `request`'s copy)."""
+        parts = [self.prompts[request, self.prompts.shape[1] - prompt_len:]]
+        for live_rows, chosen in self.steps[:max(length - 1, 0)]:
+            parts.append(chosen[(live_rows == row).nonzero()[0]])
+        return torch.cat(parts)[:prompt_len + length - 1].numpy().astype(dtype)
 
 
 def take_batch(pending: list, max_seqs: int) -> list:

@@ -27,6 +27,8 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+import numpy as np
+
 from asyncrl.generator.engines.base import (Completion, EngineBroken, EngineOptions, EngineUnsupported,
                                             WeightLoadError)
 from asyncrl.generator.engines.lora_adapter import ServedAdapters, is_lora_version, vllm_max_lora_rank
@@ -191,6 +193,13 @@ class VllmEngine:
         if delta.finish_reason is not None:
             completion.finish_reason = "stop" if delta.finish_reason == "stop" else (
                 "abort" if delta.finish_reason == "abort" else "length")
+            routes = getattr(delta, "routed_experts", None)  # [P + T - 1, layers, top_k], on the last output only
+            if routes is not None:  # a resubmitted sample's last request covers its whole sequence
+                completion.routed_experts = np.asarray(routes)
+            elif self.options.record_routes and completion.finish_reason != "abort":
+                self.mark_broken("vLLM finished a sample without its routed experts, with "
+                                 "enable_return_routed_experts on")
+                raise EngineBroken(self.broken)
 
     async def load_weights(self, staged, fallback=None) -> None:
         """Pause, load the whole staged version, reset the prefix cache, resume. On failure reload `fallback` (the
@@ -366,6 +375,13 @@ def engine_args(options: EngineOptions, on_gpu: bool) -> dict:
     and a CPU cache of two more (an adapter evicted from it is reloaded from its directory)."""
     vllm = options.vllm
     gpu_memory_utilization, lora_rank, max_loras = vllm.gpu_memory_utilization, vllm.lora_rank, vllm.max_loras
+    if options.record_routes and not on_gpu:
+        raise EngineUnsupported("routing replay (learner.moe_routing_replay) needs the experts of every token, which "
+                                "vLLM returns only from its Model Runner V2, and that needs Triton: a GPU. On CPU "
+                                "use generator.engine=hf, which records them itself")
+    if options.record_routes and not vllm.enable_prefix_caching:
+        raise ValueError("vLLM returns routed experts only with prefix caching on (it reads a cached prompt's "
+                         "routes back from its blocks): keep generator.vllm.enable_prefix_caching=true")
     if gpu_memory_utilization > 0 and not on_gpu:
         raise ValueError(f"generator.vllm.gpu_memory_utilization={gpu_memory_utilization} sizes the KV cache from GPU "
                          f"memory, and this machine has no GPU: size it with generator.kv_cache_gib (and "
@@ -380,6 +396,7 @@ def engine_args(options: EngineOptions, on_gpu: bool) -> dict:
         "enable_prefix_caching": vllm.enable_prefix_caching, "logprobs_mode": "processed_logprobs",
         "disable_log_stats": True, "weight_transfer_config": {"backend": TRANSFER_BACKEND}, **memory,
         **({"hf_overrides": {"head_dtype": "float32"}} if vllm.lm_head_fp32 else {}),
+        **({"enable_return_routed_experts": True} if options.record_routes else {}),
         **({"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(lora_rank), "max_loras": max_loras,
             "max_cpu_loras": max_loras + 2} if lora_rank else {}),
     }

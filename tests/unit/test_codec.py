@@ -8,6 +8,7 @@ import math
 import msgpack
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -292,7 +293,7 @@ def test_the_sample_count_is_checked_before_any_sample_is_decoded():
 def test_every_reject_reason_has_a_test_above():
     tested = {"too_large", "malformed", "schema", "length_mismatch", "token_out_of_range", "bad_logprob",
               "bad_version", "bad_reward", "bad_finish_reason", "empty", "group_size", "too_long", "sampling",
-              "future_version"}
+              "future_version", "bad_route"}  # bad_route: test_routes_cross_the_wire_... below
     # generator_id and unknown_deal are a backend's checks (the group against its connection, and against the
     # prompt dealt to it): tests/unit/test_buffer_server.py
     assert set(REJECT_REASONS) == tested | {"generator_id", "unknown_deal"}
@@ -405,3 +406,57 @@ def test_valid_groups_round_trip(group):
     assert_same_group(group, out)
     assert out.min_version() == group.min_version()
     assert all(math.isfinite(r) for r in out.rewards())
+
+
+ROUTED = JobLimits(**{**LIMITS.__dict__, "routing": (2, 2, 4)})
+"""LIMITS of a job that replays MoE routes: 2 layers, top 2 of 4 experts."""
+
+
+def routed_group(**route_overrides) -> Group:
+    """make_group's samples with routes: P + T - 1 positions (3 + 3 - 1 and 3 + 2 - 1) x 2 layers x top 2."""
+    group = make_group()
+    for sample in group.samples:
+        rows = len(group.prompt_ids) + len(sample.completion_ids) - 1
+        sample.routed_experts = np.arange(rows * 4, dtype=np.uint8).reshape(rows, 2, 2) % 4
+    for index, routes in route_overrides.items():
+        group.samples[int(index)].routed_experts = routes
+    return group
+
+
+def test_routes_cross_the_wire_when_the_job_replays_them_and_are_checked_against_the_model():
+    group = routed_group()
+    got = decode(encode_group(group), limits=ROUTED)
+    for sent, back in zip(group.samples, got.samples):
+        np.testing.assert_array_equal(back.routed_experts, sent.routed_experts)
+        assert back.routed_experts.dtype == np.uint8
+    plain = make_group()
+    assert encode_group(plain) == encode_group(make_group(group_id=plain.group_id, samples=plain.samples))  # no key
+    for bad, reason, detail in (
+            (routed_group(**{"0": np.zeros((4, 2, 2), np.uint8)}), "bad_route", "not [5 positions"),
+            (routed_group(**{"1": np.full((4, 2, 2), 4, np.uint8)}), "bad_route", "expert 4 of a model with 4"),
+            (routed_group(**{"0": None}), "bad_route", "missing"),
+            (routed_group(**{"0": np.zeros((5, 1, 2), np.uint8)}), "bad_route", "bytes, not"),
+    ):
+        err = reject(encode_group(bad), limits=ROUTED)
+        assert err.reason == reason and detail in str(err), str(err)
+    err = reject(encode_group(routed_group()), limits=LIMITS)  # routes sent to a job that replays none
+    assert err.reason == "malformed" and "does not replay routes" in str(err)
+    err = reject(rewrite(routed_group(), lambda wire: wire["samples"][0].update(routed_experts="zz")), limits=ROUTED)
+    assert err.reason == "malformed" and "expected bytes" in str(err)
+    with pytest.raises(TypeError, match="uint8 or uint16"):
+        encode_group(routed_group(**{"0": np.zeros((5, 2, 2), np.int64)}))
+
+
+def test_a_batch_puts_each_samples_routes_at_its_positions_and_minus_one_elsewhere():
+    from asyncrl.learner.batch import build_batch
+
+    group = routed_group()
+    batch = build_batch([group])
+    routes = batch.routed_experts
+    assert routes.dtype == torch.int16 and tuple(routes.shape) == (2, 6, 2, 2)
+    np.testing.assert_array_equal(routes[0, :5].numpy(), group.samples[0].routed_experts)
+    np.testing.assert_array_equal(routes[1, :4].numpy(), group.samples[1].routed_experts)
+    assert (routes[0, 5:] == -1).all() and (routes[1, 4:] == -1).all()
+    assert build_batch([make_group()]).routed_experts is None
+    micro = batch.select(torch.tensor([1]))
+    assert tuple(micro.routed_experts.shape) == (1, 5, 2, 2)  # trimmed to the row's length, as every [B, L] field

@@ -350,3 +350,39 @@ def test_the_transfer_engine_hands_a_pushed_version_to_vllms_nccl_engine_and_ref
         ShmUpdateInfo()
     with pytest.raises(ValueError, match="unknown transport"):
         ShmInitInfo(transport="carrier-pigeon")
+
+
+def test_routed_experts_need_a_gpu_and_prefix_caching_and_reach_the_completion_from_the_last_output():
+    """vLLM returns routes only from its Model Runner V2 (Triton: a GPU) and with prefix caching; its last output of a
+    sample carries [P + T - 1, layers, top_k], which the completion keeps. A finished sample without them, with
+    routing replay on, breaks the engine loudly (every group would be refused without its routes)."""
+    import numpy as np
+
+    from asyncrl.generator.engines.base import Completion
+    from asyncrl.generator.engines.vllm_engine import engine_args
+
+    def options(**vllm):
+        return EngineOptions("/m", "float32", 64, 0.1, 0, record_routes=True, vllm=VllmOptions(**vllm))
+
+    with pytest.raises(EngineUnsupported, match="Model Runner V2.*use generator.engine=hf"):
+        engine_args(options(), on_gpu=False)
+    with pytest.raises(ValueError, match="prefix caching"):
+        engine_args(options(enable_prefix_caching=False), on_gpu=True)
+    assert engine_args(options(), on_gpu=True)["enable_return_routed_experts"] is True
+    assert "enable_return_routed_experts" not in engine_args(EngineOptions("/m", "float32", 64, 0.1, 0), on_gpu=True)
+    engine = VllmEngine(options())
+    routes = np.arange(2 * 3 * 2, dtype=np.uint8).reshape(3, 2, 2)
+    completion = Completion()
+
+    def delta(tokens, finish=None, routed=None):
+        flat = SimpleNamespace(start_indices=list(range(len(tokens))), logprobs=[-0.5] * len(tokens))  # FlatLogprobs
+        return SimpleNamespace(token_ids=tokens, logprobs=flat, weight_versions=None, finish_reason=finish,
+                               routed_experts=routed)
+
+    engine._take(delta([4]), completion, 0, 0)
+    assert completion.routed_experts is None  # streamed deltas carry none
+    engine._take(delta([5], "stop", routes), completion, 0, 0)
+    np.testing.assert_array_equal(completion.routed_experts, routes)
+    with pytest.raises(EngineBroken, match="without its routed experts"):
+        engine._take(delta([6], "length"), Completion(), 0, 0)
+    assert engine.broken
