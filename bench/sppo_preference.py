@@ -11,7 +11,8 @@ path end to end on the demo task (digit sort) and measures it against the verifi
    Bradley–Terry (-log σ(r_chosen - r_rejected)) on pairs from the demo's training prompts, as a reward model is
    trained on its policy's outputs: half are the warm-start policy's own samples (8 a prompt at T = 1 on the hf
    engine), a right one over a wrong one of the same prompt as the demo's reward judges them; half are the right
-   answer over a corruption of it (two neighbours swapped, one digit changed, dropped or doubled). Each is rendered
+   answer over a corruption of it (two neighbours swapped, one digit changed, dropped or doubled, digits run on past
+   the end). Each is rendered
    as the server renders it (generator/reward_server/classifier.py::render_conversation). Its pair accuracy on the
    held-out prompts' pairs of both kinds is reported: a reward model is a proxy, and the policy learns what it
    prefers;
@@ -44,9 +45,13 @@ VERIFIABLE, PREFERENCE = "sppo, verifiable", "sppo, reward model"
 
 
 def corrupt(answer: str, rng: random.Random) -> str:
-    """A wrong answer near the right one: two unequal neighbours swapped, or one digit changed, dropped or doubled."""
+    """A wrong answer near the right one: two unequal neighbours swapped, one digit changed, dropped or doubled, or
+    1-4 digits run on past the end (what a policy that learnt to please a reward model without ends would write)."""
     while True:
-        kind, i = rng.randrange(4), rng.randrange(len(answer))
+        kind, i = rng.randrange(5), rng.randrange(len(answer))
+        if kind == 4:
+            wrong = answer + "".join(rng.choice("0123456789") for _ in range(rng.randint(1, 4)))
+            return wrong
         if kind == 0 and len(answer) > 1:
             j = rng.randrange(len(answer) - 1)
             wrong = answer[:j] + answer[j + 1] + answer[j] + answer[j + 2:]
@@ -148,9 +153,11 @@ def train_reward_model(policy_dir: str, out_dir: str, train_rows: list, test_row
         if step % 100 == 0 or step == steps - 1:
             print(f"reward model: step {step + 1}/{steps}, loss {float(loss):.4f}", file=sys.stderr, flush=True)
     model.eval()
-    scores = {}
+    scores = {"policy": None}  # None: no held-out prompt had both a right and a wrong sample
     with torch.no_grad():  # held-out pairs of each kind: the policy's own, and corruptions
         for kind, pool in (("policy", test_sampled), ("corrupted", [])):
+            if kind == "policy" and not pool:
+                continue
             good, bad = pair_scores(model, tokenizer, *preference_pairs(test_rows, pool, tokenizer,
                                                                         2 * max(len(pool), 128),
                                                                         random.Random(seed + 1)))
