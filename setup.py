@@ -73,7 +73,7 @@ setup(
         # the same vLLM release as the cpu extra: generator/engines/vllm_engine.py drives its weight-transfer API,
         # which still moves between releases, and refuses any other release (TESTED_VLLM_VERSIONS). flash-attn:
         # the learner's packed (varlen) attention on CUDA; it builds against the torch installed beside it.
-        "gpu": ["vllm==0.32.0", "flash-attn==2.8.3.post2"],
+        "gpu": ["vllm==0.32.0", "flash-attn==2.8.3.post2", "liger-kernel==0.8.5"],
         # SGLang in an environment of its own (generator.engine=sglang): no SGLang release installs beside vLLM
         # 0.32.0 (which pins torch 2.13.0, transformers <5.20, flashinfer-python 0.7.0.post1 and xgrammar 0.2.8:
         # SGLang 0.5.22 and later pin torch 2.14.1, 0.5.18 to 0.5.21 torch 2.13.0 but transformers 5.12.1,

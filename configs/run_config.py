@@ -191,6 +191,9 @@ def check_sections_agree(cfg: "RunConfig") -> None:
         check_lora(cfg)
     if cfg.learner.moe_routing_replay:
         check_routing_replay(cfg)
+    if cfg.learner.liger and (cfg.rollout.top_k > 0 or cfg.rollout.top_p < 1 or cfg.algo.entropy_coef > 0):
+        raise ValueError("learner.liger computes the full softmax's logprobs without their logits: it cannot follow "
+                         "rollout.top_k / rollout.top_p sampling nor give algo.entropy_coef's gradient")
     if cfg.reward.overlong_buffer_len >= cfg.rollout.max_tokens:
         raise ValueError(f"reward.overlong_buffer_len ({cfg.reward.overlong_buffer_len}) must be smaller than "
                          f"rollout.max_tokens ({cfg.rollout.max_tokens})")

@@ -96,6 +96,10 @@ class LearnerConfig:
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them (less memory, ~1/3 more
     compute)."""
+    liger: bool = False
+    """The LM head's logprobs through liger-kernel's fused linear + cross-entropy (learner/liger_head.py): its
+    [tokens, V] logits never reach memory. Triton: CUDA only (the `gpu` extra). Not with top-k / top-p sampling, the
+    entropy bonus or final-logit soft-capping; the entropy metric costs one more no-grad head pass."""
     moe_routing_replay: bool = False
     """Mixture-of-experts models: the generators record the experts each sampled token was routed to and the
     learner's forward replays them, so π_θ is computed on the sampler's routes (moe/routing.py; docs/algorithms.md

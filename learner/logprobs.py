@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from asyncrl.learner.liger_head import liger_logprobs
 from asyncrl.learner.nucleus import needs_nucleus, nucleus_removed
 from asyncrl.learner.ulysses import gather_sequence
 
@@ -48,6 +49,7 @@ def compute_logprobs(
     top_ks: Optional[torch.Tensor] = None,  # [B] int64, -1 off
     top_ps: Optional[torch.Tensor] = None,  # [B] float, 1 off
     fp32_head: bool = False,  # the LM head's matmul in fp32 (model.lm_head_fp32)
+    liger: bool = False,  # the head through liger-kernel's fused linear + cross-entropy (learner.liger)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of token t+1 given tokens <= t, shape [B, L-1] (fp32); and the entropy of that distribution (over
     the row's top-k / top-p nucleus when it has one)."""
@@ -63,13 +65,13 @@ def compute_logprobs(
                                 segment_ids=stream.segments)  # [R, s, H]
         logprobs, entropy = head_logprobs(model, hidden, stream.targets[:, local], stream.temps[:, local],
                                           chunk_tokens, with_entropy, *local_nucleus(stream, local),
-                                          fp32_head=fp32_head)
+                                          fp32_head=fp32_head, liger=liger)
         logprobs = gather_sequence(logprobs, sp_group)  # [R, S]
         entropy = gather_sequence(entropy, sp_group) if with_entropy else None
     else:
         hidden = run_decoder(model, stream)  # [R, S, H]
         logprobs, entropy = head_logprobs(model, hidden, stream.targets, stream.temps, chunk_tokens, with_entropy,
-                                          stream.top_ks, stream.top_ps, fp32_head=fp32_head)
+                                          stream.top_ks, stream.top_ps, fp32_head=fp32_head, liger=liger)
     unstream = unpack if packed else unpad
     return unstream(logprobs, attention_mask), unstream(entropy, attention_mask) if with_entropy else None
 
@@ -192,10 +194,14 @@ def decoder_states(model, **inputs) -> torch.Tensor:
 
 
 def head_logprobs(model, hidden, targets, temps, chunk_tokens: int, with_entropy: bool, top_ks=None, top_ps=None,
-                  fp32_head: bool = False):
+                  fp32_head: bool = False, liger: bool = False):
     """[R, S] logprobs of `targets` (and entropies), applying the LM head `chunk_tokens` positions at a time.
     `with_entropy`: False, True (detached: a metric), or "grad" (with its gradient: algo.entropy_coef's bonus,
-    computed from the same recomputed chunk logits as the logprobs)."""
+    computed from the same recomputed chunk logits as the logprobs). `liger`: the logprobs from liger-kernel's fused
+    linear + cross-entropy (learner/liger_head.py), the entropy metric from a no-grad pass of the plain head."""
+    if liger:
+        return liger_head_logprobs(model, hidden, targets, temps, chunk_tokens, with_entropy, top_ks, top_ps,
+                                   fp32_head)
     head = model.get_output_embeddings()
     if fp32_head:
         head = Fp32Head(head)
@@ -225,6 +231,34 @@ def head_logprobs(model, hidden, targets, temps, chunk_tokens: int, with_entropy
     logprobs = torch.cat(logprob_chunks).view(rows, length)
     entropy = torch.cat(entropy_chunks).view(rows, length) if with_entropy else None
     return logprobs, entropy
+
+
+def liger_head_logprobs(model, hidden, targets, temps, chunk_tokens: int, with_entropy, top_ks, top_ps,
+                        fp32_head: bool):
+    """head_logprobs through liger-kernel: what it cannot compute is refused, not approximated."""
+    if top_ks is not None or top_ps is not None:
+        raise ValueError("learner.liger computes the full softmax's logprobs; these rows were sampled from a top-k / "
+                         "top-p nucleus (rollout.top_k, rollout.top_p): turn learner.liger off")
+    if with_entropy == "grad":
+        raise ValueError("learner.liger does not give the entropy's gradient (algo.entropy_coef > 0)")
+    if getattr(model.config, "final_logit_softcapping", None):
+        raise ValueError("learner.liger cannot apply the model's final-logit soft-capping before the temperature")
+    rows, length, width = hidden.shape
+    flat_hidden, flat_targets = hidden.reshape(-1, width), targets.reshape(-1)
+    flat_temps = temps.reshape(-1).to(torch.promote_types(hidden.dtype, torch.float32))
+    head = model.get_output_embeddings()
+    if fp32_head:
+        flat_hidden = flat_hidden.float()
+    logprobs = liger_logprobs(head, flat_hidden, flat_targets, flat_temps).view(rows, length)
+    if not with_entropy:
+        return logprobs, None
+    plain = Fp32Head(head) if fp32_head else head
+    with torch.no_grad():
+        entropy = torch.cat([_chunk_logprobs(plain, flat_hidden[start:start + chunk_tokens].detach(),
+                                             flat_targets[start:start + chunk_tokens],
+                                             flat_temps[start:start + chunk_tokens], with_entropy=True)[1]
+                             for start in range(0, flat_hidden.shape[0], chunk_tokens)])
+    return logprobs, entropy.view(rows, length)
 
 
 def unpad(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from asyncrl.learner.critic import build_critic
 from asyncrl.learner.prm import build_prm
 from asyncrl.learner.host import LearnerHost
 from asyncrl.learner.learnable import NothingToLearn
+from asyncrl.learner.liger_head import check_liger_available
 from asyncrl.learner.lr_schedule import resync_after_load
 from asyncrl.learner.parallel import ParallelState, broadcast_object
 from asyncrl.learner.publish import GatherSettings, outgoing_version
@@ -70,7 +71,7 @@ def loop_settings(cfg, parallel: ParallelState, routing=None) -> LoopSettings:
                         chunk_tokens=learner.logprob_chunk_tokens, grad_clip=learner.grad_clip,
                         seed=part_seed(learner.seed, cfg.job.seed),
                         packing=learner.packing, fp32_head=cfg.model.lm_head_fp32, parallel=parallel,
-                        routing=routing)
+                        routing=routing, liger=learner.liger)
     gather = GatherSettings(learner.lora, cfg.weightsync.dtype, int(learner.gather_bucket_mb * 2**20))
     return LoopSettings(cfg.algo, step, cfg.buffer.groups_per_step, cfg.buffer.max_staleness,
                         learner.wait_for_batch_timeout_s, cfg.weightsync.every_steps, learner.total_steps,
@@ -88,6 +89,8 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
     torch.manual_seed(part_seed(cfg.learner.seed, cfg.job.seed))
     if cfg.learner.torch_threads:
         torch.set_num_threads(cfg.learner.torch_threads)
+    if cfg.learner.liger:
+        check_liger_available()
     model = build_policy(cfg.learner, cfg.model.trust_remote_code, model_path, parallel).train()
     routing = RoutingReplay(model, *routing_shape(model.config)) if cfg.learner.moe_routing_replay else None
     optimizer, scheduler = build_optimizer(model, cfg.learner)

@@ -82,6 +82,8 @@ class StepSettings:
     """Pack each micro-batch's rows into one (learner.packing)."""
     fp32_head: bool = False
     """The LM head's matmul in fp32 (model.lm_head_fp32)."""
+    liger: bool = False
+    """The LM head's logprobs through liger-kernel's fused linear + cross-entropy (learner.liger; CUDA)."""
     parallel: ParallelState = None
     """This rank's place in the learner's mesh; None is one process."""
     routing: object = None
@@ -107,7 +109,8 @@ class StepSettings:
             self.routing.set_routes(micro.routed_experts)
         return compute_logprobs(model, micro.input_ids, micro.attention_mask, micro.temperatures, self.chunk_tokens,
                                 with_entropy=with_entropy, packed=self.packing, sp_group=self.parallel.sp_group,
-                                top_ks=micro.top_ks, top_ps=micro.top_ps, fp32_head=self.fp32_head)
+                                top_ks=micro.top_ks, top_ps=micro.top_ps, fp32_head=self.fp32_head,
+                                liger=self.liger)
 
 
 @torch.no_grad()
