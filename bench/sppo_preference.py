@@ -26,7 +26,7 @@ path end to end on the demo task (digit sort) and measures it against the verifi
 Each run's sampled reward, first and last `--final-steps` steps, is in its own reward's units (0/1 against the
 reward model's score); the judge's columns compare the two. Usage:
     python -m asyncrl.bench.sppo_preference [--seeds 0 1] [--steps 200] [--rm-steps 400] [--judge-prompts N]
-        [--work-dir DIR] [overrides...]
+        [--no-baseline] [--work-dir DIR] [overrides...]
 """
 import argparse
 import json
@@ -231,6 +231,8 @@ def parse_args(argv):
     parser.add_argument("--judge-n", type=int, default=8)
     parser.add_argument("--judge-ks", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--judge-prompts", type=int, default=0, help="judge the first N held-out prompts (0: all)")
+    parser.add_argument("--no-baseline", action="store_true",
+                        help="run SPPO on the reward model only (not also on the verifiable reward)")
     parser.add_argument("--work-dir", default=None, help="where the reward model and the runs go (a temp dir)")
     parser.add_argument("overrides", nargs="*", help="overrides for every run and the judge (the demo's, e.g. "
                                                      "demo.cache_dir=...)")
@@ -262,9 +264,9 @@ def main(argv=None) -> dict:
                     str(args.judge_n), "--judge-ks", *map(str, args.judge_ks), "--judge-prompts",
                     str(args.judge_prompts), *args.overrides])
     setup = set_up_task(demo_task(workdir, cfg.job.seed), ttr)
-    plan = [(VERIFIABLE, SPPO),
-            (PREFERENCE, [*SPPO, "algo.sppo_target=bradley_terry",
-                          f"reward.functions=[{{name: rm, server: 'http://127.0.0.1:{port}'}}]"])]
+    plan = [(VERIFIABLE, SPPO)] if not args.no_baseline else []
+    plan.append((PREFERENCE, [*SPPO, "algo.sppo_target=bradley_terry",
+                              f"reward.functions=[{{name: rm, server: 'http://127.0.0.1:{port}'}}]"]))
     runs = {label: [] for label, _ in plan}
     try:
         for seed in args.seeds:

@@ -44,28 +44,28 @@ def test_time_to_reward_bench_runs_the_suites_sort_task_through_the_judge(tmp_pa
 
 
 @pytest.mark.slow
-def test_sppo_preference_bench_trains_on_a_served_reward_model_and_judges_both_runs(tmp_path, demo_assets,
+def test_sppo_preference_bench_trains_on_a_served_reward_model_and_judges_its_model(tmp_path, demo_assets,
                                                                                      demo_cache):
     """The reward model trained (20 steps, on the 20-step warm start's own samples of 16 prompts and on
-    corruptions), served by the real `asyncrl reward-server`, and both SPPO runs, 3 steps
-    each, judged on 4 held-out prompts. The run on the reward model samples its scores (not 0/1 rewards), and the
-    server is gone afterwards. HOME is the test's: the judge's held-out split is under the demo's default cache."""
+    corruptions), served by the real `asyncrl reward-server`, and SPPO on it, 3 steps, judged on 4 held-out prompts
+    (the verifiable reward's baseline run is the recipes' SPPO job, left out for time). The run samples the reward
+    model's scores, not 0/1 rewards. HOME is the test's: the judge's held-out split is under the demo's cache."""
     overrides = [f"demo.cache_dir={demo_cache}", *TINY_DEMO, f"buffer.port={free_port()}",
                  "algo.dynamic_sampling=false", *QUIET_TELEMETRY]
     out = subprocess.run([sys.executable, "-m", "asyncrl.bench.sppo_preference", "--steps", "3", "--rm-steps", "20",
-                          "--rm-batch", "16", "--rm-prompts", "16", "--final-steps", "2", "--judge-n", "2", "--judge-ks", "1", "2",
-                          "--judge-prompts", "4", "--work-dir", str(tmp_path / "work"), *overrides],
+                          "--rm-batch", "16", "--rm-prompts", "16", "--final-steps", "2", "--judge-n", "2",
+                          "--judge-ks", "1", "2", "--judge-prompts", "4", "--no-baseline", "--work-dir",
+                          str(tmp_path / "work"), *overrides],
                          capture_output=True, text=True, timeout=600, cwd=tmp_path,
                          env={**os.environ, "HOME": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "sppo_preference" and 0 <= result["rm_heldout_pair_accuracy_corrupted"] <= 1
     assert result["rm_heldout_policy_pairs"] == 0 or 0 <= result["rm_heldout_pair_accuracy_policy"] <= 1
-    (verifiable,), (preference,) = result["runs"]["sppo, verifiable"], result["runs"]["sppo, reward model"]
-    for run in (verifiable, preference):
-        assert run["steps"] == 3 and run["samples_per_s"] > 0
-        assert 0 <= run["heldout_greedy_reward"] <= 1  # the judge scores both with the verifiable reward
-    assert 0 <= verifiable["reward_first"] <= 1
+    assert list(result["runs"]) == ["sppo, reward model"]  # --no-baseline: the verifiable reward's run left out
+    (preference,) = result["runs"]["sppo, reward model"]
+    assert preference["steps"] == 3 and preference["samples_per_s"] > 0
+    assert 0 <= preference["heldout_greedy_reward"] <= 1  # the judge scores it with the verifiable reward
     rows = [json.loads(line) for line in open(tmp_path / "work" / "seed0-rm" / "progress.jsonl")]
     sampled = [row["reward/sampled_mean"] for row in rows if "reward/sampled_mean" in row]
     assert sampled and any(value not in (0.0, 1.0) for value in sampled)  # the reward model's scores
