@@ -29,6 +29,7 @@ reward model's score); the judge's columns compare the two. Usage:
         [--no-baseline] [--work-dir DIR] [overrides...]
 """
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -88,8 +89,6 @@ def preference_pairs(rows: list, sampled: list, tokenizer, count: int, rng: rand
 def policy_pairs(policy_dir: str, rows: list, tokenizer, n: int, seed: int) -> list:
     """(prompt messages, right answer, wrong answer) from the warm-start policy's own samples: `n` a prompt at T = 1
     on the hf engine, judged by the demo's reward (exact match); one pair per prompt that has both."""
-    import asyncio
-
     from asyncrl.buffer.group import Sampling
     from asyncrl.generator.engines.base import EngineOptions
     from asyncrl.generator.engines.hf_engine import HfEngine
@@ -172,8 +171,9 @@ def train_reward_model(policy_dir: str, out_dir: str, train_rows: list, test_row
 
 
 def start_reward_server(model_dir: str, port: int, log_path: str, timeout_s: float = 120.0) -> subprocess.Popen:
-    """`asyncrl reward-server` on 127.0.0.1:port, once /health answers."""
-    import httpx
+    """`asyncrl reward-server` on 127.0.0.1:port, once /health answers (the generators' own wait for it)."""
+    from asyncrl.generator.rewards.client import wait_for_server
+    from asyncrl.generator.rewards.errors import RewardError
 
     log = open(log_path, "ab")
     server = subprocess.Popen([sys.executable, "-m", "asyncrl.launch.cli", "reward-server",
@@ -181,18 +181,12 @@ def start_reward_server(model_dir: str, port: int, log_path: str, timeout_s: flo
                                "reward_server.host=127.0.0.1", "reward_server.max_length=64"],
                               stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     log.close()
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the reward server exited ({server.returncode}); see {log_path}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2.0).status_code == 200:
-                return server
-        except httpx.TransportError:  # not listening yet
-            pass
-        time.sleep(0.5)
-    stop(server)
-    raise RuntimeError(f"the reward server did not answer within {timeout_s:.0f} s; see {log_path}")
+    try:
+        asyncio.run(wait_for_server(f"http://127.0.0.1:{port}", timeout_s, say=lambda message: None))
+    except RewardError as err:
+        stop(server)
+        raise RuntimeError(f"{err}; the server's log: {log_path}") from None
+    return server
 
 
 def stop(process: subprocess.Popen) -> None:
@@ -202,14 +196,6 @@ def stop(process: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def read_rows(path: str) -> list:
@@ -241,6 +227,7 @@ def parse_args(argv):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    from asyncrl.bench.buffer import free_port
     from asyncrl.bench.suite.task import demo_task
     from asyncrl.bench.time_to_reward import one_run
     from asyncrl.bench.time_to_reward import parse_args as ttr_args

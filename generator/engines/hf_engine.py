@@ -106,7 +106,6 @@ class HfEngine:
         input_ids, attention_mask = left_pad([request.prompt_ids for request in batch])
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         output = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True)
-        routes = RouteLog(self.recorder, input_ids.shape) if self.recorder is not None else None
         copies = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor([request.n for request in batch]))
         output.past_key_values.batch_select_indices(copies)
         output.logits = output.logits[copies, -1:]
@@ -117,6 +116,7 @@ class HfEngine:
         live_rows = torch.arange(rows)  # the batch rows still decoding, in the order of the model's rows
         steps = max(int(limits.max()), 0)
         tokens_out = torch.zeros(rows, steps, dtype=torch.long)
+        routes = RouteLog(self.recorder, input_ids.shape, rows, steps) if self.recorder is not None else None
         logprobs_out = torch.zeros(rows, steps)
         lengths = torch.zeros(rows, dtype=torch.long)
         for step in range(steps):
@@ -235,25 +235,22 @@ class HfEngine:
 
 class RouteLog:
     """The experts of one batch's forwards (learner.moe_routing_replay): the prefill's, one row per request over its
-    left-padded prompt, then each decode step's, one per live row; `of` puts a completion's together in
+    left-padded prompt, then each decode step's, at the batch rows that ran it; `of` puts a completion's together in
     Sample.routed_experts's layout (every position the model ran, prompt and completion but the last token)."""
 
-    def __init__(self, recorder, prompt_shape: tuple):
+    def __init__(self, recorder, prompt_shape: tuple, rows: int, steps: int):
         self.recorder = recorder
         self.prompts = recorder.chosen(*prompt_shape).to(torch.int16)  # [requests, width, layers, top_k]
-        self.steps: list = []  # per decode step: (rows it ran, [rows, layers, top_k])
+        self.decode = torch.zeros(rows, steps, *self.prompts.shape[2:], dtype=torch.int16)  # [rows, steps, ...]
 
     def decoded(self, live_rows: torch.Tensor, step: int) -> None:
-        if step != len(self.steps):
-            raise RuntimeError(f"decode step {step} recorded after {len(self.steps)} steps")
-        self.steps.append((live_rows.clone(), self.recorder.chosen(len(live_rows), 1)[:, 0].to(torch.int16)))
+        self.decode[live_rows, step] = self.recorder.chosen(len(live_rows), 1)[:, 0].to(torch.int16)
 
     def of(self, row: int, request: int, prompt_len: int, length: int, dtype) -> np.ndarray:
         """[prompt_len + length - 1, layers, top_k] of batch row `row` (request `request`'s copy)."""
-        parts = [self.prompts[request, self.prompts.shape[1] - prompt_len:]]
-        for live_rows, chosen in self.steps[:max(length - 1, 0)]:
-            parts.append(chosen[(live_rows == row).nonzero()[0]])
-        return torch.cat(parts)[:prompt_len + length - 1].numpy().astype(dtype)
+        prompt = self.prompts[request, self.prompts.shape[1] - prompt_len:]
+        return torch.cat([prompt, self.decode[row, :max(length - 1, 0)]])[:prompt_len + length - 1].numpy().astype(
+            dtype)
 
 
 def take_batch(pending: list, max_seqs: int) -> list:
