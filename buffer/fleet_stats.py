@@ -8,8 +8,9 @@ import re
 
 EPISODE_MEANS = ("rollout/turns/mean", "rollout/tool_calls/mean", "rollout/env_tokens/mean", "timing/reward_s")
 """Averaged over the generators that report them (multi-turn episodes: docs/agents.md)."""
-EPISODE_TOTALS = ("rollout/resumed_turns", "generator/skipped_prompts", "generator/reward_errors")
-"""Summed over the generators: counts since each started."""
+TOTALS = ("generator/tokens", "rollout/resumed_turns", "generator/skipped_prompts", "generator/reward_errors")
+"""Summed over the generators: counts since each started (generator/tokens: every token sampled, so a rate over any
+span of steps is the difference of two steps' counts, whatever each report's own window saw)."""
 ERROR_REASONS = {
     "rollout/tool_errors/": ("timeout", "error", "output_too_long", "malformed", "unknown_tool", "bad_arguments"),
     "rollout/env_errors/": ("timeout", "error", "bad_result", "bad_messages", "cannot_append", "no_requests",
@@ -32,7 +33,8 @@ def fleet_metrics(reports: list) -> dict:
     - timing/generator/idle_frac, averaged over those that report it (absent when none does);
     - generator/filtered_groups: the zero-variance groups they dropped before sending (algo.dynamic_sampling),
       summed, since each started;
-    - episodes: EPISODE_MEANS and `rollout/tool_use_frac` (clamped) averaged, EPISODE_TOTALS and the error
+    - TOTALS summed;
+    - episodes: EPISODE_MEANS and `rollout/tool_use_frac` (clamped) averaged, the error
       families summed, `timing/tool/<name>_s` averaged (each only when some generator reports it)."""
     out = {"perf/generator/tokens_per_s": _total(reports, "perf/generator/tokens_per_s")}
     idle = [min(max(float(report["timing/generator/idle_frac"]), 0.0), 1.0) for report in reports
@@ -47,7 +49,7 @@ def fleet_metrics(reports: list) -> dict:
             values = [min(max(value, 0.0), 1.0) for value in values]
         if values:
             out[key] = sum(values) / len(values)
-    totals = EPISODE_TOTALS + tuple(prefix + reason for prefix, reasons in ERROR_REASONS.items() for reason in reasons)
+    totals = TOTALS + tuple(prefix + reason for prefix, reasons in ERROR_REASONS.items() for reason in reasons)
     for key in totals:
         if any(key in report for report in reports):
             out[key] = _total(reports, key)
