@@ -8,9 +8,12 @@ import re
 
 EPISODE_MEANS = ("rollout/turns/mean", "rollout/tool_calls/mean", "rollout/env_tokens/mean", "timing/reward_s")
 """Averaged over the generators that report them (multi-turn episodes: docs/agents.md)."""
-TOTALS = ("generator/tokens", "rollout/resumed_turns", "generator/skipped_prompts", "generator/reward_errors")
-"""Summed over the generators: counts since each started (generator/tokens: every token sampled, so a rate over any
-span of steps is the difference of two steps' counts, whatever each report's own window saw)."""
+TOTALS = ("generator/tokens", "generator/busy_s", "rollout/resumed_turns", "generator/skipped_prompts",
+          "generator/reward_errors")
+"""Summed over the generators: counts since each started. generator/tokens (every token sampled) over
+generator/busy_s (seconds spent sampling or loading weights) is the fleet's rate while working, whatever each
+report's own window saw: a generator waiting for weights whenever the learner logs reports a tokens/s of 0 at every
+step."""
 ERROR_REASONS = {
     "rollout/tool_errors/": ("timeout", "error", "output_too_long", "malformed", "unknown_tool", "bad_arguments"),
     "rollout/env_errors/": ("timeout", "error", "bad_result", "bad_messages", "cannot_append", "no_requests",

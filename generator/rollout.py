@@ -66,6 +66,7 @@ class RolloutStats:
             "perf/generator/tokens_per_s": (self.tokens - tokens_then) / max(now - then, 1e-6),
             "generator/groups": float(self.groups),
             "generator/tokens": float(self.tokens),
+            "generator/busy_s": busy,
             "generator/version": float(version),
             "generator/weight_failures": float(self.weight_failures),
             "generator/rejected_groups": float(self.rejected_groups),

@@ -111,19 +111,19 @@ def smoke_command(steps: int, rehearse: bool, port: int) -> list:
 def summarize_progress(path: str) -> dict:
     """Mean of each smoke metric over the steps that logged it (None when none did), and the step count.
 
-    The generator's tokens/s is the fleet's count of sampled tokens (`generator/tokens`) over the wall clock from
-    the first step to the last, not the mean of the per-step `perf/generator/tokens_per_s`: that is each
-    generator's latest one-second window when the learner logs, which is 0 whenever the generator was waiting for
-    weights just then (on a slow machine, at every one of a short run's steps)."""
+    The generator's tokens/s is the last report's count of sampled tokens over its busy seconds since it started
+    (`generator/tokens` / `generator/busy_s`), not the mean of the per-step `perf/generator/tokens_per_s`: that is
+    each generator's latest one-second window when the learner logs, which is 0 whenever the generator was waiting
+    for weights just then (on a slow machine, at every one of a short run's steps)."""
     rows = [json.loads(line) for line in open(path) if line.strip()]
     out = {"steps": len(rows)}
     for key, _ in SMOKE_METRICS:
         values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
         out[key] = statistics.fmean(values) if values else None
-    counted = [r for r in rows if isinstance(r.get("generator/tokens"), (int, float))]
-    span = counted[-1]["elapsed_s"] - counted[0]["elapsed_s"] if len(counted) >= 2 else 0.0
-    sampled = counted[-1]["generator/tokens"] - counted[0]["generator/tokens"] if span > 0 else 0.0
-    out["perf/generator/tokens_per_s"] = sampled / span if sampled > 0 else None
+    counted = [r for r in rows if isinstance(r.get("generator/tokens"), (int, float))
+               and isinstance(r.get("generator/busy_s"), (int, float)) and r["generator/busy_s"] > 0]
+    out["perf/generator/tokens_per_s"] = (counted[-1]["generator/tokens"] / counted[-1]["generator/busy_s"]
+                                          if counted and counted[-1]["generator/tokens"] > 0 else None)
     return out
 
 

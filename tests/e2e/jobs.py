@@ -9,10 +9,11 @@ import time
 import numpy as np
 
 from asyncrl.buffer.group import Group, Sample, Sampling
+from tests.conftest import DEMO
 
 
 def common_overrides(demo_cache, port, steps, eta=1):
-    return [f"demo.cache_dir={demo_cache}", "demo.sft_steps=20", "demo.num_prompts=256", f"buffer.port={port}",
+    return [f"demo.cache_dir={demo_cache}", *DEMO, f"buffer.port={port}",
             f"learner.total_steps={steps}", f"buffer.max_staleness={eta}", "buffer.groups_per_step=4",
             "rollout.n=4", "generator.max_inflight_groups=4", "generator.log_every_s=1", "generator.kv_cache_gib=0.25",
             "eval.every_steps=0", "eval.before_train=false",  # the recipe's held-out evaluation: one test asks for it

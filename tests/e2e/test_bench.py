@@ -6,20 +6,19 @@ import sys
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import DEMO, free_port
 from tests.e2e.jobs import QUIET_TELEMETRY
 
 
-TINY_DEMO = ["demo.sft_steps=20", "demo.num_prompts=256", "buffer.groups_per_step=2", "rollout.n=2",
-             "generator.max_inflight_groups=2"]
+TINY_DEMO = [*DEMO, "buffer.groups_per_step=2", "rollout.n=2", "generator.max_inflight_groups=2"]
 
 
 @pytest.mark.slow
 def test_time_to_reward_bench_runs_the_suites_sort_task_through_the_judge(tmp_path, demo_assets, demo_cache):
     """The suite's `sort` task, asyncrl's default and TRL's, 3 steps each, and the judge on both final models (4
-    held-out prompts, 2 samples at T = 1). Dynamic sampling is off: the 20-step warm start is almost never right,
-    so it would sample for long to find a group worth training on. HOME is the test's: the sort task's held-out
-    split is written under the demo's default cache."""
+    held-out prompts, 2 samples at T = 1). Dynamic sampling is off, so the run's length does not depend on how
+    often the warm start is right. HOME is the test's: the sort task's held-out split is written under the demo's
+    default cache."""
     overrides = [f"demo.cache_dir={demo_cache}", *TINY_DEMO, f"buffer.port={free_port()}",
                  "algo.dynamic_sampling=false", *QUIET_TELEMETRY]
     out = subprocess.run([sys.executable, "-m", "asyncrl.bench.time_to_reward", "--tasks", "sort", "--root",
@@ -46,7 +45,7 @@ def test_time_to_reward_bench_runs_the_suites_sort_task_through_the_judge(tmp_pa
 @pytest.mark.slow
 def test_sppo_preference_bench_trains_on_a_served_reward_model_and_judges_its_model(tmp_path, demo_assets,
                                                                                      demo_cache):
-    """The reward model trained (20 steps, on the 20-step warm start's own samples of 16 prompts and on
+    """The reward model trained (20 steps, on the warm start's own samples of 16 prompts and on
     corruptions), served by the real `asyncrl reward-server`, and SPPO on it, 3 steps, judged on 4 held-out prompts
     (the verifiable reward's baseline run is the recipes' SPPO job, left out for time). The run samples the reward
     model's scores, not 0/1 rewards. HOME is the test's: the judge's held-out split is under the demo's cache."""

@@ -166,7 +166,7 @@ def test_generators_started_before_and_after_the_learner_join_with_current_weigh
     # 140 steps leave the late joiner runway before the job ends: it is started once 2 steps are done, says hello
     # at once, then loads its model for 30-40 s on the busy 2-core machine, while a step takes about 0.6 s (with
     # 48 steps the job ended first; with 100 it sent its first group at v84). Every group is trained (no dynamic
-    # sampling): the 20-step SFT model's groups are mostly all-wrong, and filtering them made the job's length,
+    # sampling): a weak warm start's groups are mostly all-wrong, and filtering them made the job's length,
     # and this test's, depend on how weak it came out (285 s in one run, 120 s in another)
     overrides = common_overrides(demo_cache, port, steps=140) + ["generator.engine=hf", "algo.dynamic_sampling=false"]
     procs = {"early": start("generator", overrides + ["generator.generator_id=early"], tmp_path, job_dir, "early.log")}

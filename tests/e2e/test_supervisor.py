@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import DEMO, free_port
 from tests.e2e.jobs import QUIET_TELEMETRY
 
 
 def overrides(demo_cache, port):
-    return [f"demo.cache_dir={demo_cache}", "demo.sft_steps=20", "demo.num_prompts=256", f"buffer.port={port}",
+    return [f"demo.cache_dir={demo_cache}", *DEMO, f"buffer.port={port}",
             "generator.engine=hf", "buffer.groups_per_step=2", "rollout.n=2", "generator.max_inflight_groups=2",
             "eval.every_steps=0", "eval.before_train=false",  # the recipe's held-out evaluation is not tested here
             *QUIET_TELEMETRY]
@@ -49,26 +49,24 @@ def test_a_crashing_generator_is_reported_and_the_learner_is_stopped(tmp_path, d
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_ctrl_c_or_sigterm_stops_learner_and_generator(sig, code, tmp_path, demo_assets, demo_cache):
+def test_sigterm_stops_learner_and_generator(tmp_path, demo_assets, demo_cache):
     """SIGTERM is what a job scheduler, `timeout` or a benchmark harness sends; on the last main it ended the
-    supervisor alone and left the learner and the generator running in their own process groups."""
+    supervisor alone and left the learner and the generator running in their own process groups. Ctrl-C takes the
+    same path in launch/supervisor.py (KeyboardInterrupt beside SIGTERM's SystemExit, exit code 130 instead of 143);
+    its job is left out for CI's time."""
     job_dir = tmp_path / "job"
     env = {**os.environ, "ASYNCRL_JOB_DIR": str(job_dir), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/m.db"}
     proc = subprocess.Popen([sys.executable, "-m", "asyncrl.launch.cli", "run", *overrides(demo_cache, free_port()),
                              "learner.total_steps=100000"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            # a harness that runs the suite in the background (`cmd &`) starts it with SIGINT
-                            # ignored, which children inherit; a terminal's Ctrl-C reaches a foreground job
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path)
     deadline = time.time() + 240
     while not (job_dir / "progress.jsonl").exists():
         assert time.time() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.5)
     assert len(children_of(str(job_dir))) >= 2
-    proc.send_signal(sig)
+    proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == code and "interrupted" in err
+    assert proc.returncode == 143 and "interrupted" in err
     assert children_of(str(job_dir)) == []
 
 

@@ -20,7 +20,7 @@ import sysconfig
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import DEMO, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -135,7 +135,7 @@ def test_asyncrl_run_dry_run_and_a_three_step_hf_job_from_the_installed_wheel(wh
     dry = run([asyncrl, "run", "--dry-run", "learner.total_steps=3"], cwd=work, env=env, timeout=120)
     assert "total_steps: 3" in dry, dry[-2000:]
     job_dir = work / "job"
-    overrides = [f"demo.cache_dir={demo_cache}", "demo.sft_steps=20", "demo.num_prompts=256",
+    overrides = [f"demo.cache_dir={demo_cache}", *DEMO,
                  "learner.total_steps=3", f"buffer.port={free_port()}", "buffer.groups_per_step=2", "rollout.n=2",
                  "rollout.max_tokens=8", "algo.dynamic_sampling=false", "generator.engine=hf",
                  "generator.max_inflight_groups=2", "learner.torch_threads=1", "eval.every_steps=0",

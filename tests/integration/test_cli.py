@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from tests.conftest import DEMO
+
 
 def test_dry_run_prints_yaml_and_never_imports_torch():
     code = (
@@ -51,7 +53,7 @@ def test_the_config_reads_the_registry_without_importing_torch():
 def test_asyncrl_sft_trains_and_saves_a_model(tmp_path, demo_assets, demo_cache, launch):
     env = {**os.environ, "ASYNCRL_JOB_DIR": str(tmp_path / "job")}
     out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "sft", *launch, f"demo.cache_dir={demo_cache}",
-                          "demo.sft_steps=20", "demo.num_prompts=256", "sft.steps=10", "sft.batch_size=32"],
+                          *DEMO, "sft.steps=10", "sft.batch_size=32"],
                          env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     for noise in ("Setting accelerator", "Loading weights", "Writing model shards"):  # launch/cli.py quiet_third_party
@@ -73,8 +75,7 @@ def test_asyncrl_sft_runs_epochs_with_a_schedule_validation_checkpoints_and_resu
     from mlflow.tracking import MlflowClient
 
     env = {**os.environ, "ASYNCRL_JOB_DIR": str(tmp_path / "job")}
-    common = ["-m", "asyncrl.launch.cli", "sft", f"demo.cache_dir={demo_cache}", "demo.sft_steps=20",
-              "demo.num_prompts=256", "sft.batch_size=64", "sft.val_fraction=0.25", "sft.val_every=2",
+    common = ["-m", "asyncrl.launch.cli", "sft", f"demo.cache_dir={demo_cache}", *DEMO, "sft.batch_size=64", "sft.val_fraction=0.25", "sft.val_every=2",
               "sft.checkpoint_every=2", "sft.warmup_steps=1", "sft.lr_schedule=cosine", "sft.min_lr_ratio=0.1",
               f"telemetry.tracking_uri=sqlite:///{tmp_path}/mlflow.db", "telemetry.progress=false"]
     first = subprocess.run([sys.executable, *common, "sft.epochs=1"], env=env, capture_output=True, text=True,

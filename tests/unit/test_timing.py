@@ -60,29 +60,32 @@ def test_the_fleet_sums_throughput_and_averages_idle_fractions_clamping_what_gen
     assert fleet_metrics([]) == {"perf/generator/tokens_per_s": 0.0}  # no report: no made-up idle fraction
 
 
-def test_the_fleet_counts_every_sampled_token_so_a_rate_survives_windows_that_saw_none(tmp_path):
+def test_the_fleet_counts_every_sampled_token_and_busy_second_so_a_rate_survives_windows_that_saw_none(tmp_path):
     """A report's tokens/s is its own window's; a generator waiting for weights whenever the learner logs reports
-    0 at every step. The count since start gives the rate over any span of steps (scripts/gpu_check.py)."""
+    0 at every step. The counts since start give its rate while working (scripts/gpu_check.py)."""
     import json
 
     from scripts.gpu_check import summarize_progress
 
     clock = FakeClock()
     stats = RolloutStats(clock)
-    stats.tokens += 120
-    clock.now += 2.0
-    assert stats.snapshot(0)["generator/tokens"] == 120.0
-    clock.now += 1.0  # idle: this window's rate is 0, the count stays
+    with stats.busy:
+        stats.tokens += 120
+        clock.now += 2.0
+    first = stats.snapshot(0)
+    assert (first["generator/tokens"], first["generator/busy_s"]) == (120.0, 2.0)
+    clock.now += 1.0  # idle: this window's rate is 0, the counts stay
     idle = stats.snapshot(1)
-    assert idle["perf/generator/tokens_per_s"] == 0.0 and idle["generator/tokens"] == 120.0
-    assert fleet_metrics([idle, {"generator/tokens": 30.0}])["generator/tokens"] == 150.0
-    rows = [{"step": 1, "elapsed_s": 10.0, "perf/generator/tokens_per_s": 0.0, "generator/tokens": 100.0},
-            {"step": 2, "elapsed_s": 14.0, "perf/generator/tokens_per_s": 0.0, "generator/tokens": 300.0},
-            {"step": 3, "elapsed_s": 20.0, "perf/generator/tokens_per_s": 0.0, "generator/tokens": 400.0}]
+    assert idle["perf/generator/tokens_per_s"] == 0.0 and (idle["generator/tokens"], idle["generator/busy_s"]) == (
+        120.0, 2.0)
+    fleet = fleet_metrics([idle, {"generator/tokens": 30.0, "generator/busy_s": 1.0}])
+    assert (fleet["generator/tokens"], fleet["generator/busy_s"]) == (150.0, 3.0)
+    rows = [{"step": 1, "perf/generator/tokens_per_s": 0.0, "generator/tokens": 100.0, "generator/busy_s": 2.0},
+            {"step": 2, "perf/generator/tokens_per_s": 0.0, "generator/tokens": 300.0, "generator/busy_s": 10.0}]
     progress = tmp_path / "progress.jsonl"
     progress.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert summarize_progress(str(progress))["perf/generator/tokens_per_s"] == pytest.approx(30.0)
-    progress.write_text(json.dumps(rows[0]) + "\n")  # one step: no span to measure over
+    progress.write_text(json.dumps({"step": 1, "perf/generator/tokens_per_s": 0.0}) + "\n")  # no count reported
     assert summarize_progress(str(progress))["perf/generator/tokens_per_s"] is None
 
 
