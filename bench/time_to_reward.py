@@ -120,9 +120,12 @@ def run_asyncrl(job_dir: str, recipe: str, seed: int, steps: int, overrides: lis
                                                  f"sqlite:///{os.path.dirname(job_dir)}/mlflow.db")}
     # generator reports (idle fraction, the sampled reward) reach the learner's rows every second, unless overridden;
     # no evaluation rounds (TRL's runs evaluate nothing either; the judge evaluates both), unless overridden; one
-    # checkpoint, after the last step, in this run's own directory (never resumed from another run's)
+    # checkpoint, after the last step, in this run's own directory (never resumed from another run's); a free port,
+    # unless overridden (the default one, 47500, is any other job's too: a run here found it taken and failed)
+    from asyncrl.bench.buffer import free_port
+
     command = [sys.executable, "-m", "asyncrl.launch.cli", "run", "--config", recipe, "generator.log_every_s=1",
-               "eval.every_steps=0", "eval.before_train=false", *overrides,
+               "eval.every_steps=0", "eval.before_train=false", f"buffer.port={free_port()}", *overrides,
                f"learner.total_steps={steps}", f"learner.seed={seed}", f"generator.seed={seed}",
                f"learner.checkpoint_every={steps}", f"learner.checkpoint_dir={final_checkpoints(job_dir)}",
                "telemetry.progress=false"]
