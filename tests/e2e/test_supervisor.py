@@ -1,5 +1,5 @@
-"""`asyncrl run` as a supervisor: a crashing child is reported with its exit code and log tail, and Ctrl-C or
-SIGTERM stops both children cleanly."""
+"""`asyncrl run` as a supervisor: a crashing child is reported with its exit code and log tail, and SIGTERM stops
+both children cleanly."""
 import json
 import os
 import signal
