@@ -71,7 +71,11 @@ def test_sigterm_stops_learner_and_generator(tmp_path, demo_assets, demo_cache):
 
 
 @pytest.mark.slow
-def test_asyncrl_run_with_two_generators_trains_on_both_and_stops_them_all(tmp_path, demo_assets, demo_cache):
+def test_asyncrl_run_with_two_generators_connects_both_and_stops_them_all(tmp_path, demo_assets, demo_cache):
+    """Both generators start under their own ids and say hello, the job trains, and the learner's end stops them.
+    That each one delivers is not asserted: on a busy 2-core machine one generator can make all 8 steps' groups
+    before the other has loaded its model (CI saw it once). tests/e2e/test_run.py's early and late generators
+    both deliver, in a job long enough for that."""
     job_dir = tmp_path / "job"
     env = {**os.environ, "ASYNCRL_JOB_DIR": str(job_dir), "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/m.db"}
     out = subprocess.run([sys.executable, "-m", "asyncrl.launch.cli", "run", "--generators", "2",
@@ -80,7 +84,7 @@ def test_asyncrl_run_with_two_generators_trains_on_both_and_stops_them_all(tmp_p
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((job_dir / "summary.json").read_text())
     assert summary["steps"] == 8 and set(summary["generators"]) == {"gen-0", "gen-1"}
-    assert all("first_group_min_version" in record for record in summary["generators"].values())  # both delivered
+    assert any("first_group_min_version" in record for record in summary["generators"].values())
     assert (job_dir / "gen-0.log").is_file() and (job_dir / "gen-1.log").is_file()
     assert children_of(str(job_dir)) == []
 
