@@ -25,6 +25,29 @@ QUIET_TELEMETRY = ["telemetry.plots=false", "telemetry.system_metrics_every_s=0"
 turns both back on and checks them."""
 
 
+def supervised_overrides(demo_cache, port):
+    """A small `asyncrl run` job on the hf engine, without evaluation: what the supervisor's tests start."""
+    return [f"demo.cache_dir={demo_cache}", *DEMO, f"buffer.port={port}",
+            "generator.engine=hf", "buffer.groups_per_step=2", "rollout.n=2", "generator.max_inflight_groups=2",
+            "eval.every_steps=0", "eval.before_train=false",  # the recipe's held-out evaluation is not tested here
+            *QUIET_TELEMETRY]
+
+
+def children_of(job_dir):
+    """PIDs the supervisor started, read from /proc by their job directory in the environment."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as handle:
+                if f"ASYNCRL_JOB_DIR={job_dir}".encode() in handle.read().split(b"\0"):
+                    pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
 def job_env(tmp_path):
     return {**os.environ, "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/mlflow.db", "HF_HUB_OFFLINE": "1"}
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.conftest import free_port
-from tests.e2e.test_supervisor import children_of, overrides
+from tests.e2e.jobs import children_of, supervised_overrides as overrides
 
 ZERO_REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):

@@ -9,30 +9,8 @@ import time
 
 import pytest
 
-from tests.conftest import DEMO, free_port
-from tests.e2e.jobs import QUIET_TELEMETRY
-
-
-def overrides(demo_cache, port):
-    return [f"demo.cache_dir={demo_cache}", *DEMO, f"buffer.port={port}",
-            "generator.engine=hf", "buffer.groups_per_step=2", "rollout.n=2", "generator.max_inflight_groups=2",
-            "eval.every_steps=0", "eval.before_train=false",  # the recipe's held-out evaluation is not tested here
-            *QUIET_TELEMETRY]
-
-
-def children_of(job_dir):
-    """PIDs the supervisor started, read from /proc by their job directory in the environment."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as handle:
-                if f"ASYNCRL_JOB_DIR={job_dir}".encode() in handle.read().split(b"\0"):
-                    pids.append(int(entry))
-        except OSError:
-            continue
-    return pids
+from tests.conftest import free_port
+from tests.e2e.jobs import children_of, supervised_overrides as overrides
 
 
 @pytest.mark.slow
