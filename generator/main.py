@@ -146,7 +146,7 @@ async def build_rollout(cfg, client, hello: HelloReply, generator_id: str, built
     ipc_push = cfg.weightsync.backend == "engine_push" and cfg.weightsync.engine_transport == "ipc"
     engine = make_engine(cfg.generator.engine, engine_options(
         cfg.generator, cfg.model, model_path, seed, info.lora_rank, cfg.buffer.max_staleness, ipc_push,
-        record_routes=info.routing_replay))
+        record_routes=info.routing_replay, takes_versions=True))
     built.push_async_callback(engine.close)
     await engine.start()
     episodes = None
@@ -205,7 +205,7 @@ def run_generator(cfg, say=print) -> int:
     except EngineBroken as err:  # the engine holds weights nobody vouches for: only a fresh process can serve
         say(f"generator stopped: {err}; restart it (it joins on the current weights)")
         return 1
-    except EngineUnsupported as err:  # refused before any engine was built: a restart is refused alike
+    except EngineUnsupported as err:  # refused before it sampled anything: a restart is refused alike
         say(f"generator stopped: {err}")
         return 1
     except (RewardError, ToolLoadError, EnvironmentLoadError, TemplateCannotAppend, McpServerError,

@@ -147,5 +147,8 @@ class EngineOptions:
     """Record the experts each token was routed to (an MoE model whose learner replays them: moe/routing.py); each
     Completion then carries `routed_experts`. The hf engine records them with hooks; vLLM returns them itself
     (`enable_return_routed_experts`, its Model Runner V2: GPU only); SGLang's engine refuses."""
+    takes_versions: bool = False
+    """The learner's versions will be loaded into it (a generator's engine), not only its model sampled (`asyncrl
+    eval`): an engine that cannot load them refuses at start (vLLM on CPU with an MoE model, CPU_MOE_UPDATES)."""
     vllm: VllmOptions = field(default_factory=VllmOptions)
     sglang: SglangOptions = field(default_factory=SglangOptions)

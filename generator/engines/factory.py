@@ -6,13 +6,14 @@ from asyncrl.generator.engines.base import Engine, EngineOptions, VllmOptions
 
 
 def engine_options(gen, model, model_path: str, seed: int, lora_rank=0, max_staleness: int = 0,
-                   ipc_push: bool = False, record_routes: bool = False) -> EngineOptions:
+                   ipc_push: bool = False, record_routes: bool = False, takes_versions: bool = False) -> EngineOptions:
     """The options of the engine generator.engine, from the generator and model sections: the one place that reads
     the vLLM-only knobs. `lora_rank`: a LoRA learner's rank (its run info's `lora_rank`, learner.lora.rank: the
     learner's setting, whatever the generator's recipe says); it publishes adapters, which the vLLM engine serves
     as such, up to that rank and every version the buffer admits (`max_staleness` + 1) at once; the hf engine needs
     nothing up front. `ipc_push`: the learner pushes through CUDA IPC (weightsync.engine_transport=ipc).
-    `record_routes`: the learner replays MoE routes (its run info's `routing_replay`), so the engine records them."""
+    `record_routes`: the learner replays MoE routes (its run info's `routing_replay`), so the engine records them.
+    `takes_versions`: a generator's engine, which the learner's versions will be loaded into (not `asyncrl eval`'s)."""
     vllm = VllmOptions()
     if gen.engine == "vllm":
         lora = {}
@@ -26,7 +27,7 @@ def engine_options(gen, model, model_path: str, seed: int, lora_rank=0, max_stal
                            ipc_push=ipc_push, **lora)
     return EngineOptions(model_path, gen.dtype, gen.max_model_len, gen.kv_cache_gib, seed,
                          update_mode=gen.update_mode, trust_remote_code=model.trust_remote_code, vllm=vllm,
-                         record_routes=record_routes)
+                         record_routes=record_routes, takes_versions=takes_versions)
 
 
 def make_engine(name: str, options: EngineOptions) -> Engine:

@@ -49,6 +49,7 @@ import contextlib
 import logging
 
 from asyncrl.generator.engines.base import EngineBroken, WeightLoadError
+from asyncrl.generator.engines.checkpoint_layout import CheckpointLayout
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class SglangWeightReceiver:
         self._idle.set()
         self._lock = asyncio.Lock()  # one load at a time
         self._push_group: str | None = None  # the learner's weight-update group joined for pushes
+        self._layout = None  # checkpoint_layout.CheckpointLayout: SGLang loads the files' layout, built at first use
 
     # --- the sampler's side ------------------------------------------------------------------------------
 
@@ -136,9 +138,12 @@ class SglangWeightReceiver:
             raise EngineBroken(f"sglang v{version}: {self.broken}") from err
 
     def _send(self, staged, what: str, flush_cache: bool):
-        """`update_weights_from_tensor` with the staged slot's tensors, bounded; SGLang answers (success, message)."""
+        """`update_weights_from_tensor` with the staged slot's tensors in the layout of the model's files (MoE
+        experts one tensor each, as SGLang's loaders read them), bounded; SGLang answers (success, message)."""
+        if self._layout is None:
+            self._layout = CheckpointLayout.for_model_dir(self.model_path)
         return bounded(self.engine.update_weights_from_tensor(
-            named_tensors=list(staged.buckets.tensors()), flush_cache=flush_cache,
+            named_tensors=self._layout.convert(staged.buckets.tensors()), flush_cache=flush_cache,
             weight_version=str(staged.version)), self.timeout_s, f"{what} from staging slot {staged.slot}",
             self.engine_peer)
 

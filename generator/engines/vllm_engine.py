@@ -31,6 +31,7 @@ import numpy as np
 
 from asyncrl.generator.engines.base import (Completion, EngineBroken, EngineOptions, EngineUnsupported,
                                             WeightLoadError)
+from asyncrl.generator.engines.checkpoint_layout import CheckpointLayout
 from asyncrl.generator.engines.lora_adapter import ServedAdapters, is_lora_version, vllm_max_lora_rank
 
 TRANSFER_BACKEND = "asyncrl_shm"
@@ -46,6 +47,15 @@ SAMPLE_STREAM_INTERVAL = 8
 always sent): each output costs the frontend a RequestOutput and a task wake-up per step, more than a step of a
 small model, so a sample streams a few partial outputs instead of one per token (whoever watches `in_flight` still
 sees it start and grow; `sample_stream`, which the agent endpoint streams from, keeps 1)."""
+CPU_MOE_UPDATES = (
+    "vLLM 0.32 on CPU cannot load new weights into a mixture-of-experts model: its CPU experts repack their "
+    "weights into a kernel layout once, at load, and its weight-update reload copies the new, unpacked weights over "
+    "that layout without repacking them (reloading the model's own files left a tiny Qwen3-MoE's logprobs 0.07 off). "
+    "On CPU train MoE models with generator.engine=hf; vLLM serves them on a GPU, and samples them on CPU without "
+    "updates (asyncrl eval)")
+"""Why a vLLM engine on CPU refuses full versions of an MoE model (a LoRA job's adapters load through vLLM's LoRA
+path, not this reload, and are not refused); an engine that takes versions (EngineOptions.takes_versions: a
+generator's) refuses at start, and any other at its first full version."""
 
 
 class VllmEngine:
@@ -58,6 +68,8 @@ class VllmEngine:
         self._loaded.set()
         self.in_flight: dict = {}  # request id -> its Completion so far
         self._expected: dict = {}  # checkpoint name -> shape, what every version must match
+        self._layout = CheckpointLayout()  # a version's names -> the checkpoint's (its MoE experts one per tensor)
+        self.update_refusal: str | None = None  # why this engine cannot take full versions (CPU_MOE_UPDATES), if so
         self.broken: str | None = None  # set when even the fallback failed: sampling raises instead of waiting
         self.resumed_requests = 0  # requests aborted by a weight update and resubmitted (update_mode=abort)
         self.adapters: ServedAdapters | None = None  # with LoRA: the versions served as adapters
@@ -80,6 +92,11 @@ class VllmEngine:
         args = AsyncEngineArgs(**engine_args(self.options, on_gpu=torch.cuda.is_available()))
         self._engine = AsyncLLM.from_engine_args(args)
         self._expected = checkpoint_shapes(self.options.model_path)
+        self._layout = CheckpointLayout.for_model_dir(self.options.model_path, self.options.trust_remote_code)
+        if not torch.cuda.is_available() and self._engine.model_config.is_moe and not self.options.vllm.lora_rank:
+            self.update_refusal = CPU_MOE_UPDATES
+            if self.options.takes_versions:  # a generator: refused before it samples anything it could not update
+                raise EngineUnsupported(CPU_MOE_UPDATES)
         await self._engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info={}))
         await self._engine.update_weight_version(str(self.version))  # tokens are never labelled "default"
         lora_rank = self.options.vllm.lora_rank
@@ -215,7 +232,13 @@ class VllmEngine:
             await self.adapters.load(staged)
             self.version = staged.version
             return
-        problems = check_against_checkpoint(staged.announcement, self._expected)
+        if self.update_refusal:
+            raise EngineUnsupported(self.update_refusal)
+        message = staged.announcement
+        try:
+            problems = check_against_checkpoint(self._layout.shapes(message.names, message.shapes), self._expected)
+        except Exception as err:  # noqa: BLE001 - a shape transformers' conversion cannot take is a misfit too
+            problems = [f"its tensors do not convert to the checkpoint's layout ({type(err).__name__}: {err})"]
         if problems:  # caught before the engine is touched: vLLM cannot check fused parameters up front
             raise WeightLoadError(f"v{staged.version} does not fit the model's checkpoint: {problems}; kept "
                                   f"v{self.version}")
@@ -372,7 +395,9 @@ def engine_args(options: EngineOptions, on_gpu: bool) -> dict:
     of kv_cache_gib unless gpu_memory_utilization asks vLLM to size it (without either, the CPU worker takes ~90 %
     of RAM). lm_head_fp32 runs the LM head in fp32 through vLLM's `head_dtype` override. lora_rank > 0 turns on
     vLLM's LoRA for adapters up to that rank, `max_loras` of them in one batch (every version the buffer admits),
-    and a CPU cache of two more (an adapter evicted from it is reloaded from its directory)."""
+    and a CPU cache of two more (an adapter evicted from it is reloaded from its directory). On CPU a model with
+    latent attention (MLA: DeepSeek-V2/V3) gets vLLM's PyTorch rotary embedding instead of its C++ kernel
+    (`uses_mla`)."""
     vllm = options.vllm
     gpu_memory_utilization, lora_rank, max_loras = vllm.gpu_memory_utilization, vllm.lora_rank, vllm.max_loras
     if options.record_routes and not on_gpu:
@@ -397,9 +422,29 @@ def engine_args(options: EngineOptions, on_gpu: bool) -> dict:
         "disable_log_stats": True, "weight_transfer_config": {"backend": TRANSFER_BACKEND}, **memory,
         **({"hf_overrides": {"head_dtype": "float32"}} if vllm.lm_head_fp32 else {}),
         **({"enable_return_routed_experts": True} if options.record_routes else {}),
+        **({"compilation_config": {"custom_ops": ["-rotary_embedding"]}} if not on_gpu and uses_mla(options.model_path)
+           else {}),
         **({"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(lora_rank), "max_loras": max_loras,
             "max_cpu_loras": max_loras + 2} if lora_rank else {}),
     }
+
+
+def uses_mla(model_path: str) -> bool:
+    """Whether the model in `model_path` has latent attention (a `kv_lora_rank`: DeepSeek-V2/V3 and their kin).
+
+    vLLM 0.32's CPU `rotary_embedding` kernel takes the token stride from the second-to-last dimension, which is
+    right for the 2-D [tokens, heads * dim] query and key other models pass, and wrong for the 3-D strided views
+    MLA passes (its rope part of each head, [tokens, heads, 64]): it rotates the first rows only, with other rows'
+    positions. On a tiny DeepSeek-V3 that put vLLM's logprobs 0.03 from the learner's. The PyTorch rope it falls
+    back to is exact (tests/integration/test_families_vllm.py). Real checkpoints' YaRN rope never used the kernel.
+    A directory without a readable config.json (a test's placeholder) is not MLA."""
+    try:
+        with open(os.path.join(model_path, "config.json")) as handle:
+            config = json.load(handle)
+    except (OSError, ValueError):
+        return False
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    return bool(config.get("kv_lora_rank") or text.get("kv_lora_rank"))
 
 
 def check_transfer_plugin() -> None:
@@ -479,15 +524,15 @@ def checkpoint_shapes(model_path: str) -> dict:
     return shapes
 
 
-def check_against_checkpoint(message, expected: dict) -> list[str]:
-    """What in an announcement (weightsync WeightsAnnouncement) would fail vLLM's load midway (unknown names, wrong shapes) or leave it half
-    loaded without an error (missing names: vLLM keeps the old values of layers it got nothing for). A tied
-    lm_head, which checkpoints often omit, may be present."""
+def check_against_checkpoint(version_shapes: dict, expected: dict) -> list[str]:
+    """What in a version (name -> shape, in the checkpoint's layout: checkpoint_layout.py) would fail vLLM's load
+    midway (unknown names, wrong shapes) or leave it half loaded without an error (missing names: vLLM keeps the
+    old values of layers it got nothing for). A tied lm_head, which checkpoints often omit, may be present."""
     if not expected:
         return []
-    missing = sorted(set(expected) - set(message.names))
+    missing = sorted(set(expected) - set(version_shapes))
     problems = [f"missing tensor {name!r}" for name in missing[:3]]
-    for name, shape in zip(message.names, message.shapes):
+    for name, shape in version_shapes.items():
         want = expected.get(name)
         if want is None and name != "lm_head.weight":
             problems.append(f"unknown tensor {name!r}")

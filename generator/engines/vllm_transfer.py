@@ -5,8 +5,9 @@ vLLM receives weights for RL through `init_weight_transfer_engine`, `start_weigh
 `WeightTransferEngineFactory` registry (`nccl`, `sparse_nccl` and `ipc` ship with vLLM). This module adds
 `asyncrl_shm`: each `update_weights` call names one bucket of a complete, checksummed version in the generator's
 staging mapping (weightsync/receiver.py), and the worker hands vLLM typed views of its bytes, without a copy before
-vLLM's own. It is registered in every vLLM process through vLLM's plugin entry point (`vllm.general_plugins`, in
-setup.py), so the CPU tests drive exactly the calls a GPU engine receives.
+vLLM's own, in the layout of the model's files (checkpoint_layout.py: transformers fuses MoE experts in memory). It
+is registered in every vLLM process through vLLM's plugin entry point (`vllm.general_plugins`, in setup.py), so the
+CPU tests drive exactly the calls a GPU engine receives.
 
 Loading follows vLLM's layerwise reload (what its own `nccl` engine does): `start_weight_update` opens it, every
 bucket's tensors go through `model.load_weights`, `finish_weight_update` finalizes it. That is the reload that also
@@ -34,6 +35,7 @@ import torch
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
+from asyncrl.generator.engines.checkpoint_layout import CheckpointLayout
 from asyncrl.weightsync.announcement import WeightsAnnouncement
 from asyncrl.weightsync.layout import layout_of
 from asyncrl.weightsync.receiver import STAGING_SLOTS
@@ -96,6 +98,7 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         self._rings: dict = {}  # ring path -> ShmRing, mapped once per layout
         self._pushed: dict = {}  # transport -> vLLM's engine for it, once the learner's side was joined
         self._round: str | None = None  # the transport of the open round ("shm" for staging), None between rounds
+        self._layout = None  # checkpoint_layout.CheckpointLayout of the model, built at the first staged bucket
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
         """Open vLLM's engine for a transport (a new one replaces the old: the learner opens a new group after a
@@ -179,8 +182,17 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         if before[0] % 2 or before[1] != update_info.version:
             raise RuntimeError(f"{where}: staging slot {update_info.slot} of {update_info.ring_path} holds "
                                f"v{before[1]} (sequence {before[0]}), not a complete v{update_info.version}")
+        if self._layout is None:
+            self._layout = CheckpointLayout.for_config(self.model_config.hf_config,
+                                                       self.model_config.trust_remote_code)
+        tensors = self._layout.convert(ring.buckets(update_info.slot).tensors(update_info.bucket))
+        if not hasattr(self.model, "lm_head"):
+            # A tied head is in the learner's state dict twice (embeddings and lm_head.weight). vLLM's Qwen models
+            # hold a head of their own, which a reload unties, so they need both; its Gemma 2 computes the logits
+            # from the embeddings, has no head, and fails on the name.
+            tensors = [(name, tensor) for name, tensor in tensors if name != "lm_head.weight"]
         try:
-            self.model.load_weights(ring.buckets(update_info.slot).tensors(update_info.bucket))
+            self.model.load_weights(tensors)
         except Exception as err:
             raise RuntimeError(f"{where}: {type(err).__name__}: {err}") from err
         if ring.stamp(update_info.slot) != before:

@@ -288,6 +288,27 @@ def test_engine_args_choose_cuda_graphs_on_gpu_eager_on_cpu_and_who_sizes_the_kv
         engine_args(options(gpu_memory_utilization=0.9), on_gpu=False)
 
 
+def test_latent_attention_gets_vllms_pytorch_rope_on_cpu_only(tmp_path):
+    """vLLM's CPU rope kernel mishandles MLA's strided 3-D q/k (vllm_engine.py::uses_mla): a model with a
+    kv_lora_rank (at the top or in a text_config) turns it off on CPU; a GPU, another model or no config keeps it."""
+    from asyncrl.generator.engines.vllm_engine import engine_args, uses_mla
+
+    (tmp_path / "mla").mkdir()
+    (tmp_path / "mla" / "config.json").write_text('{"model_type": "deepseek_v3", "kv_lora_rank": 512}')
+    (tmp_path / "vl").mkdir()
+    (tmp_path / "vl" / "config.json").write_text('{"text_config": {"kv_lora_rank": 512}}')
+    (tmp_path / "gqa").mkdir()
+    (tmp_path / "gqa" / "config.json").write_text('{"model_type": "qwen2", "kv_lora_rank": null}')
+    assert uses_mla(str(tmp_path / "mla")) and uses_mla(str(tmp_path / "vl"))
+    assert not uses_mla(str(tmp_path / "gqa")) and not uses_mla(str(tmp_path / "missing"))
+
+    def args(model, on_gpu):
+        return engine_args(EngineOptions(str(tmp_path / model), "float32", 64, 0.1, 0), on_gpu=on_gpu)
+
+    assert args("mla", False)["compilation_config"] == {"custom_ops": ["-rotary_embedding"]}
+    assert "compilation_config" not in args("mla", True) and "compilation_config" not in args("gqa", False)
+
+
 def test_vllm_placement_settings_are_validated_and_reach_only_the_vllm_engine():
     from asyncrl.configs import load_config
     cfg = load_config(None, ["generator.engine=vllm", "generator.vllm.tensor_parallel_size=2",
