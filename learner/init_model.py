@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 FAMILIES = ("qwen2", "qwen3", "llama")
 """The families a model is built in: each is loaded by transformers and by vLLM with the tokenizer built here
-(learner/tokenizer.py). learner/families.py's other families (Mistral, Gemma 2, Qwen3-MoE) are tested in the
-learner from their tiny test shapes, but have settings (sliding windows, soft-capping, experts) a new model should
-choose on purpose: bring such a model's directory instead."""
+(learner/tokenizer.py). learner/families.py's other families (Mistral, Gemma 2, Qwen3-MoE, DeepSeek-V3) are tested in
+the learner from their tiny test shapes, but have settings (sliding windows, soft-capping, experts, latent
+attention) a new model should choose on purpose: bring such a model's directory instead."""
 PAD_MULTIPLE = 16
 """The vocabulary is padded to a multiple of this (ids past the tokenizer's are never sampled once SFT has
 trained the model on the real ones)."""

@@ -32,7 +32,8 @@ def cu_seqlens(segment_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def inner_attention(q, k, v, segment_ids, scale, dropout: float, kernel=None, window=None, softcap=None):
-    """Causal attention over the full sequence: q [b, h, S, d], k/v [b, h_kv, S, d] -> [b, h, S, d].
+    """Causal attention over the full sequence: q/k [b, h(_kv), S, d], v [b, h_kv, S, d_v] -> [b, h, S, d_v] (d_v
+    differs from d in latent attention, MLA).
     `segment_ids` [b, S] (packed sequences; None = each row is one sequence). With `kernel` (flash-attn's varlen
     signature) the rows/segments become cu_seqlens and no [S, S] mask exists; else sdpa with a block-diagonal
     causal mask (CPU). `window`: a key more than window - 1 tokens before the query is not attended (HF's sliding
@@ -46,13 +47,17 @@ def inner_attention(q, k, v, segment_ids, scale, dropout: float, kernel=None, wi
             segments = segments + torch.arange(batch, device=q.device)[:, None] * (int(segments.max()) + 2)
         bounds, longest = cu_seqlens(segments)
 
+        value_dim = v.shape[-1]
+        if value_dim != dim:  # MLA (DeepSeek): flash-attn wants one head dim, so v is padded and the output cut
+            v = F.pad(v, [0, dim - value_dim])
+
         def flat(x):
             return x.transpose(1, 2).reshape(batch * length, x.shape[1], dim)
 
         out = kernel(flat(q), flat(k), flat(v), bounds, bounds, longest, longest, dropout_p=dropout,
                      softmax_scale=scale, causal=True, window_size=(window - 1, 0) if window else (-1, -1),
                      softcap=float(softcap or 0.0))
-        return out.reshape(batch, length, heads, dim).transpose(1, 2)
+        return out.reshape(batch, length, heads, dim)[..., :value_dim].transpose(1, 2)
     if k.shape[1] != heads:  # grouped-query attention: heads stay grouped within each rank's slice
         k = k.repeat_interleave(heads // k.shape[1], dim=1)
         v = v.repeat_interleave(heads // v.shape[1], dim=1)

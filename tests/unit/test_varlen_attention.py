@@ -13,6 +13,7 @@ def fake_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     causal within each sequence, `window_size=(left, right)` (-1: unbounded; a query attends to keys at most `left`
     before it), `softcap` (0: off; scores -> softcap * tanh(scores / softcap)); returns [total, h, d]."""
     assert cu_seqlens_q.dtype == torch.int32 and torch.equal(cu_seqlens_q, cu_seqlens_k)
+    assert q.shape[-1] == k.shape[-1] == v.shape[-1]  # flash-attn 2 takes one head dim for q, k and v
     lengths = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
     assert max(lengths) == max_seqlen_q == max_seqlen_k and sum(lengths) == q.shape[0]
     out = torch.empty_like(q)
@@ -48,19 +49,35 @@ def test_varlen_layout_matches_masked_sdpa(packed):
     torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
 
 
+def test_latent_attentions_narrower_values_are_padded_for_the_kernel_and_cut_after():
+    """DeepSeek's MLA: q/k heads of 96 (nope + rope), value heads of 32. The kernel gets v padded to 96 and the
+    output is cut back to 32, equal to sdpa's, which takes the two widths as they are."""
+    torch.manual_seed(2)
+    q = torch.randn(1, 4, 13, 12, dtype=torch.float64)
+    k = torch.randn(1, 4, 13, 12, dtype=torch.float64)
+    v = torch.randn(1, 4, 13, 4, dtype=torch.float64)
+    segments = torch.tensor([[0, 0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3, -1]])
+    expected = inner_attention(q, k, v, segments, 0.3, 0.0, kernel=None)
+    got = inner_attention(q, k, v, segments, 0.3, 0.0, kernel=fake_varlen)
+    assert got.shape == (1, 4, 13, 4)
+    torch.testing.assert_close(got, expected, atol=1e-12, rtol=0)
+
+
 def test_no_kernel_on_cpu():
     assert varlen_kernel(torch.device("cpu")) is None
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and flash-attn")
-def test_real_flash_attn_varlen_matches_sdpa_on_cuda():
+@pytest.mark.parametrize("value_dim", [64, 32])  # 32: latent attention's narrower values (MLA)
+def test_real_flash_attn_varlen_matches_sdpa_on_cuda(value_dim):
     kernel = varlen_kernel(torch.device("cuda"))
     if kernel is None:
         pytest.skip("flash-attn is not installed")
     torch.manual_seed(0)
     q = torch.randn(1, 4, 13, 64, dtype=torch.bfloat16, device="cuda")
-    k, v = torch.randn(2, 1, 2, 13, 64, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(1, 2, 13, 64, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(1, 2, 13, value_dim, dtype=torch.bfloat16, device="cuda")
     segments = torch.tensor([[0, 0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3, -1]], device="cuda")
     expected = inner_attention(q.float(), k.float(), v.float(), segments, 0.125, 0.0, kernel=None)
     got = inner_attention(q, k, v, segments, 0.125, 0.0, kernel=kernel)
