@@ -18,18 +18,19 @@ def namespace(redis: RedisConfig, job_name: str) -> str:
 
 
 def job_limits(rollout, max_prompt_tokens: int, max_positions: int, episodes: bool,
-               routing: tuple | None = None) -> JobLimits:
+               routing: tuple | None = None, forbidden_tokens: tuple = ()) -> JobLimits:
     """What every group of this job fits: the recipe's sampling (`rollout`, the rollout section's RolloutConfig,
     which lives in generator/ and so is not imported here), its prompt bound
     (data.max_prompt_tokens), the model's positions, whether samples are multi-turn `episodes` (tools, an
     environment or an agent), whose completions may run to the model's positions, and the model's MoE `routing`
-    shape (num_layers, top_k, num_experts) when the learner replays routes."""
+    shape (num_layers, top_k, num_experts) when the learner replays routes; `forbidden_tokens`: ids no completion
+    holds (a vision-language model's placeholders)."""
     return JobLimits(group_size=rollout.n, temperature=rollout.temperature, top_p=rollout.top_p,
                      top_k=rollout.top_k, max_tokens=rollout.max_tokens,
                      max_completion_tokens=rollout.completion_limit(max_positions, episodes=episodes),
                      max_prompt_tokens=max_prompt_tokens, max_positions=max_positions,
                      max_turns=rollout.max_turns if episodes and rollout.turn_samples != "episode" else 1,
-                     episodes=episodes, routing=routing)
+                     episodes=episodes, routing=routing, forbidden_tokens=tuple(forbidden_tokens))
 
 
 def make_learner_buffer(buffer: BufferConfig, security: SecurityConfig, job_name: str, limits: JobLimits, *,

@@ -82,6 +82,10 @@ class Group:
     meta: dict[str, str | int | float] = field(default_factory=dict)
     """Free-form scalars: data_source, ground truth id, ..."""
     schema: int = SCHEMA_VERSION
+    images: list | None = None
+    """The learner's own: a multimodal prompt's encoded images, attached on rank 0 from the row it dealt under
+    `prompt_id` (learner/loop.py). Never on the wire (the codec writes its keys by name): a generator cannot pair a
+    prompt with images of its choosing."""
 
     def min_version(self) -> int:
         """Oldest learner version behind any model token (loss_mask 1; every completion token without a mask);

@@ -54,6 +54,9 @@ class JobLimits:
     routing: tuple | None = None
     """(num_layers, top_k, num_experts) of the model when the learner replays MoE routes (learner.moe_routing_replay):
     every sample must carry its routes in that shape. None: no sample may carry any."""
+    forbidden_tokens: tuple = ()
+    """Token ids no completion may hold: a vision-language model's placeholders (data/vision.py), which its engines
+    never sample and its forward would take for images."""
 
     @property
     def max_samples(self) -> int:
@@ -123,6 +126,13 @@ def check_values(group, limits: JobLimits) -> None:
         if sample.finish_reason == "stop" and len(sample.completion_ids) == 0:
             raise Implausible("bad_finish_reason", f"samples[{i}]", "no completion token, yet finish_reason 'stop': "
                                                                     "an engine that stops emits its stop token")
+        if limits.forbidden_tokens:
+            held = np.isin(sample.completion_ids, limits.forbidden_tokens)
+            if held.any():
+                index = int(np.flatnonzero(held)[0])
+                raise Implausible("token_out_of_range", f"samples[{i}].completion_ids",
+                                  f"[{index}]={sample.completion_ids[index]} is a vision placeholder token, which no "
+                                  f"engine of this job samples")
         low = sample.logprobs < LOGPROB_FLOOR
         if low.any():
             index = int(np.flatnonzero(low)[0])

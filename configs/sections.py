@@ -4,7 +4,7 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-DEMO_TASKS = ("", "sort_digits", "add_numbers", "add_subtract")
+DEMO_TASKS = ("", "sort_digits", "add_numbers", "add_subtract", "square_colour")
 DEMO_SHAPES = ("tiny", "qwen2-0.5b")
 
 

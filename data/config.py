@@ -35,7 +35,18 @@ class DataConfig:
     they are never dealt for training, and with eval.every_steps / eval.before_train the fleet evaluates on them
     when eval.files is empty. 0: none held out."""
 
+    max_images: int = 4
+    """Multimodal rows (an `images` column, docs/vision.md): the most images one prompt may have; a row with more
+    is an error naming it."""
+    max_image_bytes: int = 4 << 20
+    """Multimodal rows: the most bytes one encoded image may have."""
+    max_image_pixels: int = 1 << 22
+    """Multimodal rows: the most pixels (width x height, read from the header before anything is decoded) one
+    image may have; it is then resized by the model's processor."""
+
     def __post_init__(self):
+        if min(self.max_images, self.max_image_bytes, self.max_image_pixels) < 1:
+            raise ValueError("data.max_images, data.max_image_bytes and data.max_image_pixels must be >= 1")
         if self.max_prompt_tokens < 1:
             raise ValueError(f"data.max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         if self.source not in DATA_SOURCES:

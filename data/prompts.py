@@ -37,6 +37,9 @@ class PromptRow:
     deal_id: str | None = None
     """The learner dealt this row under this id (the group goes back with it: the learner accepts the group only
     under its deal); None when the generator walks its own copy of the data."""
+    images: list | None = None
+    """A multimodal row's images, encoded (PNG, JPEG or WebP bytes, read and bounded at load: data/images.py), in
+    the order of the image-pad tokens in prompt_ids (one each: the engine and the learner widen them)."""
 
 
 @dataclass
@@ -70,22 +73,44 @@ def read_rows(paths: list) -> list[dict]:
         for index, row in enumerate(table.to_pylist()):
             row.setdefault("extra_info", None)
             row["_id"] = f"{os.path.basename(path)}:{index}"
+            row["_dir"] = os.path.dirname(os.path.abspath(path))  # where an image's relative path starts
             rows.append(row)
     return rows
 
 
-def tokenize_rows(rows: list[dict], tokenizer, max_prompt_tokens: int) -> tuple[list[PromptRow], int]:
-    """Render each prompt with the chat template and tokenize; returns the rows that fit and how many were skipped."""
+def tokenize_rows(rows: list[dict], tokenizer, max_prompt_tokens: int, max_images: int = 4,
+                  max_image_bytes: int = 4 << 20, vision=None) -> tuple[list[PromptRow], int]:
+    """Render each prompt with the chat template and tokenize; returns the rows that fit and how many were skipped.
+    A row with `images` has its `<image>` placeholders rendered as the model's vision span and its images read
+    (data/images.py: at most `max_images`, each at most `max_image_bytes`) and decoded once by `vision` (a
+    vision-language model's VisionProcessor, data/vision.py), which also says how long the prompt is once its image
+    pads are widened: that length is what must fit. A row whose images cannot be read, or a row with images for a
+    model without `vision`, is an error naming it, not a skip."""
+    from asyncrl.data.images import ImageError, image_bytes, replace_placeholders
+
     out, skipped = [], 0
     for row in rows:
-        text = tokenizer.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+        messages, images, widened = row["prompt"], None, 0
+        if row.get("images"):
+            if vision is None:
+                raise DatasetError(f"row {row['_id']} has images, and the model is not a vision-language model "
+                                   f"(or the rows are not the learner's to deal: docs/vision.md)")
+            try:
+                if len(row["images"]) > max_images:
+                    raise ImageError(f"{len(row['images'])} images, more than data.max_images={max_images}")
+                images = [image_bytes(entry, row.get("_dir", ""), max_image_bytes) for entry in row["images"]]
+                messages = replace_placeholders(messages, len(images))
+                widened = sum(vision.pads_of(image) - 1 for image in images)
+            except ImageError as err:
+                raise DatasetError(f"row {row['_id']}: {err}") from None
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if not ids or len(ids) > max_prompt_tokens:
+        if not ids or len(ids) + widened > max_prompt_tokens:
             skipped += 1
             continue
         ground_truth = (row["reward_model"] or {}).get("ground_truth")
         out.append(PromptRow(row["_id"], ids, row["data_source"], ground_truth, row["extra_info"] or {},
-                             messages=row["prompt"]))
+                             messages=row["prompt"], images=images))
     if not out:
         raise DatasetError(f"no prompt fits data.max_prompt_tokens={max_prompt_tokens} ({skipped} skipped)")
     return out, skipped
@@ -139,12 +164,27 @@ def describe_split(data_cfg, train_files: list) -> str:
 
 
 def tokenize_with_model(raw_rows: list, model_path: str, max_prompt_tokens: int,
-                        trust_remote_code: bool = False, source: str = "") -> PromptSet:
-    """`raw_rows` tokenized with the chat template of the model at `model_path`."""
+                        trust_remote_code: bool = False, source: str = "", data_cfg=None) -> PromptSet:
+    """`raw_rows` tokenized with the chat template of the model at `model_path` (and, for a vision-language model,
+    its images read with its processor, bounded by `data_cfg`'s image settings)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    return PromptSet(*tokenize_rows(raw_rows, tokenizer, max_prompt_tokens), source=source)
+    return PromptSet(*tokenize_rows(raw_rows, tokenizer, max_prompt_tokens,
+                                    **image_settings(model_path, data_cfg, trust_remote_code)), source=source)
+
+
+def image_settings(model_path: str, data_cfg=None, trust_remote_code: bool = False) -> dict:
+    """tokenize_rows's image keywords for the model at `model_path`: its VisionProcessor when it is a
+    vision-language model (none otherwise: a row with images is then refused), and data_cfg's bounds."""
+    from asyncrl.data.vision import is_vision_dir, vision_processor
+
+    settings = {} if data_cfg is None else {"max_images": data_cfg.max_images,
+                                            "max_image_bytes": data_cfg.max_image_bytes}
+    if is_vision_dir(model_path):
+        settings["vision"] = vision_processor(model_path, trust_remote_code,
+                                              data_cfg.max_image_pixels if data_cfg is not None else 1 << 22)
+    return settings
 
 
 def load_train_prompts(data_cfg, train_files: list, model_path: str, seed: int,
@@ -155,7 +195,7 @@ def load_train_prompts(data_cfg, train_files: list, model_path: str, seed: int,
     if data_cfg.source != "reasoning_gym" and not train_files:
         return None
     return tokenize_with_model(job_rows(data_cfg, seed, train_files), model_path, data_cfg.max_prompt_tokens,
-                               trust_remote_code)
+                               trust_remote_code, data_cfg=data_cfg)
 
 
 def load_held_out_prompts(data_cfg, train_files: list, model_path: str, seed: int,
@@ -164,7 +204,7 @@ def load_held_out_prompts(data_cfg, train_files: list, model_path: str, seed: in
     are trained on)."""
     train, held = split_job_rows(data_cfg, seed, train_files)
     return tokenize_with_model(held, model_path, data_cfg.max_prompt_tokens, trust_remote_code,
-                               source=describe_split(data_cfg, train_files)), len(train)
+                               source=describe_split(data_cfg, train_files), data_cfg=data_cfg), len(train)
 
 
 def load_eval_prompts(files: list, model_path: str, max_prompt_tokens: int, trust_remote_code: bool = False,
@@ -176,13 +216,21 @@ def load_eval_prompts(files: list, model_path: str, max_prompt_tokens: int, trus
 
 
 # --- a row as a deal carries it --------------------------------------------------------------------------------
+MAX_DEALT_IMAGES = 64
+"""A dealt row's images, at most (the learner's data.max_images is far below): the deal's size is bounded by the
+buffer's message limit; this bounds the count before anything is decoded."""
+
+
 def encode_prompt(row: PromptRow) -> bytes:
     """A prompt row as the msgpack map a deal carries. Raises DealError for a row msgpack cannot carry (a parquet
     cell of a type it does not know), at load time, naming the row."""
     try:
-        return msgpack.packb({"prompt_id": row.prompt_id, "prompt_ids": np.asarray(row.prompt_ids, "<i4").tobytes(),
-                              "data_source": row.data_source, "ground_truth": row.ground_truth,
-                              "extra_info": row.extra_info or {}, "messages": row.messages}, use_bin_type=True)
+        fields = {"prompt_id": row.prompt_id, "prompt_ids": np.asarray(row.prompt_ids, "<i4").tobytes(),
+                  "data_source": row.data_source, "ground_truth": row.ground_truth,
+                  "extra_info": row.extra_info or {}, "messages": row.messages}
+        if row.images:
+            fields["images"] = list(row.images)
+        return msgpack.packb(fields, use_bin_type=True)
     except (TypeError, ValueError) as err:
         raise DealError(f"prompt {row.prompt_id}: its row cannot be dealt ({err})") from None
 
@@ -210,5 +258,9 @@ def decode_prompt(deal_id, blob) -> PromptRow:
             or not isinstance(ids, bytes) or not ids or len(ids) % 4 or not isinstance(extra, dict)
             or not (messages is None or isinstance(messages, list))):
         raise DealError(f"deal {deal_id}: row lacks prompt_id, prompt_ids, data_source, extra_info or messages")
+    images = row.get("images")
+    if images is not None and (not isinstance(images, list) or not 0 < len(images) <= MAX_DEALT_IMAGES
+                               or not all(isinstance(image, bytes) and image for image in images)):
+        raise DealError(f"deal {deal_id}: images must be a list of 1 to {MAX_DEALT_IMAGES} non-empty byte strings")
     return PromptRow(row["prompt_id"], np.frombuffer(ids, "<i4").tolist(), row["data_source"],
-                     row.get("ground_truth"), extra, messages, deal_id=deal_id)
+                     row.get("ground_truth"), extra, messages, deal_id=deal_id, images=images)

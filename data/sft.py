@@ -105,6 +105,9 @@ def read_file(path: str, tokenizer) -> list[SFTExample]:
                            f"'prompt' + 'reward_model' columns (verl format); its columns are {columns}")
     if not getattr(tokenizer, "chat_template", None):
         raise SFTDataError(f"SFT data file {path!r} needs a chat template, but the tokenizer has none")
+    if "images" in columns and any(table.column("images").to_pylist()):
+        raise SFTDataError(f"SFT data file {path!r} has images: SFT takes text only (docs/vision.md), and training "
+                           f"on the text with its <image> placeholders would be training on something else")
     return [build(row, tokenizer, f"{path}:{index}", f"SFT data {path}, row {index}")
             for index, row in enumerate(table.to_pylist())]
 

@@ -19,7 +19,7 @@ import asyncio
 from asyncrl.buffer.group import Sampling
 from asyncrl.data.prompts import DatasetError
 from asyncrl.generator.agents.episode import PromptTooLong
-from asyncrl.generator.sampling import episode_reward, score_text
+from asyncrl.generator.sampling import episode_reward, image_inputs, score_text
 from asyncrl.telemetry.eval_metrics import episode_metrics, eval_metrics
 
 
@@ -30,7 +30,7 @@ def eval_sampling(temperature: float, max_tokens: int) -> Sampling:
 
 async def sample_and_score(engine, scorer, tokenizer, row, sampling: Sampling, n: int) -> tuple[list, list, list]:
     """(rewards, completion lengths, completion texts) of n samples of `row` (a PromptRow or a dealt prompt)."""
-    completions = await engine.sample(row.prompt_ids, sampling, n)
+    completions = await engine.sample(row.prompt_ids, sampling, n, **image_inputs(row))
     texts = [tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in completions]
     scores = await asyncio.gather(*(score_text(scorer, row, text) for text in texts))
     return [reward for reward, _ in scores], [len(c.token_ids) for c in completions], texts

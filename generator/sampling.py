@@ -64,11 +64,13 @@ class GroupSampler:
             meta["deal"] = row.deal_id
         if self.episodes is not None:
             return await self._sample_episodes(row, sampling, created, meta)
-        sampled = self.engine.sample(row.prompt_ids, sampling, rollout.n)
+        images = image_inputs(row)
+        sampled = self.engine.sample(row.prompt_ids, sampling, rollout.n, **images)
         if rollout.greedy_baseline:
             # ReMax: one greedy decode of the same prompt, scored like the others; its reward is the baseline.
             greedy = Sampling(0.0, 1.0, -1, rollout.max_tokens)
-            completions, (baseline,) = await asyncio.gather(sampled, self.engine.sample(row.prompt_ids, greedy, 1))
+            completions, (baseline,) = await asyncio.gather(sampled, self.engine.sample(row.prompt_ids, greedy, 1,
+                                                                                        **images))
             meta["baseline_reward"], _ = await self._score(row, baseline)
             self.stats.tokens += len(baseline.token_ids)
         else:
@@ -92,6 +94,9 @@ class GroupSampler:
 
     async def _sample_episodes(self, row, sampling: Sampling, created: float, meta: dict) -> Group | None:
         """n episodes of the prompt, concurrently; None (skipped, counted) when the opening is too long."""
+        if row.images:
+            raise ValueError(f"prompt {row.prompt_id} has images, and episodes (tools, environments, agents) take "
+                             f"text only")
         runs = await asyncio.gather(*(self.episodes.run(row, sampling) for _ in range(self.rollout.n)),
                                     return_exceptions=True)
         for outcome in runs:
@@ -130,3 +135,9 @@ class GroupSampler:
             info = {**info, "overlong_penalty": penalty}
             reward += penalty
         return reward, info
+
+
+def image_inputs(row) -> dict:
+    """The engine's keyword for a multimodal row's images (none for a text row: an engine that takes no images
+    is called as it always was)."""
+    return {"images": row.images} if row.images else {}

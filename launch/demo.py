@@ -7,15 +7,23 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from dataclasses import asdict
 
-from asyncrl.generator.tasks import add_numbers, add_subtract, sort_digits
+from asyncrl.generator.tasks import add_numbers, add_subtract, sort_digits, square_colour
 
 log = logging.getLogger(__name__)
-TASKS = {"sort_digits": sort_digits, "add_numbers": add_numbers, "add_subtract": add_subtract}
+TASKS = {"sort_digits": sort_digits, "add_numbers": add_numbers, "add_subtract": add_subtract,
+         "square_colour": square_colour}
 """Each task module gives make_rows, sft_rows, tokenizer_corpus, its tokenizer's EOS, SPECIAL_TOKENS,
-ADDED_TOKENS and CHAT_TEMPLATE, and the model's MAX_POSITIONS."""
+ADDED_TOKENS and CHAT_TEMPLATE, and the model's MAX_POSITIONS; a task whose prompts carry images sets VISION."""
 SFT_MICROBATCH_TOKENS = 4096
+
+
+def vision_task(task) -> bool:
+    """Whether a task's prompts carry images (its module sets VISION; the text tasks' modules leave it out, so
+    their cached assets, keyed by their source, stay valid)."""
+    return getattr(task, "VISION", False)
 
 
 def demo_dir(demo_cfg, seed: int) -> str:
@@ -48,7 +56,11 @@ def prepare_demo(demo_cfg, seed: int, say=print) -> tuple[str, list]:
         write_dataset(task, files[0], demo_cfg.num_prompts, seed)
         base_dir = os.path.join(root, "base")
         build_base_model(task, base_dir, demo_cfg, seed)
-        warm_start(base_dir, model_dir, os.path.join(root, "data", "sft.parquet"), task, demo_cfg, seed, say)
+        if vision_task(task):  # SFT takes text only: a vision task starts from the random model
+            shutil.copytree(base_dir, model_dir, dirs_exist_ok=True)
+            open(os.path.join(model_dir, "DONE"), "w").close()
+        else:
+            warm_start(base_dir, model_dir, os.path.join(root, "data", "sft.parquet"), task, demo_cfg, seed, say)
     return model_dir, files
 
 
@@ -69,12 +81,18 @@ def heldout_file(demo_cfg, seed: int) -> str:
             import pyarrow.parquet as pq
 
             task = TASKS[demo_cfg.task]
-            seen = {str(row["prompt"]) for row in task.make_rows(demo_cfg.num_prompts, seed)}
+            seen = {row_key(row) for row in task.make_rows(demo_cfg.num_prompts, seed)}
             rows = [row for row in task.make_rows(4 * HELDOUT_PROMPTS, seed + 2_000_003)
-                    if str(row["prompt"]) not in seen][:HELDOUT_PROMPTS]
+                    if row_key(row) not in seen][:HELDOUT_PROMPTS]
             pq.write_table(pa.Table.from_pylist(rows), path + ".tmp")
             os.replace(path + ".tmp", path)
     return path
+
+
+def row_key(row: dict) -> str:
+    """What makes two rows the same prompt: the messages, and the images of a vision task (whose text is the same
+    for every row)."""
+    return str(row["prompt"]) + repr(row.get("images"))
 
 
 def write_dataset(task, path: str, num_prompts: int, seed: int) -> None:
@@ -114,6 +132,15 @@ def build_base_model(task, out_dir: str, demo_cfg, seed: int) -> None:
 
     tokenizer = train_char_tokenizer(task, task.tokenizer_corpus(seed))
     vocab = padded_vocab(len(tokenizer))
+    if vision_task(task):
+        from asyncrl.learner.init_model import build_qwen2_5_vl
+
+        model, processor = build_qwen2_5_vl(vocab, tokenizer, seed, task.MAX_POSITIONS, demo_cfg.hidden_size,
+                                            demo_cfg.num_layers)
+        save_model_dir(out_dir, model, tokenizer)
+        processor.save_pretrained(out_dir)
+        check_round_trip(out_dir, task.tokenizer_corpus(seed))
+        return
     if demo_cfg.model_shape == "qwen2-0.5b":
         model = build_qwen2_05b(vocab, tokenizer.eos_token_id, tokenizer.pad_token_id, seed,
                                 max_positions=task.MAX_POSITIONS)

@@ -36,7 +36,7 @@ def eval_rows(cfg) -> tuple[list, str]:
 async def run_eval(cfg, model_path: str, say=print) -> dict:
     from transformers import AutoTokenizer
 
-    from asyncrl.data.prompts import tokenize_rows
+    from asyncrl.data.prompts import image_settings, tokenize_rows
     from asyncrl.generator.engines.factory import engine_options, make_engine
     from asyncrl.generator.evaluation import evaluate
     from asyncrl.generator.rewards.client import wait_for_server
@@ -45,7 +45,8 @@ async def run_eval(cfg, model_path: str, say=print) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     raw, source = eval_rows(cfg)
-    rows, skipped = tokenize_rows(raw, tokenizer, cfg.data.max_prompt_tokens)
+    rows, skipped = tokenize_rows(raw, tokenizer, cfg.data.max_prompt_tokens,
+                                  **image_settings(model_path, cfg.data, cfg.model.trust_remote_code))
     say(f"eval: on {source} ({len(rows)} prompts)")
     if skipped:
         say(f"eval: skipped {skipped} prompts longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}")

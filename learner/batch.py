@@ -36,6 +36,19 @@ class Batch:
     top_ps: Optional[torch.Tensor] = None  # [B] float32: the row's sampling top-p (1 off); None: no row uses one
     routed_experts: Optional[torch.Tensor] = None  # [B, L, layers, top_k] int16: the sampler's MoE routes, -1 where
     # a position has none (padding, each row's last token); None: the job does not replay routes (moe/routing.py)
+    images: Optional[list] = None  # [B] of data/vision.py's VisionInputs (None for a row without images): a
+    # vision-language model's pixels and grids per row, the rows of one group sharing its; None: no row has images
+
+    def vision_inputs(self):
+        """The rows' images as the forward takes them (VisionInputs: pixels and grids concatenated in row order),
+        None when no row has any."""
+        if self.images is None or all(inputs is None for inputs in self.images):
+            return None
+        from asyncrl.data.vision import VisionInputs
+
+        rows = [inputs for inputs in self.images if inputs is not None]
+        return VisionInputs(torch.cat([inputs.pixel_values for inputs in rows]),
+                            torch.cat([inputs.image_grid_thw for inputs in rows]))
 
     @property
     def num_rows(self) -> int:
@@ -47,7 +60,9 @@ class Batch:
         sliced = {}
         for spec in fields(self):
             value = getattr(self, spec.name)
-            if value is None or value.dim() == 1:
+            if isinstance(value, list):
+                sliced[spec.name] = [value[row] for row in rows.tolist()]
+            elif value is None or value.dim() == 1:
                 sliced[spec.name] = value if value is None else value[rows]
             else:  # [B, L] inputs keep `length` columns, [B, L-1] token tensors keep `length - 1`
                 width = length if value.shape[1] == self.input_ids.shape[1] else length - 1
@@ -58,14 +73,31 @@ class Batch:
         """Every tensor on `device` (the same object when it is already there: the CPU learner copies nothing)."""
         if str(device) == "cpu":
             return self
-        return Batch(**{spec.name: None if getattr(self, spec.name) is None else getattr(self, spec.name).to(device)
-                        for spec in fields(self)})
+        return Batch(**{spec.name: moved(getattr(self, spec.name), device) for spec in fields(self)})
 
 
-def build_batch(groups: list) -> Batch:
-    """One row per sample, in group order. Every group must hold the same number of samples."""
+def moved(value, device):
+    """A Batch field on `device`: a tensor, or each row's VisionInputs (None stays None)."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        from asyncrl.data.vision import VisionInputs
+
+        return [None if inputs is None else VisionInputs(inputs.pixel_values.to(device),
+                                                         inputs.image_grid_thw.to(device)) for inputs in value]
+    return value.to(device)
+
+
+def build_batch(groups: list, vision=None) -> Batch:
+    """One row per sample, in group order. Every group must hold the same number of samples. `vision`: a
+    vision-language policy's VisionProcessor (data/vision.py): a group with images (`Group.images`, attached by
+    rank 0 from its own copy of the dealt row) has them processed once, its prompt's image pads widened to their
+    patches, and every sample row of it shares the pixels."""
+    prompts, inputs = widened_prompts(groups, vision)
     rows = [(group, sample) for group in groups for sample in group.samples]
-    length = max(len(group.prompt_ids) + len(sample.completion_ids) for group, sample in rows)
+    row_prompts = [prompt for prompt, group in zip(prompts, groups) for _ in group.samples]
+    row_images = [images for images, group in zip(inputs, groups) for _ in group.samples]
+    length = max(len(prompt) + len(sample.completion_ids) for prompt, (_, sample) in zip(row_prompts, rows))
     batch = len(rows)
     input_ids = np.zeros((batch, length), dtype=np.int64)
     attention_mask = np.zeros((batch, length), dtype=np.int64)
@@ -77,8 +109,8 @@ def build_batch(groups: list) -> Batch:
     top_ks = np.full(batch, -1, dtype=np.int64)
     top_ps = np.ones(batch, dtype=np.float32)
     for row, (group, sample) in enumerate(rows):
-        prompt_len, comp_len = len(group.prompt_ids), len(sample.completion_ids)
-        input_ids[row, :prompt_len] = group.prompt_ids
+        prompt_len, comp_len = len(row_prompts[row]), len(sample.completion_ids)
+        input_ids[row, :prompt_len] = row_prompts[row]
         input_ids[row, prompt_len : prompt_len + comp_len] = sample.completion_ids
         attention_mask[row, : prompt_len + comp_len] = 1
         span = slice(prompt_len - 1, prompt_len - 1 + comp_len)
@@ -104,7 +136,25 @@ def build_batch(groups: list) -> Batch:
         top_ks=torch.from_numpy(top_ks) if nucleus else None,
         top_ps=torch.from_numpy(top_ps) if nucleus else None,
         routed_experts=routes,
+        images=row_images if any(images is not None for images in row_images) else None,
     )
+
+
+def widened_prompts(groups: list, vision) -> tuple[list, list]:
+    """Each group's prompt as the forward takes it, and its VisionInputs (None without images)."""
+    prompts, inputs = [], []
+    for group in groups:
+        images = group.images
+        if not images:
+            prompts.append(group.prompt_ids)
+            inputs.append(None)
+            continue
+        if vision is None:
+            raise ValueError(f"group {group.group_id} has images and the policy is not a vision-language model")
+        processed = vision.process(images)
+        prompts.append(np.asarray(vision.widen(list(group.prompt_ids), processed), dtype=np.int64))
+        inputs.append(processed)
+    return prompts, inputs
 
 
 def batch_routes(rows: list, length: int) -> Optional[torch.Tensor]:

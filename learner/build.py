@@ -10,6 +10,7 @@ import torch
 
 from asyncrl.algos.kl import AdaptiveKLController, FixedKLController
 from asyncrl.algos.offpolicy_plan import OffPolicyPlan
+from asyncrl.data.vision import VisionError, VisionProcessor, is_vision
 from asyncrl.learner.checkpoint import CheckpointError, latest_checkpoint, read_state, resolve_checkpoint
 from asyncrl.learner.collect import BatchFilter
 from asyncrl.learner.lora import apply_lora, trainable_parameters
@@ -28,9 +29,48 @@ def build_policy(learner, trust_remote_code: bool, model_path: str, parallel: Pa
     FSDP2-sharded. The reference model is the base model: adapters=False. `learner` is the learner section;
     `trust_remote_code` is model.trust_remote_code."""
     model = load_model(model_path, learner.dtype, trust_remote_code, learner.attn_implementation)
+    if is_vision(model.config):
+        refuse_for_vision(learner, parallel)
+        if learner.freeze_vision:
+            model.model.visual.requires_grad_(False)
     if adapters and learner.lora.enabled:
         model = apply_lora(model, learner.lora)
     return shard_model(model, learner, parallel)
+
+
+def refuse_for_vision(learner, parallel: ParallelState) -> None:
+    """What a vision-language policy cannot do here, said before anything is built (docs/vision.md): Ulysses would
+    split an image's patches over ranks, and LoRA's and routing replay's module names are the text model's."""
+    if parallel.sp_size > 1:
+        raise VisionError("learner.sp_size > 1 with a vision-language model: Ulysses would split an image's patches "
+                          "over ranks; use sp_size 1")
+    if learner.lora.enabled:
+        raise VisionError("learner.lora with a vision-language model: not supported (its target modules would also "
+                          "match the vision tower's MLPs)")
+    if learner.moe_routing_replay:
+        raise VisionError("learner.moe_routing_replay with a vision-language model: not supported")
+
+
+def refuse_vision_job(cfg, deals: bool) -> None:
+    """The job-level settings a vision-language policy cannot take (docs/vision.md): its images reach the learner
+    from the rows it deals, so the learner must deal them (not generators walking their own copy, not scripted
+    clients); episodes render their openings in environments, without images; the critic and the implicit PRM are
+    text models."""
+    if not deals:
+        raise VisionError("a vision-language model trains on rows the learner deals (data.train_files or "
+                          "data.source on the learner): the learner reads each group's images from its own copy")
+    if cfg.samples_episodes():
+        raise VisionError("a vision-language model with episodes (tools, environments, agents): not supported")
+    if cfg.algo.needs_critic() or cfg.algo.needs_prm():
+        raise VisionError("a vision-language model with a critic or an implicit PRM: not supported")
+
+
+def vision_processor(model, model_path: str, data_cfg):
+    """A vision-language policy's VisionProcessor (data/vision.py), bounded as data.max_image_pixels says; None
+    for a text model."""
+    if not is_vision(model.config):
+        return None
+    return VisionProcessor.from_model_dir(model_path, model.config, data_cfg.max_image_pixels)
 
 
 def shard_model(model, learner, parallel: ParallelState):

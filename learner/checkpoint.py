@@ -57,7 +57,7 @@ FORMAT_VERSION = 2
 """meta.json's layout. Format 1 (before LearnerState) is still read: its version and `consumed` dict become a state."""
 HF_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
             "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
-            "chat_template.jinja", "chat_template.json")
+            "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json")
 _STEP_RE = re.compile(rf"^{re.escape(CHECKPOINT_PREFIX)}(\d+)$")
 
 

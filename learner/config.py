@@ -105,6 +105,9 @@ class LearnerConfig:
     learner's forward replays them, so π_θ is computed on the sampler's routes (moe/routing.py; docs/algorithms.md
     §4.8). The router still trains through the replayed experts' weights. Single-turn samples, padded micro-batches
     (no packing, sp_size 1), the hf engine (vLLM: GPU only, its capture needs Model Runner V2)."""
+    freeze_vision: bool = False
+    """Vision-language models: hold the vision tower (its patch embedding, blocks and merger) fixed and train the
+    language model alone (docs/vision.md). Off: the whole model trains."""
     cpu_offload: bool = False
     """FSDP2 CPUOffloadPolicy: keep sharded parameters, gradients and optimizer state in host memory (GPU only)."""
     max_consecutive_skips: int = 3

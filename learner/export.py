@@ -20,7 +20,7 @@ MODEL_KEY = "model"  # save_checkpoint's top-level key for get_state_dict's mode
 def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None, adapter_dir: str | None = None) -> str:
     """Writes HF safetensors (model.save_pretrained), the config and the tokenizer from checkpoint/hf/ into out_dir,
     from a checkpoint written by save_checkpoint (single process, no PG needed, whatever world size saved it). The
-    model is built with AutoModelForCausalLM.from_config(config) and loaded from the DCP model state; tied
+    model is built with its auto class's from_config(config) (data/vision.py) and loaded from the DCP model state; tied
     embeddings come out right. dtype None keeps the config's torch dtype / fp32. Returns out_dir. A `checkpoint`
     that is a root of several step-* dirs means its latest one.
 
@@ -34,10 +34,12 @@ def export_checkpoint(checkpoint: str, out_dir: str, dtype: str | None = None, a
     hf_dir = os.path.join(path, HF_DIR)
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise CheckpointError(f"checkpoint {path} has no {HF_DIR}/config.json: save it with model_dir= to export it")
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from asyncrl.data.vision import auto_model_class
 
     config = AutoConfig.from_pretrained(hf_dir)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = auto_model_class(config).from_config(config, dtype=torch.float32)
     lora = read_meta(path).get("lora")
     if adapter_dir is not None and not lora:
         raise CheckpointError(f"checkpoint {path} trained every weight (no learner.lora): it has no adapter to write")

@@ -16,6 +16,8 @@ from asyncrl.buffer.dealing import DealError
 from asyncrl.buffer.interface import RunInfo
 from asyncrl.configs import flatten, shared_hash, shared_sections, to_yaml
 from asyncrl.data.prompts import PromptSet
+from asyncrl.data.vision import is_vision, placeholder_tokens
+from asyncrl.learner.build import refuse_vision_job
 from asyncrl.learner.checkpoint import CheckpointError
 from asyncrl.learner.dealing import build_dealer
 from asyncrl.learner.evals import Evaluations, build_eval_rounds
@@ -101,13 +103,18 @@ class LearnerHost:
             if files is not None:
                 publisher.catchup.serve_files(*files)
             self.dealer, self.overlong_prompts = build_dealer(prompts, cfg.data, cfg.job.seed, state.data_cursor)
+            if is_vision(model.config):
+                refuse_vision_job(cfg, deals=self.dealer is not None)
+            self.images = {row.prompt_id: row.images for row in prompts.rows if row.images} if prompts else {}
+            """A multimodal prompt's images by its id: what each of its groups trains with (learner/loop.py)."""
             rounds = build_eval_rounds(eval_prompts, cfg.eval.every_steps, cfg.eval.timeout_s)
             run_info = build_run_info(cfg.job.name, model_path, train_files, job_dir, self.record, files,
                                       cfg.learner.lora, self.dealer, cfg.data.deal_timeout_s, rounds is not None,
                                       cfg.learner.moe_routing_replay)
             limits = job_limits(cfg.rollout, cfg.data.max_prompt_tokens, model_positions(model),
                                 episodes=cfg.samples_episodes(),
-                                routing=routing_shape(model.config) if cfg.learner.moe_routing_replay else None)
+                                routing=routing_shape(model.config) if cfg.learner.moe_routing_replay else None,
+                                forbidden_tokens=placeholder_tokens(model.config) if is_vision(model.config) else ())
             self.buffer = make_learner_buffer(cfg.buffer, cfg.security, cfg.job.name, limits,
                                               vocab_size=model.get_input_embeddings().num_embeddings,
                                               config_hash=shared_hash(cfg),

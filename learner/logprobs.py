@@ -13,13 +13,14 @@ mask on CPU sdpa; on GPUs flash-attn varlen reads the same restarting positions)
 its contiguous slice of the stream's columns, computes logprobs for its positions only, and the [rows, S] logprobs
 are gathered (differentiably) so every SP rank holds the whole sequence's values for the loss.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from asyncrl.data.vision import is_vision, placeholder_tokens, rope_positions, suppress, text_config
 from asyncrl.learner.liger_head import liger_logprobs
 from asyncrl.learner.nucleus import needs_nucleus, nucleus_removed
 from asyncrl.learner.ulysses import gather_sequence
@@ -35,6 +36,7 @@ class Stream:
     top_ps: Optional[torch.Tensor]  # [R, S] float: the sequence's top-p (1 off), None when no row uses one
     segments: Optional[torch.Tensor]  # [R, S] int64 sequence index per position (packed only)
     attention_mask: Optional[torch.Tensor]  # [R, S] 0/1 (padded only)
+    inputs: Optional[dict] = None  # the forward's other inputs: a vision-language model's pixels and grids
 
 
 def compute_logprobs(
@@ -50,12 +52,15 @@ def compute_logprobs(
     top_ps: Optional[torch.Tensor] = None,  # [B] float, 1 off
     fp32_head: bool = False,  # the LM head's matmul in fp32 (model.lm_head_fp32)
     liger: bool = False,  # the head through liger-kernel's fused linear + cross-entropy (learner.liger)
+    vision=None,  # data/vision.py's VisionInputs of the rows' images, in row order (None: no row has images)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of token t+1 given tokens <= t, shape [B, L-1] (fp32); and the entropy of that distribution (over
     the row's top-k / top-p nucleus when it has one)."""
     nucleus = {"top_ks": top_ks, "top_ps": top_ps} if top_ks is not None or top_ps is not None else {}
     stream = packed_stream(input_ids, attention_mask, temperatures, **nucleus) if packed else padded_stream(
         input_ids, attention_mask, temperatures, **nucleus)
+    if is_vision(model.config):
+        stream = vision_stream(model, stream, input_ids, attention_mask, vision)
     sp_size = dist.get_world_size(sp_group) if sp_group is not None else 1
     if sp_size > 1:
         stream = pad_columns(stream, sp_size)
@@ -103,6 +108,21 @@ def packed_stream(input_ids, attention_mask, temperatures, top_ks=None, top_ps=N
                   segments=torch.repeat_interleave(torch.arange(len(lengths)), lengths)[None], attention_mask=None)
 
 
+def vision_stream(model, stream: Stream, input_ids, attention_mask, vision) -> Stream:
+    """A vision-language model's stream: M-RoPE positions from the model's own `get_rope_index` ([3, B, L]
+    padded; packed, [4, 1, N] whose first row is the restarting text positions the model reads sequence boundaries
+    from) and the rows' pixels and grids. Under Ulysses the columns would split an image's patches over ranks:
+    build_policy refuses sequence parallelism for these models."""
+    mrope = rope_positions(model, input_ids, attention_mask, None if vision is None else vision.image_grid_thw)
+    if stream.segments is None:
+        positions = mrope
+    else:
+        valid = attention_mask.bool()
+        positions = torch.cat([stream.positions[None], mrope[:, valid][:, None]])
+    inputs = {} if vision is None else {"pixel_values": vision.pixel_values, "image_grid_thw": vision.image_grid_thw}
+    return replace(stream, positions=positions, inputs=inputs)
+
+
 def local_nucleus(stream: Stream, local: slice) -> tuple:
     """This SP rank's columns of the stream's top-k and top-p (None where the stream has none)."""
     return tuple(None if values is None else values[:, local] for values in (stream.top_ks, stream.top_ps))
@@ -134,20 +154,21 @@ def run_decoder(model, stream: Stream, forward=None) -> torch.Tensor:
     `forward(model, **inputs)` is what is read off the model (default `decoder_states`; the critic's values,
     learner/critic.py)."""
     forward = forward or decoder_states
+    extra = stream.inputs or {}
     if stream.segments is not None and model.config._attn_implementation.startswith("flash_attention"):
-        return forward(model, input_ids=stream.ids, position_ids=stream.positions)
+        return forward(model, input_ids=stream.ids, position_ids=stream.positions, **extra)
     if stream.segments is None:
         return forward(model, input_ids=stream.ids, attention_mask=stream.attention_mask,
-                       position_ids=stream.positions)
+                       position_ids=stream.positions, **extra)
     count = stream.ids.shape[1]
     causal = torch.ones(count, count, dtype=torch.bool).tril()
     block = (stream.segments[:, :, None] == stream.segments[:, None, :]) & causal  # [R, S, S]
-    masks = packed_masks(model.config, block[:, None])
+    masks = packed_masks(text_config(model.config), block[:, None])
     if model.config._attn_implementation == "eager":  # eager adds the mask to the scores: it must be additive
         dtype = model.get_input_embeddings().weight.dtype
         masks = ({kind: additive(mask, dtype) for kind, mask in masks.items()} if isinstance(masks, dict)
                  else additive(masks, dtype))
-    return forward(model, input_ids=stream.ids, attention_mask=masks, position_ids=stream.positions)
+    return forward(model, input_ids=stream.ids, attention_mask=masks, position_ids=stream.positions, **extra)
 
 
 def additive(mask: torch.Tensor, dtype) -> torch.Tensor:
@@ -208,6 +229,8 @@ def head_logprobs(model, hidden, targets, temps, chunk_tokens: int, with_entropy
     softcap = getattr(model.config, "final_logit_softcapping", None)
     if softcap:  # Gemma 2: the model's logits are softcap * tanh(logits / softcap), before any temperature
         head = SoftcappedHead(head, float(softcap))
+    if is_vision(model.config):  # the placeholders the engines never sample (data/vision.py)
+        head = SuppressedHead(head, placeholder_tokens(model.config))
     rows, length, width = hidden.shape
     flat_hidden = hidden.reshape(-1, width)
     flat_targets = targets.reshape(-1)
@@ -302,6 +325,17 @@ class SoftcappedHead:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = _at_least_fp32(self.head(hidden))
         return torch.tanh(logits / self.softcap) * self.softcap
+
+
+class SuppressedHead:
+    """The LM head with a vision-language model's placeholder tokens held at SUPPRESSED_LOGIT, as its engines
+    sample (data/vision.py::suppress)."""
+
+    def __init__(self, head, token_ids: tuple):
+        self.head, self.token_ids = head, token_ids
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        return suppress(_at_least_fp32(self.head(hidden)), self.token_ids)
 
 
 def _chunk_logits(head, hidden, targets, temps, top_ks, top_ps):

@@ -19,7 +19,7 @@ import torch
 from asyncrl.configs.sections import part_seed
 from asyncrl.data.prompts import PromptSet
 from asyncrl.learner.build import (StepParts, build_optimizer, build_policy, build_step_parts, checkpoint_root,
-                                   find_resume_point)
+                                   find_resume_point, vision_processor)
 from asyncrl.learner.checkpoint import (CheckpointWriteFailed, load_checkpoint, save_checkpoint,
                                         wait_for_pending_save)
 from asyncrl.learner.collect import collect_batch
@@ -62,16 +62,16 @@ class LoopSettings:
     gather: GatherSettings
 
 
-def loop_settings(cfg, parallel: ParallelState, routing=None) -> LoopSettings:
+def loop_settings(cfg, parallel: ParallelState, routing=None, vision=None) -> LoopSettings:
     """The loop's settings from the run's config: the one place the loop reads the whole of it. `routing`: the
-    policy's RoutingReplay when learner.moe_routing_replay."""
+    policy's RoutingReplay when learner.moe_routing_replay; `vision`: a vision-language policy's VisionProcessor."""
     learner = cfg.learner
     step = StepSettings(version=0, max_staleness=cfg.buffer.max_staleness,
                         max_tokens_per_microbatch=learner.max_tokens_per_microbatch,
                         chunk_tokens=learner.logprob_chunk_tokens, grad_clip=learner.grad_clip,
                         seed=part_seed(learner.seed, cfg.job.seed),
                         packing=learner.packing, fp32_head=cfg.model.lm_head_fp32, parallel=parallel,
-                        routing=routing, liger=learner.liger)
+                        routing=routing, liger=learner.liger, vision=vision)
     gather = GatherSettings(learner.lora, cfg.weightsync.dtype, int(learner.gather_bucket_mb * 2**20))
     return LoopSettings(cfg.algo, step, cfg.buffer.groups_per_step, cfg.buffer.max_staleness,
                         learner.wait_for_batch_timeout_s, cfg.weightsync.every_steps, learner.total_steps,
@@ -109,7 +109,7 @@ def run_learner(cfg, model_path: str, train_files: list, job_dir: str,
                        prompts=prompts, eval_prompts=eval_prompts) if parallel.is_main else None
     acks = AckLedger(host.buffer if host is not None else None, state)
     start_version, status, tell_generators = state.version, "FAILED", False
-    loop = loop_settings(cfg, parallel, routing)
+    loop = loop_settings(cfg, parallel, routing, vision_processor(model, model_path, cfg.data))
     try:
         publish_weights(model, parallel, host, state.version, loop.gather)
         if host is not None:
@@ -237,6 +237,7 @@ def next_batch(host: LearnerHost | None, parallel: ParallelState, version: int, 
                                       loop.wait_for_batch_timeout_s, parts.batch_filter,
                                       data_done=host.data_done, watch=host.learnable.check,
                                       refuse=host.trust.refusal)
+            attach_images(collected.groups, host.images)
             message = ("groups", (collected.groups, dict(collected.dropped), collected.final))
         except Exception as err:
             broadcast_object(("error", f"{type(err).__name__}: {err}"), parallel)
@@ -246,6 +247,15 @@ def next_batch(host: LearnerHost | None, parallel: ParallelState, version: int, 
         raise BatchUnavailable(f"rank 0 could not assemble batch v{version}: {payload}")
     groups, dropped, final = payload
     return groups, Counter(dropped), collected, final
+
+
+def attach_images(groups: list, images: dict) -> None:
+    """Each group of a multimodal prompt gets the prompt's images from the learner's own copy of the row it dealt
+    (`prompt_id`, which the buffer checked against the deal along with the prompt's tokens): a generator's group
+    never brings pixels of its own."""
+    if images:
+        for group in groups:
+            group.images = images.get(group.prompt_id)
 
 
 def publish_weights(model, parallel: ParallelState, host: LearnerHost | None, version: int, gather: GatherSettings,

@@ -14,15 +14,16 @@ class ModelLoadError(RuntimeError):
 
 
 def load_model(path: str, dtype: str = "float32", trust_remote_code: bool = False, attn_implementation: str = "sdpa"):
-    """An `AutoModelForCausalLM` from a local HF directory, in `dtype`, with the given attention ("auto": see
+    """A causal model from a local HF directory (`AutoModelForCausalLM`; a vision-language model's
+    image-text-to-text class, data/vision.py), in `dtype`, with the given attention ("auto": see
     resolve_attn_implementation)."""
-    from transformers import AutoModelForCausalLM
-
     from transformers import AutoConfig
+
+    from asyncrl.data.vision import auto_model_class
 
     check_model_dir(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(
+    model = auto_model_class(config).from_pretrained(
         path, dtype=DTYPES[dtype], attn_implementation=resolve_attn_implementation(attn_implementation, config),
         trust_remote_code=trust_remote_code)
     return model
@@ -105,4 +106,5 @@ def build_qwen2_05b(vocab_size: int, eos_token_id: int, pad_token_id: int, seed:
 def model_positions(model) -> int:
     """The longest sequence the model takes (HF configs name it max_position_embeddings; a model without the
     field sets no bound here)."""
-    return int(getattr(model.config, "max_position_embeddings", None) or 1 << 30)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(getattr(config, "max_position_embeddings", None) or 1 << 30)

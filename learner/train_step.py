@@ -89,6 +89,9 @@ class StepSettings:
     routing: object = None
     """The policy's RoutingReplay (moe/routing.py) when learner.moe_routing_replay: each forward replays its
     micro-batch's routes."""
+    vision: object = None
+    """A vision-language policy's VisionProcessor (data/vision.py): the batch's images become pixels and widened
+    prompts with it."""
 
     def __post_init__(self):
         if self.parallel is None:
@@ -110,7 +113,7 @@ class StepSettings:
         return compute_logprobs(model, micro.input_ids, micro.attention_mask, micro.temperatures, self.chunk_tokens,
                                 with_entropy=with_entropy, packed=self.packing, sp_group=self.parallel.sp_group,
                                 top_ks=micro.top_ks, top_ps=micro.top_ps, fp32_head=self.fp32_head,
-                                liger=self.liger)
+                                liger=self.liger, vision=micro.vision_inputs())
 
 
 @torch.no_grad()
@@ -289,7 +292,7 @@ def train_step(model, optimizer, scheduler, groups: list, algo, settings: StepSe
     scores the batch or after the policy has stepped (prm.update)."""
     started = time.perf_counter()
     plan = OffPolicyPlan.from_algo(algo)
-    batch = data_dependent("build the batch", build_batch, groups)
+    batch = data_dependent("build the batch", build_batch, groups, settings.vision)
     if ref_model is not None:
         batch.logprobs_ref = compute_batch_logprobs(ref_model, batch, settings)
     token_rewards, kl_metrics = penalise_rewards(batch, algo, kl_controller)

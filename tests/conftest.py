@@ -52,6 +52,20 @@ def demo_assets(demo_cache):
     return prepare_demo(cfg.demo, cfg.job.seed, say=lambda message: None)
 
 
+VLM_DEMO = ["demo.task=square_colour", "demo.hidden_size=64", "demo.num_layers=2", "demo.num_prompts=256"]
+"""The vision demo as configs/vlm_cpu.yaml builds it (a tiny random-init Qwen2.5-VL, no warm start), fewer rows."""
+
+
+@pytest.fixture(scope="session")
+def vlm_assets(demo_cache):
+    """(model_dir, [train parquet]) of the tests' vision demo (VLM_DEMO): a few seconds to build, once."""
+    from asyncrl.configs import load_config
+    from asyncrl.launch.demo import prepare_demo
+
+    cfg = load_config(None, [f"demo.cache_dir={demo_cache}", *VLM_DEMO])
+    return prepare_demo(cfg.demo, cfg.job.seed, say=lambda message: None)
+
+
 class RedisServer:
     """A real redis-server (Debian's binary) on a free 127.0.0.1 port in its own directory, stopped by PID."""
 

@@ -36,12 +36,13 @@ class CheckpointLayout:
         """The layout of a model with transformers config `config`. A model transformers cannot build from its
         config (a custom architecture, a config class of vLLM's own) is loaded as published, with a warning: its
         in-memory and files' layouts are then whatever its own code makes them."""
-        from transformers import AutoModelForCausalLM
         from transformers.conversion_mapping import get_model_conversion_mapping
+
+        from asyncrl.data.vision import auto_model_class
 
         try:
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+                model = auto_model_class(config).from_config(config, trust_remote_code=trust_remote_code)
         except Exception as err:  # noqa: BLE001 - any failure means: no conversion known
             log.warning("weights are loaded as the learner names them: transformers could not build a %s model to "
                         "learn its checkpoint layout (%s)", getattr(config, "model_type", "?"), err)

@@ -32,6 +32,11 @@ def engine_options(gen, model, model_path: str, seed: int, lora_rank=0, max_stal
 
 def make_engine(name: str, options: EngineOptions) -> Engine:
     """Engines are imported lazily: vLLM is heavy and may be absent (then use `hf`)."""
+    from asyncrl.data.vision import is_vision_dir
+
+    if name in ("vllm", "sglang") and is_vision_dir(options.model_path):
+        raise RuntimeError(f"model {options.model_path} is a vision-language model, which asyncrl samples with "
+                           f"generator.engine=hf only (docs/vision.md); {name} does not take its images here")
     if name == "vllm":
         try:
             from asyncrl.generator.engines.vllm_engine import VllmEngine

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from asyncrl.data.vision import suppress
 from asyncrl.generator.engines.base import Completion, EngineOptions, WeightLoadError
 from asyncrl.generator.engines.lora_adapter import is_lora_version, parse_adapter
 from asyncrl.weightsync.lora_names import adapter_module_key
@@ -27,6 +28,7 @@ class _Request:
     sampling: object
     n: int
     future: asyncio.Future
+    images: list | None = None
 
 
 class HfEngine:
@@ -51,13 +53,23 @@ class HfEngine:
         self._base_shapes: dict = {}
         self.recorder = None  # with options.record_routes: the hooks that keep each forward's experts
         self.route_dtype = None
+        self.vision = None  # a vision-language model's processor (data/vision.py), else None
+        self.suppressed = ()  # and the placeholder tokens it never samples
 
     async def start(self) -> None:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig
 
-        self.model = AutoModelForCausalLM.from_pretrained(
+        from asyncrl.data.vision import VisionError, VisionProcessor, auto_model_class, is_vision, placeholder_tokens
+
+        config = AutoConfig.from_pretrained(self.options.model_path, trust_remote_code=self.options.trust_remote_code)
+        self.model = auto_model_class(config).from_pretrained(
             self.options.model_path, dtype=self.dtype, trust_remote_code=self.options.trust_remote_code
         ).eval()
+        if is_vision(config):
+            if self.options.record_routes:
+                raise VisionError("learner.moe_routing_replay does not take a vision-language model")
+            self.vision = VisionProcessor.from_model_dir(self.options.model_path, config)
+            self.suppressed = placeholder_tokens(config)
         self._base_shapes = {name: tuple(param.shape) for name, param in self.model.named_parameters()}
         eos = self.model.generation_config.eos_token_id or self.model.config.eos_token_id
         self.eos_token_id = sorted(set(eos if isinstance(eos, list) else [eos]))
@@ -68,9 +80,13 @@ class HfEngine:
             layers, _, experts = routing_shape(self.model.config)
             self.recorder, self.route_dtype = RouteRecorder(self.model, layers), route_dtype(experts)
 
-    async def sample(self, prompt_ids: list, sampling, n: int) -> list[Completion]:
+    async def sample(self, prompt_ids: list, sampling, n: int, images: list | None = None) -> list[Completion]:
+        """`images`: a multimodal row's encoded images, one per image pad of `prompt_ids`, for a vision-language
+        model (a text model refuses them rather than sample as if they were not there)."""
+        if images and self.vision is None:
+            raise ValueError("this row has images and the model is not a vision-language model")
         future = asyncio.get_running_loop().create_future()
-        self._pending.append(_Request(list(prompt_ids), sampling, n, future))
+        self._pending.append(_Request(list(prompt_ids), sampling, n, future, list(images) if images else None))
         if self._runner is None or self._runner.done():
             self._runner = asyncio.create_task(self._run_batches())
         return await future
@@ -100,17 +116,17 @@ class HfEngine:
     @torch.no_grad()
     def _sample_batch(self, batch: list) -> list:
         sampling = batch[0].sampling  # take_batch only batches requests that sample alike
-        prompts = [request.prompt_ids for request in batch for _ in range(request.n)]
-        limits = torch.tensor([min(sampling.max_tokens, self.options.max_model_len - len(p)) for p in prompts])
+        input_ids, attention_mask, positions, extra, widths = self._prefill_inputs(batch)
+        prompt_lens = [widths[index] for index, request in enumerate(batch) for _ in range(request.n)]
+        limits = torch.tensor([min(sampling.max_tokens, self.options.max_model_len - width) for width in prompt_lens])
         # One prefill per request, then its cache and last logits copied to its n rows (they would compute the same)
-        input_ids, attention_mask = left_pad([request.prompt_ids for request in batch])
-        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        output = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True)
+        output = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
+                            **extra)
         copies = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor([request.n for request in batch]))
         output.past_key_values.batch_select_indices(copies)
         output.logits = output.logits[copies, -1:]
-        attention_mask, positions = attention_mask[copies], positions[copies]
-        rows = len(prompts)
+        attention_mask, positions = attention_mask[copies], positions[..., copies, :]
+        rows = len(prompt_lens)
         stopped = torch.zeros(rows, dtype=torch.bool)
         eos = torch.tensor(self.eos_token_id)
         live_rows = torch.arange(rows)  # the batch rows still decoding, in the order of the model's rows
@@ -120,7 +136,10 @@ class HfEngine:
         logprobs_out = torch.zeros(rows, steps)
         lengths = torch.zeros(rows, dtype=torch.long)
         for step in range(steps):
-            log_probs = processed_log_probs(output.logits[:, -1].float(), sampling)
+            logits = output.logits[:, -1].float()
+            if self.vision is not None:  # a vision-language model's placeholders are never sampled
+                logits = suppress(logits, self.suppressed)
+            log_probs = processed_log_probs(logits, sampling)
             tokens = torch.multinomial(log_probs.exp(), 1, generator=self._generator).squeeze(-1)
             tokens_out[live_rows, step] = tokens
             logprobs_out[live_rows, step] = log_probs.gather(-1, tokens[:, None]).squeeze(-1)
@@ -134,13 +153,13 @@ class HfEngine:
                 break
             attention_mask = torch.cat([attention_mask, torch.ones(len(live_rows), 1, dtype=attention_mask.dtype)],
                                        dim=1)
-            positions = positions[:, -1:] + 1
+            positions = positions[..., -1:] + 1  # after its prompt every row's M-RoPE rows advance as one
             cache = output.past_key_values
             if bool(done.any()):  # finished rows leave the batch: the rest decode without them
                 keep = (~done).nonzero().squeeze(-1)
                 cache.batch_select_indices(keep)
                 live_rows, tokens = live_rows[keep], tokens[keep]
-                attention_mask, positions = attention_mask[keep], positions[keep]
+                attention_mask, positions = attention_mask[keep], positions[..., keep, :]
             output = self.model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=positions,
                                 past_key_values=cache, use_cache=True)
             if routes is not None:
@@ -154,13 +173,39 @@ class HfEngine:
         for row, completion in enumerate(completions):
             completion.finish_reason = "stop" if bool(stopped[row]) else "length"
             if routes is not None:
-                completion.routed_experts = routes.of(row, int(copies[row]), len(prompts[row]), lengths[row],
+                completion.routed_experts = routes.of(row, int(copies[row]), prompt_lens[row], lengths[row],
                                                       self.route_dtype)
         results, start = [], 0
         for request in batch:
             results.append(completions[start:start + request.n])
             start += request.n
         return results
+
+    def _prefill_inputs(self, batch: list) -> tuple:
+        """(input ids, mask, positions, the forward's other inputs, each request's prompt width) of a batch's
+        left-padded prompts. A vision-language model's prompts are widened to their images' patches and take the
+        model's M-RoPE positions [3, rows, width] with the images' pixels; a text model's positions are [rows,
+        width], counted from each row's first token."""
+        if self.vision is None:
+            input_ids, attention_mask = left_pad([request.prompt_ids for request in batch])
+            positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+            return input_ids, attention_mask, positions, {}, [len(request.prompt_ids) for request in batch]
+        from asyncrl.data.vision import rope_positions
+
+        prompts, pixels, grids = [], [], []
+        for request in batch:
+            if request.images:
+                inputs = self.vision.process(request.images)
+                prompts.append(self.vision.widen(request.prompt_ids, inputs))
+                pixels.append(inputs.pixel_values)
+                grids.append(inputs.image_grid_thw)
+            else:
+                prompts.append(request.prompt_ids)
+        input_ids, attention_mask = left_pad(prompts)
+        grid = torch.cat(grids) if grids else None
+        positions = rope_positions(self.model, input_ids, attention_mask, grid)
+        extra = {"pixel_values": torch.cat(pixels).to(self.dtype), "image_grid_thw": grid} if pixels else {}
+        return input_ids, attention_mask, positions, extra, [len(prompt) for prompt in prompts]
 
     async def load_weights(self, staged, fallback=None) -> None:
         """Copy the staged tensors in under the lock, so no batch ever sees a partly loaded model. Names and shapes
@@ -218,10 +263,8 @@ class HfEngine:
             params[name].copy_(tensor)
 
     def _original(self) -> dict:
-        from transformers import AutoModelForCausalLM
-
-        return AutoModelForCausalLM.from_pretrained(self.options.model_path, dtype=self.dtype,
-                                                    trust_remote_code=self.options.trust_remote_code).state_dict()
+        return type(self.model).from_pretrained(self.options.model_path, dtype=self.dtype,
+                                                trust_remote_code=self.options.trust_remote_code).state_dict()
 
     async def close(self) -> None:
         if self._runner is not None:

@@ -13,7 +13,7 @@ from typing import Callable, Optional
 from asyncrl.generator.rewards.builtin import code_tests, gsm8k, math_answer, multiple_choice, reasoning_gym_score
 from asyncrl.generator.rewards.client import score_remote
 from asyncrl.generator.rewards.errors import RewardError
-from asyncrl.generator.tasks import add_numbers, add_subtract, sort_digits
+from asyncrl.generator.tasks import add_numbers, add_subtract, sort_digits, square_colour
 from asyncrl.generator.user_code.loader import load_from_file
 
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500", "math_dapo",
@@ -25,6 +25,7 @@ BUILTIN_REWARDS = {
     sort_digits.DATA_SOURCE: sort_digits.compute_score,
     add_numbers.DATA_SOURCE: add_numbers.compute_score,
     add_subtract.DATA_SOURCE: add_subtract.compute_score,
+    square_colour.DATA_SOURCE: square_colour.compute_score,
     "openai/gsm8k": gsm8k.compute_score,
     **{source: math_answer.compute_score for source in MATH_SOURCES},
     **{source: code_tests.compute_score for source in CODE_SOURCES},

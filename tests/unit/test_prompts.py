@@ -70,3 +70,51 @@ def test_a_job_without_files_deals_nothing_and_a_missing_file_is_named(tmp_path)
     assert load_train_prompts(DataConfig(), [], str(tmp_path), seed=0) is None
     with pytest.raises(DatasetError, match="nowhere.parquet"):
         load_train_prompts(DataConfig(), [str(tmp_path / "nowhere.parquet")], str(tmp_path), seed=0)
+
+
+def test_a_multimodal_rows_images_are_read_rendered_dealt_and_checked_on_arrival(tmp_path):
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buffer, format="PNG")
+    png = buffer.getvalue()
+    (tmp_path / "b.png").write_bytes(png)
+    pq.write_table(pa.Table.from_pylist([
+        {"prompt": [{"role": "user", "content": "<image><image>how many?"}], "data_source": "count",
+         "reward_model": {"ground_truth": "2"}, "extra_info": {"k": 1}, "images": [{"bytes": png, "path": None},
+                                                                            {"bytes": None, "path": "b.png"}]},
+        {"prompt": [{"role": "user", "content": "no image"}], "data_source": "count",
+         "reward_model": {"ground_truth": "0"}, "extra_info": {"k": 2}, "images": []}]), tmp_path / "train.parquet")
+    with pytest.raises(DatasetError, match="train.parquet:0 has images, and the model is not a vision-language"):
+        tokenize_rows(read_rows([str(tmp_path / "train.parquet")]), CharTokenizer(), 200)
+    rows, _ = tokenize_rows(read_rows([str(tmp_path / "train.parquet")]), CharTokenizer(), 200, vision=Pads(3))
+    assert rows[0].images == [png, png] and rows[1].images is None
+    assert rows[0].messages[0]["content"] == "<image><image>how many?"  # the row's own text, for episodes
+    assert len(rows[0].prompt_ids) == 2 * len("<|vision_start|><|image_pad|><|vision_end|>") + len("how many?")
+    assert decode_prompt("d", encode_prompt(rows[0])).images == [png, png]
+    assert "images" not in msgpack.unpackb(encode_prompt(rows[1]))
+    for images in ([], "x", [b""], [1], [b"a"] * 65):
+        blob = msgpack.packb({**msgpack.unpackb(encode_prompt(rows[0])), "images": images}, use_bin_type=True)
+        with pytest.raises(DealError, match="images must be a list of 1 to 64"):
+            decode_prompt("d", blob)
+    with pytest.raises(DatasetError, match=r"train.parquet:0: 2 images, more than data.max_images=1"):
+        tokenize_rows(read_rows([str(tmp_path / "train.parquet")]), CharTokenizer(), 200, max_images=1,
+                      vision=Pads(3))
+    # what must fit is the prompt once each image pad is widened to its image's patches
+    fits = len(rows[0].prompt_ids) + 2 * (50 - 1)
+    for pads, kept in ((50, 2), (51, 1)):
+        rows, skipped = tokenize_rows(read_rows([str(tmp_path / "train.parquet")]), CharTokenizer(), fits,
+                                      vision=Pads(pads))
+        assert (len(rows), skipped) == (kept, 2 - kept)
+
+
+class Pads:
+    """A vision processor that widens every image to `count` pads (tokenize_rows only asks how many)."""
+
+    def __init__(self, count):
+        self.count = count
+
+    def pads_of(self, image):
+        return self.count

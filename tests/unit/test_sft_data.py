@@ -296,3 +296,11 @@ def test_bad_truncation_settings_raise(tmp_path, chatml, kwargs):
     path = write_rows(tmp_path, [GOOD])
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         read_sft_examples([path], chatml, **kwargs)
+
+
+def test_rows_with_images_are_refused_not_trained_as_text(tmp_path, chatml):
+    path = write_rows(tmp_path, [{"messages": CONVERSATION, "images": [b"\x89PNG"]}])
+    with pytest.raises(SFTDataError, match="has images: SFT takes text only"):
+        read_sft_examples([path], chatml)
+    [example] = read_sft_examples([write_rows(tmp_path, [{"messages": CONVERSATION, "images": []}])], chatml)
+    assert example.input_ids
