@@ -53,6 +53,7 @@ setup(
         "omegaconf>=2.3",
         "mlflow>=3.0",
         "matplotlib>=3.8",  # the run's dashboards as artifacts (telemetry/plots.py)
+        "pillow>=10",  # multimodal rows' images, decoded under bounds (data/images.py)
         "psutil>=5.9",  # MLflow's system metrics sample through it (telemetry/system_metrics.py)
         "pyarrow>=14",
         "safetensors",
