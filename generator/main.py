@@ -146,7 +146,7 @@ async def build_rollout(cfg, client, hello: HelloReply, generator_id: str, built
     ipc_push = cfg.weightsync.backend == "engine_push" and cfg.weightsync.engine_transport == "ipc"
     engine = make_engine(cfg.generator.engine, engine_options(
         cfg.generator, cfg.model, model_path, seed, info.lora_rank, cfg.buffer.max_staleness, ipc_push,
-        record_routes=info.routing_replay, takes_versions=True))
+        record_routes=info.routing_replay, takes_versions=True, max_images=cfg.data.max_images))
     built.push_async_callback(engine.close)
     await engine.start()
     episodes = None

@@ -54,7 +54,8 @@ async def run_eval(cfg, model_path: str, say=print) -> dict:
         check_builtin_rewards({row.data_source for row in rows})
     scorer = RewardScorer(cfg.reward.path, cfg.reward.function, cfg.generator.reward_workers, cfg.reward.timeout_s,
                           source="eval", functions=cfg.reward.functions)
-    engine = make_engine(cfg.generator.engine, engine_options(cfg.generator, cfg.model, model_path, cfg.job.seed))
+    engine = make_engine(cfg.generator.engine, engine_options(cfg.generator, cfg.model, model_path, cfg.job.seed,
+                                                              max_images=cfg.data.max_images))
     await scorer.start()
     for url in scorer.servers:
         await wait_for_server(url, cfg.generator.connect_timeout_s, say)

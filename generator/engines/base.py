@@ -120,6 +120,8 @@ class VllmOptions:
     """Adapters served at once: every version the buffer admits (buffer.max_staleness + 1)."""
     ipc_push: bool = False
     """The learner pushes versions through CUDA IPC handles (weightsync.engine_push with engine_transport=ipc)."""
+    max_images: int = 4
+    """A vision-language model's images per prompt, what vLLM profiles its memory for (data.max_images)."""
 
 
 @dataclass(frozen=True)

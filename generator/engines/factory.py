@@ -6,14 +6,16 @@ from asyncrl.generator.engines.base import Engine, EngineOptions, VllmOptions
 
 
 def engine_options(gen, model, model_path: str, seed: int, lora_rank=0, max_staleness: int = 0,
-                   ipc_push: bool = False, record_routes: bool = False, takes_versions: bool = False) -> EngineOptions:
+                   ipc_push: bool = False, record_routes: bool = False, takes_versions: bool = False,
+                   max_images: int = 4) -> EngineOptions:
     """The options of the engine generator.engine, from the generator and model sections: the one place that reads
     the vLLM-only knobs. `lora_rank`: a LoRA learner's rank (its run info's `lora_rank`, learner.lora.rank: the
     learner's setting, whatever the generator's recipe says); it publishes adapters, which the vLLM engine serves
     as such, up to that rank and every version the buffer admits (`max_staleness` + 1) at once; the hf engine needs
     nothing up front. `ipc_push`: the learner pushes through CUDA IPC (weightsync.engine_transport=ipc).
     `record_routes`: the learner replays MoE routes (its run info's `routing_replay`), so the engine records them.
-    `takes_versions`: a generator's engine, which the learner's versions will be loaded into (not `asyncrl eval`'s)."""
+    `takes_versions`: a generator's engine, which the learner's versions will be loaded into (not `asyncrl eval`'s).
+    `max_images`: data.max_images, the images per prompt vLLM profiles a vision-language model for."""
     vllm = VllmOptions()
     if gen.engine == "vllm":
         lora = {}
@@ -24,7 +26,7 @@ def engine_options(gen, model, model_path: str, seed: int, lora_rank=0, max_stal
         vllm = VllmOptions(tensor_parallel_size=gen.vllm.tensor_parallel_size,
                            gpu_memory_utilization=gen.vllm.gpu_memory_utilization, enforce_eager=gen.vllm.enforce_eager,
                            enable_prefix_caching=gen.vllm.enable_prefix_caching, lm_head_fp32=model.lm_head_fp32,
-                           ipc_push=ipc_push, **lora)
+                           ipc_push=ipc_push, max_images=max_images, **lora)
     return EngineOptions(model_path, gen.dtype, gen.max_model_len, gen.kv_cache_gib, seed,
                          update_mode=gen.update_mode, trust_remote_code=model.trust_remote_code, vllm=vllm,
                          record_routes=record_routes, takes_versions=takes_versions)
@@ -34,9 +36,9 @@ def make_engine(name: str, options: EngineOptions) -> Engine:
     """Engines are imported lazily: vLLM is heavy and may be absent (then use `hf`)."""
     from asyncrl.data.vision import is_vision_dir
 
-    if name in ("vllm", "sglang") and is_vision_dir(options.model_path):
-        raise RuntimeError(f"model {options.model_path} is a vision-language model, which asyncrl samples with "
-                           f"generator.engine=hf only (docs/vision.md); {name} does not take its images here")
+    if name == "sglang" and is_vision_dir(options.model_path):
+        raise RuntimeError(f"model {options.model_path} is a vision-language model, and asyncrl's SGLang engine does "
+                           f"not take images: use generator.engine=vllm (GPU) or hf (docs/vision.md)")
     if name == "vllm":
         try:
             from asyncrl.generator.engines.vllm_engine import VllmEngine

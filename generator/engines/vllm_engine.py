@@ -29,6 +29,8 @@ from contextlib import aclosing
 
 import numpy as np
 
+from asyncrl.data.images import decode_image
+from asyncrl.data.vision import is_vision_dir, placeholder_tokens
 from asyncrl.generator.engines.base import (Completion, EngineBroken, EngineOptions, EngineUnsupported,
                                             WeightLoadError)
 from asyncrl.generator.engines.checkpoint_layout import CheckpointLayout
@@ -47,6 +49,10 @@ SAMPLE_STREAM_INTERVAL = 8
 always sent): each output costs the frontend a RequestOutput and a task wake-up per step, more than a step of a
 small model, so a sample streams a few partial outputs instead of one per token (whoever watches `in_flight` still
 sees it start and grow; `sample_stream`, which the agent endpoint streams from, keeps 1)."""
+CPU_VISION = (
+    "vLLM 0.32 on CPU cannot load a vision-language model here: its Qwen2-VL code imports torchvision, which has "
+    "no CPU build for this torch (docs/platform.md). On CPU sample it with generator.engine=hf; on a GPU vLLM takes "
+    "its images (docs/vision.md)")
 CPU_MOE_UPDATES = (
     "vLLM 0.32 on CPU cannot load new weights into a mixture-of-experts model: its CPU experts repack their "
     "weights into a kernel layout once, at load, and its weight-update reload copies the new, unpacked weights over "
@@ -73,6 +79,7 @@ class VllmEngine:
         self.broken: str | None = None  # set when even the fallback failed: sampling raises instead of waiting
         self.resumed_requests = 0  # requests aborted by a weight update and resubmitted (update_mode=abort)
         self.adapters: ServedAdapters | None = None  # with LoRA: the versions served as adapters
+        self.suppressed: tuple = ()  # a vision-language model's placeholder tokens, never sampled (data/vision.py)
 
     async def start(self) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -88,6 +95,11 @@ class VllmEngine:
         check_vllm_version(vllm.__version__)  # before building: a refused version never starts an engine
         check_transfer_plugin()
         import torch
+
+        if is_vision_dir(self.options.model_path):
+            if not torch.cuda.is_available():
+                raise EngineUnsupported(CPU_VISION)
+            self.suppressed = vision_placeholders(self.options.model_path, self.options.trust_remote_code)
 
         args = AsyncEngineArgs(**engine_args(self.options, on_gpu=torch.cuda.is_available()))
         self._engine = AsyncLLM.from_engine_args(args)
@@ -107,7 +119,7 @@ class VllmEngine:
                                            self.options.model_path, self._expected, vllm_max_lora_rank(lora_rank),
                                            keep=self.options.vllm.max_loras)
 
-    async def sample(self, prompt_ids: list, sampling, n: int) -> list[Completion]:
+    async def sample(self, prompt_ids: list, sampling, n: int, images: list | None = None) -> list[Completion]:
         """`n` completions of one prompt as ONE vLLM request (`SamplingParams(n=n)`, as `LLM.generate` is driven):
         vLLM fans it out into n sequences in its frontend, so the prompt is processed and the request's outputs
         are collected once per group, not once per sample. A sample a weight update aborted (update_mode=abort)
@@ -117,8 +129,8 @@ class VllmEngine:
             raise EngineBroken(self.broken)
         completions = [Completion() for _ in range(n)]
         await self._drain(self._generate(prompt_ids, sampling, sampling.max_tokens, completions,
-                                         SAMPLE_STREAM_INTERVAL))
-        await asyncio.gather(*(self._drain(self._resubmit(prompt_ids, sampling, completion))
+                                         SAMPLE_STREAM_INTERVAL, images))
+        await asyncio.gather(*(self._drain(self._resubmit(prompt_ids, sampling, completion, images))
                                for completion in completions))
         return completions
 
@@ -143,7 +155,8 @@ class VllmEngine:
             async for _ in deltas:
                 pass
 
-    async def _resubmit(self, prompt_ids: list, sampling, completion: Completion) -> AsyncIterator[None]:
+    async def _resubmit(self, prompt_ids: list, sampling, completion: Completion,
+                        images: list | None = None) -> AsyncIterator[None]:
         """With update_mode=abort, a completion a weight update aborted is resubmitted, everything it sampled so
         far appended to its prompt, once the new weights are in (AReaL's interruptible rollout): the tokens
         already sampled keep their versions and logprobs, the rest is sampled by the new weights. Yields after
@@ -157,17 +170,16 @@ class VllmEngine:
             completion.finish_reason = "length"
             async with aclosing(self._generate(list(prompt_ids) + completion.token_ids, sampling,
                                                sampling.max_tokens - len(completion.token_ids), [completion],
-                                               1)) as deltas:
+                                               1, images)) as deltas:
                 async for _ in deltas:
                     yield
 
     async def _generate(self, prompt_ids: list, sampling, max_tokens: int, completions: list,
-                        stream_interval: int) -> AsyncIterator[None]:
+                        stream_interval: int, images: list | None = None) -> AsyncIterator[None]:
         """One vLLM request for `len(completions)` samples, each delta appended to the completion of its index;
-        yields after each output it takes."""
-        from vllm.inputs import tokens_input
-
-        params = request_params(sampling, max_tokens, len(completions), stream_interval)
+        yields after each output it takes. `images`: a multimodal row's, one per image pad of the prompt (vLLM
+        widens each pad to its image's patches itself)."""
+        params = request_params(sampling, max_tokens, len(completions), stream_interval, self.suppressed)
         request_id = uuid.uuid4().hex
         # where this request's tokens begin in each completion (a resubmission appends)
         starts = [len(completion.token_ids) for completion in completions]
@@ -175,7 +187,7 @@ class VllmEngine:
             self.in_flight[request_id, index] = completion  # partial completions, readable while they grow
         adapter = self.adapters.acquire() if self.adapters is not None else None  # kept to the request's end
         try:
-            outputs = self._engine.generate(tokens_input(list(prompt_ids)), params, request_id=request_id,
+            outputs = self._engine.generate(prompt_input(prompt_ids, images), params, request_id=request_id,
                                             **({"lora_request": adapter.request} if adapter else {}))
             async with aclosing(outputs):  # closed early (a client gone), vLLM aborts the request
                 async for output in outputs:
@@ -424,6 +436,10 @@ def engine_args(options: EngineOptions, on_gpu: bool) -> dict:
         **({"enable_return_routed_experts": True} if options.record_routes else {}),
         **({"compilation_config": {"custom_ops": ["-rotary_embedding"]}} if not on_gpu and uses_mla(options.model_path)
            else {}),
+        # a vision-language model is profiled for data.max_images images and no video (profiling a video would
+        # need a video processor, and asyncrl deals none)
+        **({"limit_mm_per_prompt": {"image": vllm.max_images, "video": 0}} if is_vision_dir(options.model_path)
+           else {}),
         **({"enable_lora": True, "max_lora_rank": vllm_max_lora_rank(lora_rank), "max_loras": max_loras,
             "max_cpu_loras": max_loras + 2} if lora_rank else {}),
     }
@@ -466,18 +482,39 @@ def check_transfer_plugin() -> None:
                                 f"engine; add {PLUGIN_NAME!r} to it or unset it")
 
 
-def request_params(sampling, max_tokens: int, n: int, stream_interval: int):
+def request_params(sampling, max_tokens: int, n: int, stream_interval: int, suppressed: tuple = ()):
     """vLLM SamplingParams for `n` samples of at most `max_tokens` with `sampling`'s settings, asking only for what
     a Completion holds: token ids (detokenize=False: no text, which asyncrl never reads; vLLM then skips its
     incremental detokenizer and decoding the sampled token of every logprob), the sampled token's logprob
     (logprobs=0) as flat lists (flat_logprobs: a dict and a Logprob object per token otherwise), streamed as
-    deltas every `stream_interval` tokens."""
+    deltas every `stream_interval` tokens. `suppressed` (a vision-language model's placeholders) get vLLM's lowest
+    logit bias, -100, applied before the processed logprobs are taken: e^-100 of a token's mass, never sampled,
+    where the learner and the hf engine hold them at -1e4 (data/vision.py): the two agree far below 1e-4."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    bias = {"logit_bias": {token: -100.0 for token in suppressed}} if suppressed else {}
     return SamplingParams(n=n, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
                           max_tokens=max_tokens, logprobs=0, flat_logprobs=True, detokenize=False,
-                          output_kind=RequestOutputKind.DELTA, stream_interval=stream_interval)
+                          output_kind=RequestOutputKind.DELTA, stream_interval=stream_interval, **bias)
+
+
+def prompt_input(prompt_ids: list, images: list | None = None):
+    """What vLLM's `generate` takes for a prompt: its token ids, and a multimodal row's images, decoded under the
+    same bounds as everywhere (data/images.py), as `multi_modal_data`."""
+    from vllm.inputs import TokensPrompt, tokens_input
+
+    if not images:
+        return tokens_input(list(prompt_ids))
+    return TokensPrompt(prompt_token_ids=list(prompt_ids),
+                        multi_modal_data={"image": [decode_image(image) for image in images]})
+
+
+def vision_placeholders(model_path: str, trust_remote_code: bool) -> tuple:
+    """The placeholder tokens of the vision-language model at `model_path` (data/vision.py)."""
+    from transformers import AutoConfig
+
+    return placeholder_tokens(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code))
 
 
 def sampled_logprobs(logprobs, count: int) -> list:

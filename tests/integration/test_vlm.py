@@ -107,3 +107,48 @@ def test_a_frozen_vision_tower_stays_and_the_text_model_trains(vlm_assets, freez
     vision = {name for name in before if ".visual." in f".{name}"}
     assert vision and any("language_model" in name for name in changed)
     assert (changed & vision == set()) if freeze else (changed & vision)
+
+
+def test_a_published_version_has_the_files_names_for_vllm(vlm_assets):
+    """vLLM checks each version against the model's files: the learner's in-memory names
+    (`model.language_model.*`, `model.visual.*`) go back to the files' (`model.*`, `visual.*`)."""
+    from safetensors import safe_open
+
+    from asyncrl.generator.engines.checkpoint_layout import CheckpointLayout
+    from asyncrl.generator.engines.vllm_engine import check_against_checkpoint, checkpoint_shapes
+
+    model_dir, _ = vlm_assets
+    state = load_model(model_dir).state_dict()
+    assert any(name.startswith("model.language_model.") for name in state)
+    layout = CheckpointLayout.for_model_dir(model_dir)
+    converted = dict(layout.convert(state.items()))
+    with safe_open(f"{model_dir}/model.safetensors", framework="pt") as handle:
+        files = {name: handle.get_tensor(name) for name in handle.keys()}
+    assert set(converted) == set(files)
+    for name, tensor in files.items():
+        torch.testing.assert_close(converted[name], tensor, atol=0, rtol=0, msg=name)
+    shapes = layout.shapes(list(state), [tuple(t.shape) for t in state.values()])
+    assert check_against_checkpoint(shapes, checkpoint_shapes(model_dir)) == []
+
+
+def test_vllm_is_given_the_rows_images_and_never_samples_a_placeholder(vlm_assets):
+    """What the vLLM engine sends (the GPU runs it: tests/gpu/test_vllm_vlm.py): the prompt with one pad per image
+    and the decoded images as `multi_modal_data`, the placeholders at vLLM's lowest logit bias; on CPU it refuses
+    at start, saying why and what to use."""
+    pytest.importorskip("vllm")
+    from asyncrl.generator.engines.base import EngineUnsupported
+    from asyncrl.generator.engines.vllm_engine import VllmEngine, prompt_input, request_params
+
+    model_dir, files = vlm_assets
+    row = image_rows(model_dir, files, 1)[0]
+    prompt = prompt_input(row.prompt_ids, row.images)
+    assert prompt["prompt_token_ids"] == row.prompt_ids
+    assert [image.size for image in prompt["multi_modal_data"]["image"]] == [(56, 56)]
+    assert "multi_modal_data" not in prompt_input(row.prompt_ids, None)
+    banned = placeholder_tokens(load_model(model_dir).config)
+    params = request_params(SAMPLING, 4, 2, 1, banned)
+    assert params.logit_bias == {token: -100.0 for token in banned}
+    assert not request_params(SAMPLING, 4, 2, 1).logit_bias
+    if not torch.cuda.is_available():
+        with pytest.raises(EngineUnsupported, match="torchvision"):
+            asyncio.run(VllmEngine(EngineOptions(model_dir, "float32", 128, 0.25, 0)).start())
