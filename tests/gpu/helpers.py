@@ -1,5 +1,5 @@
-"""Helpers shared by the GPU tests: the prompt they sample and the learner's logprobs of a completion, to compare
-with an engine's within bf16's tolerance."""
+"""Helpers shared by the GPU tests: the prompt they sample, the learner's logprobs of a completion, to compare
+with an engine's within bf16's tolerance, and a new version of a model to load into an engine."""
 import numpy as np
 import torch
 
@@ -16,3 +16,15 @@ def learner_logprobs(model, completion) -> np.ndarray:
     ids = torch.tensor([PROMPT + completion], device="cuda")
     logprobs, _ = compute_logprobs(model, ids, torch.ones_like(ids), torch.tensor([0.7], device="cuda"), 64)
     return logprobs[0, len(PROMPT) - 1:].float().cpu().numpy()
+
+
+def perturbed_version(model, publisher, stage, version: int):
+    """`model`'s weights moved by a seeded 0.05-scale noise (in place), published as `version` in bf16 and staged:
+    what an engine then loads (the caller ends the stage's load after it), and which the test's model now computes."""
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=generator, device="cuda", dtype=param.dtype))
+    state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
+    specs = [(name, "bfloat16", tuple(tensor.shape)) for name, tensor in state.items()]
+    return stage.stage(publisher.publish(iter(state.items()), version, specs))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from asyncrl.buffer.group import Sampling
-from tests.gpu.helpers import BF16_TOLERANCE, PROMPT, learner_logprobs
+from tests.gpu.helpers import BF16_TOLERANCE, PROMPT, learner_logprobs, perturbed_version
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -38,13 +38,7 @@ def test_vllm_on_cuda_samples_the_learners_distribution_and_takes_a_staged_versi
         sampling = Sampling(temperature=0.7, max_tokens=8)
         model = load_model(demo_assets[0]).to("cuda", torch.bfloat16).eval()
         assert worst_gap(model, run(engine.sample(PROMPT, sampling, n=4))) < BF16_TOLERANCE
-        generator = torch.Generator(device="cuda").manual_seed(1)
-        with torch.no_grad():
-            for param in model.parameters():
-                param.add_(0.05 * torch.randn(param.shape, generator=generator, device="cuda", dtype=param.dtype))
-        state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
-        specs = [(name, "bfloat16", tuple(tensor.shape)) for name, tensor in state.items()]
-        staged = stage.stage(publisher.publish(iter(state.items()), 3, specs))
+        staged = perturbed_version(model, publisher, stage, 3)
         run(engine.load_weights(staged))
         stage.end_load(staged, ok=True)
         after = run(engine.sample(PROMPT, sampling, n=4))

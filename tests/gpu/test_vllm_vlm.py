@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from asyncrl.buffer.group import Group, Sample, Sampling
+from tests.gpu.helpers import BF16_TOLERANCE, perturbed_version
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-BF16_TOLERANCE = 0.05
 SAMPLING = Sampling(temperature=1.0, max_tokens=4)
 
 
@@ -66,13 +66,7 @@ def test_vllm_on_cuda_samples_image_prompts_as_the_learner_computes_them(vlm_ass
         banned = placeholder_tokens(model.config)
         assert not any(np.isin(c.token_ids, banned).any() for sampled in first for c in sampled)
         assert worst_gap(model, vision, rows, first) < BF16_TOLERANCE
-        generator = torch.Generator(device="cuda").manual_seed(1)
-        with torch.no_grad():
-            for param in model.parameters():
-                param.add_(0.05 * torch.randn(param.shape, generator=generator, device="cuda", dtype=param.dtype))
-        state = {name: tensor.detach().cpu() for name, tensor in model.state_dict().items()}
-        specs = [(name, "bfloat16", tuple(tensor.shape)) for name, tensor in state.items()]
-        staged = stage.stage(publisher.publish(iter(state.items()), 3, specs))
+        staged = perturbed_version(model, publisher, stage, 3)
         run(engine.load_weights(staged))
         stage.end_load(staged, ok=True)
         after = sample()
