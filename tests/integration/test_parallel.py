@@ -48,6 +48,45 @@ def make_groups(seed: int, num_groups: int = 4, n: int = 3) -> list:
     return groups
 
 
+VISION_IDS = {"<|vision_start|>": 3, "<|vision_end|>": 4, "<|image_pad|>": 5, "<|video_pad|>": 6}
+"""The tiny vision-language model's placeholder tokens; the groups' text tokens are 7 and up."""
+
+
+def tiny_vlm():
+    """(the vision demo's Qwen2.5-VL shape over VOCAB tokens, its VisionProcessor), the same in every process."""
+    from types import SimpleNamespace
+
+    from asyncrl.data.vision import VisionProcessor
+    from asyncrl.learner.init_model import build_qwen2_5_vl
+
+    tokenizer = SimpleNamespace(convert_tokens_to_ids=VISION_IDS.get, unk_token_id=1, eos_token_id=2, pad_token_id=0)
+    model, processor = build_qwen2_5_vl(VOCAB, tokenizer, seed=0)
+    return model, VisionProcessor(processor, VISION_IDS["<|image_pad|>"], 1 << 22)
+
+
+def vlm_groups(seed: int, num_groups: int = 4, n: int = 3) -> list:
+    """Groups whose prompts hold one 56x56 image each (4 image pads), but the last, whose long rows have none."""
+    import random
+
+    from asyncrl.generator.tasks.square_colour import draw
+
+    groups = make_groups(seed, num_groups, n)
+    rng = np.random.default_rng(seed)
+    for index, group in enumerate(groups[:-1]):
+        text = rng.integers(7, VOCAB, size=3).astype(np.int32)
+        group.prompt_ids = np.concatenate([[3, 5, 4], text]).astype(np.int32)
+        group.images = [draw("rgby"[index % 4], random.Random(seed + index))]
+        for sample in group.samples:
+            sample.completion_ids = np.maximum(sample.completion_ids, 7).astype(np.int32)
+    groups[-1].prompt_ids = np.maximum(groups[-1].prompt_ids, 7).astype(np.int32)
+    for sample in groups[-1].samples:
+        sample.completion_ids = np.maximum(sample.completion_ids, 7).astype(np.int32)
+        sample.completion_ids = np.concatenate([sample.completion_ids, [7] * 20]).astype(np.int32)[:30]
+        sample.logprobs = -np.ones(len(sample.completion_ids), np.float32)
+        sample.versions = np.zeros(len(sample.completion_ids), np.int32)
+    return groups
+
+
 def sft_examples(seed: int, count: int = 7) -> list:
     """Conversations of varied length whose trained tokens come in spans (assistant turns)."""
     rng = np.random.default_rng(seed)
@@ -110,7 +149,8 @@ def run_step(model, parallel: ParallelState, case: dict, critic_model=None) -> t
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     grads = capture_grads(model, optimizer)
     settings = StepSettings(version=0, max_staleness=4, max_tokens_per_microbatch=case["budget"], chunk_tokens=7,
-                            grad_clip=1.0, packing=case["packing"], parallel=parallel)
+                            grad_clip=1.0, packing=case["packing"], parallel=parallel,
+                            vision=tiny_vlm()[1] if case.get("vlm") else None)
     if case.get("sft"):
         return {"loss/pg": sft_step(model, optimizer, sft_examples(case["seed"]), settings)}, grads
     critic, critic_grads = None, {}
@@ -122,7 +162,8 @@ def run_step(model, parallel: ParallelState, case: dict, critic_model=None) -> t
                         CriticConfig(cliprange_value=0.05))
     algo = AlgoConfig(ppo_minibatches=case["minibatches"], entropy_coef=case.get("entropy_coef", 0.0),
                       advantage="gae" if critic is not None else "grpo")
-    metrics = train_step(model, optimizer, scheduler, make_groups(case["seed"]), algo, settings, critic=critic).metrics
+    groups = vlm_groups(case["seed"]) if case.get("vlm") else make_groups(case["seed"])
+    metrics = train_step(model, optimizer, scheduler, groups, algo, settings, critic=critic).metrics
     return metrics, {**grads, **{f"critic/{name}": grad for name, grad in critic_grads.items()}}
 
 
@@ -223,7 +264,12 @@ def reference(case: dict) -> dict:
 
 def case_model(case: dict):
     """The case's policy: tiny_model, with LoRA adapters (their B random, so A's gradients are not zero) when the
-    case asks for them."""
+    case asks for them; or the tiny vision-language model, its vision tower frozen when the case says so."""
+    if case.get("vlm"):
+        model = tiny_vlm()[0]
+        if case.get("freeze"):
+            model.model.visual.requires_grad_(False)
+        return model
     model = tiny_model(case["heads"], case["kv_heads"], case.get("family"))
     if case.get("lora"):
         apply_lora(model, LoraSettings(rank=4, alpha=8.0))
@@ -323,6 +369,24 @@ def test_each_model_family_on_two_ranks_matches_one_process(case_id, on_ranks):
     sliding layers, eager attention) and Qwen3-MoE, packed, under FSDP2 and under Ulysses SP = 2: the loss and every
     gradient within 1e-5 of one process."""
     assert_same_step(*on_ranks(case_id))
+
+
+VLM_CASES = [multi_rank_case(f"vlm-{'frozen' if freeze else 'trained'}-{'packed' if packing else 'padded'}", "fsdp2",
+                             seed=17, budget=64, packing=packing, minibatches=1, heads=2, kv_heads=2, vlm=True,
+                             freeze=freeze)
+             for freeze, packing in ((False, False), (True, True))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case_id", VLM_CASES)
+def test_a_vision_language_model_on_two_ranks_matches_one_process(case_id, on_ranks):
+    """Qwen2.5-VL under FSDP2 on 2 ranks, padded and packed: the loss and every gradient within 1e-5 of one
+    process; with the tower frozen, no gradient reaches it. The text-only group's long rows fill micro-batches of
+    their own, so some passes run the vision tower on one rank and skip it on the other."""
+    got, expected = on_ranks(case_id)
+    assert_same_step(got, expected)
+    tower = [name for name in expected["grads"] if ".visual." in f".{name}"]
+    assert not tower if MULTI_RANK_CASES[case_id][1]["freeze"] else tower
 
 
 DEEPSPEED_CASES = [multi_rank_case(f"deepspeed-{family}", "sp2", seed=7, budget=64, packing=True, minibatches=1,
