@@ -2,15 +2,16 @@
 images. The generator's hf engine and the learner both build their inputs here, so both see the same pixels, the
 same widened prompt and the same positions; a logprob the engine samples with is the one the learner recomputes.
 
-Qwen2-VL and Qwen2.5-VL are the families supported: a prompt travels with one `<|image_pad|>` per image (the form
-vLLM takes, and the one the learner's dealt row digest covers); the model's forward takes each pad widened to the
-image's merged patch count, with 3-row M-RoPE positions computed by the model's own `get_rope_index`.
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL (dense) are the families supported: a prompt travels with one `<|image_pad|>`
+per image (the form vLLM takes, and the one the learner's dealt row digest covers); the model's forward takes each
+pad widened to the image's merged patch count, with 3-row M-RoPE positions computed by the model's own
+`get_rope_index`.
 """
 from dataclasses import dataclass
 
 from asyncrl.data.images import decode_image, expand_image_pads, pads_per_image
 
-VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+VISION_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 """The vision-language families asyncrl trains: their prompts, processors and positions are the ones built here."""
 
 

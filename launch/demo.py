@@ -133,10 +133,10 @@ def build_base_model(task, out_dir: str, demo_cfg, seed: int) -> None:
     tokenizer = train_char_tokenizer(task, task.tokenizer_corpus(seed))
     vocab = padded_vocab(len(tokenizer))
     if vision_task(task):
-        from asyncrl.learner.init_model import build_qwen2_5_vl
+        from asyncrl.learner.init_model import build_vision_model
 
-        model, processor = build_qwen2_5_vl(vocab, tokenizer, seed, task.MAX_POSITIONS, demo_cfg.hidden_size,
-                                            demo_cfg.num_layers)
+        model, processor = build_vision_model("qwen2_5_vl", vocab, tokenizer, seed, task.MAX_POSITIONS,
+                                              demo_cfg.hidden_size, demo_cfg.num_layers)
         save_model_dir(out_dir, model, tokenizer)
         processor.save_pretrained(out_dir)
         check_round_trip(out_dir, task.tokenizer_corpus(seed))

@@ -81,37 +81,55 @@ def build_model(shape: ModelShape, vocab_size: int, eos_token_id: int, pad_token
     return model_class(config)
 
 
-def build_qwen2_5_vl(vocab_size: int, tokenizer, seed: int, max_positions: int = 128, hidden_size: int = 64,
-                     num_layers: int = 2):
-    """A randomly initialised tiny Qwen2.5-VL (fp32, seeded) and its image processor, for the vision demo and
-    tests: a 2-block vision tower of width 32 whose merger outputs the text model's width, text head_dim 32 (vLLM's
-    CPU attention takes it) with M-RoPE sections summing to half of it, untied head (Qwen2.5-VL's own). The vision
-    token ids are the tokenizer's (`<|vision_start|>`, `<|vision_end|>`, `<|image_pad|>`, `<|video_pad|>`). Images
-    are resized to between 56x56 and 112x112 pixels: 4 to 16 image pads each."""
+VISION_FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+"""The vision-language families build_vision_model builds (data/vision.py trains these and Qwen2-VL)."""
+
+
+def build_vision_model(family: str, vocab_size: int, tokenizer, seed: int, max_positions: int = 128,
+                       hidden_size: int = 64, num_layers: int = 2):
+    """A randomly initialised tiny vision-language model (fp32, seeded) and its image processor, for the vision demo
+    and tests: a 2-block vision tower of width 32 whose merger outputs the text model's width, text head_dim 32
+    (vLLM's CPU attention takes it) with M-RoPE sections summing to half of it, untied head (both families' own).
+    `qwen2_5_vl`: 14-pixel patches, windowed attention in the first block; `qwen3_vl`: 16-pixel patches, learned
+    position embeddings and DeepStack features from the first block into the text model, interleaved M-RoPE. The
+    vision token ids are the tokenizer's (`<|vision_start|>`, `<|vision_end|>`, `<|image_pad|>`, `<|video_pad|>`).
+    Images are resized to between 4 and 16 merged patches each (4 to 16 image pads)."""
     import torch
     import transformers
 
+    if family not in VISION_FAMILIES:
+        raise InitModelError(f"vision family must be one of {VISION_FAMILIES}, got {family!r}")
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in (
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"),
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"))}
     if tokenizer.unk_token_id in ids.values() or None in ids.values():
         raise InitModelError(f"the tokenizer lacks a vision token: {ids}")
     heads = hidden_size // 32
-    config = transformers.Qwen2_5_VLConfig(
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-                           fullatt_block_indexes=[1], in_channels=3),
-        text_config=dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
-                         num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=heads,
-                         max_position_embeddings=max_positions,
-                         rope_parameters={"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 10000.0},
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.eos_token_id),
-        tie_word_embeddings=False, **ids)
+    patch = 14 if family == "qwen2_5_vl" else 16
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden_size,
+                  patch_size=patch, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    rope = {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 10000.0}
+    text = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+                num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=heads,
+                max_position_embeddings=max_positions, eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id)
+    if family == "qwen2_5_vl":
+        config = transformers.Qwen2_5_VLConfig(
+            vision_config={**vision, "window_size": 56, "fullatt_block_indexes": [1]},
+            text_config={**text, "rope_parameters": rope, "bos_token_id": tokenizer.eos_token_id},
+            tie_word_embeddings=False, **ids)
+        model_class = transformers.Qwen2_5_VLForConditionalGeneration
+    else:
+        config = transformers.Qwen3VLConfig(
+            vision_config={**vision, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
+            text_config={**text, "head_dim": hidden_size // heads, "rope_parameters": {**rope, "mrope_interleaved": True}},
+            tie_word_embeddings=False, **ids)
+        model_class = transformers.Qwen3VLForConditionalGeneration
     torch.manual_seed(seed)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config)
-    processor = transformers.Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14,
-                                                     merge_size=2, temporal_patch_size=2)
+    model = model_class(config)
+    side = patch * 2
+    processor = transformers.Qwen2VLImageProcessorPil(min_pixels=(2 * side) ** 2, max_pixels=(4 * side) ** 2,
+                                                     patch_size=patch, merge_size=2, temporal_patch_size=2)
     return model, processor
 
 

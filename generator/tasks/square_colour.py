@@ -1,6 +1,6 @@
 """Vision demo task: name the colour of the square drawn in an image (`<image>colour?` -> `r`). The image is 56x56
 white with one square of random size and place in red, green, blue or yellow; the answer is the colour's letter.
-Small enough that a tiny Qwen2.5-VL built from its config (learner/init_model.py::build_qwen2_5_vl) learns it on
+Small enough that a tiny Qwen2.5-VL built from its config (learner/init_model.py::build_vision_model) learns it on
 2 CPU cores by RL alone, from a random start (no SFT: the warm start takes text only).
 
 Rows follow verl's multimodal format: `prompt` with one `<image>` placeholder, `images` ([{"bytes": PNG}]),

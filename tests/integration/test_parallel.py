@@ -57,10 +57,10 @@ def tiny_vlm():
     from types import SimpleNamespace
 
     from asyncrl.data.vision import VisionProcessor
-    from asyncrl.learner.init_model import build_qwen2_5_vl
+    from asyncrl.learner.init_model import build_vision_model
 
     tokenizer = SimpleNamespace(convert_tokens_to_ids=VISION_IDS.get, unk_token_id=1, eos_token_id=2, pad_token_id=0)
-    model, processor = build_qwen2_5_vl(VOCAB, tokenizer, seed=0)
+    model, processor = build_vision_model("qwen2_5_vl", VOCAB, tokenizer, seed=0)
     return model, VisionProcessor(processor, VISION_IDS["<|image_pad|>"], 1 << 22)
 
 

@@ -49,8 +49,27 @@ def image_rows(model_dir, files, count):
     return load_train_prompts(cfg.data, files, model_dir, seed=0).rows[:count]
 
 
-def test_engine_and_learner_logprobs_agree_on_image_prompts(vlm_assets):
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+def vision_model(request, vlm_assets, tmp_path_factory):
+    """(model dir, train files) of each family: the vision demo's Qwen2.5-VL, and a Qwen3-VL built the same way
+    with the demo's tokenizer (16-pixel patches, DeepStack, interleaved M-RoPE)."""
     model_dir, files = vlm_assets
+    if request.param == "qwen2_5_vl":
+        return vlm_assets
+    from transformers import AutoTokenizer
+
+    from asyncrl.learner.init_model import build_vision_model, padded_vocab, save_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model, processor = build_vision_model("qwen3_vl", padded_vocab(len(tokenizer)), tokenizer, seed=0)
+    out = str(tmp_path_factory.mktemp("qwen3-vl"))
+    save_model_dir(out, model, tokenizer)
+    processor.save_pretrained(out)
+    return out, files
+
+
+def test_engine_and_learner_logprobs_agree_on_image_prompts(vision_model):
+    model_dir, files = vision_model
     rows = image_rows(model_dir, files, 3)
     assert all(row.images for row in rows)
     text_row = type(rows[0])("text-0", [9, 10, 11], rows[0].data_source, "r", {})  # no image, in the same batch
