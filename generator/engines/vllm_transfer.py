@@ -185,13 +185,13 @@ class ShmWeightTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo]):
         if self._layout is None:
             self._layout = CheckpointLayout.for_config(self.model_config.hf_config,
                                                        self.model_config.trust_remote_code)
-        tensors = self._layout.convert(ring.buckets(update_info.slot).tensors(update_info.bucket))
-        if not hasattr(self.model, "lm_head"):
-            # A tied head is in the learner's state dict twice (embeddings and lm_head.weight). vLLM's Qwen models
-            # hold a head of their own, which a reload unties, so they need both; its Gemma 2 computes the logits
-            # from the embeddings, has no head, and fails on the name.
-            tensors = [(name, tensor) for name, tensor in tensors if name != "lm_head.weight"]
-        try:
+        try:  # any failure, the layout's conversion included, names the bucket and version it was in
+            tensors = self._layout.convert(ring.buckets(update_info.slot).tensors(update_info.bucket))
+            if not hasattr(self.model, "lm_head"):
+                # A tied head is in the learner's state dict twice (embeddings and lm_head.weight). vLLM's Qwen
+                # models hold a head of their own, which a reload unties, so they need both; its Gemma 2 computes
+                # the logits from the embeddings, has no head, and fails on the name.
+                tensors = [(name, tensor) for name, tensor in tensors if name != "lm_head.weight"]
             self.model.load_weights(tensors)
         except Exception as err:
             raise RuntimeError(f"{where}: {type(err).__name__}: {err}") from err
