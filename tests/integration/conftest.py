@@ -4,6 +4,7 @@ import asyncio
 import pytest
 
 from tests.integration.helpers import VOCAB
+from tests.redis_dealing_job import Job
 
 
 @pytest.fixture(scope="module")
@@ -35,3 +36,18 @@ def vllm_engine(demo_assets, event_loop_runner):
     event_loop_runner.run_until_complete(engine.start())
     yield engine
     event_loop_runner.run_until_complete(engine.close())
+
+
+@pytest.fixture
+def make_job(redis_server):
+    """make(count, **kwargs) -> a Job (tests/redis_dealing_job.py) on the session's redis-server, closed after the
+    test."""
+    jobs = []
+
+    def make(count, **kwargs):
+        jobs.append(Job(redis_server.url, count, **kwargs))
+        return jobs[-1]
+
+    yield make
+    for job in jobs:
+        job.close()

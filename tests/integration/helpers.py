@@ -1,6 +1,7 @@
-"""Helpers shared by the integration tests: the tiny model's vocabulary, the sampling a job's generators use, and
-least-privilege Redis users."""
+"""Helpers shared by the integration tests: the tiny model's vocabulary, the sampling a job's generators use,
+least-privilege Redis users, and waiting for a learner to register its job in Redis."""
 import math
+import time
 import uuid
 
 from asyncrl.buffer.group import Sampling
@@ -33,3 +34,12 @@ def user_url(redis_server, user: str, password: str) -> str:
 def denials(admin, user: str) -> list:
     """What Redis refused `user` since the log was reset: (reason, command or key)."""
     return [(entry["reason"], entry["object"]) for entry in admin.acl_log() if entry["username"] == user]
+
+
+def wait_for_the_learner(client, stream) -> None:
+    """Until the learner has registered the job in Redis (its config hash in the stream's meta), for 120 s at most:
+    a hand-written generator writes the job's keys only after that."""
+    deadline = time.monotonic() + 120
+    while not client.hget(stream.keys["meta"], "config_hash"):  # the learner is starting
+        assert time.monotonic() < deadline, "the learner never registered the job"
+        time.sleep(0.05)

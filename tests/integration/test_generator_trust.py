@@ -180,7 +180,7 @@ class RedisPeer(threading.Thread):
         from asyncrl.buffer.redis.conn import RedisOptions, connect
         from asyncrl.buffer.redis.coordinator import RedisCoordinator
         from asyncrl.buffer.redis.stream import GroupStream
-        from tests.integration.test_hostile_generators import wait_for_the_learner
+        from tests.integration.helpers import wait_for_the_learner
 
         client = connect(RedisOptions(self.url))
         try:

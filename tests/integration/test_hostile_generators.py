@@ -21,7 +21,7 @@ import torch
 from asyncrl.buffer.codec import encode_group
 from asyncrl.buffer.group import Group, Sample, Sampling
 from tests.conftest import free_port
-from tests.integration.helpers import HONEST_LOGPROB, VOCAB, recipe_sampling
+from tests.integration.helpers import HONEST_LOGPROB, VOCAB, recipe_sampling, wait_for_the_learner
 from tests.messages import run_info
 from tests.raw_peer import RawPeer
 
@@ -299,13 +299,6 @@ def test_a_live_redis_learner_survives_every_hostile_entry_and_dead_letters_each
     oversized = next(entry for entry in dead if entry[b"reason"].startswith(b"too_large"))
     assert int(oversized[b"size"]) == LIMIT + (3 << 19) and len(oversized[b"payload"]) == 64 << 10
     hostile.client.close()
-
-
-def wait_for_the_learner(client, stream) -> None:
-    deadline = time.monotonic() + 120
-    while not client.hget(stream.keys["meta"], "config_hash"):  # the learner is starting
-        assert time.monotonic() < deadline, "the learner never registered the job"
-        time.sleep(0.05)
 
 
 class RedisHostile(threading.Thread):

@@ -10,7 +10,7 @@ import pytest
 
 from asyncrl.buffer.codec import encode_group
 from asyncrl.data.prompts import decode_prompt
-from tests.integration.test_redis_dealing import admitted, group_for, make_job, send  # noqa: F401 (a fixture)
+from tests.redis_dealing_job import admitted, group_for, send
 
 pytestmark = pytest.mark.redis
 

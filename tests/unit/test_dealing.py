@@ -3,40 +3,19 @@ and a real zmq server and client dealing prompts with the admissions (their rows
 data/prompts.py)."""
 import asyncio
 import dataclasses
-import time
 
 import msgpack
-import numpy as np
 import pytest
 
 from asyncrl.buffer.codec import encode_group
-from asyncrl.buffer.dealing import DealAnswer, DealError, PromptDealer, check_deal, epoch_order, prompt_digest
-from asyncrl.buffer.group import Group, Sample, Sampling
+from asyncrl.buffer.dealing import DealAnswer, DealError, check_deal, epoch_order, prompt_digest
 from asyncrl.buffer.staleness import Coordinator
 from asyncrl.buffer.zmq.client import ZmqBufferClient
 from asyncrl.buffer.zmq.server import ZmqBufferServer
-from asyncrl.data.prompts import decode_prompt, encode_prompts
+from asyncrl.data.prompts import decode_prompt
 from tests.conftest import free_port
-from tests.dealt_rows import Row
+from tests.dealt_rows import Clock, Row, dealer, decoded, group_for, rows
 from tests.messages import run_info
-
-
-def rows(count):
-    return [Row(f"f.parquet:{i}", [3, 4 + i % 5], extra_info={"index": i},
-                messages=[{"role": "user", "content": f"q{i}"}]) for i in range(count)]
-
-
-class Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
-def dealer(count=6, epochs=1, timeout_s=60.0, clock=None, shuffle=True):
-    return PromptDealer(encode_prompts(rows(count)), shuffle=shuffle, seed=7, epochs=epochs, timeout_s=timeout_s,
-                        clock=clock or Clock())
 
 
 def prompt_of(deal):
@@ -154,19 +133,6 @@ def test_a_restored_cursor_deals_exactly_what_the_checkpoint_had_not_trained():
     assert second.metrics()["data/returned/restart"] == 2
     with pytest.raises(DealError, match="another dataset"):
         dealer(9).restore(state)
-
-
-def group_for(deal, gen="gen-a", reward=1.0):
-    sample = Sample(completion_ids=np.array([3, 4], np.int32), logprobs=np.array([-0.5, -1.0], np.float32),
-                    versions=np.array([0, 0], np.int32), reward=reward, finish_reason="stop")
-    return Group(group_id=f"g-{deal.deal_id}", prompt_id=deal.prompt_id, generator_id=gen,
-                 prompt_ids=np.asarray(deal.prompt_ids, np.int32), samples=[sample], sampling=Sampling(1.0),
-                 created_at=time.time(), meta={"data_source": deal.data_source, "deal": deal.deal_id})
-
-
-def decoded(reply):
-    """The admit reply with its deals decoded, as the generator's admission gate hands them out."""
-    return dataclasses.replace(reply, deals=[decode_prompt(*deal) for deal in reply.deals])
 
 
 def test_the_zmq_buffer_deals_with_admissions_and_refuses_groups_outside_their_deal():

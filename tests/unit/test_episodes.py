@@ -19,6 +19,7 @@ from asyncrl.generator.config import RolloutConfig
 from asyncrl.data.prompts import PromptRow
 from asyncrl.generator.rollout import RolloutLoop
 from tests.chat_tokenizer import chat_tokenizer
+from tests.inline_scorer import InlineScorer
 from tests.scripted_engine import ScriptedEngine, call
 
 TOOLS = '''
@@ -243,16 +244,6 @@ def test_episodes_that_open_differently_share_the_common_prefix_as_the_prompt():
     assert sa.versions.tolist() == [5, 5, 5, 6] and sa.logprobs.tolist() == [0.0, 0.0, -1.0, -1.0]
     assert sb.completion_ids.tolist() == [7, 8, 5, 8] and sb.loss_mask.tolist() == [0, 1, 0, 1]
     assert sb.versions.tolist() == [3, 3, 3, 4]  # environment tokens take the first model token's version
-
-
-class InlineScorer:
-    seconds, calls = 0.0, 0
-
-    def error_counts(self):
-        return {}
-
-    async def score(self, data_source, text, ground_truth, extra_info, prompt_id="?", prompt=None):
-        return float(text.strip() == ground_truth), {}
 
 
 class CallThenAnswerEngine(ScriptedEngine):

@@ -154,3 +154,20 @@ def test_data_sits_below_generator_and_learner_and_above_buffer():
     fake = os.path.join("buffer", "imaginary.py")
     assert violations(fake, rules, "from asyncrl.data.prompts import PromptRow\n") == [
         f"{fake} imports asyncrl.data.prompts"]
+
+
+def test_no_test_module_imports_from_another():
+    """Shared test helpers live in helper modules (docs/testing.md): a test module imported by another runs its
+    module-level code and collects its fixtures twice, and couples two files' tests to one file's internals."""
+    found = []
+    for root, _, files in os.walk(os.path.join(REPO, "tests")):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(root, name)
+            for node in ast.walk(ast.parse(open(path).read(), path)):
+                module = node.module if isinstance(node, ast.ImportFrom) else None
+                names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [module or ""]
+                found += [(os.path.relpath(path, REPO), target) for target in names
+                          if target.startswith("tests.") and target.rsplit(".", 1)[-1].startswith("test_")]
+    assert not found, found

@@ -14,7 +14,7 @@ from asyncrl.buffer.zmq.client import ZmqBufferClient
 from asyncrl.buffer.zmq.server import ZmqBufferServer
 from tests.conftest import free_port
 from tests.messages import run_info
-from tests.unit.test_dealing import decoded, dealer, group_for
+from tests.dealt_rows import decoded, dealer, group_for
 
 
 def refused_groups(mine: list, theirs) -> list:

@@ -9,7 +9,7 @@ from asyncrl.learner.collect import BatchFilter, collect_batch
 from asyncrl.learner.learnable import (LearnableWatch, NothingToLearn, describe_rewards, is_unlearnable,
                                        unlearnable_message)
 from asyncrl.telemetry.progress import format_line
-from tests.unit.test_batch_assembly import QueueServer, make_group
+from tests.queue_server import QueueServer, make_group
 
 
 def test_the_window_is_the_mean_over_every_sample_of_every_group_since_the_last_step():

@@ -169,7 +169,7 @@ def test_auto_builds_per_turn_tool_episodes_and_a_group_of_their_turns(tmp_path,
     from asyncrl.configs.sections import RewardConfig
     from asyncrl.generator.agents.build import build_episode_runner
     from asyncrl.generator.rollout import RolloutLoop
-    from tests.unit.test_episodes import InlineScorer
+    from tests.inline_scorer import InlineScorer
 
     tools = tmp_path / "tools.py"
     tools.write_text(TOOLS)

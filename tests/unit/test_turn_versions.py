@@ -19,7 +19,7 @@ from asyncrl.generator.engines.base import Completion
 from asyncrl.generator.rollout import RolloutLoop
 from asyncrl.learner.collect import collect_batch
 from tests.chat_tokenizer import chat_tokenizer
-from tests.unit.test_batch_assembly import QueueServer
+from tests.queue_server import QueueServer
 
 ROW = PromptRow(prompt_id="p0", prompt_ids=[1], data_source="t", ground_truth="5", extra_info={},
                 messages=[{"role": "user", "content": "what is 2+3?"}])
