@@ -90,7 +90,7 @@ class Fleet:
         """The PID of a generator's process on its node (tests kill it to see Ray restart it)."""
         import ray
 
-        return ray.get(self.live[name]["actor"].child_pid.remote())
+        return ray.get(self.live[name]["actor"].child_pid.remote(), timeout=60)
 
     def finish(self, grace_s: float) -> dict:
         """The learner has finished: each generator has `grace_s` to hear "done" and exit; the rest are stopped."""
@@ -140,7 +140,7 @@ class Fleet:
         except Exception as err:  # the actor died more often than max_restarts allows
             code, tail = 1, f"its actor died: {err}".splitlines()[0]
         else:
-            tail = ray.get(entry["actor"].log_tail.remote()) if code not in (0, 143) else ""
+            tail = log_tail(ray, entry["actor"]) if code not in (0, 143) else ""
         del self.live[name]
         self.exited[name] = code
         ray.kill(entry["actor"], no_restart=True)
@@ -185,3 +185,12 @@ class Fleet:
                     self.learner.append_record.remote(AUTOSCALE_RECORDS, {
                         "step": last_step, "time": time.time(), "from": current, "to": decision.target,
                         "reason": decision.reason, **decision.metrics()})
+
+
+def log_tail(ray, actor) -> str:
+    """The last lines of a generator's log, from its actor; a line saying why when the actor does not answer within
+    a minute (its node gone): the fleet goes on either way."""
+    try:
+        return ray.get(actor.log_tail.remote(), timeout=60)
+    except Exception as err:  # noqa: BLE001 - any failure: the log is out of reach, the exit code is not
+        return f"(its log is out of reach: {type(err).__name__})"

@@ -28,6 +28,9 @@ from asyncrl.launch.ray_actors import RAY_NAMESPACE, RoleProcess, fleet_name
 from asyncrl.telemetry.progress import format_line
 
 POLL_S = 1.0
+CALL_TIMEOUT_S = 120.0
+"""The longest the driver waits for one call to an actor it placed (the learner's ranks, the fleet): a node that
+hangs or is cut off fails the job, naming the call, instead of holding the driver forever (Ray's default)."""
 PLACEMENT_TIMEOUT_S = 120.0
 GCS_DIAL_S = 10.0
 DEFAULT_MAX_RESTARTS = 20
@@ -180,12 +183,12 @@ def run_ray_job(ray, cfg, launch: RayLaunch, policy, argv: list) -> int:
     placement, ranks, fleet = None, [], None
     try:
         placement, ranks = place_learner(ray, launch, has_gpus, argv, job_dir)
-        node = ray.get(ranks[0].node.remote())
-        port = ray.get(ranks[0].free_port.remote())
+        node = ray.get(ranks[0].node.remote(), timeout=CALL_TIMEOUT_S)
+        port = ray.get(ranks[0].free_port.remote(), timeout=CALL_TIMEOUT_S)
         shared = job_overrides(cfg, node["ip"])
         if cfg.telemetry.serve:  # the MLflow server on rank 0's node, where the generators reach it
             url = ray.get(ranks[0].serve_tracking.remote(cfg.telemetry.tracking_uri, cfg.telemetry.serve_host,
-                                                         cfg.telemetry.serve_port))
+                                                         cfg.telemetry.serve_port), timeout=CALL_TIMEOUT_S)
             shared += [f"telemetry.tracking_uri={url}", "telemetry.serve=false"]
             say_stderr(f"asyncrl ray: MLflow tracking server at {url} (its log: mlflow-server.log in the job "
                        f"directory)")
@@ -244,7 +247,7 @@ def start_fleet(ray, cfg, launch: RayLaunch, policy, argv: list, job_dir: str, l
     fleet = ray.remote(Fleet).options(name=fleet_name(cfg.job.name), namespace=RAY_NAMESPACE, num_cpus=0,
                                       max_concurrency=8).remote(argv, job_dir, os.getcwd(), options,
                                                                 launch.generators, learner, policy)
-    ray.get(fleet.poll.remote())  # the constructor ran: the first generators are placed or queued
+    ray.get(fleet.poll.remote(), timeout=CALL_TIMEOUT_S)  # the constructor ran: the first generators are placed or queued
     return fleet
 
 
@@ -279,30 +282,31 @@ def supervise(ray, cfg, ranks: list, waits: list, fleet, interrupted: threading.
         if interrupted.is_set():
             raise KeyboardInterrupt
         done, _ = ray.wait(waits, num_returns=len(waits), timeout=POLL_S)
-        fresh, offset = ray.get(ranks[0].progress_since.remote(offset))
+        fresh, offset = ray.get(ranks[0].progress_since.remote(offset), timeout=CALL_TIMEOUT_S)
         if fresh:
             record = fresh[-1]
             line = format_line(record["step"], record["total"], record, record["elapsed_s"])
             if line != last_line and (tty or time.monotonic() - last_print > 10):
                 sys.stderr.write(("\r\033[K" + line) if tty else line + "\n")
                 last_line, last_print = line, time.monotonic()
-        state = ray.get(fleet.poll.remote())
-        events = ray.get(fleet.events_since.remote(seen_events))
+        state = ray.get(fleet.poll.remote(), timeout=CALL_TIMEOUT_S)
+        events = ray.get(fleet.events_since.remote(seen_events), timeout=CALL_TIMEOUT_S)
         seen_events += len(events)
         for event in events:
             sys.stderr.write(("\n" if tty else "") + f"asyncrl ray: {event}\n")
         failed = {index: code for index, ref in enumerate(waits) if ref in done and (code := ray.get(ref)) != 0}
         if failed:
             index, code = next(iter(failed.items()))
-            tail = ray.get(ranks[index].log_tail.remote())
+            tail = ray.get(ranks[index].log_tail.remote(), timeout=CALL_TIMEOUT_S)
             say_stderr(f"\nasyncrl ray: learner rank {index} exited with code {code}. Last lines of its log:\n"
                        + "".join("  | " + line for line in tail.splitlines(keepends=True)))
             return code
         if len(done) == len(waits):
-            exits = ray.get(fleet.finish.remote(cfg.buffer.done_grace_s))
-            for event in ray.get(fleet.events_since.remote(seen_events)):
+            exits = ray.get(fleet.finish.remote(cfg.buffer.done_grace_s),
+                            timeout=cfg.buffer.done_grace_s + CALL_TIMEOUT_S)
+            for event in ray.get(fleet.events_since.remote(seen_events), timeout=CALL_TIMEOUT_S):
                 say_stderr(f"asyncrl ray: {event}")
-            summary = ray.get(ranks[0].read_job_file.remote("summary.json"))
+            summary = ray.get(ranks[0].read_job_file.remote("summary.json"), timeout=CALL_TIMEOUT_S)
             if summary:
                 print_summary(json.loads(summary))
             say_stderr(f"asyncrl ray: generators' exit codes {exits}")
@@ -363,7 +367,7 @@ def cmd_ray_scale(argv: list) -> int:
                    f"{', '.join(running) or 'none'})")
         return 2
     try:
-        change = ray.get(fleet.scale.remote(args.generators, "asyncrl ray scale"))
+        change = ray.get(fleet.scale.remote(args.generators, "asyncrl ray scale"), timeout=CALL_TIMEOUT_S)
     except ray.exceptions.RayTaskError as err:
         say_stderr(f"asyncrl ray scale: {err.cause if hasattr(err, 'cause') else err}")
         return 1
