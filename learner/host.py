@@ -89,7 +89,9 @@ class LearnerHost:
                  eval_prompts: PromptSet | None = None):
         with ExitStack() as built:  # on any failure below, what was built is closed, newest first
             self.record = RunRecord(cfg.telemetry, cfg.job.name, job_dir, cfg.learner.total_steps,
-                                    decode=table_decoder(model_path, cfg.model.trust_remote_code))
+                                    decode=table_decoder(model_path, cfg.model.trust_remote_code),
+                                    resume_run_id=state.mlflow_run_id if resumed_from is not None else "")
+            state.mlflow_run_id = self.record.run_id  # saved with every checkpoint
             built.callback(self.record.close, "FAILED")
             self.record.write_config({**flatten(cfg), **resolved_hyperparameters(cfg.algo),
                                       "learner.world_size": parallel.world_size, "learner.dp_size": parallel.dp_size},

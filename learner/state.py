@@ -40,6 +40,8 @@ class LearnerState:
     deal again; empty for a job without dealt data. Saved and restored like the rest."""
     quarantined: dict = field(default_factory=dict)
     """generator id -> why it is quarantined (learner/trust.py): a resumed learner keeps refusing its groups."""
+    mlflow_run_id: str = ""
+    """The job's MLflow run: a resumed learner goes on logging into it (one run per job, not one per life)."""
 
     def record_batch(self, groups: list, dropped: dict) -> None:
         """A batch was trained on `groups`; `dropped` (reason -> count) were dropped while assembling it."""
@@ -54,7 +56,8 @@ class LearnerState:
                 "groups_by_generator": dict(self.groups_by_generator), "dropped_total": dict(self.dropped_total),
                 "unacked": list(self.unacked), "kl_coef": self.kl_coef, "skipped_steps": self.skipped_steps,
                 "skipped_in_a_row": self.skipped_in_a_row, "checkpoint_failures": self.checkpoint_failures,
-                "data_cursor": dict(self.data_cursor), "quarantined": dict(self.quarantined)}
+                "data_cursor": dict(self.data_cursor), "quarantined": dict(self.quarantined),
+                "mlflow_run_id": self.mlflow_run_id}
 
     @classmethod
     def from_json(cls, data: dict) -> "LearnerState":
@@ -67,7 +70,8 @@ class LearnerState:
                    skipped_in_a_row=int(data.get("skipped_in_a_row", 0)),
                    checkpoint_failures=int(data.get("checkpoint_failures", 0)),
                    data_cursor=dict(data["data_cursor"]),
-                   quarantined={str(gen): str(why) for gen, why in data.get("quarantined", {}).items()})
+                   quarantined={str(gen): str(why) for gen, why in data.get("quarantined", {}).items()},
+                   mlflow_run_id=str(data.get("mlflow_run_id") or ""))
 
 
 class AckLedger:

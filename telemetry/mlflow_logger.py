@@ -43,9 +43,12 @@ MODEL_TRAINING_KIND = "custom_model_development"
 """The tag's value for MLflow's model-training view, where an RL job's metric charts are."""
 
 
-def create_or_attach_run(tracking_uri: str, experiment: str, run_name: str) -> str:
-    """The job's run id: $MLFLOW_RUN_ID when set (attach), else a new run in `experiment`. The experiment is
-    tagged as model training when asyncrl creates it, or finds it untagged; a kind someone chose is kept."""
+def create_or_attach_run(tracking_uri: str, experiment: str, run_name: str, resume_run_id: str = "") -> str:
+    """The job's run id: $MLFLOW_RUN_ID when set (attach); else `resume_run_id`, the run a resumed learner's
+    checkpoint names, marked running again, when this tracking store has it; else a new run in `experiment`. The
+    experiment is tagged as model training when asyncrl creates it, or finds it untagged; a kind someone chose is
+    kept."""
+    from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
@@ -53,6 +56,15 @@ def create_or_attach_run(tracking_uri: str, experiment: str, run_name: str) -> s
     if existing:
         client.get_run(existing)  # fails clearly if the id is unknown to this tracking store
         return existing
+    if resume_run_id:
+        try:
+            if client.get_run(resume_run_id).info.lifecycle_stage == "active":
+                client.update_run(resume_run_id, status="RUNNING")
+                return resume_run_id
+            log.warning("MLflow run %s of the checkpoint was deleted: this life logs to a new run", resume_run_id)
+        except MlflowException as err:
+            log.warning("MLflow run %s of the checkpoint is not in %s (%s): this life logs to a new run",
+                        resume_run_id, tracking_uri, str(err).splitlines()[0])
     found = client.get_experiment_by_name(experiment)
     if found is None:
         experiment_id = client.create_experiment(experiment, tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND})

@@ -49,15 +49,17 @@ def batch_metrics(staleness: list, dropped: Mapping, dropped_total: Mapping) -> 
 
 class RunRecord:
     """Rank 0's record of the job. `job_name` names the MLflow run; `total_steps` sizes the progress line;
-    `decode` (token ids -> text) writes the samples tables, which are off without it."""
+    `decode` (token ids -> text) writes the samples tables, which are off without it; `resume_run_id`: the MLflow
+    run a resumed learner's checkpoint names, which it goes on logging into."""
 
-    def __init__(self, telemetry: TelemetryConfig, job_name: str, job_dir: str, total_steps: int, decode=None):
+    def __init__(self, telemetry: TelemetryConfig, job_name: str, job_dir: str, total_steps: int, decode=None,
+                 resume_run_id: str = ""):
         self.job_dir = job_dir
         self.decode = decode
         self.samples_every = telemetry.samples_every if decode is not None else 0
         self.samples_groups = telemetry.samples_groups
         self.tracking_uri = resolve_tracking_uri(telemetry.tracking_uri)
-        self.run_id = create_or_attach_run(self.tracking_uri, telemetry.experiment, job_name)
+        self.run_id = create_or_attach_run(self.tracking_uri, telemetry.experiment, job_name, resume_run_id)
         self.trackers = None
         self.metrics_log = MetricsLogger(self.tracking_uri, self.run_id, overview=True)
         self.system_metrics, self.plots, self.progress = None, None, None

@@ -150,6 +150,11 @@ def test_kill_9_then_resume_continues_the_loss_curve_bit_identically(tiny_model_
         results[name] = losses(job_dir)
         summary = json.load(open(job_dir / "summary.json"))
         results[name + "_start"] = summary["start_version"]
+        if name == "killed":  # the second life logged into the first life's MLflow run, which its checkpoint named
+            from asyncrl.learner.checkpoint import read_state
+
+            first_run = read_state(str(job_dir / "checkpoints" / "step-00000004")).mlflow_run_id
+            assert first_run and summary["mlflow_run_id"] == first_run
     reference, killed = results["reference"], results["killed"]
     assert sorted(reference) == list(range(1, steps + 1))
     assert results["killed_start"] == 4 and results["reference_start"] == 0  # the version carries on

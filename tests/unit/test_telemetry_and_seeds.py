@@ -42,6 +42,28 @@ def test_the_jobs_experiment_is_tagged_as_model_training_unless_it_has_a_kind(tm
     assert client.get_experiment(chosen).tags[EXPERIMENT_KIND_TAG] == "genai_development"
 
 
+def test_a_resumed_learner_logs_into_its_checkpoints_run_and_a_lost_run_gets_a_new_one(tmp_path, monkeypatch,
+                                                                                        caplog):
+    from mlflow.tracking import MlflowClient
+
+    from asyncrl.learner.state import LearnerState
+
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    first = create_or_attach_run(uri, "asyncrl", "job")
+    client.set_terminated(first, "FAILED")  # the first life died
+    state = LearnerState(version=5, mlflow_run_id=first)
+    again = create_or_attach_run(uri, "asyncrl", "job", LearnerState.from_json(state.to_json()).mlflow_run_id)
+    assert again == first and client.get_run(first).info.status == "RUNNING"
+    assert create_or_attach_run(uri, "asyncrl", "job") != first  # a fresh job: a run of its own
+    with caplog.at_level("WARNING"):
+        lost = create_or_attach_run(uri, "asyncrl", "job", "0123456789abcdef0123456789abcdef")
+    assert lost != first and "is not in" in caplog.text
+    client.delete_run(first)
+    assert create_or_attach_run(uri, "asyncrl", "job", first) != first
+
+
 def test_the_sampling_seed_follows_the_generator_id_not_the_process():
     assert sampling_seed(7, "gen-0") == sampling_seed(7, "gen-0")
     assert sampling_seed(7, "gen-0") != sampling_seed(7, "gen-1")
