@@ -147,11 +147,23 @@ class MetricsLogger:
         self._queue.put(TableReport(name, list(columns), [list(row) for row in rows], step))
 
     def log_params(self, params: dict) -> None:
-        from mlflow.entities import Param
+        """The params the run does not hold yet. A resumed learner logs into the run it left (its config may have
+        changed: more steps, another resume point), and MLflow refuses to change a param: a changed value becomes
+        the tag `resumed_with/<key>`, and the log says which."""
+        from mlflow.entities import Param, RunTag
 
-        items = [Param(k, str(v)[:6000]) for k, v in params.items()]
+        held = self.client.get_run(self.run_id).data.params
+        values = {key: str(value)[:6000] for key, value in params.items()}
+        items = [Param(key, value) for key, value in values.items() if key not in held]
+        changed = [RunTag(f"resumed_with/{key}", value) for key, value in values.items()
+                   if key in held and held[key] != value]
         for start in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[start : start + 100])
+        for start in range(0, len(changed), 100):
+            self.client.log_batch(self.run_id, tags=changed[start : start + 100])
+        if changed:
+            log.info("mlflow: the resumed job's config differs from the run's params in %s (tags resumed_with/...)",
+                     ", ".join(tag.key.split("/", 1)[1] for tag in changed))
 
     def log_text(self, text: str, artifact_file: str) -> None:
         self.client.log_text(self.run_id, text, artifact_file)

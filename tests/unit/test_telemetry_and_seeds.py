@@ -56,6 +56,16 @@ def test_a_resumed_learner_logs_into_its_checkpoints_run_and_a_lost_run_gets_a_n
     state = LearnerState(version=5, mlflow_run_id=first)
     again = create_or_attach_run(uri, "asyncrl", "job", LearnerState.from_json(state.to_json()).mlflow_run_id)
     assert again == first and client.get_run(first).info.status == "RUNNING"
+    from asyncrl.telemetry.mlflow_logger import MetricsLogger
+
+    for params in ({"learner.total_steps": 3, "job.name": "job"},
+                   {"learner.total_steps": 4, "job.name": "job", "new.key": 1}):
+        logger = MetricsLogger(uri, first)
+        logger.log_params(params)  # the second life's changed value raises nothing
+        logger.close()
+    run = client.get_run(first).data
+    assert run.params == {"learner.total_steps": "3", "job.name": "job", "new.key": "1"}
+    assert run.tags["resumed_with/learner.total_steps"] == "4"
     assert create_or_attach_run(uri, "asyncrl", "job") != first  # a fresh job: a run of its own
     with caplog.at_level("WARNING"):
         lost = create_or_attach_run(uri, "asyncrl", "job", "0123456789abcdef0123456789abcdef")
