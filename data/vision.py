@@ -115,7 +115,6 @@ class VisionProcessor:
         return expand_image_pads(ids, self.image_token_id, self.pad_counts(inputs))
 
 
-
 SUPPRESSED_LOGIT = -1e4
 """The logit both the engine and the learner give a vision-language model's placeholder tokens before the
 temperature: exp() of it is 0 in float32, so they are never sampled, and a prompt position whose target is one

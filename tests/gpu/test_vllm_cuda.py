@@ -2,14 +2,13 @@
 the GPU's memory), samples whose logprobs are the learner's, and a version loaded through the generator's staging
 and vLLM's weight-transfer API (`asyncrl_shm`), after which the logprobs are the new weights' and every token is
 tagged with the new version. Needs CUDA and the `gpu` extra's vLLM; scripts/test_gpu runs it."""
-import asyncio
 
 import numpy as np
 import pytest
 import torch
 
 from asyncrl.buffer.group import Sampling
-from tests.gpu.helpers import BF16_TOLERANCE, PROMPT, learner_logprobs, perturbed_version
+from tests.gpu.helpers import BF16_TOLERANCE, PROMPT, cuda_vllm, learner_logprobs, perturbed_version
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -22,19 +21,9 @@ def worst_gap(model, completions) -> float:
 
 def test_vllm_on_cuda_samples_the_learners_distribution_and_takes_a_staged_version(demo_assets, tmp_path):
     pytest.importorskip("vllm")
-    from asyncrl.generator.engines.base import EngineOptions, VllmOptions
-    from asyncrl.generator.engines.vllm_engine import VllmEngine
     from asyncrl.learner.model import load_model
-    from asyncrl.weightsync.publisher import WeightPublisher
-    from asyncrl.weightsync.receiver import WeightStage
 
-    engine = VllmEngine(EngineOptions(demo_assets[0], dtype="bfloat16", max_model_len=64, kv_cache_gib=0.25, seed=0,
-                                      vllm=VllmOptions(gpu_memory_utilization=0.2)))
-    loop = asyncio.new_event_loop()
-    run = loop.run_until_complete
-    run(engine.start())
-    publisher, stage = WeightPublisher(str(tmp_path / "ring"), 2, 1 << 24), WeightStage(str(tmp_path), "cuda")
-    try:
+    with cuda_vllm(demo_assets[0], 64, tmp_path) as (engine, run, publisher, stage):
         sampling = Sampling(temperature=0.7, max_tokens=8)
         model = load_model(demo_assets[0]).to("cuda", torch.bfloat16).eval()
         assert worst_gap(model, run(engine.sample(PROMPT, sampling, n=4))) < BF16_TOLERANCE
@@ -44,8 +33,3 @@ def test_vllm_on_cuda_samples_the_learners_distribution_and_takes_a_staged_versi
         after = run(engine.sample(PROMPT, sampling, n=4))
         assert all(set(c.versions) == {3} for c in after)
         assert worst_gap(model, after) < BF16_TOLERANCE  # the new weights' distribution, prefix cache included
-    finally:
-        run(engine.close())
-        loop.close()
-        stage.close()
-        publisher.close()

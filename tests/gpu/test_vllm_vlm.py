@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asyncrl.buffer.group import Group, Sample, Sampling
-from tests.gpu.helpers import BF16_TOLERANCE, perturbed_version
+from tests.gpu.helpers import BF16_TOLERANCE, cuda_vllm, perturbed_version
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 SAMPLING = Sampling(temperature=1.0, max_tokens=4)
@@ -40,21 +40,11 @@ def test_vllm_on_cuda_samples_image_prompts_as_the_learner_computes_them(vlm_ass
     from asyncrl.configs import load_config
     from asyncrl.data.prompts import load_train_prompts
     from asyncrl.data.vision import placeholder_tokens, vision_processor
-    from asyncrl.generator.engines.base import EngineOptions, VllmOptions
-    from asyncrl.generator.engines.vllm_engine import VllmEngine
     from asyncrl.learner.model import load_model
-    from asyncrl.weightsync.publisher import WeightPublisher
-    from asyncrl.weightsync.receiver import WeightStage
 
     model_dir, files = vlm_assets
     rows = load_train_prompts(load_config(None, []).data, files, model_dir, seed=0).rows[:4]
-    engine = VllmEngine(EngineOptions(model_dir, dtype="bfloat16", max_model_len=128, kv_cache_gib=0.25, seed=0,
-                                      vllm=VllmOptions(gpu_memory_utilization=0.2)))
-    loop = asyncio.new_event_loop()
-    run = loop.run_until_complete
-    run(engine.start())
-    publisher, stage = WeightPublisher(str(tmp_path / "ring"), 2, 1 << 24), WeightStage(str(tmp_path), "cuda")
-    try:
+    with cuda_vllm(model_dir, 128, tmp_path) as (engine, run, publisher, stage):
         model = load_model(model_dir).to("cuda", torch.bfloat16).eval()
         vision = vision_processor(model_dir)
 
@@ -72,8 +62,3 @@ def test_vllm_on_cuda_samples_image_prompts_as_the_learner_computes_them(vlm_ass
         after = sample()
         assert all(set(c.versions) == {3} for sampled in after for c in sampled)
         assert worst_gap(model, vision, rows, after) < BF16_TOLERANCE
-    finally:
-        run(engine.close())
-        loop.close()
-        stage.close()
-        publisher.close()
