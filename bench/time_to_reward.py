@@ -32,8 +32,8 @@ Per run, from its own progress.jsonl (one line per step):
 - the judge (bench/judge.py) on the final model (asyncrl's checkpoint after its last step, TRL's `<job dir>/final`):
   held-out greedy mean reward and exact rate, and at T = 1 the mean reward and pass@k (`--judge-n` samples).
 Per task one table (median [min, max] over seeds), then a summary table (per task: time to target of the default
-over TRL's and over η = 0's, held-out greedy of each; the median of each ratio over the tasks), then one JSON line
-with every run. Usage:
+over TRL's and over η = 0's, that last ratio split into the wall time of a step and the steps to the target, and
+held-out greedy of each; the median of each over the tasks), then one JSON line with every run. Usage:
     python -m asyncrl.bench.time_to_reward [--tasks sort ...] [--root DIR] [--seeds 0 1 2]
         [--configs default eta0 trl] [--etas 2 ...] [--variant NAME=key=value,key=value ...] [--steps N]
         [--target R] [--judge-n 8] [--judge-prompts N] [--keep DIR] [overrides...]
@@ -65,13 +65,27 @@ def rolling_means(values: list, window: int) -> list:
     return out
 
 
-def time_to_target(elapsed: list, rewards: list, target: float, window: int) -> float | None:
-    """Seconds from the first step until the rolling mean first reaches `target`, counting only positions with a
-    full window (a lucky first step is not "reached")."""
+def target_index(rewards: list, target: float, window: int) -> int | None:
+    """The first step whose rolling mean reaches `target`, counting only positions with a full window (a lucky
+    first step is not "reached"); None if none does."""
     for index, mean in enumerate(rolling_means(rewards, window)):
         if index + 1 >= window and mean >= target:
-            return elapsed[index] - elapsed[0]
+            return index
     return None
+
+
+def time_to_target(elapsed: list, rewards: list, target: float, window: int) -> float | None:
+    """Seconds from the first step until the rolling mean first reaches `target` (target_index)."""
+    index = target_index(rewards, target, window)
+    return None if index is None else elapsed[index] - elapsed[0]
+
+
+def steps_to_target(rewards: list, target: float, window: int) -> int | None:
+    """How many steps the run trained until the rolling mean first reached `target`: time to target is these steps
+    times the wall time of a step, so a ratio of two runs' times splits into how much each step cost and how much
+    each step learned (an asynchronous run's steps are cheaper and may learn less: they train staler samples)."""
+    index = target_index(rewards, target, window)
+    return None if index is None else index + 1
 
 
 def reward_at_budget(elapsed: list, rewards: list, budget_s: float, window: int) -> float | None:
@@ -177,7 +191,8 @@ def median_or_none(values: list):
     return None if not picks or None in picks else sum(picks) / len(picks)
 
 
-COLUMNS = (("time_to_target_s", "time to target s"), ("reward_at_budget", "reward at budget"),
+COLUMNS = (("time_to_target_s", "time to target s"), ("steps_to_target", "steps to target"),
+           ("step_wall_s", "s per step"), ("reward_at_budget", "reward at budget"),
            ("reward_final", "final reward"), ("heldout_greedy_reward", "held-out greedy"),
            ("heldout_greedy_pass", "held-out greedy exact"), ("heldout_t1_reward", "T=1 reward"),
            ("heldout_pass_at_1", "pass@1"), ("heldout_pass_at_k", "pass@k"), ("heldout_t1_tool_use", "T=1 tool use"),
@@ -213,6 +228,8 @@ def ratio(numerator, denominator) -> float | None:
 
 SUMMARY_LABELS = {"task": "task", "ttt_default_over_trl": "time to target, default / TRL",
                   "ttt_default_over_eta0": "time to target, default / η = 0",
+                  "wall_default_over_eta0": "s per step, default / η = 0",
+                  "steps_default_over_eta0": "steps to target, default / η = 0",
                   "heldout_default": "held-out greedy, default", "heldout_trl": "held-out greedy, TRL",
                   "heldout_eta0": "held-out greedy, η = 0"}
 
@@ -227,6 +244,8 @@ def summary_rows(medians: dict) -> list:
         rows.append({"task": task,
                      "ttt_default_over_trl": ratio(default.get("time_to_target_s"), trl.get("time_to_target_s")),
                      "ttt_default_over_eta0": ratio(default.get("time_to_target_s"), eta0.get("time_to_target_s")),
+                     "wall_default_over_eta0": ratio(default.get("step_wall_s"), eta0.get("step_wall_s")),
+                     "steps_default_over_eta0": ratio(default.get("steps_to_target"), eta0.get("steps_to_target")),
                      "heldout_default": default.get("heldout_greedy_reward"),
                      "heldout_trl": trl.get("heldout_greedy_reward"),
                      "heldout_eta0": eta0.get("heldout_greedy_reward")})
@@ -334,7 +353,10 @@ def one_run(setup: dict, label: str, extra, seed: int, job_dir: str, args) -> tu
         scores = judge(final, task, args.judge_n, tuple(args.judge_ks), tuple(args.overrides), args.judge_prompts)
         write_json(os.path.join(job_dir, JUDGED), {"settings": judge_settings, "scores": scores})
     ks = tuple(k for k in args.judge_ks if k <= args.judge_n)
-    return {"seed": seed, **trained["run"], **heldout_columns(scores, ks)}, tuple(trained["curve"])
+    # derived from the kept curve, so runs kept before this column existed have it too
+    reached = steps_to_target(trained["curve"][1], setup["target"], args.window)
+    return ({"seed": seed, **trained["run"], "steps_to_target": reached, **heldout_columns(scores, ks)},
+            tuple(trained["curve"]))
 
 
 def slug(label: str) -> str:

@@ -8,7 +8,7 @@ import pytest
 from asyncrl.bench.judge import JUDGE_ENGINE, eval_command, parse_eval_output, scores_from
 from asyncrl.bench.suite.task import SuiteTask
 from asyncrl.bench.time_to_reward import (DEFAULT, ETA0, TRL, fill_budget, heldout_columns, plan_runs, ratio,
-                                          summary_rows, sync_threads)
+                                          steps_to_target, summary_rows, sync_threads, time_to_target)
 from asyncrl.bench.trl_grpo import unsupported_reason
 from asyncrl.configs import load_config
 
@@ -69,6 +69,21 @@ def test_ratio_and_the_summary_over_tasks():
     assert overall["ttt_default_over_trl"] == 0.5  # of 0.5, 0.8 and 0.25
     assert overall["ttt_default_over_eta0"] == 0.3  # the one task that has it
     assert overall["heldout_default"] == pytest.approx(0.65)
+
+
+def test_time_and_steps_to_target_count_only_full_windows():
+    elapsed, rewards = [5.0, 6.0, 8.0, 11.0, 15.0], [0.9, 0.1, 0.5, 0.7, 0.9]
+    assert steps_to_target(rewards, 0.55, 2) == 4 and time_to_target(elapsed, rewards, 0.55, 2) == 6.0
+    assert steps_to_target(rewards, 0.9, 1) == 1  # a full window of one
+    assert steps_to_target(rewards, 0.95, 2) is None and time_to_target(elapsed, rewards, 0.95, 2) is None
+
+
+def test_the_summary_splits_the_time_ratio_into_cost_per_step_and_steps():
+    medians = {"a": {DEFAULT: {"time_to_target_s": 60.0, "step_wall_s": 0.5, "steps_to_target": 120},
+                     ETA0: {"time_to_target_s": 100.0, "step_wall_s": 1.0, "steps_to_target": 100}}}
+    row, overall = summary_rows(medians)
+    assert row["wall_default_over_eta0"] == 0.5 and row["steps_default_over_eta0"] == 1.2
+    assert overall["steps_default_over_eta0"] == 1.2
 
 
 def test_eta0_gets_both_sides_threads_and_the_plan_keeps_its_order():
@@ -133,7 +148,7 @@ def test_a_suite_cut_short_goes_on_where_it_stopped(tmp_path, monkeypatch):
 
     first, curve = ttr.one_run(setup, DEFAULT, [], 0, job_dir, args)
     assert calls == {"train": 1, "judge": 1} and first["heldout_t1_reward"] == 0.4
-    assert first["time_to_target_s"] == 2.0 and curve == ([10.0, 11.0, 12.0], [0.0, 0.2, 0.4])
+    assert first["time_to_target_s"] == 2.0 and first["steps_to_target"] == 3 and curve == ([10.0, 11.0, 12.0], [0.0, 0.2, 0.4])
     second, _ = ttr.one_run(setup, DEFAULT, [], 0, job_dir, args)  # both read back
     assert calls == {"train": 1, "judge": 1} and second == first
     args.judge_n = 2
