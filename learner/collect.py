@@ -30,6 +30,8 @@ class Collected:
     staleness: list = field(default_factory=list)
     dropped: Counter = field(default_factory=Counter)
     """reason -> groups dropped while assembling this batch (stale, zero_variance, no_baseline, empty)."""
+    refused: Counter = field(default_factory=Counter)
+    """generator -> its groups refused while assembling this batch (quarantined: learner/trust.py); not drops."""
     wait_s: float = 0.0
     final: bool = False
     """The data ran out (data.epochs, buffer/dealing.py): these groups, however few, are the job's last."""
@@ -74,7 +76,19 @@ def waiting_message(buffer, out: Collected, groups_per_step: int, version: int, 
     if filtered:
         message += (f"; they dropped {filtered} groups whose samples all scored alike before sending "
                     f"(algo.dynamic_sampling: a policy that scores every sample the same fills no batch)")
+    if out.refused:
+        message += (f"; refused the groups of quarantined generators {dict(out.refused)} (learner/trust.py). "
+                    f"{QUARANTINE_HINT}")
     return message
+
+
+QUARANTINE_HINT = ("If those generators are honest engines of this model, the policy itself moved between the version "
+                   "they sampled and the one trained by more than learner.quarantine_abs_diff nats a token, which the "
+                   "quarantine cannot tell from made-up logprobs: a learning rate too high for buffer.max_staleness "
+                   "(lower learner.lr or the staleness, or raise learner.quarantine_abs_diff)")
+"""What a wait that only quarantined generators could fill says, and the log line of a quarantine that leaves no
+generator the learner trusts: with one honest generator whose policy diverges (seen at lr 1e-3 on the vision demo)
+the learner otherwise waited out learner.wait_for_batch_timeout_s with nothing in the log but the quarantine."""
 
 
 def collect_batch(buffer, groups_per_step: int, max_staleness: int, trained_version: int, timeout_s: float,
@@ -114,6 +128,7 @@ def collect_batch(buffer, groups_per_step: int, max_staleness: int, trained_vers
         refused = refuse(group) if refuse is not None else None
         if refused is not None:
             buffer.quarantine([group], "quarantined", refused)
+            out.refused[group.generator_id] += 1
             continue
         oldest = group.min_version()
         if oldest < 0:  # no completion tokens at all: nothing to learn from

@@ -25,6 +25,8 @@ import logging
 import math
 from collections import deque
 
+from asyncrl.learner.collect import QUARANTINE_HINT
+
 log = logging.getLogger(__name__)
 
 
@@ -58,6 +60,9 @@ class GeneratorTrust:
                           "temperature): its further groups are refused (buffer/rejected/quarantined)",
                           self.quarantined[gen])
                 newly.append(gen)
+        if newly and all(gen in self.quarantined for gen in self._recent):
+            log.error("learner: every generator whose groups were trained is quarantined (%s): no batch can fill until "
+                      "another one connects. %s", ", ".join(sorted(self._recent)), QUARANTINE_HINT)
         return newly
 
     def mean(self, gen: str) -> float | None:

@@ -19,12 +19,14 @@ def make_group(rewards, version=0, baseline=None, length=3):
 
 
 class QueueServer:
-    """The three methods of a LearnerBuffer that collect_batch uses, over a plain queue; counts give-backs."""
+    """The methods of a LearnerBuffer that collect_batch uses, over a plain queue; counts give-backs and
+    quarantines."""
 
     def __init__(self, groups):
         self.groups = queue.Queue()
         self.given_back = []
         self.reasons = []
+        self.quarantined = []
         for group in groups:
             self.groups.put(group)
 
@@ -43,3 +45,6 @@ class QueueServer:
     def give_back(self, group, reason="stale"):
         self.given_back.append(group.group_id)
         self.reasons.append(reason)
+
+    def quarantine(self, groups, reason, why=None):
+        self.quarantined += [(group.group_id, reason) for group in groups]

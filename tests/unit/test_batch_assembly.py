@@ -60,6 +60,15 @@ def test_a_starved_learner_says_why_while_it_waits_and_when_it_gives_up(caplog):
     assert len(reports) >= 2 and "algo.dynamic_sampling" in reports[0]
 
 
+def test_a_wait_only_quarantined_generators_could_fill_says_so_and_names_the_policys_own_drift():
+    """One honest generator, quarantined because the policy diverged (lr 1e-3 on the vision demo): the learner
+    waited out its timeout saying only how few groups it had."""
+    server = QueueServer([make_group([1, 0, 1]) for _ in range(3)])
+    with pytest.raises(BatchTimeout, match=r"refused the groups of quarantined generators \{'gen': 3\}.*learner.lr"):
+        collect_batch(server, 2, 1, 0, timeout_s=0.5, refuse=lambda group: "quarantined: made-up logprobs")
+    assert [reason for _, reason in server.quarantined] == ["quarantined"] * 3 and not server.given_back
+
+
 def test_outcome_reward_sits_on_the_last_trained_token():
     group = make_group([0.25, -1.0], length=4)
     group.samples[1].loss_mask = np.array([1, 1, 0, 0], dtype=np.uint8)  # e.g. tool output at the end

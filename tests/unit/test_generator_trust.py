@@ -35,6 +35,20 @@ def test_a_generator_is_quarantined_once_its_window_is_full_and_past_the_thresho
         "honest": 0.1, "liar": 4.0}
 
 
+def test_a_quarantine_that_leaves_no_trusted_generator_says_the_policy_may_have_moved(caplog):
+    """Every generator past the threshold at once is what a diverging policy looks like (honest engines, a learning
+    rate too high for the staleness): the log says that beside the quarantine, which stands (a liar that connected
+    first looks the same, and tests/integration/test_generator_trust.py's honest generator connects after it)."""
+    with caplog.at_level("ERROR", logger="asyncrl.learner.trust"):
+        two = GeneratorTrust(threshold_nats=1.0, window_groups=1)
+        assert two.note(groups_of("liar", "honest"), [(40.0, 10), (0.2, 10)], step=1) == ["liar"]
+        assert "every generator" not in caplog.text
+        alone = GeneratorTrust(threshold_nats=1.0, window_groups=1)
+        assert alone.note(groups_of("engine"), [(40.0, 10)], step=1) == ["engine"]
+    assert "every generator whose groups were trained is quarantined (engine)" in caplog.text
+    assert "learner.lr" in caplog.text and alone.refusal(groups_of("engine")[0]) is not None
+
+
 def test_bf16_rounding_of_every_logprob_never_trips_the_default():
     """An engine in bf16 against an fp32 learner: each logprob off by up to bf16's rounding (3 significant digits),
     far inside the default 1.0 nat."""
