@@ -4,7 +4,7 @@ the `bench` extra, never a runtime dependency of asyncrl).
 Same warm-started model, tokenizer, prompts (the rows `asyncrl run` trains on: data.train_files or reasoning-gym's,
 less data.val_fraction's held-out split) and reward function (reward.path / reward.function) as `asyncrl run`; the
 same batch (groups_per_step prompts × rollout.n samples, at most rollout.max_tokens new tokens, the recipe's
-temperature), lr with a linear warmup then constant, AdamW, grad clip, PPO clip ε = 0.2 / 0.28 with one update per
+temperature), lr with a linear warmup then the recipe's schedule (`trl_lr_schedule`), AdamW, grad clip, PPO clip ε = 0.2 / 0.28 with one update per
 batch, token-mean loss (`loss_type="dapo"`), no KL (`beta=0`), generation with HF `generate`. Not dynamic sampling:
 GRPOTrainer has no zero-variance filter, so its batches keep the groups that teach nothing (its reward is over
 everything it sampled, like asyncrl's `reward/sampled_mean`). Each step is appended to `<job dir>/progress.jsonl` in
@@ -81,6 +81,21 @@ def unsupported_reason(cfg) -> str | None:
     return None
 
 
+def trl_lr_schedule(learner) -> dict:
+    """The recipe's learner.lr_schedule as transformers' scheduler (GRPOConfig's lr_scheduler_type and kwargs):
+    both decay from the end of the warmup to 0, or to min_lr_ratio of the peak, at the run's last step
+    (learner.total_steps is the run's steps on both sides). transformers has no linear decay to a floor: that one is
+    refused, not approximated."""
+    if learner.lr_schedule == "constant":
+        return {"lr_scheduler_type": "constant_with_warmup"}
+    if learner.min_lr_ratio == 0:
+        return {"lr_scheduler_type": learner.lr_schedule}
+    if learner.lr_schedule == "cosine":
+        return {"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": learner.min_lr_ratio}}
+    raise SystemExit(f"bench.trl_grpo: transformers has no linear decay to a floor (learner.lr_schedule=linear, "
+                     f"learner.min_lr_ratio={learner.min_lr_ratio}): not identical settings, not run")
+
+
 def training_rows(cfg, files: list) -> list:
     """The rows `asyncrl run` trains on: the files (or reasoning-gym's rows), less data.val_fraction's split."""
     from asyncrl.data.prompts import split_job_rows
@@ -115,7 +130,7 @@ def run_trl(job_dir: str, recipe: str, seed: int, steps: int, overrides: list, t
         output_dir=os.path.join(job_dir, "trl"), max_steps=steps, seed=seed, use_cpu=True, report_to="none",
         per_device_train_batch_size=batch, num_generations=cfg.rollout.n, gradient_accumulation_steps=1,
         max_completion_length=cfg.rollout.max_tokens, temperature=cfg.rollout.temperature, top_k=0, top_p=1.0,
-        learning_rate=cfg.learner.lr, warmup_steps=cfg.learner.warmup_steps, lr_scheduler_type="constant_with_warmup",
+        learning_rate=cfg.learner.lr, warmup_steps=cfg.learner.warmup_steps, **trl_lr_schedule(cfg.learner),
         weight_decay=cfg.learner.weight_decay, adam_beta1=cfg.learner.adam_beta1, adam_beta2=cfg.learner.adam_beta2,
         max_grad_norm=cfg.learner.grad_clip, epsilon=0.2, epsilon_high=0.28, loss_type="dapo", beta=0.0,
         num_iterations=1, logging_steps=1, save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,

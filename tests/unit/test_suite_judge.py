@@ -9,7 +9,7 @@ from asyncrl.bench.judge import JUDGE_ENGINE, eval_command, parse_eval_output, s
 from asyncrl.bench.suite.task import SuiteTask
 from asyncrl.bench.time_to_reward import (DEFAULT, ETA0, TRL, fill_budget, heldout_columns, plan_runs, ratio,
                                           steps_to_target, summary_rows, sync_threads, time_to_target)
-from asyncrl.bench.trl_grpo import unsupported_reason
+from asyncrl.bench.trl_grpo import trl_lr_schedule, unsupported_reason
 from asyncrl.configs import load_config
 
 TASK = SuiteTask(name="t", recipe="demo_cpu.yaml", overrides=("rollout.max_tokens=12",), test_files=("t.parquet",),
@@ -50,6 +50,18 @@ def test_the_judges_engine_comes_after_every_override_and_the_files_last():
 def test_multi_turn_tasks_are_not_run_on_trl():
     assert "calculator" in unsupported_reason(load_config("tools_cpu.yaml", []))
     assert unsupported_reason(load_config("demo_cpu.yaml", [])) is None
+
+
+def test_trl_gets_the_recipes_lr_schedule_and_a_schedule_it_has_no_match_for_is_refused():
+    from asyncrl.learner.config import LearnerConfig
+
+    assert trl_lr_schedule(LearnerConfig()) == {"lr_scheduler_type": "constant_with_warmup"}
+    assert trl_lr_schedule(LearnerConfig(lr_schedule="cosine")) == {"lr_scheduler_type": "cosine"}
+    assert trl_lr_schedule(LearnerConfig(lr_schedule="cosine", min_lr_ratio=0.1)) == {
+        "lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": 0.1}}
+    assert trl_lr_schedule(LearnerConfig(lr_schedule="linear")) == {"lr_scheduler_type": "linear"}
+    with pytest.raises(SystemExit, match="no linear decay to a floor"):
+        trl_lr_schedule(LearnerConfig(lr_schedule="linear", min_lr_ratio=0.1))
 
 
 def test_ratio_and_the_summary_over_tasks():
