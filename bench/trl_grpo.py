@@ -4,8 +4,8 @@ the `bench` extra, never a runtime dependency of asyncrl).
 Same warm-started model, tokenizer, prompts (the rows `asyncrl run` trains on: data.train_files or reasoning-gym's,
 less data.val_fraction's held-out split) and reward function (reward.path / reward.function) as `asyncrl run`; the
 same batch (groups_per_step prompts × rollout.n samples, at most rollout.max_tokens new tokens, the recipe's
-temperature), lr with a linear warmup then the recipe's schedule (`trl_lr_schedule`), AdamW, grad clip, PPO clip ε = 0.2 / 0.28 with one update per
-batch, token-mean loss (`loss_type="dapo"`), no KL (`beta=0`), generation with HF `generate`. Not dynamic sampling:
+temperature), lr with a linear warmup then the recipe's schedule (`trl_lr_schedule`), AdamW, grad clip, PPO clip
+ε = 0.2 / 0.28 with one update per batch, token-mean loss (`loss_type="dapo"`), no KL (`beta=0`), generation with HF `generate`. Not dynamic sampling:
 GRPOTrainer has no zero-variance filter, so its batches keep the groups that teach nothing (its reward is over
 everything it sampled, like asyncrl's `reward/sampled_mean`). Each step is appended to `<job dir>/progress.jsonl` in
 asyncrl's format (step, elapsed_s, reward/sampled_mean and reward/mean, the same number: every group is trained), so
@@ -91,7 +91,8 @@ def trl_lr_schedule(learner) -> dict:
     if learner.min_lr_ratio == 0:
         return {"lr_scheduler_type": learner.lr_schedule}
     if learner.lr_schedule == "cosine":
-        return {"lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": learner.min_lr_ratio}}
+        return {"lr_scheduler_type": "cosine_with_min_lr",
+                "lr_scheduler_kwargs": {"min_lr_rate": learner.min_lr_ratio}}
     raise SystemExit(f"bench.trl_grpo: transformers has no linear decay to a floor (learner.lr_schedule=linear, "
                      f"learner.min_lr_ratio={learner.min_lr_ratio}): not identical settings, not run")
 

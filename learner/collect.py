@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from asyncrl.buffer.staleness import group_staleness, is_too_stale
+from asyncrl.learner.trust import QUARANTINE_HINT
 
 log = logging.getLogger(__name__)
 
@@ -80,15 +81,6 @@ def waiting_message(buffer, out: Collected, groups_per_step: int, version: int, 
         message += (f"; refused the groups of quarantined generators {dict(out.refused)} (learner/trust.py). "
                     f"{QUARANTINE_HINT}")
     return message
-
-
-QUARANTINE_HINT = ("If those generators are honest engines of this model, the policy itself moved between the version "
-                   "they sampled and the one trained by more than learner.quarantine_abs_diff nats a token, which the "
-                   "quarantine cannot tell from made-up logprobs: a learning rate too high for buffer.max_staleness "
-                   "(lower learner.lr or the staleness, or raise learner.quarantine_abs_diff)")
-"""What a wait that only quarantined generators could fill says, and the log line of a quarantine that leaves no
-generator the learner trusts: with one honest generator whose policy diverges (seen at lr 1e-3 on the vision demo)
-the learner otherwise waited out learner.wait_for_batch_timeout_s with nothing in the log but the quarantine."""
 
 
 def collect_batch(buffer, groups_per_step: int, max_staleness: int, trained_version: int, timeout_s: float,

@@ -25,9 +25,15 @@ import logging
 import math
 from collections import deque
 
-from asyncrl.learner.collect import QUARANTINE_HINT
-
 log = logging.getLogger(__name__)
+
+QUARANTINE_HINT = ("If those generators are honest engines of this model, the policy itself moved between the version "
+                   "they sampled and the one trained by more than learner.quarantine_abs_diff nats a token, which the "
+                   "quarantine cannot tell from made-up logprobs: a learning rate too high for buffer.max_staleness "
+                   "(lower learner.lr or the staleness, or raise learner.quarantine_abs_diff)")
+"""What a wait that only quarantined generators could fill says, and the log line of a quarantine that leaves no
+generator the learner trusts: with one honest generator whose policy diverges (seen at lr 1e-3 on the vision demo)
+the learner otherwise waited out learner.wait_for_batch_timeout_s with nothing in the log but the quarantine."""
 
 
 class GeneratorTrust:
