@@ -135,8 +135,13 @@ def quarantined_the_liar_only(tmp_path, caplog, summary: dict, liar_sent: list, 
     assert summary["steps"] == STEPS and summary["rejected"] == {"quarantined": 2}
     trained = {gid for line in open(tmp_path / "trained_groups.jsonl") for gid in json.loads(line)["groups"]}
     assert trained == set(liar_sent[:WINDOW]) | set(honest_sent[:(STEPS - 2) * B])
-    quarantines = [r.getMessage() for r in caplog.records if r.name == "asyncrl.learner.trust"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "asyncrl.learner.trust"]
+    quarantines = [line for line in lines if "is quarantined:" in line]
     assert len(quarantines) == 1 and "'liar' is quarantined" in quarantines[0] and "at step 2" in quarantines[0]
+    # the honest generator had no trained group yet: the log says no trusted generator is left, and why that may be
+    assert [line for line in lines if line not in quarantines] == [
+        line for line in lines if "every generator whose groups were trained is quarantined (liar)" in line]
+    assert len(lines) == 2
     # the mismatch warning of the liar's first step names it, and calls that step 1 (the first the progress log has)
     first = next(r.getMessage() for r in caplog.records if "token_mult_prob_error" in r.getMessage())
     assert first.startswith("step 1:") and "liar 4." in first, first
