@@ -87,6 +87,11 @@ def shard_model(model, learner, parallel: ParallelState):
 def build_optimizer(model, learner_cfg):
     """AdamW over the parameters that train (with LoRA, the adapters alone) with a linear warmup over
     learner.warmup_steps, then learner.lr_schedule (learner/lr_schedule.py)."""
+    if learner_cfg.lr_schedule != "constant" and learner_cfg.warmup_steps >= learner_cfg.total_steps:
+        log.warning("learner: learner.total_steps=%d ends within learner.warmup_steps=%d: the rate rises to %.3g of "
+                    "learner.lr and the %s decay never starts", learner_cfg.total_steps, learner_cfg.warmup_steps,
+                    lr_multiplier(learner_cfg.total_steps - 1, warmup_steps=learner_cfg.warmup_steps,
+                                  total_steps=learner_cfg.total_steps), learner_cfg.lr_schedule)
     params = trainable_parameters(model)
     optimizer = torch.optim.AdamW(params, lr=learner_cfg.lr, betas=(learner_cfg.adam_beta1, learner_cfg.adam_beta2),
                                   weight_decay=learner_cfg.weight_decay, fused=fused_adamw(params) or None)

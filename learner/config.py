@@ -53,7 +53,8 @@ class LearnerConfig:
     """Linear learning-rate warmup, in optimizer steps."""
     lr_schedule: str = "constant"
     """After warmup: `constant`, `linear` or `cosine` decay to min_lr_ratio · lr at total_steps
-    (learner/lr_schedule.py)."""
+    (learner/lr_schedule.py). A job no longer than its warmup never decays (a smoke run of a few steps is allowed,
+    and the learner logs that it stays in warmup)."""
     min_lr_ratio: float = 0.0
     """Where linear or cosine decay ends, as a fraction of lr."""
     weight_decay: float = 0.0
@@ -157,9 +158,6 @@ class LearnerConfig:
         if self.min_lr_ratio and self.lr_schedule == "constant":
             raise ValueError("learner.min_lr_ratio is where a decay ends, and learner.lr_schedule=constant does not "
                              "decay; set learner.lr_schedule=linear or cosine, or leave min_lr_ratio at 0")
-        if self.lr_schedule != "constant" and self.warmup_steps >= self.total_steps:
-            raise ValueError(f"learner.lr_schedule={self.lr_schedule} decays after warmup, but learner.warmup_steps="
-                             f"{self.warmup_steps} leaves no step of learner.total_steps={self.total_steps} to decay")
         if self.max_tokens_per_microbatch < 16:
             raise ValueError(f"learner.max_tokens_per_microbatch must be >= 16, got {self.max_tokens_per_microbatch}")
         if self.logprob_chunk_tokens < 1:
