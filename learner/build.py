@@ -17,6 +17,7 @@ from asyncrl.learner.lora import apply_lora, trainable_parameters
 from asyncrl.learner.lr_schedule import lr_multiplier
 from asyncrl.learner.model import load_model
 from asyncrl.learner.parallel import ParallelState, apply_fsdp
+from asyncrl.learner.precision import use_fp32_attention, wants_fp32_attention
 from asyncrl.learner.state import LearnerState
 from asyncrl.learner.ulysses import apply_ulysses
 
@@ -75,8 +76,11 @@ def vision_processor(model, model_path: str, data_cfg):
 
 def shard_model(model, learner, parallel: ParallelState):
     """A loaded model (the policy, its reference, the critic) on this rank's device, through Ulysses when
-    sp_size > 1, then FSDP2-sharded with the learner section's precision, offload and checkpointing settings."""
+    sp_size > 1, then FSDP2-sharded with the learner section's precision, offload and checkpointing settings. On
+    CPU, low-precision compute (learner.autocast, or bf16 parameters) gets fp32 attention (learner/precision.py)."""
     model.to(parallel.device)
+    if wants_fp32_attention(parallel.device, learner.param_dtype or learner.dtype, learner.autocast):
+        use_fp32_attention(model)
     if parallel.sp_size > 1:
         apply_ulysses(model, parallel.sp_group, parallel.sp_size, learner.sp_impl)
     return apply_fsdp(model, parallel, param_dtype=learner.param_dtype or learner.dtype,

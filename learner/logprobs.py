@@ -301,8 +301,8 @@ def unpack(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 class Fp32Head:
-    """The LM head's matmul in fp32 (at least): bf16 hidden states and weights are upcast before it, so the
-    logits carry no bf16 rounding. The weight is read while the root's forward has it unsharded (FSDP2), as the
+    """The LM head's matmul in fp32 (at least), under learner.autocast too: bf16 hidden states and weights are upcast
+    before it, so the logits carry no bf16 rounding. The weight is read while the root's forward has it unsharded (FSDP2), as the
     plain head call does."""
 
     def __init__(self, head):
@@ -311,8 +311,9 @@ class Fp32Head:
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         bias = self.head.bias
-        return torch.nn.functional.linear(hidden.to(dtype), self.head.weight.to(dtype),
-                                          None if bias is None else bias.to(dtype))
+        with torch.autocast(hidden.device.type, enabled=False):  # learner.autocast would take it back to bf16
+            return torch.nn.functional.linear(hidden.to(dtype), self.head.weight.to(dtype),
+                                              None if bias is None else bias.to(dtype))
 
 
 class SoftcappedHead:

@@ -70,7 +70,8 @@ def loop_settings(cfg, parallel: ParallelState, routing=None, vision=None) -> Lo
                         max_tokens_per_microbatch=learner.max_tokens_per_microbatch,
                         chunk_tokens=learner.logprob_chunk_tokens, grad_clip=learner.grad_clip,
                         seed=part_seed(learner.seed, cfg.job.seed),
-                        packing=learner.packing, fp32_head=cfg.model.lm_head_fp32, parallel=parallel,
+                        packing=learner.packing, fp32_head=cfg.model.lm_head_fp32, autocast=learner.autocast,
+                        parallel=parallel,
                         routing=routing, liger=learner.liger, vision=vision)
     gather = GatherSettings(learner.lora, cfg.weightsync.dtype, int(learner.gather_bucket_mb * 2**20))
     return LoopSettings(cfg.algo, step, cfg.buffer.groups_per_step, cfg.buffer.max_staleness,

@@ -9,6 +9,8 @@ sliding windows and soft-capping behave alike on both paths, and neither module 
 import torch
 import torch.nn.functional as F
 
+from asyncrl.learner.precision import LOW_PRECISION, in_fp32
+
 
 def varlen_kernel(device: torch.device):
     """flash-attn's `flash_attn_varlen_func` on CUDA when it is installed, else None (sdpa with a mask)."""
@@ -38,7 +40,7 @@ def inner_attention(q, k, v, segment_ids, scale, dropout: float, kernel=None, wi
     signature) the rows/segments become cu_seqlens and no [S, S] mask exists; else sdpa with a block-diagonal
     causal mask (CPU). `window`: a key more than window - 1 tokens before the query is not attended (HF's sliding
     window); `softcap`: scores become softcap * tanh(scores / softcap) before the softmax (flash-attn has both; on
-    CPU soft-capping runs as plain matmuls, which sdpa cannot)."""
+    CPU soft-capping runs as plain matmuls, which sdpa cannot). On CPU, bf16 inputs (or autocast) run in fp32."""
     batch, heads, length, dim = q.shape
     if kernel is not None:
         segments = segment_ids if segment_ids is not None else torch.arange(batch, device=q.device)[:, None].expand(
@@ -58,6 +60,10 @@ def inner_attention(q, k, v, segment_ids, scale, dropout: float, kernel=None, wi
                      softmax_scale=scale, causal=True, window_size=(window - 1, 0) if window else (-1, -1),
                      softcap=float(softcap or 0.0))
         return out.reshape(batch, length, heads, dim)[..., :value_dim].transpose(1, 2)
+    if q.device.type == "cpu" and (q.dtype in LOW_PRECISION or torch.is_autocast_enabled("cpu")):
+        # torch's CPU attention is slower in bf16 than in fp32 at these shapes (learner/precision.py)
+        return in_fp32(lambda *qkv: inner_attention(*qkv, segment_ids, scale, dropout, window=window, softcap=softcap),
+                       q, k, v)
     if k.shape[1] != heads:  # grouped-query attention: heads stay grouped within each rank's slice
         k = k.repeat_interleave(heads // k.shape[1], dim=1)
         v = v.repeat_interleave(heads // v.shape[1], dim=1)

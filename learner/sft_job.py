@@ -99,7 +99,8 @@ def run_sft_job(cfg, model_path: str, files: list, job_dir: str, parallel: Paral
     steps = total_steps(sft, len(examples))
     settings = StepSettings(version=0, max_staleness=0, max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch,
                             chunk_tokens=cfg.learner.logprob_chunk_tokens, grad_clip=cfg.learner.grad_clip,
-                            packing=cfg.learner.packing, fp32_head=cfg.model.lm_head_fp32, parallel=parallel)
+                            packing=cfg.learner.packing, fp32_head=cfg.model.lm_head_fp32,
+                            autocast=cfg.learner.autocast, parallel=parallel)
     optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
         lr_multiplier, warmup_steps=sft.warmup_steps, total_steps=max(steps, 1), schedule=sft.lr_schedule,

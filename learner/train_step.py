@@ -41,6 +41,7 @@ from asyncrl.learner.logprobs import compute_logprobs
 from asyncrl.learner.objective import StepCounts, compute_micro_loss, resolve_prox
 from asyncrl.learner.optimizer_step import losses_finite, optimizer_step
 from asyncrl.learner.parallel import ParallelState, all_gather_objects, all_reduce_sum
+from asyncrl.learner.precision import autocast_context
 from asyncrl.learner.prm import ImplicitPRM, process_metrics, process_rewards, train_prm
 from asyncrl.learner.step_metrics import collect_step_metrics
 
@@ -82,6 +83,8 @@ class StepSettings:
     """Pack each micro-batch's rows into one (learner.packing)."""
     fp32_head: bool = False
     """The LM head's matmul in fp32 (model.lm_head_fp32)."""
+    autocast: str = ""
+    """learner.autocast: the dtype the model's passes autocast to ("" off; learner/precision.py)."""
     liger: bool = False
     """The LM head's logprobs through liger-kernel's fused linear + cross-entropy (learner.liger; CUDA)."""
     parallel: ParallelState = None
@@ -110,10 +113,12 @@ class StepSettings:
         replays them too)."""
         if self.routing is not None:
             self.routing.set_routes(micro.routed_experts)
-        return compute_logprobs(model, micro.input_ids, micro.attention_mask, micro.temperatures, self.chunk_tokens,
-                                with_entropy=with_entropy, packed=self.packing, sp_group=self.parallel.sp_group,
-                                top_ks=micro.top_ks, top_ps=micro.top_ps, fp32_head=self.fp32_head,
-                                liger=self.liger, vision=micro.vision_inputs())
+        with autocast_context(micro.input_ids.device.type, self.autocast):
+            return compute_logprobs(model, micro.input_ids, micro.attention_mask, micro.temperatures,
+                                    self.chunk_tokens, with_entropy=with_entropy, packed=self.packing,
+                                    sp_group=self.parallel.sp_group,
+                                    top_ks=micro.top_ks, top_ps=micro.top_ps, fp32_head=self.fp32_head,
+                                    liger=self.liger, vision=micro.vision_inputs())
 
 
 @torch.no_grad()
