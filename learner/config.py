@@ -5,7 +5,8 @@ from typing import List, Optional
 from asyncrl.learner.lr_schedule import SCHEDULES
 
 AUTOCAST_DTYPES = ("bfloat16",)
-"""What learner.autocast takes besides "" (off). float16 would need a gradient scaler; bf16 has fp32's range."""
+"""What learner.autocast takes besides "" (off) and "auto". float16 would need a gradient scaler; bf16 has fp32's
+range."""
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -77,8 +78,10 @@ class LearnerConfig:
     autocast: str = ""
     """Mixed precision over the learner.dtype parameters: "bfloat16" runs the policy's (and the reference's and
     PRM's) linear layers under `torch.autocast` in bf16, with the parameters, optimizer state, norms and softmaxes in
-    fp32 and, on CPU, attention in fp32 (learner/precision.py); "" (off) computes in learner.dtype. On a CPU with
-    AVX512-BF16 it cut the demo's step from 285 to 182 ms. The critic's passes stay in learner.dtype."""
+    fp32 and, on CPU, attention in fp32 (learner/precision.py); "auto" is bfloat16 where the hardware computes bf16
+    natively (a CUDA GPU with bf16, a CPU with AVX512-BF16 or AMX-BF16) and off elsewhere; "" (off) computes in
+    learner.dtype. On a CPU with AVX512-BF16 it cut the demo's step from 285 to 190 ms. The critic's passes stay in
+    learner.dtype."""
     wait_for_batch_timeout_s: float = 600.0
     """How long the learner waits for enough groups before it gives up and names the missing generators, in s."""
     packing: bool = False
@@ -172,8 +175,9 @@ class LearnerConfig:
             raise ValueError(f"learner.logprob_chunk_tokens must be >= 1, got {self.logprob_chunk_tokens}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"learner.dtype must be float32 or bfloat16, got {self.dtype!r}")
-        if self.autocast and self.autocast not in AUTOCAST_DTYPES:
-            raise ValueError(f"learner.autocast must be \"\" (off) or one of {AUTOCAST_DTYPES}, got {self.autocast!r}")
+        if self.autocast not in ("", "auto", *AUTOCAST_DTYPES):
+            raise ValueError(f"learner.autocast must be \"\" (off), \"auto\" or one of {AUTOCAST_DTYPES}, got "
+                             f"{self.autocast!r}")
         if self.wait_for_batch_timeout_s <= 0:
             raise ValueError(f"learner.wait_for_batch_timeout_s must be > 0, got {self.wait_for_batch_timeout_s}")
         if self.attn_implementation not in ("auto", "sdpa", "flash_attention_2", "eager"):

@@ -302,8 +302,8 @@ def unpack(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
 
 class Fp32Head:
     """The LM head's matmul in fp32 (at least), under learner.autocast too: bf16 hidden states and weights are upcast
-    before it, so the logits carry no bf16 rounding. The weight is read while the root's forward has it unsharded (FSDP2), as the
-    plain head call does."""
+    before it, so the logits carry no bf16 rounding. The weight is read while the root's forward has it unsharded
+    (FSDP2), as the plain head call does."""
 
     def __init__(self, head):
         self.head = head

@@ -30,6 +30,7 @@ from asyncrl.learner.learnable import NothingToLearn
 from asyncrl.learner.liger_head import check_liger_available
 from asyncrl.learner.lr_schedule import resync_after_load
 from asyncrl.learner.parallel import ParallelState, broadcast_object
+from asyncrl.learner.precision import resolve_autocast
 from asyncrl.learner.publish import GatherSettings, outgoing_version
 from asyncrl.learner.state import AckLedger, LearnerState
 from asyncrl.learner.step_metrics import warn_on_mismatch
@@ -70,9 +71,12 @@ def loop_settings(cfg, parallel: ParallelState, routing=None, vision=None) -> Lo
                         max_tokens_per_microbatch=learner.max_tokens_per_microbatch,
                         chunk_tokens=learner.logprob_chunk_tokens, grad_clip=learner.grad_clip,
                         seed=part_seed(learner.seed, cfg.job.seed),
-                        packing=learner.packing, fp32_head=cfg.model.lm_head_fp32, autocast=learner.autocast,
-                        parallel=parallel,
+                        packing=learner.packing, fp32_head=cfg.model.lm_head_fp32,
+                        autocast=resolve_autocast(learner.autocast, parallel.device), parallel=parallel,
                         routing=routing, liger=learner.liger, vision=vision)
+    if learner.autocast == "auto":
+        log.info("learner: learner.autocast=auto on %s: %s", parallel.device,
+                 f"{step.autocast} autocast (bf16 is native here)" if step.autocast else "off (no native bf16 here)")
     gather = GatherSettings(learner.lora, cfg.weightsync.dtype, int(learner.gather_bucket_mb * 2**20))
     return LoopSettings(cfg.algo, step, cfg.buffer.groups_per_step, cfg.buffer.max_staleness,
                         learner.wait_for_batch_timeout_s, cfg.weightsync.every_steps, learner.total_steps,

@@ -14,6 +14,7 @@ under its own name through transformers' public `AttentionInterface` (and its ma
 upcast. On CUDA the bf16 kernels are the fast ones, and nothing here changes attention.
 """
 import contextlib
+import functools
 
 import torch
 
@@ -24,6 +25,33 @@ CPU_SDPA = "asyncrl_sdpa_fp32"
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
+def resolve_autocast(autocast: str, device) -> str:
+    """learner.autocast with "auto" decided for `device`: bfloat16 where bf16 is computed natively (a CUDA device
+    that supports it, a CPU with AVX512-BF16 or AMX-BF16), else "" (off): a CPU without them emulates bf16 matmuls,
+    several times slower than fp32."""
+    if autocast != "auto":
+        return autocast
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else ""
+    return "bfloat16" if kind == "cpu" and cpu_has_native_bf16() else ""
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bf16 matmul instructions, from the kernel's flags (Linux; elsewhere False, so "auto"
+    stays fp32)."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
 def autocast_context(device_type: str, autocast: str):
     """torch.autocast to `autocast`'s dtype on `device_type`, or a context that does nothing when it is ""."""
     if not autocast:
@@ -32,9 +60,10 @@ def autocast_context(device_type: str, autocast: str):
 
 
 def wants_fp32_attention(device: str, param_dtype: str, autocast: str) -> bool:
-    """Whether attention should be upcast: on CPU, when its inputs can be low precision (autocast, or bf16/fp16
-    parameters)."""
-    return str(device).startswith("cpu") and (bool(autocast) or DTYPES[param_dtype] in LOW_PRECISION)
+    """Whether attention should be upcast: on CPU, when its inputs can be low precision (autocast, resolved for the
+    device, or bf16/fp16 parameters)."""
+    return str(device).startswith("cpu") and (bool(resolve_autocast(autocast, device))
+                                              or DTYPES[param_dtype] in LOW_PRECISION)
 
 
 def in_fp32(attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args, **kwargs):

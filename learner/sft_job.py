@@ -26,6 +26,7 @@ from asyncrl.learner.checkpoint import (CheckpointError, latest_checkpoint, load
 from asyncrl.learner.lr_schedule import lr_multiplier, resync_after_load
 from asyncrl.learner.model import load_tokenizer
 from asyncrl.learner.parallel import ParallelState
+from asyncrl.learner.precision import resolve_autocast
 from asyncrl.learner.publish import iter_full_weights
 from asyncrl.learner.sft import batch_for_step, sft_eval_loss, sft_step
 from asyncrl.data.sft import SFTDataError, read_sft_examples
@@ -100,7 +101,7 @@ def run_sft_job(cfg, model_path: str, files: list, job_dir: str, parallel: Paral
     settings = StepSettings(version=0, max_staleness=0, max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch,
                             chunk_tokens=cfg.learner.logprob_chunk_tokens, grad_clip=cfg.learner.grad_clip,
                             packing=cfg.learner.packing, fp32_head=cfg.model.lm_head_fp32,
-                            autocast=cfg.learner.autocast, parallel=parallel)
+                            autocast=resolve_autocast(cfg.learner.autocast, parallel.device), parallel=parallel)
     optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(
         lr_multiplier, warmup_steps=sft.warmup_steps, total_steps=max(steps, 1), schedule=sft.lr_schedule,

@@ -12,7 +12,8 @@ from asyncrl.learner.config import LearnerConfig
 from asyncrl.learner.logprobs import Fp32Head
 from asyncrl.learner.model import build_qwen2
 from asyncrl.learner.parallel import ParallelState
-from asyncrl.learner.precision import CPU_SDPA, in_fp32, wants_fp32_attention
+from asyncrl.learner.precision import (CPU_SDPA, cpu_has_native_bf16, in_fp32, resolve_autocast,
+                                       wants_fp32_attention)
 from asyncrl.learner.sequence_attention import inner_attention
 from asyncrl.learner.train_step import StepSettings, train_step
 from tests.groups import make_group
@@ -22,12 +23,22 @@ def tiny_model():
     return build_qwen2(vocab_size=32, hidden_size=64, num_layers=2, eos_token_id=1, pad_token_id=0, seed=0).train()
 
 
-def test_config_takes_bfloat16_or_off_and_refuses_the_rest():
+def test_config_takes_bfloat16_auto_or_off_and_refuses_the_rest():
     assert LearnerConfig(autocast="bfloat16").autocast == "bfloat16"
+    assert LearnerConfig(autocast="auto").autocast == "auto"
     assert LearnerConfig().autocast == ""
     for bad in ("float16", "bf16", "fp32"):
         with pytest.raises(ValueError, match="learner.autocast"):
             LearnerConfig(autocast=bad)
+
+
+def test_auto_is_bf16_where_the_cpu_has_native_bf16_and_explicit_values_pass_through():
+    native = cpu_has_native_bf16()
+    with open("/proc/cpuinfo") as handle:
+        assert native == any(flag in handle.read().split() for flag in ("avx512_bf16", "amx_bf16"))
+    assert resolve_autocast("auto", "cpu") == ("bfloat16" if native else "")
+    assert wants_fp32_attention("cpu", "float32", "auto") == native
+    assert resolve_autocast("bfloat16", "cpu") == "bfloat16" and resolve_autocast("", "cpu") == ""
 
 
 def test_fp32_attention_is_chosen_on_cpu_for_low_precision_only():
@@ -110,4 +121,6 @@ def test_autocast_settings_reach_the_learners_step_settings():
 
     cfg = load_config(None, ["learner.autocast=bfloat16"])
     assert loop_settings(cfg, ParallelState()).step.autocast == "bfloat16"
-    assert loop_settings(load_config(None, []), ParallelState()).step.autocast == ""
+    auto = load_config(None, ["learner.autocast=auto"])
+    assert loop_settings(auto, ParallelState()).step.autocast == resolve_autocast("auto", "cpu")
+    assert loop_settings(load_config(None, ["learner.autocast="]), ParallelState()).step.autocast == ""
