@@ -10,14 +10,17 @@
    demo recipe's micro-batch budget.
 2. `packing`: tokens/s of `train_step` with `learner.packing` on and off, on a batch with skewed lengths (most
    sequences short, a few long), where padding wastes most of the padded pass.
-3. `sp_memory`: activation memory of one rank for one long sequence at SP = 1 and SP = 2 (two gloo ranks running
+3. `precision`: tokens/s of `train_step` at `learner.autocast=bfloat16` against fp32 on the same model and batch,
+   and the mean and largest |Δ logprob| between the two passes over the trained tokens.
+4. `sp_memory`: activation memory of one rank for one long sequence at SP = 1 and SP = 2 (two gloo ranks running
    Ulysses; see bench/sp_memory.py for what is counted). Ideal ratio: 0.5.
 Both sides of each speed comparison alternate, round by round, so machine noise hits them alike; each side's
 tokens/s is over its median round, with the slowest and fastest rounds beside it. Usage:
-    python -m asyncrl.bench.learner [--shape default|demo] [--parts overhead,packing,sp_memory] [--rounds N]
+    python -m asyncrl.bench.learner [--shape default|demo] [--parts overhead,packing,precision,sp_memory] [--rounds N]
         [--threads T] [--groups G] [--hidden H] [--layers L] [--seq-len S]
 """
 import argparse
+import dataclasses
 import json
 import socket
 import statistics
@@ -33,10 +36,11 @@ from asyncrl.learner.batch import build_batch, split_microbatches
 from asyncrl.learner.build import build_optimizer
 from asyncrl.learner.config import LearnerConfig
 from asyncrl.learner.model import build_qwen2
-from asyncrl.learner.train_step import StepSettings, train_step
+from asyncrl.learner.precision import autocast_context, use_fp32_attention
+from asyncrl.learner.train_step import StepSettings, compute_batch_logprobs, train_step
 
 VOCAB = 512
-PARTS = ("overhead", "packing", "sp_memory")
+PARTS = ("overhead", "packing", "sp_memory", "precision")
 DEMO_ALGO = dict(advantage="grpo", loss="ppo", correction="decoupled", prox_logprobs="loglinear")
 """The demo recipe's algo section (configs/demo_cpu.yaml), which `plain_step` writes out by hand."""
 
@@ -73,12 +77,15 @@ def plain_advantages(groups: list, batch) -> torch.Tensor:
     return (centred / (rewards.std(-1, keepdim=True) + 1e-6)).float().reshape(-1, 1)
 
 
-def plain_loss(model, micro, advantages: torch.Tensor, version: int, tokens: float) -> torch.Tensor:
+def plain_loss(model, micro, advantages: torch.Tensor, version: int, tokens: float,
+               autocast: str = "") -> torch.Tensor:
     """One micro-batch's share of the demo recipe's loss, as a user would write it: full logits, log_softmax at
     the sampling temperature, A-3PO's π_prox (μ moved towards the current pass by α = (v - 1 - v_μ) / (v - v_μ),
-    clamped to [0, 1]), the decoupled weight min(π_prox / μ, 5), PPO's clipped surrogate on π_θ / π_prox."""
+    clamped to [0, 1]), the decoupled weight min(π_prox / μ, 5), PPO's clipped surrogate on π_θ / π_prox. With
+    `autocast` the model's forward runs under it, as learner.autocast runs asyncrl's."""
     mask = micro.loss_mask  # [b, l]
-    logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits[:, :-1]  # [b, l, V]
+    with autocast_context("cpu", autocast):
+        logits = model(input_ids=micro.input_ids, attention_mask=micro.attention_mask).logits[:, :-1]  # [b, l, V]
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / micro.temperatures[:, None, None]
     logprobs = logits.log_softmax(-1).gather(-1, micro.input_ids[:, 1:, None]).squeeze(-1)  # [b, l]
     behav = micro.logprobs_behav.to(logprobs.dtype)
@@ -91,14 +98,16 @@ def plain_loss(model, micro, advantages: torch.Tensor, version: int, tokens: flo
     return (weight * surrogate * mask).sum() / tokens
 
 
-def plain_step(model, optimizer, scheduler, groups, version: int, max_tokens: int, grad_clip: float = 1.0) -> float:
-    """The demo recipe's step by hand, on asyncrl's length-sorted micro-batches; returns the loss."""
+def plain_step(model, optimizer, scheduler, groups, version: int, max_tokens: int, grad_clip: float = 1.0,
+               autocast: str = "") -> float:
+    """The demo recipe's step by hand, on asyncrl's length-sorted micro-batches, at asyncrl's precision (`autocast`:
+    learner.autocast); returns the loss."""
     batch = build_batch(groups)
     advantages = plain_advantages(groups, batch)
     tokens = float(batch.loss_mask.sum())
     total = 0.0
     for micro in split_microbatches(batch, max_tokens):
-        loss = plain_loss(model, micro, advantages[micro.rows], version, tokens)
+        loss = plain_loss(model, micro, advantages[micro.rows], version, tokens, autocast)
         loss.backward()
         total += float(loss.detach())
     torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
@@ -164,7 +173,7 @@ def measure_overhead(args) -> dict:
     plain_scheduler = torch.optim.lr_scheduler.LambdaLR(plain_optimizer, lambda step: 1.0)
     result = measure({
         "plain": lambda: plain_step(model, plain_optimizer, plain_scheduler, groups, settings.version,
-                                    settings.max_tokens_per_microbatch, settings.grad_clip),
+                                    settings.max_tokens_per_microbatch, settings.grad_clip, settings.autocast),
         "asyncrl": lambda: asyncrl_step(model, optimizer, scheduler, groups, settings, algo)}, args.rounds, tokens)
     return {**result, "ratio": result["asyncrl"]["tokens_per_s"] / result["plain"]["tokens_per_s"],
             "cpu_ratio": result["asyncrl"]["cpu_tokens_per_s"] / result["plain"]["cpu_tokens_per_s"], "tokens": tokens, "rows": sum(len(group.samples) for group in groups)}
@@ -185,6 +194,24 @@ def measure_packing(args) -> dict:
 
     result = measure({"padded": lambda: step(False), "packed": lambda: step(True)}, args.rounds, tokens)
     return {**result, "speedup": result["packed"]["tokens_per_s"] / result["padded"]["tokens_per_s"]}
+
+
+def measure_precision(args) -> dict:
+    """train_step at learner.autocast "" (fp32) and "bfloat16", alternating on one model and batch (its lr is tiny,
+    so the weights stay put), and how far the bf16 pass's logprobs are from the fp32 pass's: the mean and the
+    largest |Δ logprob| over the batch's trained tokens (the noise autocast adds to every ratio π_θ / μ)."""
+    model, optimizer, scheduler, groups, settings, algo = (demo_setup if args.shape == "demo" else default_setup)(args)
+    use_fp32_attention(model)  # what the learner does on CPU under autocast; a no-op for fp32 inputs
+    fp32, bf16 = (dataclasses.replace(settings, autocast=autocast) for autocast in ("", "bfloat16"))
+    batch = build_batch(groups)
+    tokens = int(batch.attention_mask.sum())
+    mask = batch.loss_mask > 0
+    gap = (compute_batch_logprobs(model, batch, bf16) - compute_batch_logprobs(model, batch, fp32)).abs()[mask]
+    result = measure({"fp32": lambda: asyncrl_step(model, optimizer, scheduler, groups, fp32, algo),
+                      "bf16": lambda: asyncrl_step(model, optimizer, scheduler, groups, bf16, algo)}, args.rounds,
+                     tokens)
+    return {**result, "speedup": result["bf16"]["tokens_per_s"] / result["fp32"]["tokens_per_s"],
+            "logprob_abs_diff_mean": float(gap.mean()), "logprob_abs_diff_max": float(gap.max()), "tokens": tokens}
 
 
 def print_speed(name: str, result: dict, first: str, second: str, ratio: float, note: str) -> None:
@@ -227,6 +254,11 @@ def main(argv=None) -> dict:
         packing = result["packing"] = measure_packing(args)
         print_speed("packing", packing, "padded", "packed", packing["speedup"],
                     "padded / packed, 90% 16-token and 10% 256-token completions")
+    if "precision" in parts:
+        precision = result["precision"] = measure_precision(args)
+        print_speed("precision", precision, "fp32", "bf16", precision["speedup"],
+                    f"train_step at learner.autocast=bfloat16 / fp32, {args.shape} shape; |Δ logprob| mean "
+                    f"{precision['logprob_abs_diff_mean']:.2g}, max {precision['logprob_abs_diff_max']:.2g}")
     if "sp_memory" in parts:
         memory = measure_sp_memory(args.seq_len, args.hidden, args.layers, free_port)
         result["sp_memory"] = {"seq_len": args.seq_len, "sp1": memory[1], "sp2": memory[2],

@@ -66,7 +66,7 @@ def build_demo_step(recipe: str, overrides: list, seed: int = 0):
     from asyncrl.configs import load_config
     from asyncrl.data.prompts import read_rows, tokenize_rows
     from asyncrl.launch.demo import prepare_demo
-    from asyncrl.learner.build import build_optimizer
+    from asyncrl.learner.build import build_optimizer, shard_model
     from asyncrl.learner.loop import loop_settings
     from asyncrl.learner.model import load_model, load_tokenizer
     from asyncrl.learner.parallel import ParallelState
@@ -80,7 +80,8 @@ def build_demo_step(recipe: str, overrides: list, seed: int = 0):
     prompts, _ = tokenize_rows(read_rows(files)[:cfg.buffer.groups_per_step], tokenizer, cfg.data.max_prompt_tokens)
     groups = demo_groups(model.eval(), tokenizer, prompts, cfg.rollout.n, cfg.rollout.temperature,
                          cfg.rollout.max_tokens, seed)
-    model.train()
+    # placed as the learner places it: on CPU under learner.autocast, that switches attention to fp32
+    model = shard_model(model, cfg.learner, ParallelState()).train()
     optimizer, scheduler = build_optimizer(model, cfg.learner)
     settings = dataclasses.replace(loop_settings(cfg, ParallelState()).step, version=VERSION)
     return model, optimizer, scheduler, groups, cfg.algo, settings

@@ -118,6 +118,8 @@ def test_learner_bench_runs_on_a_tiny_setting(tmp_path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "learner"
     assert result["overhead"]["ratio"] > 0 and result["packing"]["speedup"] > 0
+    precision = result["precision"]
+    assert precision["speedup"] > 0 and 0 < precision["logprob_abs_diff_mean"] <= precision["logprob_abs_diff_max"]
     assert 0 < result["sp_memory"]["activation_ratio"] < 1  # SP = 2 keeps less per rank than SP = 1
 
 
