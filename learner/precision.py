@@ -11,7 +11,7 @@ against 1.1 ms for one of the demo's layers), enough to cancel everything the ma
 weights, so running it in fp32 costs two casts of q, k and v. `CPU_SDPA` is HF's own sdpa function, registered
 under its own name through transformers' public `AttentionInterface` (and its mask through
 `AttentionMaskInterface`, so masks are built exactly as for "sdpa"), with autocast off inside and its inputs
-upcast. On CUDA the bf16 kernels are the fast ones, and nothing here changes attention.
+upcast. On CUDA, where bf16 attention is the usual fast path, nothing here changes attention.
 """
 import contextlib
 import functools
@@ -27,8 +27,8 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 def resolve_autocast(autocast: str, device) -> str:
     """learner.autocast with "auto" decided for `device`: bfloat16 where bf16 is computed natively (a CUDA device
-    that supports it, a CPU with AVX512-BF16 or AMX-BF16), else "" (off): a CPU without them emulates bf16 matmuls,
-    several times slower than fp32."""
+    that supports it, a CPU with AVX512-BF16 or AMX-BF16), else "" (off): a CPU without them emulates bf16 matmuls, which
+    can cost more than fp32 (not measured here: both machines have AVX512-BF16)."""
     if autocast != "auto":
         return autocast
     kind = torch.device(device).type
