@@ -27,8 +27,8 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 def resolve_autocast(autocast: str, device) -> str:
     """learner.autocast with "auto" decided for `device`: bfloat16 where bf16 is computed natively (a CUDA device
-    that supports it, a CPU with AVX512-BF16 or AMX-BF16), else "" (off): a CPU without them emulates bf16 matmuls, which
-    can cost more than fp32 (not measured here: both machines have AVX512-BF16)."""
+    that supports it, a CPU with AVX512-BF16 or AMX-BF16), else "" (off): a CPU without them emulates bf16
+    matmuls, which can cost more than fp32 (not measured here: both machines have AVX512-BF16)."""
     if autocast != "auto":
         return autocast
     kind = torch.device(device).type
